@@ -1,0 +1,122 @@
+# cacheblend: one entry point.  make | make test | make demo | make bench | make cuda
+#
+# Layout conventions (so new files need no Makefile edit):
+#   libshared/*.c, kernels/cpu/*.c       -> build/lib/libshared.a
+#   services/<dir>/cb*.c                 -> one program each, build/bin/<file stem>;
+#                                           the other .c files of <dir> link into each of them
+#   tests/unit/test_*.c                  -> build/tests/<stem> (and build/asan/tests/<stem>)
+#   tests/fuzz/fuzz_*.c                  -> build/fuzz/<stem> (clang libFuzzer, `make fuzz`)
+#   kernels/cuda/*.cu                    -> build/lib/libcbcuda.a when nvcc is found (or `make cuda`)
+
+CC      ?= cc
+ARCHFLAGS ?= -march=native
+CSTD    := -std=c11 -D_GNU_SOURCE
+WARN    := -Wall -Wextra -Werror
+PKGS    := libczmq libzmq msgpack sqlite3 openblas libpcre2-8 libsodium libxxhash jansson
+PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
+CFLAGS  ?= -O2 -g
+ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) $(ARCHFLAGS) -fopenmp -Ilibshared -Ikernels/cpu -Ikernels/cuda $(PKG_CFLAGS)
+LDLIBS  := $(PKG_LIBS) -lm -lpthread -fopenmp
+
+SAN_FLAGS := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+
+LIB_SRC  := $(wildcard libshared/*.c kernels/cpu/*.c)
+SVC_DIRS := $(wildcard services/*)
+PROG_SRC := $(foreach d,$(SVC_DIRS),$(wildcard $(d)/cb*.c))
+PROGS    := $(foreach s,$(PROG_SRC),build/bin/$(basename $(notdir $(s))))
+TEST_SRC := $(wildcard tests/unit/test_*.c)
+TESTS    := $(patsubst tests/unit/%.c,build/tests/%,$(TEST_SRC))
+ASAN_TESTS := $(patsubst tests/unit/%.c,build/asan/tests/%,$(TEST_SRC))
+FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
+
+# CUDA: built when nvcc is on PATH (CB_CUDA=0 turns it off, `make cuda` forces it).
+NVCC    ?= nvcc
+CB_CUDA ?= $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
+CU_SRC  := $(wildcard kernels/cuda/*.cu)
+NVFLAGS ?= -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 -Ilibshared -Ikernels/cuda -Xcompiler -fPIC
+ifeq ($(CB_CUDA),1)
+ifneq ($(CU_SRC),)
+CUDA_LIB := build/lib/libcbcuda.a
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC)))
+ALL_CFLAGS += -DCB_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasLt -lcublas -lcudart -lstdc++
+endif
+endif
+
+.PHONY: all test test-unit test-gpu demo bench bench-engine bench-stack cuda fuzz clean model eval
+all: build/lib/libshared.a $(CUDA_LIB) $(PROGS)
+
+build/obj/%.o: %.c $(wildcard libshared/*.h kernels/cpu/*.h kernels/cuda/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+build/asan/obj/%.o: %.c $(wildcard libshared/*.h kernels/cpu/*.h kernels/cuda/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) -c $< -o $@
+
+build/obj/%.cu.o: %.cu $(wildcard kernels/cuda/*.h libshared/*.h)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+
+build/lib/libshared.a: $(patsubst %.c,build/obj/%.o,$(LIB_SRC))
+	@mkdir -p $(dir $@)
+	ar rcs $@ $^
+
+build/asan/lib/libshared.a: $(patsubst %.c,build/asan/obj/%.o,$(LIB_SRC))
+	@mkdir -p $(dir $@)
+	ar rcs $@ $^
+
+build/lib/libcbcuda.a: $(patsubst %.cu,build/obj/%.cu.o,$(CU_SRC))
+	@mkdir -p $(dir $@)
+	ar rcs $@ $^
+
+# One program per services/<dir>/cb*.c, plus the dir's other sources.
+define prog_rule
+build/bin/$(basename $(notdir $(1))): $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $(CUDA_LIB)
+	@mkdir -p build/bin
+	$$(CC) $$(ALL_CFLAGS) -I$(dir $(1)) $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $(CUDA_LIB) $$(LDLIBS) -o $$@
+endef
+$(foreach s,$(PROG_SRC),$(eval $(call prog_rule,$(s))))
+
+build/tests/%: tests/unit/%.c tests/test.h build/lib/libshared.a $(CUDA_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -Itests $< build/lib/libshared.a $(CUDA_LIB) $(LDLIBS) -o $@
+
+build/asan/tests/%: tests/unit/%.c tests/test.h build/asan/lib/libshared.a
+	@mkdir -p $(dir $@)
+	$(CC) $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS)) $(SAN_FLAGS) -Itests $< build/asan/lib/libshared.a $(filter-out -lcublasLt -lcublas -lcudart -lstdc++,$(LDLIBS)) -o $@
+
+# The sanitizer build never links CUDA (ASan and the CUDA runtime do not mix well).
+build/asan/obj/%.o: ALL_CFLAGS := $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS))
+
+model:
+	@scripts/fetch-model.sh
+
+test: all $(TESTS) $(ASAN_TESTS) model
+	@tests/run.sh
+
+test-gpu: all
+	@tests/run-gpu.sh
+
+fuzz: build/lib/libshared.a
+	@mkdir -p build/fuzz
+	@for f in $(FUZZ_SRC); do n=$$(basename $$f .c); \
+	  clang $(CSTD) $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -Ilibshared $(PKG_CFLAGS) $$f $(LIB_SRC) $(LDLIBS) -o build/fuzz/$$n || exit 1; done
+
+cuda:
+	$(MAKE) CB_CUDA=1 all
+
+demo:
+	@scripts/demo.sh
+
+bench: bench-engine
+
+bench-engine: all model
+	@scripts/bench-engine.sh
+
+bench-stack: all model
+	@scripts/bench-stack.sh
+
+clean:
+	rm -rf build
