@@ -55,15 +55,29 @@ bool cb_gguf_get_str(const cb_gguf_t *self, const char *key, const char **s, siz
 /* Arrays: element type and count; then element access. */
 bool cb_gguf_get_arr(const cb_gguf_t *self, const char *key, cb_gguf_vtype_t *elem_type, size_t *count);
 bool cb_gguf_arr_str(const cb_gguf_t *self, const char *key, size_t i, const char **s, size_t *len);
-/* Raw little-endian element bytes of a numeric array (count * element size bytes). */
+/* Raw little-endian element bytes of a numeric (or bool) array (count * element size bytes); NULL for a
+ * string array or a non-array. Not necessarily aligned: memcpy elements out. */
 const void *cb_gguf_arr_data(const cb_gguf_t *self, const char *key);
+
+/* Iteration over metadata in file order (i < cb_gguf_n_kv). key is a NUL-terminated copy owned by the
+ * reader (keys never contain NUL). Returns false when i is out of range. */
+size_t cb_gguf_n_kv(const cb_gguf_t *self);
+bool cb_gguf_kv_info(const cb_gguf_t *self, size_t i, const char **key, cb_gguf_vtype_t *type);
+const char *cb_gguf_vtype_name(uint32_t type); /* "u32", "string", ...; "unknown" otherwise */
+/* Offset of the data section in the file, and the file's size. */
+size_t cb_gguf_data_offset(const cb_gguf_t *self);
+size_t cb_gguf_file_size(const cb_gguf_t *self);
 
 /* Tensors. */
 size_t cb_gguf_n_tensors(const cb_gguf_t *self);
 const cb_gguf_tensor_t *cb_gguf_tensor(const cb_gguf_t *self, size_t i);
 const cb_gguf_tensor_t *cb_gguf_find_tensor(const cb_gguf_t *self, const char *name); /* NULL if absent */
+/* Offset of tensor i's data from the start of the data section (as stored in the file). */
+size_t cb_gguf_tensor_offset(const cb_gguf_t *self, size_t i);
 
-/* Type traits: elements per block and bytes per block; 0 for an unknown type. */
+/* Type traits: elements per block and bytes per block; 0 for a type this project does not support
+ * (only the cb_type_t ids). cb_type_name never returns NULL: ggml's name for any ggml id, "unknown"
+ * otherwise. */
 size_t cb_type_block_elems(uint32_t type);
 size_t cb_type_block_bytes(uint32_t type);
 const char *cb_type_name(uint32_t type);
