@@ -1,0 +1,448 @@
+/* cpu_ops.c: f32 CPU kernels (see cpu_ops.h): RMSNorm, NORM RoPE, SwiGLU, quantized matvec with
+ * in-register dequantization, OpenBLAS GEMM, blocked attention with per-row key limits, vector exp.
+ * Terse by design; the shapes live in cpu_ops.h.
+ */
+#include "cpu_ops.h"
+
+#include <assert.h>
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "gguf.h"
+#include "log.h"
+#include "quant.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define CB_AVX512 1
+#else
+#define CB_AVX512 0
+#endif
+
+/* ---------------------------------------------------------------- OpenBLAS setup */
+
+/* Exported by DYNAMIC_ARCH OpenBLAS builds (driver/others/dynamic.c); not in cblas.h. */
+void gotoblas_dynamic_init(void) __attribute__((weak));
+void gotoblas_dynamic_quit(void) __attribute__((weak));
+
+static pthread_once_t g_init_once = PTHREAD_ONCE_INIT;
+
+static void cpu_init_once(void) {
+    const char *core = openblas_get_corename();
+    bool old_core = core && (!strcmp(core, "Prescott") || !strcmp(core, "Core2") || !strcmp(core, "Penryn") ||
+                             !strcmp(core, "Nehalem") || !strcmp(core, "Dunnington") || !strcmp(core, "Atom"));
+    if (old_core && !getenv("OPENBLAS_CORETYPE") && gotoblas_dynamic_init && gotoblas_dynamic_quit) {
+        const char *want = NULL;
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+            want = __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+            want = "Haswell";
+        if (want) {
+            /* Re-run OpenBLAS's own core selection with the documented override variable. */
+            setenv("OPENBLAS_CORETYPE", want, 1);
+            gotoblas_dynamic_quit();
+            gotoblas_dynamic_init();
+            unsetenv("OPENBLAS_CORETYPE");
+            CB_DEBUG("OpenBLAS detected core %s; switched to %s kernels", core, openblas_get_corename());
+        }
+    }
+    openblas_set_num_threads(1);
+}
+
+const char *cb_cpu_init(void) {
+    pthread_once(&g_init_once, cpu_init_once);
+    return openblas_get_corename();
+}
+
+void *cb_cpu_alloc_huge(size_t bytes, bool zero) {
+    const size_t huge = (size_t)2 << 20;
+    if (bytes == 0) bytes = 1;
+    if (bytes > SIZE_MAX - huge) return NULL;
+    size_t n = (bytes + huge - 1) / huge * huge;
+    void *p = aligned_alloc(huge, n);
+    if (!p) return NULL;
+    madvise(p, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
+    if (zero) memset(p, 0, n);
+    return p;
+}
+
+/* ---------------------------------------------------------------- exp */
+
+#if CB_AVX512
+/* exp(x) for a vector: Cody-Waite reduction x = n ln2 + r, degree-6 polynomial (Cephes expf
+ * coefficients), scale by 2^n with vscalefps (exact, handles underflow to 0). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.72283f)), _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+void cb_cpu_exp(const float *src, float *dst, size_t n) {
+    size_t i = 0;
+#if CB_AVX512
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, exp16(_mm512_loadu_ps(src + i)));
+    if (i < n) {
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(dst + i, k, exp16(_mm512_maskz_loadu_ps(k, src + i)));
+        i = n;
+    }
+#endif
+    for (; i < n; i++) dst[i] = expf(src[i]);
+}
+
+/* ---------------------------------------------------------------- small ops */
+
+static float dot_f32(const float *a, const float *b, int n) {
+    int i = 0;
+    float s = 0.0f;
+#if CB_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    s = hsum16(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+void cb_cpu_rmsnorm(const float *x, const float *w, int n, int dim, float eps, float *y) {
+    for (int r = 0; r < n; r++) {
+        const float *xr = x + (size_t)r * dim;
+        float *yr = y + (size_t)r * dim;
+        float ss = dot_f32(xr, xr, dim);
+        float scale = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int i = 0; i < dim; i++) yr[i] = (xr[i] * scale) * w[i];
+    }
+}
+
+void cb_cpu_rope_coeffs(int32_t pos, int head_dim, float base, float *cs) {
+    for (int i = 0; i < head_dim / 2; i++) {
+        double inv_freq = pow((double)base, -2.0 * i / (double)head_dim);
+        double theta = (double)pos * inv_freq;
+        cs[2 * i] = (float)cos(theta);
+        cs[2 * i + 1] = (float)sin(theta);
+    }
+}
+
+void cb_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, const float *cs) {
+    for (int r = 0; r < n; r++) {
+        const float *c = cs + (size_t)r * head_dim;
+        for (int h = 0; h < n_heads; h++) {
+            float *v = x + ((size_t)r * n_heads + h) * head_dim;
+            for (int i = 0; i < head_dim; i += 2) {
+                float x0 = v[i], x1 = v[i + 1], co = c[i], si = c[i + 1];
+                v[i] = x0 * co - x1 * si;
+                v[i + 1] = x0 * si + x1 * co;
+            }
+        }
+    }
+}
+
+void cb_cpu_rope(float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base) {
+    float cs[2048];
+    assert(head_dim <= 2048);
+    for (int r = 0; r < n; r++) {
+        cb_cpu_rope_coeffs(pos[r], head_dim, base, cs);
+        cb_cpu_rope_apply(x + (size_t)r * n_heads * head_dim, 1, n_heads, head_dim, cs);
+    }
+}
+
+void cb_cpu_swiglu(const float *gate, const float *up, size_t n, float *out) {
+    size_t i = 0;
+#if CB_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 g = _mm512_loadu_ps(gate + i);
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        float e;
+        float mg = -gate[i];
+        cb_cpu_exp(&mg, &e, 1);
+        out[i] = gate[i] / (1.0f + e) * up[i];
+    }
+}
+
+void cb_cpu_add(float *x, const float *y, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* ---------------------------------------------------------------- dequantization */
+
+static inline float f16f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return cb_f16_to_f32(h);
+#endif
+}
+
+void cb_cpu_dequant_row(const cb_weight_t *w, int row, float *dst) {
+    const uint8_t *src = (const uint8_t *)w->q + (size_t)row * w->row_bytes;
+    const int nb = w->cols / 32;
+#if CB_AVX512
+    if (w->type == CB_TYPE_Q4_1) {
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        for (int b = 0; b < nb; b++, src += 20) {
+            __m512 d = _mm512_set1_ps(f16f(src)), m = _mm512_set1_ps(f16f(src + 2));
+            __m128i raw = _mm_loadu_si128((const __m128i *)(src + 4));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, m4)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)));
+            _mm512_storeu_ps(dst + 32 * b, _mm512_add_ps(_mm512_mul_ps(lo, d), m));
+            _mm512_storeu_ps(dst + 32 * b + 16, _mm512_add_ps(_mm512_mul_ps(hi, d), m));
+        }
+        return;
+    }
+    if (w->type == CB_TYPE_Q8_0) {
+        for (int b = 0; b < nb; b++, src += 34) {
+            __m512 d = _mm512_set1_ps(f16f(src));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2))));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 18))));
+            _mm512_storeu_ps(dst + 32 * b, _mm512_mul_ps(lo, d));
+            _mm512_storeu_ps(dst + 32 * b + 16, _mm512_mul_ps(hi, d));
+        }
+        return;
+    }
+#endif
+    (void)nb;
+    bool ok = cb_dequant(w->type, src, dst, (size_t)w->cols);
+    assert(ok); /* types were checked at load */
+    (void)ok;
+}
+
+void cb_cpu_embed(const cb_weight_t *table, const int32_t *tokens, int n, float *x) {
+    for (int i = 0; i < n; i++) cb_cpu_dequant_row(table, tokens[i], x + (size_t)i * table->cols);
+}
+
+/* ---------------------------------------------------------------- matvec (decode) */
+
+#if CB_AVX512
+/* Rows [o0, o1) of a Q4_1 matrix times n activation rows. Weights are rebuilt exactly as
+ * cb_dequant does (q*d then + m, no FMA), then FMA-accumulated in 16 lanes. */
+static void matvec_q4_1(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
+    const int nb = w->cols / 32, cols = w->cols;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int o = o0; o < o1; o++) {
+        const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes;
+        __m512 acc[CB_CPU_MATVEC_MAX_ROWS];
+        for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++, src += 20) {
+            __m512 d = _mm512_set1_ps(f16f(src)), m = _mm512_set1_ps(f16f(src + 2));
+            __m128i raw = _mm_loadu_si128((const __m128i *)(src + 4));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, m4)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)));
+            lo = _mm512_add_ps(_mm512_mul_ps(lo, d), m);
+            hi = _mm512_add_ps(_mm512_mul_ps(hi, d), m);
+            for (int r = 0; r < n; r++) {
+                const float *xr = x + (size_t)r * cols + 32 * b;
+                acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
+                acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[r]);
+            }
+        }
+        for (int r = 0; r < n; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]);
+    }
+}
+
+static void matvec_q8_0(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
+    const int nb = w->cols / 32, cols = w->cols;
+    for (int o = o0; o < o1; o++) {
+        const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes;
+        __m512 acc[CB_CPU_MATVEC_MAX_ROWS];
+        for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++, src += 34) {
+            __m512 d = _mm512_set1_ps(f16f(src));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2))));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 18))));
+            lo = _mm512_mul_ps(lo, d);
+            hi = _mm512_mul_ps(hi, d);
+            for (int r = 0; r < n; r++) {
+                const float *xr = x + (size_t)r * cols + 32 * b;
+                acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
+                acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[r]);
+            }
+        }
+        for (int r = 0; r < n; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]);
+    }
+}
+#endif
+
+/* Any type: the f32 copy when the model kept one, else dequantize each row into buf. */
+static void matvec_generic(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1,
+                           float *buf) {
+    for (int o = o0; o < o1; o++) {
+        const float *wr;
+        if (w->f32) {
+            wr = w->f32 + (size_t)o * w->cols;
+        } else if (w->type == CB_TYPE_F32) {
+            wr = (const float *)((const uint8_t *)w->q + (size_t)o * w->row_bytes);
+        } else {
+            cb_cpu_dequant_row(w, o, buf);
+            wr = buf;
+        }
+        for (int r = 0; r < n; r++) y[(size_t)r * ldy + o] = dot_f32(wr, x + (size_t)r * w->cols, w->cols);
+    }
+}
+
+void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, int nt) {
+    assert(n >= 1 && n <= CB_CPU_MATVEC_MAX_ROWS);
+    if (nt < 1) nt = 1;
+    /* chunks of 16 output rows keep the two threads' writes off each other's cache lines */
+    const int chunk = 16, n_chunks = (w->rows + chunk - 1) / chunk;
+    #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && n_chunks > 1)
+    for (int c = 0; c < n_chunks; c++) {
+        int o0 = c * chunk, o1 = o0 + chunk < w->rows ? o0 + chunk : w->rows;
+#if CB_AVX512
+        if (w->type == CB_TYPE_Q4_1) { matvec_q4_1(w, x, n, y, ldy, o0, o1); continue; }
+        if (w->type == CB_TYPE_Q8_0) { matvec_q8_0(w, x, n, y, ldy, o0, o1); continue; }
+#endif
+        matvec_generic(w, x, n, y, ldy, o0, o1, scratch + (size_t)omp_get_thread_num() * w->cols);
+    }
+}
+
+/* ---------------------------------------------------------------- GEMM (prefill) */
+
+void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int nt) {
+    assert(w->f32);
+    if (nt < 1) nt = 1;
+    /* Split the output columns (weight rows) into nt slices, multiples of 16. */
+    int slice = ((w->rows + nt - 1) / nt + 15) / 16 * 16;
+    #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        int c0 = t * slice, c1 = c0 + slice < w->rows ? c0 + slice : w->rows;
+        if (c1 > c0)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, c1 - c0, w->cols, 1.0f, x, w->cols,
+                        w->f32 + (size_t)c0 * w->cols, w->cols, 0.0f, y + c0, ldy);
+    }
+}
+
+/* ---------------------------------------------------------------- attention */
+
+#define ATT_BLOCK_ROWS 64  /* query rows per GEMM block (x group size query heads) */
+
+size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt) {
+    (void)max_rows;
+    int G = g->n_head / g->n_head_kv;
+    size_t rows = (size_t)G * ATT_BLOCK_ROWS;
+    size_t per_thread = rows * (size_t)g->head_dim * 2 + rows * (size_t)max_keys + 16;
+    return per_thread * (size_t)(nt < 1 ? 1 : nt);
+}
+
+/* Softmax of s[0:lim) in place, zeros in s[lim:L). */
+static void softmax_row(float *s, int lim, int L) {
+    float mx = -INFINITY;
+    for (int j = 0; j < lim; j++) mx = s[j] > mx ? s[j] : mx;
+    float sum = 0.0f;
+    int j = 0;
+#if CB_AVX512
+    __m512 vmx = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
+    for (; j + 16 <= lim; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx));
+        _mm512_storeu_ps(s + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    if (j < lim) {
+        __mmask16 k = (__mmask16)((1u << (lim - j)) - 1u);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vmx));
+        e = _mm512_maskz_mov_ps(k, e);
+        _mm512_mask_storeu_ps(s + j, k, e);
+        vsum = _mm512_add_ps(vsum, e);
+        j = lim;
+    }
+    sum = hsum16(vsum);
+#endif
+    for (; j < lim; j++) {
+        float d = s[j] - mx;
+        cb_cpu_exp(&d, &s[j], 1);
+        sum += s[j];
+    }
+    float inv = 1.0f / sum;
+    for (j = 0; j < lim; j++) s[j] *= inv;
+    if (L > lim) memset(s + lim, 0, sizeof(float) * (size_t)(L - lim));
+}
+
+/* One query row, one head: out[hd] = softmax(q·K[0:lim)ᵀ·scale) · V. s: [lim] scratch. */
+static void attend_row(const cb_attn_geom_t *g, const float *q, const float *kc, const float *vc, int kvd, int lim,
+                       float *s, float *out) {
+    const int hd = g->head_dim;
+    for (int j = 0; j < lim; j++) s[j] = dot_f32(q, kc + (size_t)j * kvd, hd) * g->scale;
+    softmax_row(s, lim, lim);
+    memset(out, 0, sizeof(float) * (size_t)hd);
+    for (int j = 0; j < lim; j++) {
+        const float *v = vc + (size_t)j * kvd;
+        float p = s[j];
+        for (int d = 0; d < hd; d++) out[d] += p * v[d];
+    }
+}
+
+void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
+                      const int32_t *key_limit, float *out, float *scratch, int max_keys, int nt) {
+    if (nt < 1) nt = 1;
+    const int H = g->n_head, HKV = g->n_head_kv, hd = g->head_dim, G = H / HKV;
+    const int qd = H * hd, kvd = HKV * hd;
+    const size_t per_thread = cb_cpu_attention_scratch(g, ATT_BLOCK_ROWS, max_keys, 1);
+    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= max_keys);
+    (void)max_keys;
+
+    if (n <= 4) { /* decode-sized: one task per (row, head) */
+        #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n * H > 1)
+        for (int t = 0; t < n * H; t++) {
+            int i = t / H, h = t % H, kvh = h / G;
+            float *s = scratch + (size_t)omp_get_thread_num() * per_thread;
+            attend_row(g, q + (size_t)i * qd + (size_t)h * hd, kc + (size_t)kvh * hd, vc + (size_t)kvh * hd, kvd,
+                       key_limit[i], s, out + (size_t)i * qd + (size_t)h * hd);
+        }
+        return;
+    }
+
+    /* Blocks of rb rows x one KV head (its G query heads stacked): S = Qg·Kᵀ, masked softmax, O = P·V. */
+    int rb = ATT_BLOCK_ROWS;
+    while (rb > 8 && ((n + rb - 1) / rb) * HKV < 2 * nt) rb /= 2;
+    const int n_blocks = (n + rb - 1) / rb, n_tasks = n_blocks * HKV;
+    #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n_tasks > 1)
+    for (int t = 0; t < n_tasks; t++) {
+        int blk = t / HKV, kvh = t % HKV;
+        int i0 = blk * rb, nr = i0 + rb <= n ? rb : n - i0, M = G * nr;
+        int L = 0;
+        for (int i = 0; i < nr; i++) L = key_limit[i0 + i] > L ? key_limit[i0 + i] : L;
+        float *Q = scratch + (size_t)omp_get_thread_num() * per_thread; /* [G*rb][hd] */
+        float *O = Q + (size_t)G * ATT_BLOCK_ROWS * hd;                  /* [G*rb][hd] */
+        float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;                  /* [G*rb][L]  */
+        for (int hh = 0; hh < G; hh++)
+            for (int i = 0; i < nr; i++)
+                memcpy(Q + ((size_t)hh * nr + i) * hd, q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
+                       sizeof(float) * (size_t)hd);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, kc + (size_t)kvh * hd, kvd,
+                    0.0f, S, L);
+        for (int hh = 0; hh < G; hh++)
+            for (int i = 0; i < nr; i++) softmax_row(S + ((size_t)hh * nr + i) * L, key_limit[i0 + i], L);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, L, 1.0f, S, L, vc + (size_t)kvh * hd, kvd,
+                    0.0f, O, hd);
+        for (int hh = 0; hh < G; hh++)
+            for (int i = 0; i < nr; i++)
+                memcpy(out + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd, O + ((size_t)hh * nr + i) * hd,
+                       sizeof(float) * (size_t)hd);
+    }
+}

@@ -1,0 +1,75 @@
+/* cpu_ops: the f32 CPU kernels of the engine (the reference backend, see backend.h).
+ *
+ * Plain functions over host buffers; every shape is in the comment. Threading: functions with an `nt`
+ * argument run an OpenMP team of nt threads (never nested inside another team); BLAS calls run on one
+ * OpenBLAS thread each (cb_cpu_init sets this), so the only thread pool is OpenMP's.
+ * AVX-512 paths are compiled when the compiler targets AVX-512 (-march=native here), with portable
+ * scalar code otherwise; both compute the same values up to summation order.
+ */
+#ifndef CB_CPU_OPS_H
+#define CB_CPU_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "model.h"
+
+/* One-time process setup, idempotent and thread-safe: picks an AVX-512/AVX2 OpenBLAS kernel set when
+ * OpenBLAS's runtime detection does not know this CPU (0.3.21 falls back to Prescott kernels on
+ * Emerald Rapids, 4-5x slower) and OPENBLAS_CORETYPE is not set, and makes OpenBLAS single-threaded
+ * (we parallelise around it with OpenMP). Returns the OpenBLAS core name in use. */
+const char *cb_cpu_init(void);
+
+/* Large allocation (weights, KV cache, scratch), 2 MiB aligned and advised for transparent huge pages
+ * (fewer page faults and TLB misses), zero-filled when zero is true. Free with free(). NULL on failure. */
+void *cb_cpu_alloc_huge(size_t bytes, bool zero);
+
+/* y[i][:] = x[i][:] / sqrt(mean(x[i]^2) + eps) * w[:]; x [n][dim], w [dim], y [n][dim] (y may be x). */
+void cb_cpu_rmsnorm(const float *x, const float *w, int n, int dim, float eps, float *y);
+
+/* RoPE coefficients of one position: cs[2i] = cos(pos * base^(-2i/hd)), cs[2i+1] = sin(...), for
+ * i in 0..hd/2-1; computed in double then rounded, so every caller gets bit-identical values. */
+void cb_cpu_rope_coeffs(int32_t pos, int head_dim, float base, float *cs /* [head_dim] */);
+/* NORM (adjacent-pair) rotation of x [n][n_heads*head_dim] in place with per-row coefficients
+ * cs [n][head_dim] (from cb_cpu_rope_coeffs). */
+void cb_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, const float *cs);
+/* Convenience: coefficients computed per row from pos [n] (same values as a table would hold). */
+void cb_cpu_rope(float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base);
+
+/* out[i] = silu(gate[i]) * up[i] over n elements (out may alias gate or up). */
+void cb_cpu_swiglu(const float *gate, const float *up, size_t n, float *out);
+/* x[i] += y[i] over n elements. */
+void cb_cpu_add(float *x, const float *y, size_t n);
+
+/* Dequantizes one stored row of w into dst [w->cols]; bit-identical to cb_dequant. */
+void cb_cpu_dequant_row(const cb_weight_t *w, int row, float *dst);
+/* Embedding gather: x[i][:] = dequantized row tokens[i] of table; x [n][table->cols]. Tokens must be
+ * valid row indices (checked by the caller). */
+void cb_cpu_embed(const cb_weight_t *table, const int32_t *tokens, int n, float *x);
+
+/* y[i][o] = sum_j w[o][j] x[i][j] for n <= CB_CPU_MATVEC_MAX_ROWS rows, reading w's stored (quantized)
+ * rows and dequantizing in registers (f32 activations, f32 accumulation). x [n][cols], y [n][ldy].
+ * scratch: [nt][cols] floats for types without a fused kernel. */
+#define CB_CPU_MATVEC_MAX_ROWS 8
+void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, int nt);
+/* Y = X · Wᵀ with w->f32 (must be non-NULL): x [n][cols], y [n][ldy] (ldy >= rows). OpenBLAS sgemm;
+ * nt threads each computing a slice of the output columns. */
+void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int nt);
+
+/* Scratch floats needed by cb_cpu_attention for max_rows rows against max_keys keys with nt threads. */
+size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt);
+/* out[i] = softmax(q[i]·Kᵀ · scale over keys [0, key_limit[i])) · V, per head:
+ *   q   [n][n_head*head_dim]      (post-RoPE)
+ *   kc  [>= max key_limit][n_head_kv*head_dim]   (post-RoPE keys; row j = position j)
+ *   vc  [>= max key_limit][n_head_kv*head_dim]
+ *   key_limit [n], each in 1..max_keys
+ *   out [n][n_head*head_dim]
+ * Rows are independent: any limits, in any order (exact causal = pos+1). Blocks of rows run as
+ * GEMMs (Q·Kᵀ, P·V) over the largest limit in the block, masked per row. */
+void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
+                      const int32_t *key_limit, float *out, float *scratch, int max_keys, int nt);
+
+/* Vectorised expf used by the kernels (exposed for tests): dst[i] = exp(src[i]), |rel err| < 2e-7. */
+void cb_cpu_exp(const float *src, float *dst, size_t n);
+#endif
