@@ -1,0 +1,437 @@
+/* test_engine: CPU kernels against naive references, the model loader (good and broken files), and the
+ * engine's consistency properties (prefill = token-by-token decode, split prefill = one prefill,
+ * composition of the layer-stage primitives = prefill bit for bit), on a tiny random model and on the
+ * real SmolLM2 model when present. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "cpu_ops.h"
+#include "engine.h"
+#include "model.h"
+#include "quant.h"
+#include "test.h"
+#include "tiny_model.h"
+
+static unsigned rng = 42;
+static float frand(void) { rng = rng * 1664525u + 1013904223u; return (float)((rng >> 8) & 0xFFFFFF) / 16777216.0f * 2.0f - 1.0f; }
+static void fill(float *x, size_t n, float scale) { for (size_t i = 0; i < n; i++) x[i] = frand() * scale; }
+static double maxdiff(const float *a, const float *b, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) m = fmax(m, fabs((double)a[i] - b[i]));
+    return m;
+}
+
+/* ---------------------------------------------------------------- kernels */
+
+TEST(test_exp) {
+    float x[1000], y[1000];
+    for (int i = 0; i < 1000; i++) x[i] = -100.0f + 188.0f * (float)i / 999.0f;
+    cb_cpu_exp(x, y, 1000);
+    for (int i = 0; i < 1000; i++) {
+        double ref = exp((double)x[i]);
+        CHECK_MSG(fabs(y[i] - ref) <= 3e-7 * ref + 1e-37, "exp(%g) = %g, want %g", x[i], y[i], ref);
+    }
+    float big = -1e30f, z;
+    cb_cpu_exp(&big, &z, 1);
+    CHECK(z == 0.0f);
+}
+
+TEST(test_rmsnorm) {
+    enum { N = 3, D = 100 };
+    float x[N * D], w[D], y[N * D];
+    fill(x, N * D, 2.0f);
+    fill(w, D, 1.0f);
+    cb_cpu_rmsnorm(x, w, N, D, 1e-5f, y);
+    for (int r = 0; r < N; r++) {
+        double ss = 0;
+        for (int i = 0; i < D; i++) ss += (double)x[r * D + i] * x[r * D + i];
+        double sc = 1.0 / sqrt(ss / D + 1e-5);
+        for (int i = 0; i < D; i++) CHECK_NEAR(y[r * D + i], x[r * D + i] * sc * w[i], 1e-5);
+    }
+}
+
+TEST(test_swiglu) {
+    enum { N = 1000 };
+    float g[N], u[N], o[N];
+    fill(g, N, 20.0f);
+    fill(u, N, 3.0f);
+    cb_cpu_swiglu(g, u, N, o);
+    for (int i = 0; i < N; i++) {
+        double ref = g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+        CHECK_NEAR(o[i], ref, 1e-5 * (1 + fabs(ref)));
+    }
+}
+
+/* RoPE rotates adjacent pairs (x[2i], x[2i+1]) by pos * base^(-2i/d): NORM, not NEOX pairing. */
+TEST(test_rope_pairing) {
+    enum { HD = 64, NH = 2 };
+    const float base = 100000.0f;
+    for (int i = 0; i < HD / 2; i++) {
+        float x[NH * HD] = {0};
+        x[HD + 2 * i] = 1.0f; /* head 1, first of pair i */
+        int32_t pos = 37;
+        cb_rope(x, 1, NH, HD, &pos, base);
+        double th = 37.0 * pow(base, -2.0 * i / HD);
+        CHECK_NEAR(x[HD + 2 * i], cos(th), 1e-6);
+        CHECK_NEAR(x[HD + 2 * i + 1], sin(th), 1e-6);
+        for (int j = 0; j < NH * HD; j++)
+            if (j != HD + 2 * i && j != HD + 2 * i + 1) CHECK(x[j] == 0.0f); /* NEOX would touch j + HD/2 */
+    }
+}
+
+/* RoPE(p) followed by a rotation by q - p equals RoPE(q); also the engine's table path = cb_rope. */
+TEST(test_rope_composition) {
+    enum { HD = 64, NH = 3, N = 6 };
+    const float base = 100000.0f;
+    int32_t p[N] = {0, 5, 100, 4000, 8191, 12}, q[N] = {7, 5, 3, 8000, 1, 2000}, d[N];
+    float a[N * NH * HD], b[N * NH * HD];
+    fill(a, N * NH * HD, 1.0f);
+    memcpy(b, a, sizeof a);
+    for (int i = 0; i < N; i++) d[i] = q[i] - p[i];
+    cb_rope(a, N, NH, HD, q, base);
+    cb_rope(b, N, NH, HD, p, base);
+    cb_rope(b, N, NH, HD, d, base);
+    CHECK_MSG(maxdiff(a, b, N * NH * HD) < 2e-5, "max diff %g", maxdiff(a, b, N * NH * HD));
+
+    cb_hparams_t hp = {.n_embd = NH * HD, .n_head = NH, .n_head_kv = NH, .head_dim = HD, .n_ff = 64,
+                       .rope_base = base};
+    char err[128];
+    cb_backend_t *be = cb_backend_cpu_new(&hp, 16, 9000, 2, err, sizeof err);
+    CHECK_MSG(be, "%s", err);
+    fill(a, N * NH * HD, 1.0f);
+    memcpy(b, a, sizeof a);
+    be->ops->rope(be->ctx, a, N, NH, HD, p, base);
+    cb_rope(b, N, NH, HD, p, base);
+    CHECK(memcmp(a, b, sizeof a) == 0);
+    cb_backend_destroy(&be);
+    CHECK(be == NULL);
+}
+
+/* Naive attention in double: row i, head h over keys [0, lim). */
+static void attention_ref(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
+                          const int32_t *lim, float *out) {
+    int H = g->n_head, hd = g->head_dim, G = g->n_head / g->n_head_kv, kvd = g->n_head_kv * hd;
+    double *s = malloc(sizeof(double) * 100000);
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < H; h++) {
+            const float *qq = q + (size_t)i * H * hd + h * hd;
+            int kh = h / G;
+            double mx = -1e300, sum = 0;
+            for (int j = 0; j < lim[i]; j++) {
+                double d = 0;
+                for (int t = 0; t < hd; t++) d += (double)qq[t] * kc[(size_t)j * kvd + kh * hd + t];
+                s[j] = d * g->scale;
+                mx = fmax(mx, s[j]);
+            }
+            for (int j = 0; j < lim[i]; j++) sum += (s[j] = exp(s[j] - mx));
+            for (int t = 0; t < hd; t++) {
+                double o = 0;
+                for (int j = 0; j < lim[i]; j++) o += s[j] / sum * vc[(size_t)j * kvd + kh * hd + t];
+                out[(size_t)i * H * hd + h * hd + t] = (float)o;
+            }
+        }
+    free(s);
+}
+
+static int check_attention(int H, int HKV, int hd, int n, int keys, int nt) {
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd)};
+    size_t qn = (size_t)n * H * hd, kn = (size_t)keys * HKV * hd;
+    float *q = malloc(qn * 4), *kc = malloc(kn * 4), *vc = malloc(kn * 4), *o = malloc(qn * 4), *r = malloc(qn * 4);
+    int32_t *lim = malloc(sizeof(int32_t) * (size_t)n);
+    float *scr = malloc(sizeof(float) * cb_cpu_attention_scratch(&g, n, keys, nt));
+    fill(q, qn, 2.0f);
+    fill(kc, kn, 2.0f);
+    fill(vc, kn, 1.0f);
+    for (int i = 0; i < n; i++) { /* mostly causal-like, some arbitrary (incl. limits < n, and 1) */
+        lim[i] = (i % 5 == 3) ? 1 + (int)((frand() + 1) * 0.5f * (keys - 1)) : keys - n + i + 1;
+        if (lim[i] < 1) lim[i] = 1;
+    }
+    lim[0] = 1;
+    cb_cpu_attention(&g, q, n, kc, vc, lim, o, scr, keys, nt);
+    attention_ref(&g, q, n, kc, vc, lim, r);
+    double d = maxdiff(o, r, qn);
+    free(q); free(kc); free(vc); free(o); free(r); free(lim); free(scr);
+    if (d > 2e-5) fprintf(stderr, "  attention H%d/%d hd%d n%d keys%d: max diff %g\n", H, HKV, hd, n, keys, d);
+    return d <= 2e-5;
+}
+
+TEST(test_attention_key_limits) {
+    CHECK(check_attention(4, 2, 16, 1, 30, 1));     /* decode path */
+    CHECK(check_attention(4, 2, 16, 3, 30, 2));     /* decode path, several rows */
+    CHECK(check_attention(4, 2, 16, 70, 150, 2));   /* blocked path */
+    CHECK(check_attention(9, 3, 64, 130, 200, 2));  /* SmolLM2 geometry, partial last block */
+    CHECK(check_attention(9, 3, 64, 20, 20, 1));    /* limits < n (square causal) */
+}
+
+/* Random Q4_1 / Q8_0 rows: our AVX-512 dequantization is bit-identical to cb_dequant. */
+static void random_weight(cb_weight_t *w, uint32_t type, int rows, int cols, uint8_t **buf) {
+    size_t bb = type == CB_TYPE_Q4_1 ? 20 : 34, nb = (size_t)rows * cols / 32;
+    *buf = malloc(nb * bb);
+    for (size_t b = 0; b < nb; b++) {
+        uint8_t *p = *buf + b * bb;
+        for (size_t j = 0; j < bb; j++) p[j] = (uint8_t)(frand() * 127 + 128);
+        uint16_t d = cb_f32_to_f16(0.001f + 0.05f * fabsf(frand())), m = cb_f32_to_f16(-0.2f * fabsf(frand()));
+        memcpy(p, &d, 2);
+        if (type == CB_TYPE_Q4_1) memcpy(p + 2, &m, 2);
+    }
+    *w = (cb_weight_t){.name = "w", .type = type, .q = *buf, .row_bytes = (size_t)cols / 32 * bb, .rows = rows,
+                       .cols = cols, .f32 = NULL};
+}
+
+TEST(test_dequant_and_matvec) {
+    uint32_t types[2] = {CB_TYPE_Q4_1, CB_TYPE_Q8_0};
+    for (int t = 0; t < 2; t++) {
+        enum { R = 40, C = 96 };
+        cb_weight_t w;
+        uint8_t *buf;
+        random_weight(&w, types[t], R, C, &buf);
+        float *ref = malloc(sizeof(float) * R * C), *mine = malloc(sizeof(float) * R * C);
+        CHECK(cb_dequant(types[t], buf, ref, (size_t)R * C));
+        for (int r = 0; r < R; r++) cb_cpu_dequant_row(&w, r, mine + (size_t)r * C);
+        CHECK(memcmp(ref, mine, sizeof(float) * R * C) == 0);
+        float x[8 * C], y[8 * R], y2[8 * R], scr[2 * C];
+        fill(x, 8 * C, 1.0f);
+        for (int n = 1; n <= 8; n++) {
+            cb_cpu_matvec(&w, x, n, y, R, scr, 2);
+            for (int i = 0; i < n; i++)
+                for (int o = 0; o < R; o++) {
+                    double s = 0;
+                    for (int j = 0; j < C; j++) s += (double)ref[(size_t)o * C + j] * x[i * C + j];
+                    CHECK_NEAR(y[i * R + o], s, 1e-4);
+                }
+        }
+        w.f32 = ref; /* GEMM on the f32 copy agrees with matvec on the stored rows */
+        cb_cpu_gemm(&w, x, 8, y2, R, 2);
+        cb_cpu_matvec(&w, x, 8, y, R, scr, 1);
+        CHECK(maxdiff(y, y2, 8 * R) < 1e-4);
+        free(ref); free(mine); free(buf);
+    }
+}
+
+/* ---------------------------------------------------------------- model loader */
+
+static char tiny_path[64];
+
+static cb_model_t *load_tiny(const tiny_opts_t *o, char *err, size_t errlen) {
+    snprintf(tiny_path, sizeof tiny_path, "/tmp/cb_tiny_%d.gguf", (int)getpid());
+    if (tiny_model_write(tiny_path, o) != 0) {
+        snprintf(err, errlen, "cannot write %s", tiny_path);
+        return NULL;
+    }
+    cb_model_t *m = cb_model_load(tiny_path, err, errlen);
+    unlink(tiny_path);
+    return m;
+}
+
+TEST(test_tiny_model_loads) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    const cb_hparams_t *hp = cb_model_hparams(m);
+    CHECK(hp->n_layer == TINY_L && hp->n_embd == TINY_E && hp->n_head == TINY_H && hp->n_head_kv == TINY_HKV);
+    CHECK(hp->head_dim == TINY_HD && hp->n_ff == TINY_F && hp->n_vocab == 80 && hp->n_ctx_train == TINY_CTX);
+    CHECK(hp->tied_output && hp->rope_type == CB_ROPE_NORM && hp->rope_base == 10000.0f);
+    CHECK(hp->bos_id == 1 && hp->eos_id == 2 && cb_model_is_eog(m, 2) && cb_model_is_eog(m, 0));
+    CHECK(!cb_model_is_eog(m, 1));
+    CHECK(cb_model_output(m)->q == cb_model_tok_embd(m)->q);
+    CHECK(cb_model_layer(m, 0)->wq.f32 && !cb_model_tok_embd(m)->f32 && !cb_model_layer(m, TINY_L));
+    uint8_t fp1[32], fp2[32], fp3[32];
+    cb_model_fingerprint(m, fp1);
+    cb_model_destroy(&m);
+    CHECK(m == NULL);
+    cb_model_destroy(&m); /* NULL-safe */
+    m = load_tiny(NULL, err, sizeof err);
+    CHECK(m);
+    cb_model_fingerprint(m, fp2);
+    cb_model_destroy(&m);
+    CHECK(memcmp(fp1, fp2, 32) == 0);
+    tiny_opts_t o = {.seed = 99};
+    m = load_tiny(&o, err, sizeof err);
+    CHECK(m);
+    cb_model_fingerprint(m, fp3);
+    cb_model_destroy(&m);
+    CHECK(memcmp(fp1, fp3, 32) != 0);
+    o = (tiny_opts_t){.separate_output = 1};
+    m = load_tiny(&o, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    CHECK(!cb_model_hparams(m)->tied_output && cb_model_output(m)->q != cb_model_tok_embd(m)->q);
+    cb_model_destroy(&m);
+}
+
+static int load_fails_with(const tiny_opts_t *o, const char *needle) {
+    char err[256] = "";
+    cb_model_t *m = load_tiny(o, err, sizeof err);
+    if (m) {
+        cb_model_destroy(&m);
+        fprintf(stderr, "  loaded, expected an error containing '%s'\n", needle);
+        return 0;
+    }
+    if (!strstr(err, needle)) {
+        fprintf(stderr, "  error '%s' lacks '%s'\n", err, needle);
+        return 0;
+    }
+    return 1;
+}
+
+TEST(test_loader_rejects) {
+    tiny_opts_t o;
+    o = (tiny_opts_t){.arch = "qwen2"};
+    CHECK(load_fails_with(&o, "unsupported architecture 'qwen2'"));
+    o = (tiny_opts_t){.drop_tensor = "blk.1.ffn_up.weight"};
+    CHECK(load_fails_with(&o, "blk.1.ffn_up.weight is missing"));
+    o = (tiny_opts_t){.bad_shape = "blk.0.attn_k.weight"};
+    CHECK(load_fails_with(&o, "blk.0.attn_k.weight has shape"));
+    o = (tiny_opts_t){.extra_tensor = "blk.0.attn_q.bias"};
+    CHECK(load_fails_with(&o, "unsupported tensor blk.0.attn_q.bias"));
+    o = (tiny_opts_t){.rope_dim = 8};
+    CHECK(load_fails_with(&o, "partial rotary"));
+    o = (tiny_opts_t){.n_vocab = 96, .drop_tensor = "token_embd.weight"};
+    CHECK(load_fails_with(&o, "token_embd.weight is missing"));
+    char err[256] = "";
+    CHECK(cb_model_load("/nonexistent/model.gguf", err, sizeof err) == NULL && strstr(err, "/nonexistent"));
+}
+
+/* ---------------------------------------------------------------- engine properties */
+
+/* Prefill n tokens once; decode them one by one in a second engine; split prefill at cut in a third;
+ * compose the primitives by hand in a fourth. Returns 0 if all agree (tol for prefill vs decode/split,
+ * bitwise for the composition). */
+static int engine_properties(const cb_model_t *m, const int32_t *tok, int n, int cut, double tol, double *d_dec,
+                             double *d_split) {
+    char err[256];
+    const cb_hparams_t *hp = cb_model_hparams(m);
+    const int V = hp->n_vocab, max_ctx = n + 8;
+    cb_engine_t *e1 = cb_engine_new(m, max_ctx, err, sizeof err), *e2 = cb_engine_new(m, max_ctx, err, sizeof err);
+    cb_engine_t *e3 = cb_engine_new(m, max_ctx, err, sizeof err), *e4 = cb_engine_new(m, max_ctx, err, sizeof err);
+    if (!e1 || !e2 || !e3 || !e4) { fprintf(stderr, "  %s\n", err); return -1; }
+    float *l1 = malloc(4 * (size_t)V), *l2 = malloc(4 * (size_t)V), *l3 = malloc(4 * (size_t)V), *l4 = malloc(4 * (size_t)V);
+    int rc = 0;
+    if (cb_engine_prefill(e1, tok, n, 0, l1) != 0) rc = -1;
+    for (int i = 0; i < n; i++)
+        if (cb_engine_decode(e2, tok[i], i, i == n - 1 ? l2 : NULL) != 0) rc = -1;
+    if (cb_engine_prefill(e3, tok, cut, 0, NULL) != 0 || cb_engine_prefill(e3, tok + cut, n - cut, cut, l3) != 0) rc = -1;
+
+    /* composition by hand, exactly as engine.h documents it */
+    const int E = hp->n_embd, QD = hp->n_head * hp->head_dim, KVD = hp->n_head_kv * hp->head_dim;
+    float *x = malloc(sizeof(float) * (size_t)n * E), *q = malloc(sizeof(float) * (size_t)n * QD);
+    float *k = malloc(sizeof(float) * (size_t)n * KVD), *v = malloc(sizeof(float) * (size_t)n * KVD);
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)n), *lim = malloc(sizeof(int32_t) * (size_t)n);
+    for (int i = 0; i < n; i++) pos[i] = i, lim[i] = i + 1;
+    cb_engine_embed(e4, tok, n, x);
+    for (int l = 0; l < hp->n_layer; l++) {
+        cb_engine_layer_qkv(e4, l, x, n, q, k, v);
+        cb_rope(q, n, hp->n_head, hp->head_dim, pos, hp->rope_base);
+        cb_rope(k, n, hp->n_head_kv, hp->head_dim, pos, hp->rope_base);
+        memcpy(cb_engine_kcache(e4, l), k, sizeof(float) * (size_t)n * KVD);
+        memcpy(cb_engine_vcache(e4, l), v, sizeof(float) * (size_t)n * KVD);
+        cb_engine_layer_attn_mlp(e4, l, x, q, n, lim);
+    }
+    cb_engine_logits(e4, x + (size_t)(n - 1) * E, l4);
+    *d_dec = maxdiff(l1, l2, (size_t)V);
+    *d_split = maxdiff(l1, l3, (size_t)V);
+    if (memcmp(l1, l4, sizeof(float) * (size_t)V) != 0) {
+        fprintf(stderr, "  composition differs from prefill (max %g)\n", maxdiff(l1, l4, (size_t)V));
+        rc = -1;
+    }
+    for (int l = 0; l < hp->n_layer; l++)
+        if (memcmp(cb_engine_kcache(e1, l), cb_engine_kcache(e4, l), sizeof(float) * (size_t)n * KVD) ||
+            memcmp(cb_engine_vcache(e1, l), cb_engine_vcache(e4, l), sizeof(float) * (size_t)n * KVD)) {
+            fprintf(stderr, "  composition KV of layer %d differs\n", l);
+            rc = -1;
+        }
+    if (*d_dec > tol || *d_split > tol) rc = -1;
+    fprintf(stderr, "  n=%d cut=%d: max|prefill-decode| %.3g, max|prefill-split| %.3g (tol %g)\n", n, cut, *d_dec,
+            *d_split, tol);
+    free(x); free(q); free(k); free(v); free(pos); free(lim);
+    free(l1); free(l2); free(l3); free(l4);
+    cb_engine_destroy(&e1); cb_engine_destroy(&e2); cb_engine_destroy(&e3); cb_engine_destroy(&e4);
+    return rc;
+}
+
+TEST(test_tiny_engine_properties) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    int32_t tok[40];
+    for (int i = 0; i < 40; i++) tok[i] = (i * 37 + 11) % 80;
+    double dd, ds;
+    CHECK(engine_properties(m, tok, 40, 17, 1e-4, &dd, &ds) == 0);
+    CHECK(engine_properties(m, tok, 12, 1, 1e-4, &dd, &ds) == 0);
+
+    cb_engine_t *e = cb_engine_new(m, 16, err, sizeof err);
+    CHECK_MSG(e, "%s", err);
+    float lg[80];
+    int32_t bad = 80, ok = 3;
+    CHECK(cb_engine_prefill(e, &bad, 1, 0, lg) == -1);
+    CHECK(cb_engine_prefill(e, tok, 0, 0, lg) == -1);
+    CHECK(cb_engine_prefill(e, tok, 10, 7, lg) == -1); /* 7 + 10 > 16 */
+    CHECK(cb_engine_decode(e, ok, 16, lg) == -1);
+    CHECK(cb_engine_decode(e, ok, -1, lg) == -1);
+    CHECK(cb_engine_decode(e, ok, 15, lg) == 0);
+    CHECK(cb_engine_max_ctx(e) == 16 && cb_engine_max_rows(e) == CB_ENGINE_MAX_ROWS && cb_engine_model(e) == m);
+    cb_engine_destroy(&e);
+    CHECK(e == NULL);
+    CHECK(cb_engine_new(m, 0, err, sizeof err) == NULL);
+    cb_model_destroy(&m);
+}
+
+/* ---------------------------------------------------------------- real model */
+
+static cb_model_t *real_model(void) {
+    static cb_model_t *m;
+    static int tried;
+    if (!tried) {
+        tried = 1;
+        const char *p = test_model_path();
+        char err[256];
+        if (p && !(m = cb_model_load(p, err, sizeof err))) fprintf(stderr, "  load %s: %s\n", p, err);
+    }
+    return m;
+}
+
+TEST(test_real_hparams) {
+    cb_model_t *m = real_model();
+    if (!m) SKIP("model not present");
+    const cb_hparams_t *hp = cb_model_hparams(m);
+    CHECK(!strcmp(hp->arch, "llama") && hp->n_layer == 30 && hp->n_embd == 576 && hp->n_head == 9);
+    CHECK(hp->n_head_kv == 3 && hp->head_dim == 64 && hp->n_ff == 1536 && hp->n_vocab == 49152);
+    CHECK(hp->n_ctx_train == 8192 && hp->rope_base == 100000.0f && fabsf(hp->rms_eps - 1e-5f) < 1e-9f);
+    CHECK(hp->tied_output && hp->bos_id == 1 && hp->eos_id == 2);
+    CHECK(cb_model_is_eog(m, 2) && cb_model_is_eog(m, 0) && !cb_model_is_eog(m, 1));
+    CHECK(cb_model_tok_embd(m)->type == CB_TYPE_Q8_0 && cb_model_layer(m, 7)->w_down.type == CB_TYPE_Q4_1);
+}
+
+TEST(test_real_engine_properties) {
+    cb_model_t *m = real_model();
+    if (!m) SKIP("model not present");
+    /* "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\nThe capital of
+     * France is Paris.<|im_end|>\n" */
+    static const int32_t tok[] = {1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198,
+                                  504, 3575, 282, 4649, 314, 7042, 30, 2, 198};
+    const int n = TEST_SANITIZED ? 6 : (int)(sizeof tok / sizeof tok[0]);
+    double dd, ds;
+    CHECK(engine_properties(m, tok, n, n / 2 - 1, 1e-3, &dd, &ds) == 0);
+}
+
+int main(void) {
+    RUN(test_exp);
+    RUN(test_rmsnorm);
+    RUN(test_swiglu);
+    RUN(test_rope_pairing);
+    RUN(test_rope_composition);
+    RUN(test_attention_key_limits);
+    RUN(test_dequant_and_matvec);
+    RUN(test_tiny_model_loads);
+    RUN(test_loader_rejects);
+    RUN(test_tiny_engine_properties);
+    RUN(test_real_hparams);
+    RUN(test_real_engine_properties);
+    cb_model_t *m = real_model();
+    cb_model_destroy(&m);
+    return test_summary();
+}
