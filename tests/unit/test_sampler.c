@@ -1,0 +1,99 @@
+/* test_sampler: greedy, determinism per seed, top-k / top-p / temperature against the exact
+ * distributions they should produce (frequency checks with generous bounds). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "sampler.h"
+#include "test.h"
+
+TEST(test_greedy) {
+    float l[6] = {0.5f, 2.0f, -1.0f, 2.0f, NAN, 1.0f};
+    CHECK(cb_argmax(l, 6) == 1); /* tie: lowest id; NaN ignored */
+    cb_sampler_params_t p = {.temperature = 0.0f, .seed = 1};
+    cb_sampler_t *s = cb_sampler_new(&p, 6);
+    CHECK(s);
+    for (int i = 0; i < 10; i++) CHECK(cb_sampler_sample(s, l) == 1);
+    cb_sampler_destroy(&s);
+    CHECK(s == NULL);
+    cb_sampler_destroy(&s);
+    float nan3[3] = {NAN, NAN, NAN};
+    CHECK(cb_argmax(nan3, 3) == 0);
+    CHECK(cb_sampler_new(&p, 0) == NULL);
+    p.temperature = NAN;
+    CHECK(cb_sampler_new(&p, 6) == NULL);
+}
+
+static void draw(cb_sampler_t *s, const float *l, int n, int draws, double *freq) {
+    int count[16] = {0};
+    for (int i = 0; i < draws; i++) {
+        int32_t t = cb_sampler_sample(s, l);
+        if (t >= 0 && t < n) count[t]++;
+    }
+    for (int i = 0; i < n; i++) freq[i] = (double)count[i] / draws;
+}
+
+TEST(test_determinism) {
+    enum { V = 1000, N = 200 };
+    static float l[V];
+    for (int i = 0; i < V; i++) l[i] = sinf((float)i * 0.37f) * 3.0f;
+    cb_sampler_params_t p = {.temperature = 0.9f, .top_k = 50, .top_p = 0.95f, .seed = 1234};
+    cb_sampler_t *a = cb_sampler_new(&p, V), *b = cb_sampler_new(&p, V);
+    p.seed = 1235;
+    cb_sampler_t *c = cb_sampler_new(&p, V);
+    int32_t ra[N], rb[N], rc[N];
+    for (int i = 0; i < N; i++) ra[i] = cb_sampler_sample(a, l), rb[i] = cb_sampler_sample(b, l), rc[i] = cb_sampler_sample(c, l);
+    CHECK(memcmp(ra, rb, sizeof ra) == 0);
+    CHECK(memcmp(ra, rc, sizeof ra) != 0);
+    cb_sampler_reset(a, 1234);
+    for (int i = 0; i < N; i++) CHECK(cb_sampler_sample(a, l) == ra[i]);
+    cb_sampler_destroy(&a); cb_sampler_destroy(&b); cb_sampler_destroy(&c);
+}
+
+TEST(test_distributions) {
+    const float l[4] = {logf(0.5f), logf(0.3f), logf(0.2f), -INFINITY};
+    const int D = TEST_SANITIZED ? 20000 : 100000;
+    double f[4];
+    cb_sampler_params_t p = {.temperature = 1.0f, .seed = 7};
+    cb_sampler_t *s = cb_sampler_new(&p, 4);
+    draw(s, l, 4, D, f);
+    CHECK_NEAR(f[0], 0.5, 0.015); CHECK_NEAR(f[1], 0.3, 0.015); CHECK_NEAR(f[2], 0.2, 0.015); CHECK(f[3] == 0);
+    cb_sampler_destroy(&s);
+
+    p.top_k = 2; /* 0.5 : 0.3 renormalised */
+    s = cb_sampler_new(&p, 4);
+    draw(s, l, 4, D, f);
+    CHECK_NEAR(f[0], 0.625, 0.015); CHECK_NEAR(f[1], 0.375, 0.015); CHECK(f[2] == 0);
+    cb_sampler_destroy(&s);
+
+    p.top_k = 0; p.top_p = 0.75f; /* 0.5 < 0.75 <= 0.8: keeps {0, 1} */
+    s = cb_sampler_new(&p, 4);
+    draw(s, l, 4, D, f);
+    CHECK_NEAR(f[0], 0.625, 0.015); CHECK(f[2] == 0);
+    cb_sampler_destroy(&s);
+
+    p.top_p = 0.01f; /* nucleus of one */
+    s = cb_sampler_new(&p, 4);
+    draw(s, l, 4, 1000, f);
+    CHECK(f[0] == 1.0);
+    cb_sampler_destroy(&s);
+
+    p.top_p = 1.0f; p.temperature = 0.5f; /* p^2 renormalised: .25/.38, .09/.38, .04/.38 */
+    s = cb_sampler_new(&p, 4);
+    draw(s, l, 4, D, f);
+    CHECK_NEAR(f[0], 0.25 / 0.38, 0.015); CHECK_NEAR(f[1], 0.09 / 0.38, 0.015); CHECK_NEAR(f[2], 0.04 / 0.38, 0.015);
+    cb_sampler_destroy(&s);
+
+    p.temperature = 5.0f; p.top_k = 1; /* top-k 1 is greedy at any temperature */
+    s = cb_sampler_new(&p, 4);
+    draw(s, l, 4, 1000, f);
+    CHECK(f[0] == 1.0);
+    cb_sampler_destroy(&s);
+}
+
+int main(void) {
+    RUN(test_greedy);
+    RUN(test_determinism);
+    RUN(test_distributions);
+    return test_summary();
+}
