@@ -651,11 +651,11 @@ int cb_bus_service_run(cb_bus_service_t *svc) {
         cb_log(CB_LOG_ERROR, NULL, "cannot register the service socket in the loop");
         return -1;
     }
-    cb_log(CB_LOG_INFO, NULL, "%s listening on %s", svc->name, svc->endpoint);
+    cb_log(CB_LOG_INFO, NULL, "listening on %s", svc->endpoint);
     int rc = zloop_start(svc->loop);
     zloop_reader_end(svc->loop, svc->router);
-    if (zsys_interrupted) cb_log(CB_LOG_INFO, NULL, "%s: interrupted, shutting down", svc->name);
-    else if (svc->stop) cb_log(CB_LOG_INFO, NULL, "%s: stopped", svc->name);
+    if (zsys_interrupted) cb_log(CB_LOG_INFO, NULL, "interrupted, shutting down");
+    else if (svc->stop) cb_log(CB_LOG_INFO, NULL, "stopped");
     else if (rc != 0) return -1;
     return 0;
 }

@@ -1020,6 +1020,11 @@ static void wstart(cb_msg_writer_t *w, const char *type, const char *id) {
 
 void cb_msg_begin(cb_msg_writer_t *w, const char *type, const char *id) { wstart(w, type, id); }
 
+void cb_msg_begin_bare(cb_msg_writer_t *w) {
+    cb_msg_writer_reset(w);
+    wopen(w, true);
+}
+
 void cb_msg_begin_reply_as(cb_msg_writer_t *w, const char *type, const char *id) {
     wstart(w, type, id);
     cb_msg_put_bool(w, "ok", true);

@@ -194,6 +194,9 @@ const char *cb_msg_writer_error(const cb_msg_writer_t *w);
 
 /* Starts a message {v, type, id}. type must be a valid type name, id <= CB_MSG_MAX_ID printable. */
 void cb_msg_begin(cb_msg_writer_t *w, const char *type, const char *id);
+/* Starts a top-level map WITHOUT the envelope fields (tools and tests that must be able to send
+ * invalid envelopes; services never need it). */
+void cb_msg_begin_bare(cb_msg_writer_t *w);
 /* Starts a success reply to req: {v, type: req's type, id: req's id, ok: true}. */
 void cb_msg_begin_reply(cb_msg_writer_t *w, const cb_msg_t *req);
 /* Same, with an explicit type and id (e.g. a stream's "token" and "done" messages). */
