@@ -1,0 +1,17 @@
+# mk/cuda.mk: build rules for the GPU test programs (tests/gpu/test_*.c -> build/gpu/test_*).
+# Included by the Makefile (`-include mk/cuda.mk`), or used directly as
+#   make -f Makefile -f mk/cuda.mk build/gpu/test_gpu
+# Without CUDA (CB_CUDA=0 or no nvcc) the programs still build: they print a skip line and exit 0.
+ifndef CB_CUDA_MK_INCLUDED
+CB_CUDA_MK_INCLUDED := 1
+
+GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
+GPU_TESTS    := $(patsubst tests/gpu/%.c,build/gpu/%,$(GPU_TEST_SRC))
+
+build/gpu/%: tests/gpu/%.c tests/test.h build/lib/libshared.a $(CUDA_LIB) $(wildcard kernels/cuda/*.h libshared/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -Itests $< build/lib/libshared.a $(CUDA_LIB) $(LDLIBS) -o $@
+
+.PHONY: gpu-tests
+gpu-tests: $(GPU_TESTS)
+endif
