@@ -2,7 +2,8 @@
 # Runs the GPU tests (tests/gpu/test_*.c), the `make test-gpu` target. When `nvidia-smi -L` lists no GPU
 # it prints why and exits 0 (skipped). Otherwise it builds the CUDA library and the test programs
 # (mk/cuda.mk), runs them, prints their ok/FAIL/skip lines and "N passed, N failed", and exits 1 on any
-# failure. Logs: build/test-logs/gpu-<test>.err.
+# failure. Logs: build/test-logs/gpu-<test>.err. CB_GPU_BIN_DIR=dir runs prebuilt test programs from dir
+# instead of building (scripts/gpu-bundle.sh makes them for a GPU machine that cannot build the tree).
 set -u
 cd "$(dirname "$0")/.."
 if ! command -v nvidia-smi >/dev/null 2>&1; then
@@ -13,19 +14,24 @@ if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
   echo "test-gpu: skipped: nvidia-smi -L lists no GPU"
   exit 0
 fi
-NVCC=${NVCC:-nvcc}
-if ! command -v "$NVCC" >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
-  export PATH="/usr/local/cuda/bin:$PATH"
+dir=build/gpu
+if [ -n "${CB_GPU_BIN_DIR:-}" ]; then
+  dir=$CB_GPU_BIN_DIR
+else
+  NVCC=${NVCC:-nvcc}
+  if ! command -v "$NVCC" >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH="/usr/local/cuda/bin:$PATH"
+  fi
+  if ! command -v "$NVCC" >/dev/null 2>&1; then
+    echo "test-gpu: FAIL: a GPU is present but nvcc (the CUDA toolkit) is not on PATH"
+    exit 1
+  fi
+  jobs=$(nproc 2>/dev/null || echo 2)
+  make -j"$jobs" -f Makefile -f mk/cuda.mk CB_CUDA=1 gpu-tests || { echo "test-gpu: FAIL: build"; exit 1; }
 fi
-if ! command -v "$NVCC" >/dev/null 2>&1; then
-  echo "test-gpu: FAIL: a GPU is present but nvcc (the CUDA toolkit) is not on PATH"
-  exit 1
-fi
-jobs=$(nproc 2>/dev/null || echo 2)
-make -j"$jobs" -f Makefile -f mk/cuda.mk CB_CUDA=1 gpu-tests || { echo "test-gpu: FAIL: build"; exit 1; }
 mkdir -p build/test-logs
 pass=0; fail=0; skip=0
-for t in build/gpu/test_*; do
+for t in "$dir"/test_*; do
   [ -x "$t" ] || continue
   name=$(basename "$t")
   out=$(timeout 900 "$t" 2>"build/test-logs/gpu-$name.err"); rc=$?
