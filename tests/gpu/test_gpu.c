@@ -32,7 +32,9 @@ int main(void) {
 }
 #else
 
+#include "backend.h"
 #include "cb_cuda.h"
+#include "cb_cuda_backend.h"
 #include "cb_cuda_llama.h"
 #include "engine.h"
 #include "model.h"
@@ -743,6 +745,102 @@ TEST(test_synth_fill) {
     free(h), free(ref);
 }
 
+
+/* ---------------------------------------------------------------- the backend table, CUDA vs CPU */
+
+/* max |a - b| <= tol_rel * scale[i] + tol_abs for every element, else print the first miss. */
+static int close_enough(const char *what, const float *a, const float *b, size_t n, const double *scale, double tol_rel,
+                        double tol_abs) {
+    for (size_t i = 0; i < n; i++) {
+        double tol = tol_rel * (scale ? scale[i] : fabs(b[i])) + tol_abs;
+        if (!(fabs((double)a[i] - b[i]) <= tol)) {
+            fprintf(stderr, "  %s [%zu]: cuda %g vs cpu %g (tolerance %g)\n", what, i, a[i], b[i], tol);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Every operation of cb_backend_cuda_new against cb_backend_cpu_new on the same random inputs. The CUDA
+ * backend rounds its operands to bf16, so the tolerances are those of bf16 inputs: a product of two
+ * rounded numbers is off by <= 2^-8 relative, hence matmul within 6e-3 * sum|x w|; attention scores
+ * (q.k over 32 dims of unit values) move by ~1e-2, softmax weights by ~1e-2 relative: 3e-2 * max|v|. */
+TEST(test_backend_ops) {
+    cb_hparams_t hp;
+    memset(&hp, 0, sizeof hp);
+    hp.n_layer = 1, hp.n_embd = 128, hp.n_head = 4, hp.n_head_kv = 2, hp.head_dim = 32, hp.n_ff = 192;
+    hp.n_vocab = 300, hp.rope_base = 10000.0f, hp.rms_eps = 1e-5f;
+    char err[256] = "";
+    cb_backend_t *cpu = cb_backend_cpu_new(&hp, 64, 256, 2, err, sizeof err);
+    CHECK_MSG(cpu != NULL, "%s", err);
+    cb_backend_t *gpu = cb_backend_cuda_new(&hp, 64, 256, 0, err, sizeof err);
+    CHECK_MSG(gpu != NULL, "%s", err);
+    CHECK(!strcmp(gpu->ops->name, "cuda"));
+    enum { N = 20, E = 128, F = 192, V = 300, LDY = 200, QD = 128, KVD = 64, NK = 150 };
+    float *wd = malloc(sizeof(float) * F * E), *tab = malloc(sizeof(float) * V * E);
+    float *x = malloc(sizeof(float) * N * F), *y1 = malloc(sizeof(float) * N * LDY), *y2 = malloc(sizeof(float) * N * LDY);
+    double *sc = malloc(sizeof(double) * N * LDY);
+    for (int i = 0; i < F * E; i++) wd[i] = frand(0.1f);
+    for (int i = 0; i < V * E; i++) tab[i] = frand(1.0f);
+    for (int i = 0; i < N * F; i++) x[i] = frand(1.0f);
+    cb_weight_t w = {"w", CB_TYPE_F32, wd, sizeof(float) * E, F, E, wd};
+    cb_weight_t t = {"tok", CB_TYPE_F32, tab, sizeof(float) * E, V, E, tab};
+    /* matmul (n > 1 and n = 1) */
+    for (int n = N; n >= 1; n -= N - 1) {
+        for (int i = 0; i < N * LDY; i++) y1[i] = y2[i] = 0.0f, sc[i] = 0.0;
+        cpu->ops->matmul(cpu->ctx, &w, x, n, y1, LDY);
+        gpu->ops->matmul(gpu->ctx, &w, x, n, y2, LDY);
+        for (int i = 0; i < n; i++)
+            for (int o = 0; o < F; o++)
+                for (int j = 0; j < E; j++) sc[i * LDY + o] += fabs((double)x[i * E + j] * wd[o * E + j]);
+        CHECK(close_enough("matmul", y2, y1, (size_t)n * LDY, sc, 6e-3, 1e-6));
+    }
+    /* rmsnorm, in place on the GPU side */
+    float nw[E];
+    for (int i = 0; i < E; i++) nw[i] = 1.0f + frand(0.2f);
+    memcpy(y2, x, sizeof(float) * N * E);
+    cpu->ops->rmsnorm(cpu->ctx, x, nw, N, E, 1e-5f, y1);
+    gpu->ops->rmsnorm(gpu->ctx, y2, nw, N, E, 1e-5f, y2);
+    CHECK(close_enough("rmsnorm", y2, y1, N * E, NULL, 4e-3, 1e-6));
+    /* rope */
+    int32_t pos[N];
+    for (int i = 0; i < N; i++) pos[i] = i * 37 + (i == 5 ? 1000 : 0);
+    memcpy(y1, x, sizeof(float) * N * QD);
+    memcpy(y2, x, sizeof(float) * N * QD);
+    cpu->ops->rope(cpu->ctx, y1, N, hp.n_head, hp.head_dim, pos, hp.rope_base);
+    gpu->ops->rope(gpu->ctx, y2, N, hp.n_head, hp.head_dim, pos, hp.rope_base);
+    CHECK(close_enough("rope", y2, y1, N * QD, NULL, 8e-3, 8e-3));
+    /* attention: rows at positions 130..149 over a 150-key cache (exact causal limits) */
+    float *kc = malloc(sizeof(float) * NK * KVD), *vc = malloc(sizeof(float) * NK * KVD);
+    for (int i = 0; i < NK * KVD; i++) kc[i] = frand(1.0f), vc[i] = frand(1.0f);
+    int32_t lim[N];
+    for (int i = 0; i < N; i++) lim[i] = NK - N + i + 1;
+    cb_attn_geom_t g = {hp.n_head, hp.n_head_kv, hp.head_dim, 1.0f / sqrtf((float)hp.head_dim)};
+    cpu->ops->attention(cpu->ctx, &g, x, N, kc, vc, lim, y1);
+    gpu->ops->attention(gpu->ctx, &g, x, N, kc, vc, lim, y2);
+    CHECK(close_enough("attention", y2, y1, N * QD, NULL, 0.0, 3e-2));
+    /* swiglu, add, embed */
+    cpu->ops->swiglu(cpu->ctx, x, x + N * E / 2, N * E / 2, y1);
+    gpu->ops->swiglu(gpu->ctx, x, x + N * E / 2, N * E / 2, y2);
+    CHECK(close_enough("swiglu", y2, y1, N * E / 2, NULL, 1.2e-2, 1e-5));
+    memcpy(y1, x, sizeof(float) * N * E);
+    memcpy(y2, x, sizeof(float) * N * E);
+    cpu->ops->add(cpu->ctx, y1, x + 7, N * E);
+    gpu->ops->add(gpu->ctx, y2, x + 7, N * E);
+    CHECK(close_enough("add", y2, y1, N * E, NULL, 0.0, 0.0));
+    int32_t tk[N];
+    for (int i = 0; i < N; i++) tk[i] = (i * 53) % V;
+    cpu->ops->embed(cpu->ctx, &t, tk, N, y1);
+    gpu->ops->embed(gpu->ctx, &t, tk, N, y2);
+    CHECK(close_enough("embed", y2, y1, N * E, NULL, 4e-3, 0.0));
+    CHECK(!cb_backend_cuda_failed(gpu));
+    /* the logits helper runs through the table too */
+    cb_backend_destroy(&gpu);
+    cb_backend_destroy(&cpu);
+    CHECK(gpu == NULL && cpu == NULL);
+    free(wd), free(tab), free(x), free(y1), free(y2), free(sc), free(kc), free(vc);
+}
+
 /* ---------------------------------------------------------------- whole forwards */
 
 static cb_model_t *g_model;
@@ -979,6 +1077,7 @@ int main(void) {
     RUN(test_kvpool);
     RUN(test_streams_and_graph);
     RUN(test_synth_fill);
+    RUN(test_backend_ops);
     RUN(test_forward_vs_cpu);
     RUN(test_blend_consistency);
     RUN(test_decode_graph);
