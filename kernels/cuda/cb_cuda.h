@@ -215,11 +215,12 @@ int cb_cuda_attention(cb_cuda_t *self, const cb_cuda_attn_t *a, cb_cuda_attn_alg
 
 /* ---------------------------------------------------------------- blend kernels */
 
-/* dev[i] = sum_j (f32(a[i][j]) - f32(b[i][j]))^2 over j < width, f32 accumulation in a fixed order
- * (deterministic). a, b bf16 [n][lda|ldb]; dev f32 [n]. The K metric compares fresh post-RoPE K with
- * cached K re-rotated to the same positions; the V metric compares V directly. */
+/* dev[i] = sum_j (f32(a[i][j]) - f32(b[r_i][j]))^2 over j < width, r_i = b_rows ? b_rows[i] : i, f32
+ * accumulation in a fixed order (deterministic). a bf16 [n][lda] (fresh rows), b bf16 [*][ldb] (the
+ * cache, rows gathered by b_rows, device int32 [n] or NULL); dev f32 [n]. Compare pre-RoPE K with
+ * pre-RoPE K (the K metric) or V with V. */
 int cb_cuda_kv_deviation(cb_cuda_t *self, int n, int width, const cb_bf16_t *a, int lda, const cb_bf16_t *b,
-                         int ldb, float *dev);
+                         int ldb, const int32_t *b_rows, float *dev);
 
 /* Top-k selection on the device. mask (device uint8 [n], NULL = all candidates): 0 = candidate,
  * 1 = forced (always selected: query suffix, uncached spans), 2 = excluded. Selects the k candidates

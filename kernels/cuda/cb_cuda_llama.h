@@ -3,11 +3,13 @@
  *
  *   prefill      full prefill of n tokens (layer by layer, rows in chunks of max_rows), optionally
  *                capturing each layer's pre-RoPE K and V (chunk precompute);
- *   blend        CacheBlend (ALGORITHM.md §1.12) with the exact causal limit: layers < check in full,
- *                at the check layer QKV for all rows, KV deviation against the cached values, top-k on
- *                the device, then only the selected rows (plus the forced ones) for the rest; cached
- *                K (pre-RoPE) is rotated to its fused position in place; cached KV of later layers is
- *                copied host->device on the copy stream while earlier layers compute (per-layer events);
+ *   blend        CacheBlend (ALGORITHM.md §1.12, the row classes of libshared/blend.h) with the exact
+ *                causal limit: candidate and computed rows run layers 0..check, the deviation of the
+ *                candidates' fresh KV from the cached KV picks the top ratio on the device, then only
+ *                those plus the computed rows run the remaining layers; loaded rows are never computed.
+ *                Cached K (pre-RoPE) is rotated to its fused position in place; each layer's cached KV
+ *                is copied host->device on the copy stream while earlier layers compute (per-layer
+ *                events, no host waits);
  *   decode       one token at a device-resident position, greedy or top-p on the device; every call
  *                is graph-capturable (cb_cuda_graph_begin/end around it).
  *
@@ -79,19 +81,28 @@ typedef struct {
     bool host;
 } cb_cuda_kv_span_t;
 
+/* Row classes of a blend: the same values and meaning as libshared/blend.h's CB_ROW_*. */
+enum { CB_CL_ROW_LOADED = 0, CB_CL_ROW_COMPUTED = 1, CB_CL_ROW_CANDIDATE = 2 };
+
 typedef struct {
     const int32_t *tokens;       /* device int32 [n]: the fused prompt at positions 0..n-1 */
     int n;
-    const uint8_t *forced;       /* host uint8 [n]: 1 = always recompute (uncached spans, the query
-                                    suffix); row n-1 is always forced. Rows outside every span must be
-                                    forced. */
+    const uint8_t *row_class;    /* host uint8 [n] (may be NULL):
+                                      LOADED     cached KV at every layer, never computed (e.g. the prefix);
+                                      COMPUTED   recomputed at every layer (suffix, lead tokens, misses);
+                                      CANDIDATE  recomputed at layers 0..check_layer; afterwards only if
+                                                 selected by KV deviation at check_layer.
+                                    NULL: rows inside a span are CANDIDATE, the others COMPUTED. A LOADED or
+                                    CANDIDATE row outside every span becomes COMPUTED; row n-1 is always
+                                    COMPUTED. (full: all COMPUTED; reuse: chunks LOADED; blend: CANDIDATE.) */
     const cb_cuda_kv_span_t *spans;
     int n_spans;
-    float ratio;                 /* recompute ratio r over the reusable rows (0..1) */
-    int check_layer;             /* 0..n_layer-1; layers below run in full (1 = CacheBlend default) */
-    bool metric_k;               /* deviation on K (re-rotated) instead of V */
+    float ratio;                 /* floor(ratio * #CANDIDATE) candidates stay (0..1); ties: lower position */
+    int check_layer;             /* 0..n_layer-1 (CacheBlend default 1) */
+    bool metric_k;               /* deviation of pre-RoPE K against the cached pre-RoPE K; else of V */
     int32_t *out_token;          /* device int32 [1]: greedy next token (may be NULL) */
-    int32_t *out_selected;       /* device int32 [n] (may be NULL): the selected rows, ascending */
+    int32_t *out_selected;       /* device int32 [n] (may be NULL): positions active after the check
+                                    layer (selected candidates and COMPUTED rows), ascending */
     int *n_selected;             /* host (may be NULL): their count */
 } cb_cuda_blend_req_t;
 

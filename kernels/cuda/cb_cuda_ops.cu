@@ -439,11 +439,12 @@ int cb_cuda_gemv_(cb_cuda_t *self, int m, int k, const cb_bf16_t *x, const cb_bf
 /* ------------------------------------------------------------------ KV deviation */
 
 /* One warp per row; each lane sums a fixed stride of columns, then a fixed butterfly: deterministic. */
-__global__ void k_kv_dev(int n, int width, const uint16_t *a, int lda, const uint16_t *b, int ldb, float *dev) {
+__global__ void k_kv_dev(int n, int width, const uint16_t *a, int lda, const uint16_t *b, int ldb,
+                         const int32_t *b_rows, float *dev) {
     int row = blockIdx.x * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= n) return;
-    const uint16_t *ar = a + (size_t)row * lda, *br = b + (size_t)row * ldb;
+    const uint16_t *ar = a + (size_t)row * lda, *br = b + (size_t)(b_rows ? b_rows[row] : row) * ldb;
     float acc = 0.0f;
     for (int j = lane; j < width; j += 32) {
         float d = cb_bf2f(ar[j]) - cb_bf2f(br[j]);
@@ -454,11 +455,11 @@ __global__ void k_kv_dev(int n, int width, const uint16_t *a, int lda, const uin
 }
 
 extern "C" int cb_cuda_kv_deviation(cb_cuda_t *self, int n, int width, const cb_bf16_t *a, int lda,
-                                    const cb_bf16_t *b, int ldb, float *dev) {
+                                    const cb_bf16_t *b, int ldb, const int32_t *b_rows, float *dev) {
     if (n < 0 || width <= 0 || lda < width || ldb < width)
         return cb_cuda_inval_(self, "kv_deviation: n=%d width=%d", n, width);
     if (!n) return CB_CUDA_OK;
-    k_kv_dev<<<cb_blocks(n, 8), 256, 0, self->stream>>>(n, width, a, lda, b, ldb, dev);
+    k_kv_dev<<<cb_blocks(n, 8), 256, 0, self->stream>>>(n, width, a, lda, b, ldb, b_rows, dev);
     CB_LAUNCHED(self, "kv_deviation kernel");
     return CB_CUDA_OK;
 }

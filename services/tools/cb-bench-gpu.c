@@ -306,7 +306,6 @@ int main(int argc, char **argv) {
         }
         fill_model(m, &s, seed);
         int32_t *tok = malloc(sizeof(int32_t) * T);
-        uint8_t *forced = calloc((size_t)T, 1);
         cb_cuda_kv_span_t *cold = malloc(sizeof *cold * nchunks), *hot = malloc(sizeof *hot * nchunks);
         for (int c = 0; c < nchunks; c++) {
             int d = c % n_distinct;
@@ -316,7 +315,7 @@ int main(int argc, char **argv) {
             hot[c] = (cb_cuda_kv_span_t){c * chunk, chunk, cb_cuda_kvpool_k(pool, slot[d], 0),
                                          cb_cuda_kvpool_v(pool, slot[d], 0), (size_t)2 * chunk * KVD, false};
         }
-        for (int i = N; i < T; i++) tok[i] = 3 + (i * 7919) % (s.n_vocab - 3), forced[i] = 1;
+        for (int i = N; i < T; i++) tok[i] = 3 + (i * 7919) % (s.n_vocab - 3);   /* suffix: outside the spans, COMPUTED */
         int32_t *dtok = cb_cuda_llama_tokens(m), *dout = cb_cuda_malloc(cu, 16), *dpos = dout + 1;
         if (!dout) DIE("small buffer");
         OK(cb_cuda_h2d(cu, CB_CUDA_STREAM_COMPUTE, dtok, tok, sizeof(int32_t) * T));
@@ -362,7 +361,7 @@ int main(int argc, char **argv) {
             for (int pass = 0; pass < 2; pass++) {
                 if (is_big && pass == 1) break;
                 int nsel = 0;
-                cb_cuda_blend_req_t rq = {dtok, T, forced, pass ? hot : cold, nchunks, (float)ratios[r], 1, false, dout,
+                cb_cuda_blend_req_t rq = {dtok, T, NULL, pass ? hot : cold, nchunks, (float)ratios[r], 1, false, dout,
                                           NULL, &nsel};
                 bool bad = false;
                 for (int k = 0; k <= reps && !bad; k++) {
@@ -418,7 +417,7 @@ int main(int argc, char **argv) {
         }
         fflush(stdout);
         cb_cuda_free(cu, dout);
-        free(tok), free(forced), free(cold), free(hot);
+        free(tok), free(cold), free(hot);
         cb_cuda_llama_destroy(&m);
     }
     printf("\nnotes: TTFT = wall time to the first token in device memory (median of %d after a warm-up); blend ="

@@ -334,14 +334,17 @@ TEST(test_copy_rows_deviation) {
     for (int i = 0; i < N; i++) CHECK(!memcmp(out + i * LD, a + i * LD, 14));
     /* deviation */
     float dev[N];
-    CHECK(cb_cuda_kv_deviation(cu, N, W, da, LD, db, LD, ddev) == 0 && get(dev, ddev, sizeof dev) == 0);
-    for (int i = 0; i < N; i++) {
-        double s = 0;
-        for (int j = 0; j < W; j++) {
-            double d = (double)fb(a[i * LD + j]) - fb(b[i * LD + j]);
-            s += d * d;
+    for (int pass = 0; pass < 2; pass++) {   /* b rows in order, then gathered through perm */
+        CHECK(cb_cuda_kv_deviation(cu, N, W, da, LD, db, LD, pass ? dp : NULL, ddev) == 0 && get(dev, ddev, sizeof dev) == 0);
+        for (int i = 0; i < N; i++) {
+            int r = pass ? perm[i] : i;
+            double s = 0;
+            for (int j = 0; j < W; j++) {
+                double d = (double)fb(a[i * LD + j]) - fb(b[r * LD + j]);
+                s += d * d;
+            }
+            CHECK_MSG(fabs(dev[i] - s) <= 1e-5 * s + 1e-7, "dev[%d] %g vs %g", i, dev[i], s);
         }
-        CHECK_MSG(fabs(dev[i] - s) <= 1e-5 * s + 1e-7, "dev[%d] %g vs %g", i, dev[i], s);
     }
     /* int helpers */
     int32_t iv[N];
@@ -993,30 +996,43 @@ TEST(test_blend_consistency) {
         const uint16_t *base = on_host ? host : dcap;
         sp[ns] = (cb_cuda_kv_span_t){r0, n, base + (size_t)r0 * KVD, base + (size_t)N * KVD + (size_t)r0 * KVD, per_layer, on_host};
     }
-    const struct { float ratio; int check; bool mk; } cases[] = {{0.15f, 1, false}, {0.05f, 1, true}, {1.0f, 1, false},
-                                                                 {0.0f, 0, false}, {0.15f, 3, false}};
+    /* row classes: default (chunks CANDIDATE, suffix COMPUTED); a LOADED prefix of 256 rows; reuse (every
+     * chunk row LOADED) */
+    uint8_t *cls_prefix = malloc(N), *cls_reuse = malloc(N);
+    for (int i = 0; i < N; i++) {
+        cls_prefix[i] = i < 256 ? CB_CL_ROW_LOADED : i < N - SUFFIX ? CB_CL_ROW_CANDIDATE : CB_CL_ROW_COMPUTED;
+        cls_reuse[i] = i < N - SUFFIX ? CB_CL_ROW_LOADED : CB_CL_ROW_COMPUTED;
+    }
+    const struct { float ratio; int check; bool mk; const uint8_t *cls; int n_cand; } cases[] = {
+        {0.15f, 1, false, NULL, N - SUFFIX},        {0.05f, 1, true, NULL, N - SUFFIX},
+        {1.0f, 1, false, NULL, N - SUFFIX},         {0.0f, 0, false, NULL, N - SUFFIX},
+        {0.15f, 3, false, NULL, N - SUFFIX},        {0.15f, 1, false, cls_prefix, N - SUFFIX - 256},
+        {0.15f, 2, true, cls_prefix, N - SUFFIX - 256}, {0.5f, 1, false, cls_reuse, 0}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         int nsel = -1;
-        cb_cuda_blend_req_t rq = {dtok, N, NULL, sp, ns, cases[c].ratio, cases[c].check, cases[c].mk, dout, dsel, &nsel};
+        cb_cuda_blend_req_t rq = {dtok, N, cases[c].cls, sp, ns, cases[c].ratio, cases[c].check, cases[c].mk, dout, dsel,
+                                  &nsel};
         CHECK_MSG(cb_cuda_llama_blend(g_llama, &rq) == 0, "%s", cb_cuda_error(cu));
         int32_t bt, *sel = malloc(sizeof(int32_t) * N);
         CHECK(get(lb, cb_cuda_llama_logits(g_llama), sizeof(float) * V) == 0 && get(&bt, dout, 4) == 0);
-        int reuse = N - SUFFIX, want = (int)((double)cases[c].ratio * reuse);
-        CHECK_MSG(nsel == (want < reuse ? want : reuse) + SUFFIX, "case %zu: %d selected", c, nsel);
+        int want = (int)((double)cases[c].ratio * cases[c].n_cand);
+        CHECK_MSG(nsel == want + SUFFIX, "case %zu: %d selected, want %d", c, nsel, want + SUFFIX);
         CHECK(get(sel, dsel, sizeof(int32_t) * (size_t)nsel) == 0);
         for (int i = 1; i < nsel; i++) CHECK(sel[i] > sel[i - 1]);
         for (int i = 0; i < SUFFIX; i++) CHECK(sel[nsel - SUFFIX + i] == N - SUFFIX + i);
         free(sel);
         double rr, rm;
         logit_diff(lb, lfull, V, &rr, &rm);
-        fprintf(stderr, "  blend r=%.2f check=%d %s: %d rows, logits rms %.4f max %.4f vs full, token %d vs %d\n",
-                (double)cases[c].ratio, cases[c].check, cases[c].mk ? "K" : "V", nsel, rr, rm, bt, full_tok);
+        fprintf(stderr, "  blend r=%.2f check=%d %s classes %s: %d rows, logits rms %.4f max %.4f vs full, token %d vs %d\n",
+                (double)cases[c].ratio, cases[c].check, cases[c].mk ? "K" : "V",
+                cases[c].cls == cls_prefix ? "prefix-loaded" : cases[c].cls == cls_reuse ? "reuse" : "default", nsel,
+                rr, rm, bt, full_tok);
         /* cached == fresh up to bf16 rounding of the stored K (pre-RoPE, then rotated once here): */
         CHECK_MSG(rr <= 0.03, "case %zu: blend logits differ from the full prefill by %.3f std", c, rr);
     }
     cb_cuda_free(cu, dout), cb_cuda_free(cu, dsel), cb_cuda_free(cu, dcap);
     cb_cuda_host_free(cu, host);
-    free(lfull), free(lb);
+    free(lfull), free(lb), free(cls_prefix), free(cls_reuse);
 }
 
 /* Decode captured as a graph replays exactly what the direct calls compute. */
