@@ -345,8 +345,8 @@ extern "C" int cb_cuda_copy_rows(cb_cuda_t *self, int n, size_t row_bytes, void 
         return cb_cuda_inval_(self, "copy_rows: n=%d row_bytes=%zu pitches %zu/%zu", n, row_bytes, dst_pitch, src_pitch);
     if (!n || !row_bytes) return CB_CUDA_OK;
     uintptr_t a = (uintptr_t)dst | (uintptr_t)src | dst_pitch | src_pitch | row_bytes;
-    for (int r0 = 0; r0 < n; r0 += 1 << 30) {
-        int rows = n - r0;
+    {
+        const int rows = n;   /* one block per row (grid.x allows 2^31 - 1) */
         if (a % 16 == 0)
             k_copy_rows<uint4><<<rows, 128, 0, self->stream>>>(row_bytes / 16, (char *)dst, dst_pitch, dst_rows,
                                                                (const char *)src, src_pitch, src_rows);
