@@ -7,7 +7,7 @@
  */
 #include "backend.h"
 
-#include <omp.h>
+#include <unistd.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,7 +16,8 @@
 #include "cpu_ops.h"
 
 typedef struct {
-    int nt;                 /* OpenMP threads */
+    int nt;                 /* threads (pool size) */
+    cb_pool_t *pool;        /* nt - 1 workers + the caller */
     int max_rows, max_keys;
     int rope_hd;            /* head_dim the table was built for */
     float rope_base;
@@ -34,21 +35,35 @@ static void cpu_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, f
     if (n <= CB_CPU_MATVEC_MAX_ROWS || !w->f32) {
         for (int i = 0; i < n; i += CB_CPU_MATVEC_MAX_ROWS) {
             int k = n - i < CB_CPU_MATVEC_MAX_ROWS ? n - i : CB_CPU_MATVEC_MAX_ROWS;
-            cb_cpu_matvec(w, x + (size_t)i * w->cols, k, y + (size_t)i * ldy, ldy, c->mv_scratch, c->nt);
+            cb_cpu_matvec(w, x + (size_t)i * w->cols, k, y + (size_t)i * ldy, ldy, c->mv_scratch, c->pool);
         }
     } else {
-        cb_cpu_gemm(w, x, n, y, ldy, c->nt);
+        cb_cpu_gemm(w, x, n, y, ldy, c->pool);
     }
+}
+
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int dim, rows_per_task, n;
+    float eps;
+} rms_job_t;
+
+static void rms_task(void *arg, int t, int thread) {
+    (void)thread;
+    const rms_job_t *j = arg;
+    int r0 = t * j->rows_per_task, r1 = r0 + j->rows_per_task < j->n ? r0 + j->rows_per_task : j->n;
+    cb_cpu_rmsnorm(j->x + (size_t)r0 * j->dim, j->w, r1 - r0, j->dim, j->eps, j->y + (size_t)r0 * j->dim);
 }
 
 static void cpu_rmsnorm(void *ctx, const float *x, const float *w, int n, int dim, float eps, float *y) {
     cpu_ctx_t *c = ctx;
-    if (n < 8 || c->nt == 1) {
+    if (n < 16 || c->nt == 1) {
         cb_cpu_rmsnorm(x, w, n, dim, eps, y);
         return;
     }
-    #pragma omp parallel for num_threads(c->nt) schedule(static)
-    for (int i = 0; i < n; i++) cb_cpu_rmsnorm(x + (size_t)i * dim, w, 1, dim, eps, y + (size_t)i * dim);
+    rms_job_t j = {x, w, y, dim, (n + 4 * c->nt - 1) / (4 * c->nt), n, eps};
+    cb_pool_run(c->pool, (n + j.rows_per_task - 1) / j.rows_per_task, rms_task, &j);
 }
 
 static void cpu_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base) {
@@ -71,7 +86,20 @@ static void cpu_rope(void *ctx, float *x, int n, int n_heads, int head_dim, cons
 static void cpu_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, const float *kc,
                           const float *vc, const int32_t *key_limit, float *out) {
     cpu_ctx_t *c = ctx;
-    cb_cpu_attention(g, q, n, kc, vc, key_limit, out, c->att_scratch, c->max_keys, c->nt);
+    cb_cpu_attention(g, q, n, kc, vc, key_limit, out, c->att_scratch, c->max_keys, c->pool);
+}
+
+typedef struct {
+    const float *gate, *up;
+    float *out;
+    size_t n, chunk;
+} swiglu_job_t;
+
+static void swiglu_task(void *arg, int t, int thread) {
+    (void)thread;
+    const swiglu_job_t *j = arg;
+    size_t a = (size_t)t * j->chunk, b = a + j->chunk < j->n ? a + j->chunk : j->n;
+    cb_cpu_swiglu(j->gate + a, j->up + a, b - a, j->out + a);
 }
 
 static void cpu_swiglu(void *ctx, const float *gate, const float *up, size_t n, float *out) {
@@ -80,12 +108,8 @@ static void cpu_swiglu(void *ctx, const float *gate, const float *up, size_t n, 
         cb_cpu_swiglu(gate, up, n, out);
         return;
     }
-    size_t chunk = (n / (size_t)c->nt + 15) / 16 * 16;
-    #pragma omp parallel for num_threads(c->nt) schedule(static)
-    for (int t = 0; t < c->nt; t++) {
-        size_t a = (size_t)t * chunk, b = a + chunk < n ? a + chunk : n;
-        if (b > a) cb_cpu_swiglu(gate + a, up + a, b - a, out + a);
-    }
+    swiglu_job_t j = {gate, up, out, n, (n / (size_t)(4 * c->nt) + 15) / 16 * 16};
+    cb_pool_run(c->pool, (int)((n + j.chunk - 1) / j.chunk), swiglu_task, &j);
 }
 
 static void cpu_add(void *ctx, float *x, const float *y, size_t n) {
@@ -102,12 +126,18 @@ static void cpu_set_threads(void *ctx, int n_threads) {
     cpu_ctx_t *c = ctx;
     if (n_threads < 1) n_threads = 1;
     if (n_threads > c->scratch_nt) n_threads = c->scratch_nt; /* scratch was sized for scratch_nt */
+    if (n_threads == c->nt) return;
+    cb_pool_t *p = cb_pool_new(n_threads);
+    if (!p) return; /* keep the old pool */
+    cb_pool_destroy(&c->pool);
+    c->pool = p;
     c->nt = n_threads;
 }
 
 static void cpu_destroy(void *ctx) {
     cpu_ctx_t *c = ctx;
     if (!c) return;
+    cb_pool_destroy(&c->pool);
     free(c->rope_cs);
     free(c->rope_rows);
     free(c->mv_scratch);
@@ -135,7 +165,7 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
         snprintf(err, errlen, "backend: max_rows and max_keys must be >= 1");
         return NULL;
     }
-    if (n_threads <= 0) n_threads = omp_get_max_threads();
+    if (n_threads <= 0) n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n_threads < 1) n_threads = 1;
     if (n_threads > 256) n_threads = 256;
     cb_backend_t *be = calloc(1, sizeof *be);
@@ -157,8 +187,8 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     c->rope_rows = malloc(sizeof(float) * (size_t)max_rows * hp->head_dim);
     c->mv_scratch = malloc(sizeof(float) * (size_t)n_threads * c->max_cols);
     c->att_scratch = cb_cpu_alloc_huge(sizeof(float) * cb_cpu_attention_scratch(&c->geom, max_rows, max_keys, n_threads), true);
-    if (!c->rope_cs || !c->rope_rows || !c->mv_scratch || !c->att_scratch) goto oom;
-    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    c->pool = cb_pool_new(n_threads);
+    if (!c->rope_cs || !c->rope_rows || !c->mv_scratch || !c->att_scratch || !c->pool) goto oom;
     for (int p = 0; p < max_keys; p++)
         cb_cpu_rope_coeffs(p, hp->head_dim, hp->rope_base, c->rope_cs + (size_t)p * hp->head_dim);
     return be;

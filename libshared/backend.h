@@ -54,7 +54,7 @@ typedef struct {
 } cb_backend_t;
 
 /* CPU backend for model geometry hp: calls of up to max_rows rows, attention over up to max_keys keys,
- * n_threads OpenMP threads (<= 0: OpenMP's default). Returns NULL with a message on failure.
+ * n_threads threads (<= 0: one per online CPU). Returns NULL with a message on failure.
  * Caller owns the result (cb_backend_destroy). */
 cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_keys, int n_threads, char *err,
                                  size_t errlen);

@@ -5,7 +5,7 @@
 
 #include <assert.h>
 #include <math.h>
-#include <omp.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,7 +19,7 @@ struct cb_engine {
     const cb_hparams_t *hp;
     cb_backend_t *be;
     cb_attn_geom_t geom;
-    int max_ctx, max_rows, nt;
+    int max_ctx, max_rows, nt, nt_max; /* threads in use; most the scratch allows */
     int E, QD, KVD, F;       /* n_embd, n_head*head_dim, n_head_kv*head_dim, n_ff */
 
     float *kcache;           /* [n_layer][max_ctx][KVD] post-RoPE K */
@@ -48,8 +48,8 @@ static int env_threads(void) {
         long v = strtol(s, &end, 10);
         if (*end == 0 && v >= 1 && v <= 256) return (int)v;
     }
-    int n = omp_get_max_threads();
-    return n < 1 ? 1 : n;
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 256 ? 256 : (int)n;
 }
 
 cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size_t errlen) {
@@ -73,16 +73,18 @@ cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size
     e->max_ctx = max_ctx;
     e->max_rows = CB_ENGINE_MAX_ROWS;
     e->nt = env_threads();
+    e->nt_max = e->nt > (int)sysconf(_SC_NPROCESSORS_ONLN) ? e->nt : (int)sysconf(_SC_NPROCESSORS_ONLN);
     e->E = hp->n_embd;
     e->QD = hp->n_head * hp->head_dim;
     e->KVD = hp->n_head_kv * hp->head_dim;
     e->F = hp->n_ff;
     e->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 1.0f / sqrtf((float)hp->head_dim)};
-    e->be = cb_backend_cpu_new(hp, e->max_rows, max_ctx, e->nt, berr, sizeof berr);
+    e->be = cb_backend_cpu_new(hp, e->max_rows, max_ctx, e->nt_max, berr, sizeof berr);
     if (!e->be) {
         snprintf(err, errlen, "engine: %s", berr);
         goto fail;
     }
+    e->be->ops->set_threads(e->be->ctx, e->nt);
     const size_t R = (size_t)e->max_rows, kv = (size_t)hp->n_layer * max_ctx * e->KVD;
     e->kcache = cb_cpu_alloc_huge(sizeof(float) * kv, true);
     e->vcache = cb_cpu_alloc_huge(sizeof(float) * kv, true);
@@ -131,8 +133,10 @@ void cb_engine_destroy(cb_engine_t **self_p) {
 }
 
 void cb_engine_set_threads(cb_engine_t *self, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > self->nt_max) n_threads = self->nt_max;
     self->be->ops->set_threads(self->be->ctx, n_threads);
-    self->nt = n_threads < 1 ? 1 : n_threads;
+    self->nt = n_threads;
 }
 int cb_engine_threads(const cb_engine_t *self) { return self->nt; }
 int cb_engine_max_ctx(const cb_engine_t *self) { return self->max_ctx; }

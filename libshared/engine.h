@@ -4,7 +4,7 @@
  * An engine owns its run state (all buffers allocated once in cb_engine_new; nothing is allocated in
  * the forward pass) and a KV cache of max_ctx positions per layer holding post-RoPE K and V in f32.
  * The model is borrowed and must outlive the engine. One engine is used by one thread at a time (the
- * calls themselves run an OpenMP team of cb_engine_set_threads threads).
+ * calls themselves run on the engine's own pool of cb_engine_set_threads threads).
  *
  * Layer-stage primitives. cb_engine_prefill is literally this composition, per ubatch of rows:
  *
@@ -35,7 +35,7 @@ typedef struct cb_engine cb_engine_t;
 #define CB_ENGINE_MAX_ROWS 512 /* rows per primitive call (= the prefill ubatch) */
 
 /* Creates an engine with a KV cache of max_ctx positions (1..n_ctx_train is sensible; up to 1<<20
- * accepted). Threads: $CB_THREADS if set, else OpenMP's default. Memory: 2 * n_layer * max_ctx *
+ * accepted). Threads: $CB_THREADS if set, else one per online CPU. Memory: 2 * n_layer * max_ctx *
  * n_head_kv * head_dim * 4 bytes of KV plus ~50 MB of scratch for SmolLM2. NULL + err on failure.
  * Caller owns the result (cb_engine_destroy). */
 cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size_t errlen);

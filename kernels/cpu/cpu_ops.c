@@ -7,7 +7,6 @@
 #include <assert.h>
 #include <cblas.h>
 #include <math.h>
-#include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -306,36 +305,61 @@ static void matvec_generic(const cb_weight_t *w, const float *x, int n, float *y
     }
 }
 
-void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, int nt) {
-    assert(n >= 1 && n <= CB_CPU_MATVEC_MAX_ROWS);
-    if (nt < 1) nt = 1;
-    /* chunks of 16 output rows keep the two threads' writes off each other's cache lines */
-    const int chunk = 16, n_chunks = (w->rows + chunk - 1) / chunk;
-    #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && n_chunks > 1)
-    for (int c = 0; c < n_chunks; c++) {
-        int o0 = c * chunk, o1 = o0 + chunk < w->rows ? o0 + chunk : w->rows;
+typedef struct {
+    const cb_weight_t *w;
+    const float *x;
+    int n, ldy, chunk;
+    float *y, *scratch;
+} matvec_job_t;
+
+static void matvec_task(void *arg, int task, int thread) {
+    const matvec_job_t *j = arg;
+    const cb_weight_t *w = j->w;
+    int o0 = task * j->chunk, o1 = o0 + j->chunk < w->rows ? o0 + j->chunk : w->rows;
 #if CB_AVX512
-        if (w->type == CB_TYPE_Q4_1) { matvec_q4_1(w, x, n, y, ldy, o0, o1); continue; }
-        if (w->type == CB_TYPE_Q8_0) { matvec_q8_0(w, x, n, y, ldy, o0, o1); continue; }
+    if (w->type == CB_TYPE_Q4_1) { matvec_q4_1(w, j->x, j->n, j->y, j->ldy, o0, o1); return; }
+    if (w->type == CB_TYPE_Q8_0) { matvec_q8_0(w, j->x, j->n, j->y, j->ldy, o0, o1); return; }
 #endif
-        matvec_generic(w, x, n, y, ldy, o0, o1, scratch + (size_t)omp_get_thread_num() * w->cols);
-    }
+    matvec_generic(w, j->x, j->n, j->y, j->ldy, o0, o1, j->scratch + (size_t)thread * w->cols);
+}
+
+void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, cb_pool_t *pool) {
+    assert(n >= 1 && n <= CB_CPU_MATVEC_MAX_ROWS);
+    /* ~8 tasks per thread (dynamic claiming balances them), in multiples of 16 rows */
+    int nt = cb_pool_size(pool);
+    int chunk = (w->rows / (8 * nt) + 15) / 16 * 16;
+    if (chunk < 16) chunk = 16;
+    matvec_job_t j = {w, x, n, ldy, chunk, y, scratch};
+    cb_pool_run(pool, (w->rows + chunk - 1) / chunk, matvec_task, &j);
 }
 
 /* ---------------------------------------------------------------- GEMM (prefill) */
 
-void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int nt) {
+typedef struct {
+    const cb_weight_t *w;
+    const float *x;
+    int n, ldy, slice;
+    float *y;
+} gemm_job_t;
+
+static void gemm_task(void *arg, int task, int thread) {
+    (void)thread;
+    const gemm_job_t *j = arg;
+    const cb_weight_t *w = j->w;
+    int c0 = task * j->slice, c1 = c0 + j->slice < w->rows ? c0 + j->slice : w->rows;
+    if (c1 > c0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, j->n, c1 - c0, w->cols, 1.0f, j->x, w->cols,
+                    w->f32 + (size_t)c0 * w->cols, w->cols, 0.0f, j->y + c0, j->ldy);
+}
+
+void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, cb_pool_t *pool) {
     assert(w->f32);
-    if (nt < 1) nt = 1;
-    /* Split the output columns (weight rows) into nt slices, multiples of 16. */
-    int slice = ((w->rows + nt - 1) / nt + 15) / 16 * 16;
-    #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int t = 0; t < nt; t++) {
-        int c0 = t * slice, c1 = c0 + slice < w->rows ? c0 + slice : w->rows;
-        if (c1 > c0)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, c1 - c0, w->cols, 1.0f, x, w->cols,
-                        w->f32 + (size_t)c0 * w->cols, w->cols, 0.0f, y + c0, ldy);
-    }
+    /* Output columns (weight rows) in 2 slices per thread, multiples of 32; each slice is one
+     * single-threaded sgemm, claimed dynamically. */
+    int nt = cb_pool_size(pool), n_slices = nt > 1 ? 2 * nt : 1;
+    int slice = ((w->rows + n_slices - 1) / n_slices + 31) / 32 * 32;
+    gemm_job_t j = {w, x, n, ldy, slice, y};
+    cb_pool_run(pool, (w->rows + slice - 1) / slice, gemm_task, &j);
 }
 
 /* ---------------------------------------------------------------- attention */
@@ -397,52 +421,62 @@ static void attend_row(const cb_attn_geom_t *g, const float *q, const float *kc,
     }
 }
 
-void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
-                      const int32_t *key_limit, float *out, float *scratch, int max_keys, int nt) {
-    if (nt < 1) nt = 1;
-    const int H = g->n_head, HKV = g->n_head_kv, hd = g->head_dim, G = H / HKV;
-    const int qd = H * hd, kvd = HKV * hd;
-    const size_t per_thread = cb_cpu_attention_scratch(g, ATT_BLOCK_ROWS, max_keys, 1);
-    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= max_keys);
-    (void)max_keys;
+typedef struct {
+    const cb_attn_geom_t *g;
+    const float *q, *kc, *vc;
+    const int32_t *key_limit;
+    float *out, *scratch;
+    size_t per_thread;
+    int n, rb;
+} attn_job_t;
 
+static void attn_row_task(void *arg, int t, int thread) {
+    const attn_job_t *j = arg;
+    const cb_attn_geom_t *g = j->g;
+    const int H = g->n_head, hd = g->head_dim, G = H / g->n_head_kv, qd = H * hd, kvd = g->n_head_kv * hd;
+    int i = t / H, h = t % H, kvh = h / G;
+    attend_row(g, j->q + (size_t)i * qd + (size_t)h * hd, j->kc + (size_t)kvh * hd, j->vc + (size_t)kvh * hd, kvd,
+               j->key_limit[i], j->scratch + (size_t)thread * j->per_thread, j->out + (size_t)i * qd + (size_t)h * hd);
+}
+
+/* Block of rb rows x one KV head (its G query heads stacked): S = Qg·Kᵀ, masked softmax, O = P·V. */
+static void attn_block_task(void *arg, int t, int thread) {
+    const attn_job_t *j = arg;
+    const cb_attn_geom_t *g = j->g;
+    const int H = g->n_head, HKV = g->n_head_kv, hd = g->head_dim, G = H / HKV, qd = H * hd, kvd = HKV * hd;
+    const int rb = j->rb, blk = t / HKV, kvh = t % HKV;
+    int i0 = blk * rb, nr = i0 + rb <= j->n ? rb : j->n - i0, M = G * nr;
+    int L = 0;
+    for (int i = 0; i < nr; i++) L = j->key_limit[i0 + i] > L ? j->key_limit[i0 + i] : L;
+    float *Q = j->scratch + (size_t)thread * j->per_thread; /* [G*rb][hd] */
+    float *O = Q + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][hd] */
+    float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][L]  */
+    for (int hh = 0; hh < G; hh++)
+        for (int i = 0; i < nr; i++)
+            memcpy(Q + ((size_t)hh * nr + i) * hd, j->q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
+                   sizeof(float) * (size_t)hd);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, j->kc + (size_t)kvh * hd, kvd,
+                0.0f, S, L);
+    for (int hh = 0; hh < G; hh++)
+        for (int i = 0; i < nr; i++) softmax_row(S + ((size_t)hh * nr + i) * L, j->key_limit[i0 + i], L);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, L, 1.0f, S, L, j->vc + (size_t)kvh * hd, kvd, 0.0f,
+                O, hd);
+    for (int hh = 0; hh < G; hh++)
+        for (int i = 0; i < nr; i++)
+            memcpy(j->out + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd, O + ((size_t)hh * nr + i) * hd,
+                   sizeof(float) * (size_t)hd);
+}
+
+void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
+                      const int32_t *key_limit, float *out, float *scratch, int max_keys, cb_pool_t *pool) {
+    const int H = g->n_head, HKV = g->n_head_kv, nt = cb_pool_size(pool);
+    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= max_keys);
+    attn_job_t j = {g, q, kc, vc, key_limit, out, scratch, cb_cpu_attention_scratch(g, ATT_BLOCK_ROWS, max_keys, 1),
+                    n, ATT_BLOCK_ROWS};
     if (n <= 4) { /* decode-sized: one task per (row, head) */
-        #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n * H > 1)
-        for (int t = 0; t < n * H; t++) {
-            int i = t / H, h = t % H, kvh = h / G;
-            float *s = scratch + (size_t)omp_get_thread_num() * per_thread;
-            attend_row(g, q + (size_t)i * qd + (size_t)h * hd, kc + (size_t)kvh * hd, vc + (size_t)kvh * hd, kvd,
-                       key_limit[i], s, out + (size_t)i * qd + (size_t)h * hd);
-        }
+        cb_pool_run(pool, n * H, attn_row_task, &j);
         return;
     }
-
-    /* Blocks of rb rows x one KV head (its G query heads stacked): S = Qg·Kᵀ, masked softmax, O = P·V. */
-    int rb = ATT_BLOCK_ROWS;
-    while (rb > 8 && ((n + rb - 1) / rb) * HKV < 2 * nt) rb /= 2;
-    const int n_blocks = (n + rb - 1) / rb, n_tasks = n_blocks * HKV;
-    #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n_tasks > 1)
-    for (int t = 0; t < n_tasks; t++) {
-        int blk = t / HKV, kvh = t % HKV;
-        int i0 = blk * rb, nr = i0 + rb <= n ? rb : n - i0, M = G * nr;
-        int L = 0;
-        for (int i = 0; i < nr; i++) L = key_limit[i0 + i] > L ? key_limit[i0 + i] : L;
-        float *Q = scratch + (size_t)omp_get_thread_num() * per_thread; /* [G*rb][hd] */
-        float *O = Q + (size_t)G * ATT_BLOCK_ROWS * hd;                  /* [G*rb][hd] */
-        float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;                  /* [G*rb][L]  */
-        for (int hh = 0; hh < G; hh++)
-            for (int i = 0; i < nr; i++)
-                memcpy(Q + ((size_t)hh * nr + i) * hd, q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
-                       sizeof(float) * (size_t)hd);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, kc + (size_t)kvh * hd, kvd,
-                    0.0f, S, L);
-        for (int hh = 0; hh < G; hh++)
-            for (int i = 0; i < nr; i++) softmax_row(S + ((size_t)hh * nr + i) * L, key_limit[i0 + i], L);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, L, 1.0f, S, L, vc + (size_t)kvh * hd, kvd,
-                    0.0f, O, hd);
-        for (int hh = 0; hh < G; hh++)
-            for (int i = 0; i < nr; i++)
-                memcpy(out + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd, O + ((size_t)hh * nr + i) * hd,
-                       sizeof(float) * (size_t)hd);
-    }
+    while (j.rb > 8 && ((n + j.rb - 1) / j.rb) * HKV < 4 * nt) j.rb /= 2;
+    cb_pool_run(pool, ((n + j.rb - 1) / j.rb) * HKV, attn_block_task, &j);
 }

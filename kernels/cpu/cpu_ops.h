@@ -1,8 +1,8 @@
 /* cpu_ops: the f32 CPU kernels of the engine (the reference backend, see backend.h).
  *
- * Plain functions over host buffers; every shape is in the comment. Threading: functions with an `nt`
- * argument run an OpenMP team of nt threads (never nested inside another team); BLAS calls run on one
- * OpenBLAS thread each (cb_cpu_init sets this), so the only thread pool is OpenMP's.
+ * Plain functions over host buffers; every shape is in the comment. Threading: functions with a `pool`
+ * argument split their work into tasks on that cpu_pool (NULL = the calling thread only); BLAS calls run
+ * on one OpenBLAS thread each (cb_cpu_init sets this), so the only threads are the pool's.
  * AVX-512 paths are compiled when the compiler targets AVX-512 (-march=native here), with portable
  * scalar code otherwise; both compute the same values up to summation order.
  */
@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "cpu_pool.h"
 #include "model.h"
 
 /* One-time process setup, idempotent and thread-safe: picks an AVX-512/AVX2 OpenBLAS kernel set when
@@ -50,14 +51,14 @@ void cb_cpu_embed(const cb_weight_t *table, const int32_t *tokens, int n, float 
 
 /* y[i][o] = sum_j w[o][j] x[i][j] for n <= CB_CPU_MATVEC_MAX_ROWS rows, reading w's stored (quantized)
  * rows and dequantizing in registers (f32 activations, f32 accumulation). x [n][cols], y [n][ldy].
- * scratch: [nt][cols] floats for types without a fused kernel. */
+ * scratch: [pool threads][cols] floats for types without a fused kernel. */
 #define CB_CPU_MATVEC_MAX_ROWS 8
-void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, int nt);
+void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, cb_pool_t *pool);
 /* Y = X · Wᵀ with w->f32 (must be non-NULL): x [n][cols], y [n][ldy] (ldy >= rows). OpenBLAS sgemm;
- * nt threads each computing a slice of the output columns. */
-void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int nt);
+ * the pool's threads each computing slices of the output columns. */
+void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, cb_pool_t *pool);
 
-/* Scratch floats needed by cb_cpu_attention for max_rows rows against max_keys keys with nt threads. */
+/* Scratch floats needed by cb_cpu_attention for max_rows rows against max_keys keys with nt pool threads. */
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt);
 /* out[i] = softmax(q[i]·Kᵀ · scale over keys [0, key_limit[i])) · V, per head:
  *   q   [n][n_head*head_dim]      (post-RoPE)
@@ -68,7 +69,7 @@ size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_k
  * Rows are independent: any limits, in any order (exact causal = pos+1). Blocks of rows run as
  * GEMMs (Q·Kᵀ, P·V) over the largest limit in the block, masked per row. */
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
-                      const int32_t *key_limit, float *out, float *scratch, int max_keys, int nt);
+                      const int32_t *key_limit, float *out, float *scratch, int max_keys, cb_pool_t *pool);
 
 /* Vectorised expf used by the kernels (exposed for tests): dst[i] = exp(src[i]), |rel err| < 2e-7. */
 void cb_cpu_exp(const float *src, float *dst, size_t n);

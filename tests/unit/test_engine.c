@@ -28,6 +28,34 @@ static double maxdiff(const float *a, const float *b, size_t n) {
 
 /* ---------------------------------------------------------------- kernels */
 
+typedef struct { _Atomic long sum; int hits[1000]; int bad_thread; int nt; } pool_probe_t;
+static void pool_probe(void *arg, int t, int thread) {
+    pool_probe_t *p = arg;
+    p->sum += t; /* atomic */
+    __atomic_fetch_add(&p->hits[t], 1, __ATOMIC_RELAXED);
+    if (thread < 0 || thread >= p->nt) p->bad_thread = 1;
+}
+
+/* Every task runs exactly once per run, over many back-to-back runs, with 1..3 threads. */
+TEST(test_pool) {
+    for (int nt = 1; nt <= 3; nt++) {
+        cb_pool_t *pool = cb_pool_new(nt);
+        CHECK(pool && cb_pool_size(pool) == nt);
+        for (int run = 0; run < (TEST_SANITIZED ? 200 : 2000); run++) {
+            static pool_probe_t pr;
+            memset(&pr, 0, sizeof pr);
+            pr.nt = nt;
+            int n = 1 + run % 1000;
+            cb_pool_run(pool, n, pool_probe, &pr);
+            CHECK(pr.sum == (long)n * (n - 1) / 2 && !pr.bad_thread);
+            for (int i = 0; i < n; i++) CHECK(pr.hits[i] == 1);
+        }
+        cb_pool_destroy(&pool);
+        CHECK(pool == NULL);
+    }
+    cb_pool_run(NULL, 3, pool_probe, &(pool_probe_t){.nt = 1});
+}
+
 TEST(test_exp) {
     float x[1000], y[1000];
     for (int i = 0; i < 1000; i++) x[i] = -100.0f + 188.0f * (float)i / 999.0f;
@@ -152,7 +180,9 @@ static int check_attention(int H, int HKV, int hd, int n, int keys, int nt) {
         if (lim[i] < 1) lim[i] = 1;
     }
     lim[0] = 1;
-    cb_cpu_attention(&g, q, n, kc, vc, lim, o, scr, keys, nt);
+    cb_pool_t *pool = cb_pool_new(nt);
+    cb_cpu_attention(&g, q, n, kc, vc, lim, o, scr, keys, pool);
+    cb_pool_destroy(&pool);
     attention_ref(&g, q, n, kc, vc, lim, r);
     double d = maxdiff(o, r, qn);
     free(q); free(kc); free(vc); free(o); free(r); free(lim); free(scr);
@@ -184,6 +214,7 @@ static void random_weight(cb_weight_t *w, uint32_t type, int rows, int cols, uin
 }
 
 TEST(test_dequant_and_matvec) {
+    cb_pool_t *pool2 = cb_pool_new(2);
     uint32_t types[2] = {CB_TYPE_Q4_1, CB_TYPE_Q8_0};
     for (int t = 0; t < 2; t++) {
         enum { R = 40, C = 96 };
@@ -197,7 +228,7 @@ TEST(test_dequant_and_matvec) {
         float x[8 * C], y[8 * R], y2[8 * R], scr[2 * C];
         fill(x, 8 * C, 1.0f);
         for (int n = 1; n <= 8; n++) {
-            cb_cpu_matvec(&w, x, n, y, R, scr, 2);
+            cb_cpu_matvec(&w, x, n, y, R, scr, pool2);
             for (int i = 0; i < n; i++)
                 for (int o = 0; o < R; o++) {
                     double s = 0;
@@ -206,11 +237,12 @@ TEST(test_dequant_and_matvec) {
                 }
         }
         w.f32 = ref; /* GEMM on the f32 copy agrees with matvec on the stored rows */
-        cb_cpu_gemm(&w, x, 8, y2, R, 2);
-        cb_cpu_matvec(&w, x, 8, y, R, scr, 1);
+        cb_cpu_gemm(&w, x, 8, y2, R, pool2);
+        cb_cpu_matvec(&w, x, 8, y, R, scr, NULL);
         CHECK(maxdiff(y, y2, 8 * R) < 1e-4);
         free(ref); free(mine); free(buf);
     }
+    cb_pool_destroy(&pool2);
 }
 
 /* ---------------------------------------------------------------- model loader */
@@ -419,6 +451,7 @@ TEST(test_real_engine_properties) {
 }
 
 int main(void) {
+    RUN(test_pool);
     RUN(test_exp);
     RUN(test_rmsnorm);
     RUN(test_swiglu);

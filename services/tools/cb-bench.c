@@ -1,0 +1,152 @@
+/* cb-bench: engine throughput on synthetic prompts (our side of scripts/bench-engine.sh).
+ *
+ *   cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--json]
+ *
+ * For each prompt length L (ascending): prefill L pseudo-random token ids (the same ids the llama.cpp
+ * side of the benchmark uses: id_i = (i * 7919) % 30000 + 100) at position 0 of one engine sized for
+ * the longest prompt; the best of R repetitions is reported. Decode: after a prompt of the first
+ * length, N greedy steps. Peak RSS is the process's maximum resident set (getrusage), which includes
+ * the model (mapping + f32 copies) and the KV cache for the longest prompt.
+ * Exit: 0 ok, 1 runtime error, 2 bad arguments.
+ */
+#include <errno.h>
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+
+#include "engine.h"
+#include "log.h"
+#include "model.h"
+#include "sampler.h"
+
+static int usage(const char *why) {
+    if (why) fprintf(stderr, "cb-bench: %s\n", why);
+    fprintf(stderr, "usage: cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--json]\n");
+    return 2;
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static bool parse_int(const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (!*s || *end || errno || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+int main(int argc, char **argv) {
+    cb_log_set_component("cb-bench");
+    const char *model_path = getenv("CB_MODEL");
+    if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    long threads = 0, n_decode = 128, reps = 1, lens[16], n_lens = 0;
+    bool json = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--json")) { json = true; continue; }
+        if (!v) return usage("missing value");
+        if (!strcmp(a, "--model")) model_path = v;
+        else if (!strcmp(a, "--threads")) { if (!parse_int(v, 1, 256, &threads)) return usage("bad --threads"); }
+        else if (!strcmp(a, "--decode")) { if (!parse_int(v, 0, 100000, &n_decode)) return usage("bad --decode"); }
+        else if (!strcmp(a, "--reps")) { if (!parse_int(v, 1, 100, &reps)) return usage("bad --reps"); }
+        else if (!strcmp(a, "--lens")) {
+            char buf[256];
+            snprintf(buf, sizeof buf, "%s", v);
+            n_lens = 0;
+            for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+                if (n_lens == 16 || !parse_int(tok, 1, 1 << 20, &lens[n_lens])) return usage("bad --lens");
+                if (n_lens && lens[n_lens] < lens[n_lens - 1]) return usage("--lens must be ascending");
+                n_lens++;
+            }
+        } else return usage("unknown option");
+        i++;
+    }
+    if (n_lens == 0) lens[0] = 512, lens[1] = 2048, lens[2] = 8000, n_lens = 3;
+
+    char err[512];
+    double t0 = now_s();
+    cb_model_t *m = cb_model_load(model_path, err, sizeof err);
+    if (!m) {
+        fprintf(stderr, "cb-bench: %s\n", err);
+        return 1;
+    }
+    double load_s = now_s() - t0;
+    const int V = cb_model_hparams(m)->n_vocab;
+    long max_len = lens[n_lens - 1], ctx = max_len > lens[0] + n_decode ? max_len : lens[0] + n_decode;
+    cb_engine_t *e = cb_engine_new(m, (int)ctx, err, sizeof err);
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)ctx);
+    float *lg = malloc(sizeof(float) * (size_t)V);
+    if (!e || !tok || !lg) {
+        fprintf(stderr, "cb-bench: %s\n", e ? "out of memory" : err);
+        return 1;
+    }
+    if (threads) cb_engine_set_threads(e, (int)threads);
+    for (long i = 0; i < ctx; i++) tok[i] = (int32_t)((i * 7919) % 30000 + 100);
+
+    json_t *out = json_object(), *pf = json_array();
+    double decode_tok_s = 0.0;
+    for (long li = 0; li < n_lens; li++) {
+        double best = 1e30;
+        for (long r = 0; r < reps; r++) {
+            t0 = now_s();
+            if (cb_engine_prefill(e, tok, (int)lens[li], 0, lg) != 0) {
+                fprintf(stderr, "cb-bench: prefill failed\n");
+                return 1;
+            }
+            double dt = now_s() - t0;
+            best = dt < best ? dt : best;
+        }
+        json_t *o = json_object();
+        json_object_set_new(o, "n", json_integer(lens[li]));
+        json_object_set_new(o, "ms", json_real(best * 1e3));
+        json_object_set_new(o, "tok_s", json_real(lens[li] / best));
+        json_array_append_new(pf, o);
+        if (!json) printf("prefill %6ld tokens: %9.1f ms  %8.1f tok/s\n", lens[li], best * 1e3, lens[li] / best);
+        if (li == 0 && n_decode > 0) {
+            t0 = now_s();
+            for (long s = 0; s < n_decode; s++) {
+                int32_t t = cb_argmax(lg, V);
+                if (cb_engine_decode(e, t, (int)(lens[0] + s), lg) != 0) {
+                    fprintf(stderr, "cb-bench: decode failed\n");
+                    return 1;
+                }
+            }
+            decode_tok_s = n_decode / (now_s() - t0);
+            if (!json) printf("decode  %6ld steps after %ld: %8.1f tok/s\n", n_decode, lens[0], decode_tok_s);
+        }
+    }
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    double rss_mb = ru.ru_maxrss / 1024.0;
+    if (json) {
+        json_object_set_new(out, "engine", json_string("cacheblend"));
+        json_object_set_new(out, "threads", json_integer(cb_engine_threads(e)));
+        json_object_set_new(out, "load_ms", json_real(load_s * 1e3));
+        json_object_set_new(out, "prefill", pf);
+        json_object_set_new(out, "decode_steps", json_integer(n_decode));
+        json_object_set_new(out, "decode_after", json_integer(lens[0]));
+        json_object_set_new(out, "decode_tok_s", json_real(decode_tok_s));
+        json_object_set_new(out, "peak_rss_mb", json_real(rss_mb));
+        char *s = json_dumps(out, JSON_COMPACT);
+        puts(s);
+        free(s);
+    } else {
+        json_decref(pf);
+        printf("load %.0f ms, threads %d, peak RSS %.0f MB\n", load_s * 1e3, cb_engine_threads(e), rss_mb);
+    }
+    json_decref(out);
+    free(tok);
+    free(lg);
+    cb_engine_destroy(&e);
+    cb_model_destroy(&m);
+    return 0;
+}
