@@ -341,6 +341,131 @@ __global__ void __launch_bounds__(SK_THREADS) k_splitk(cb_attn_p p, int D, int c
     }
 }
 
+/* The vectorized variant (head_dim 64/128, GQA group <= 8, 16-byte aligned K/V rows): a key's row is
+ * read by D/8 lanes with one 16-byte load each, q of the group's heads stays in registers (pre-scaled),
+ * and P.V gives every thread 8 consecutive output dims of one head, the keys split over thread phases. */
+#define SK2_GMAX 8
+template <int D>
+__global__ void __launch_bounds__(SK_THREADS) k_splitk2(cb_attn_p p, int chunk, int n_splits, float *ws) {
+    constexpr int TPK = D / 8;          /* lanes per key */
+    constexpr int KPW = 32 / TPK;       /* keys per warp step */
+    extern __shared__ float sk_smem[];
+    const int G = p.group;
+    float *sc = sk_smem;                /* [G][chunk] scores, then probabilities */
+    float *po = sk_smem + G * chunk;    /* [nphase][G*D] partial outputs */
+    const int kvh = blockIdx.x, split = blockIdx.y, row = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int lim = cb_row_limit(p, row);
+    const int start = split * chunk, end = min(start + chunk, lim);
+    const size_t rec = (size_t)D + 2;
+    float *wrow = ws + ((size_t)row * p.n_heads + (size_t)kvh * G) * n_splits * rec;
+    if (start >= end) {
+        if (tid < G) {
+            float *r = wrow + ((size_t)tid * n_splits + split) * rec;
+            r[0] = -INFINITY;
+            r[1] = 0.0f;
+        }
+        return;
+    }
+    const int n = end - start;
+    const int sub = lane / TPK, part = lane % TPK;
+    float q8[SK2_GMAX][8];
+#pragma unroll
+    for (int g = 0; g < SK2_GMAX; g++) {
+        const uint16_t *qr = p.q + (size_t)row * p.ldq + (size_t)(kvh * G + (g < G ? g : 0)) * D + part * 8;
+#pragma unroll
+        for (int e = 0; e < 8; e++) q8[g][e] = g < G ? cb_bf2f(qr[e]) * p.scale_log2 : 0.0f;
+    }
+    /* scores, log2 domain */
+    for (int j0 = warp * KPW; j0 < n; j0 += (SK_THREADS / 32) * KPW) {
+        const int j = j0 + sub;
+        float acc[SK2_GMAX];
+#pragma unroll
+        for (int g = 0; g < SK2_GMAX; g++) acc[g] = 0.0f;
+        if (j < n) {
+            const uint4 kv = *(const uint4 *)(p.k + (size_t)(start + j) * p.ldkv + (size_t)kvh * D + part * 8);
+            const uint32_t w4[4] = {kv.x, kv.y, kv.z, kv.w};
+            float kf[8];
+#pragma unroll
+            for (int t = 0; t < 4; t++) kf[2 * t] = __uint_as_float(w4[t] << 16), kf[2 * t + 1] = __uint_as_float(w4[t] & 0xffff0000u);
+#pragma unroll
+            for (int g = 0; g < SK2_GMAX; g++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[g] += kf[e] * q8[g][e];
+        }
+#pragma unroll
+        for (int g = 0; g < SK2_GMAX; g++) {
+            if (g >= G) break;   /* G is uniform: every lane takes the same shuffles */
+#pragma unroll
+            for (int o = TPK / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+        }
+        if (part == 0 && j < n)
+            for (int g = 0; g < G; g++) sc[g * chunk + j] = acc[g];
+    }
+    __syncthreads();
+    for (int gg = warp; gg < G; gg += SK_THREADS / 32) {
+        float mx = -INFINITY;
+        for (int j = lane; j < n; j += 32) mx = fmaxf(mx, sc[gg * chunk + j]);
+        mx = cb_warp_max(mx);
+        float sum = 0.0f;
+        for (int j = lane; j < n; j += 32) {
+            float e = exp2f(sc[gg * chunk + j] - mx);
+            sc[gg * chunk + j] = e;
+            sum += e;
+        }
+        sum = cb_warp_sum(sum);
+        if (lane == 0) {
+            float *r = wrow + ((size_t)gg * n_splits + split) * rec;
+            r[0] = mx;
+            r[1] = sum;
+        }
+    }
+    __syncthreads();
+    /* unnormalized O: slot = (head g, 8 dims), phases split the keys */
+    const int nslots = G * (D / 8);
+    const int nphase = nslots <= SK_THREADS ? SK_THREADS / nslots : 1;
+    for (int s0 = 0; s0 < nslots; s0 += SK_THREADS) {
+        const int slot = nphase > 1 ? tid % nslots : s0 + tid, ph = nphase > 1 ? tid / nslots : 0;
+        float o8[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) o8[e] = 0.0f;
+        const bool active = slot < nslots && ph < nphase;
+        if (active) {
+            const int g = slot / (D / 8), dp = slot % (D / 8);
+            const float *pr = sc + g * chunk;
+            const uint16_t *vb = p.v + (size_t)start * p.ldkv + (size_t)kvh * D + dp * 8;
+            for (int j = ph; j < n; j += nphase) {
+                const uint4 vv = *(const uint4 *)(vb + (size_t)j * p.ldkv);
+                const uint32_t w4[4] = {vv.x, vv.y, vv.z, vv.w};
+                const float pj = pr[j];
+#pragma unroll
+                for (int t = 0; t < 4; t++) {
+                    o8[2 * t] += pj * __uint_as_float(w4[t] << 16);
+                    o8[2 * t + 1] += pj * __uint_as_float(w4[t] & 0xffff0000u);
+                }
+            }
+        }
+        if (nphase == 1) {
+            if (active) {
+                float *dst = wrow + ((size_t)(slot / (D / 8)) * n_splits + split) * rec + 2 + (slot % (D / 8)) * 8;
+#pragma unroll
+                for (int e = 0; e < 8; e++) dst[e] = o8[e];
+            }
+            continue;
+        }
+        if (active)
+#pragma unroll
+            for (int e = 0; e < 8; e++) po[((size_t)ph * nslots + slot) * 8 + e] = o8[e];
+        __syncthreads();
+        for (int i = tid; i < G * D; i += SK_THREADS) {   /* i = g*D + d = slot*8 + e */
+            float acc = 0.0f;
+            for (int q = 0; q < nphase; q++) acc += po[(size_t)q * nslots * 8 + i];
+            wrow[((size_t)(i / D) * n_splits + split) * rec + 2 + (i % D)] = acc;
+        }
+        break;   /* nphase > 1 means nslots <= SK_THREADS: one pass */
+    }
+}
+
 __global__ void k_splitk_reduce(cb_attn_p p, int D, int n_splits, const float *ws) {
     const int row = blockIdx.x / p.n_heads, h = blockIdx.x % p.n_heads;
     const size_t rec = (size_t)D + 2;
@@ -383,11 +508,22 @@ static int cb_splitk_launch(cb_cuda_t *self, const cb_cuda_attn_t *a, const cb_a
         return cb_cuda_inval_(self, "split-K attention: %d rows x %d heads x %d keys do not fit the scratch area",
                               a->n_q, a->n_heads, a->n_kv);
     if (p.group > SK_MAX_GROUP) return cb_cuda_inval_(self, "split-K attention: GQA group %d > %d", p.group, SK_MAX_GROUP);
-    size_t smem = ((size_t)p.group * a->head_dim + (size_t)p.group * chunk) * sizeof(float);
-    if (smem > 48 * 1024) return cb_cuda_inval_(self, "split-K attention: %zu bytes of shared memory", smem);
     if (a->n_q > 65535 || n_splits > 65535) return cb_cuda_inval_(self, "split-K attention: grid too large");
     dim3 grid(a->n_kv_heads, n_splits, a->n_q);
-    k_splitk<<<grid, SK_THREADS, smem, self->stream>>>(p, a->head_dim, chunk, n_splits, (float *)self->ws);
+    const bool vec = (a->head_dim == 64 || a->head_dim == 128) && p.group <= SK2_GMAX && a->ldkv % 8 == 0 &&
+                     ((uintptr_t)a->k & 15) == 0 && ((uintptr_t)a->v & 15) == 0;
+    if (vec) {
+        int nslots = p.group * (a->head_dim / 8), nphase = nslots <= SK_THREADS ? SK_THREADS / nslots : 1;
+        size_t smem = ((size_t)p.group * chunk + (nphase > 1 ? (size_t)nphase * nslots * 8 : 0)) * sizeof(float);
+        if (a->head_dim == 64)
+            k_splitk2<64><<<grid, SK_THREADS, smem, self->stream>>>(p, chunk, n_splits, (float *)self->ws);
+        else
+            k_splitk2<128><<<grid, SK_THREADS, smem, self->stream>>>(p, chunk, n_splits, (float *)self->ws);
+    } else {
+        size_t smem = ((size_t)p.group * a->head_dim + (size_t)p.group * chunk) * sizeof(float);
+        if (smem > 48 * 1024) return cb_cuda_inval_(self, "split-K attention: %zu bytes of shared memory", smem);
+        k_splitk<<<grid, SK_THREADS, smem, self->stream>>>(p, a->head_dim, chunk, n_splits, (float *)self->ws);
+    }
     CB_LAUNCHED(self, "split-K attention kernel");
     k_splitk_reduce<<<a->n_q * a->n_heads, a->head_dim < 128 ? 64 : 128, 0, self->stream>>>(p, a->head_dim, n_splits,
                                                                                            (const float *)self->ws);

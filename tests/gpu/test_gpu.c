@@ -527,6 +527,8 @@ TEST(test_attention) {
     }
     CHECK(!attn_case(128, 32, 8, 4100, 1, 1, CB_CUDA_ATTN_AUTO, 1));                  /* decode, long */
     CHECK(!attn_case(64, 4, 4, 17, 5, 2, CB_CUDA_ATTN_FLASH, 1));                     /* tiny, MHA */
+    CHECK(!attn_case(32, 4, 2, 300, 3, 2, CB_CUDA_ATTN_SPLITK, 1));                   /* generic split-K kernel */
+    CHECK(!attn_case(32, 4, 2, 300, 40, 1, CB_CUDA_ATTN_AUTO, 0));                    /* head_dim 32: no flash */
 }
 
 /* The exact causal limit, directly: a row with limit L must give the same output whatever follows L. */
