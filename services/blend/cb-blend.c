@@ -1,0 +1,389 @@
+/* cb-blend: the query service. A ROUTER socket takes `query` requests (docs/protocol.md §7); each is
+ * validated here, queued (FIFO, at most blend.max_queue waiting: beyond that `overloaded`), and answered
+ * by the generation worker thread (gen.h) as a stream of `token` messages and a final `done` with metrics.
+ * The loop relays the worker's messages, so it keeps answering `ping` and `stats` while a query runs, and
+ * sends a `heartbeat` to every query that has heard nothing for blend.heartbeat_ms, so a client can tell
+ * a slow answer from a dead service. A client that went away (a send fails: ROUTER_MANDATORY gives
+ * EHOSTUNREACH, a full pipe EAGAIN after the send timeout) has its query cancelled: it never stalls the
+ * others.
+ *
+ *   cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...
+ *
+ * Exit: 0 after SIGINT/SIGTERM, 1 on a startup failure or when the worker cannot run.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blend.h"
+#include "bus.h"
+#include "config.h"
+#include "db.h"
+#include "gen.h"
+#include "kvmem.h"
+#include "log.h"
+#include "msg.h"
+
+#define SECTION "blend"
+#define MAX_QUESTION 8192
+#define MAX_CONTEXT_BYTES 262144
+
+typedef struct {
+    cb_blend_mode_t mode;
+    double ratio, temperature, top_p;
+    int64_t k, max_tokens, seed;
+} defaults_t;
+
+typedef struct {
+    cb_bus_service_t *svc;
+    zactor_t *worker;
+    cb_kvmem_t *mem;
+    gen_stats_t stats;
+    defaults_t def;
+    int64_t max_queue;
+    int64_t heartbeat_ms;
+    gen_query_t *head, *tail;  /* in flight, arrival order */
+    int n_inflight;
+    uint64_t accepted, rejected;
+    bool worker_ready, fatal;
+} blendsvc_t;
+
+static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
+
+static int n_waiting(const blendsvc_t *b) {
+    int n = 0;
+    for (const gen_query_t *q = b->head; q; q = q->next) n += !q->started;
+    return n;
+}
+
+static void list_remove(blendsvc_t *b, gen_query_t *q) {
+    gen_query_t **pp = &b->head, *prev = NULL;
+    while (*pp && *pp != q) {
+        prev = *pp;
+        pp = &(*pp)->next;
+    }
+    if (!*pp) return;
+    *pp = q->next;
+    if (b->tail == q) b->tail = prev;
+    b->n_inflight--;
+}
+
+/* Parses and validates a query into a new gen_query_t; NULL with a code and reason. */
+static gen_query_t *parse_query(blendsvc_t *b, const cb_msg_t *m, cb_err_t *code, char *why, size_t whylen) {
+    *code = CB_ERR_BAD_REQUEST;
+    gen_query_t *q = calloc(1, sizeof *q);
+    if (!q) {
+        *code = CB_ERR_INTERNAL;
+        snprintf(why, whylen, "out of memory");
+        return NULL;
+    }
+    atomic_init(&q->cancelled, false);
+    snprintf(q->id, sizeof q->id, "%s", cb_msg_id(m));
+    const char *s;
+    size_t len;
+    if (!cb_msg_str(m, "question", MAX_QUESTION, &s, &len) || len == 0) {
+        snprintf(why, whylen, "%s", len == 0 && cb_msg_has(m, "question") ? "field 'question': empty" : cb_msg_last_error(m));
+        goto bad;
+    }
+    if (!(q->question = strndup(s, len))) goto oom;
+    if (cb_msg_has(m, "contexts")) {
+        size_t n;
+        if (!cb_msg_array_len(m, "contexts", GEN_MAX_CONTEXTS, &n)) {
+            snprintf(why, whylen, "%s", cb_msg_last_error(m));
+            goto bad;
+        }
+        for (size_t i = 0; i < n; i++) {
+            if (!cb_msg_at_str(m, "contexts", i, MAX_CONTEXT_BYTES, &s, &len)) {
+                snprintf(why, whylen, "%s", cb_msg_last_error(m));
+                goto bad;
+            }
+            if (!(q->contexts[i] = strndup(s, len))) goto oom;
+            q->context_lens[i] = len;
+            q->n_contexts = (int)i + 1;
+        }
+    } else {
+        q->retrieve = true;
+    }
+    int64_t v;
+    if (!cb_msg_int_or(m, "k", 1, GEN_MAX_CONTEXTS, b->def.k, &v)) goto field;
+    q->k = (int)v;
+    if (!cb_msg_str_or(m, "mode", 16, cb_blend_mode_str(b->def.mode), &s, &len)) goto field;
+    char mode[17];
+    snprintf(mode, sizeof mode, "%.*s", (int)len, s);
+    int md = cb_blend_mode_parse(mode);
+    if (md < 0) {
+        snprintf(why, whylen, "field 'mode': expected full, prefix, reuse or blend, got '%s'", mode);
+        goto bad;
+    }
+    q->mode = (cb_blend_mode_t)md;
+    if (!cb_msg_double_or(m, "ratio", 0.0, 1.0, b->def.ratio, &q->ratio)) goto field;
+    if (!cb_msg_int_or(m, "max_tokens", 1, 4096, b->def.max_tokens, &v)) goto field;
+    q->max_tokens = (int)v;
+    if (!cb_msg_double_or(m, "temperature", 0.0, 5.0, b->def.temperature, &q->temperature)) goto field;
+    if (!cb_msg_double_or(m, "top_p", 1e-9, 1.0, b->def.top_p, &q->top_p)) goto field;
+    if (!cb_msg_int_or(m, "seed", 0, INT64_MAX, b->def.seed, &v)) goto field;
+    q->seed = (uint64_t)v;
+    q->t_recv_ms = now_ms();
+    return q;
+field:
+    snprintf(why, whylen, "%s", cb_msg_last_error(m));
+    goto bad;
+oom:
+    *code = CB_ERR_INTERNAL;
+    snprintf(why, whylen, "out of memory");
+bad:
+    gen_query_free(&q);
+    return NULL;
+}
+
+static void on_query(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
+    (void)svc;
+    blendsvc_t *b = arg;
+    cb_err_t code;
+    char why[512];
+    gen_query_t *q = parse_query(b, m, &code, why, sizeof why);
+    if (!q) {
+        cb_bus_reply_error(req, code, "%s", why);
+        return;
+    }
+    int waiting = n_waiting(b);
+    if (waiting >= b->max_queue) {
+        b->rejected++;
+        gen_query_free(&q);
+        cb_bus_reply_error(req, CB_ERR_OVERLOADED, "%d queries waiting (blend.max_queue = %lld); retry later", waiting,
+                           (long long)b->max_queue);
+        return;
+    }
+    if (!(q->req = cb_bus_req_detach(req))) {
+        gen_query_free(&q);
+        cb_bus_reply_error(req, CB_ERR_INTERNAL, "out of memory");
+        return;
+    }
+    q->last_sent_ms = q->t_recv_ms;
+    if (b->tail) b->tail->next = q;
+    else b->head = q;
+    b->tail = q;
+    b->n_inflight++;
+    b->accepted++;
+    zmsg_t *zm = zmsg_new();
+    zmsg_addstr(zm, "QUERY");
+    zmsg_addmem(zm, &q, sizeof q);
+    zmsg_send(&zm, b->worker);
+}
+
+/* Relays a stream message; a failed send cancels the query. */
+static void relay(gen_query_t *q, const void *data, size_t len) {
+    if (atomic_load(&q->cancelled)) return;
+    if (cb_bus_reply_bytes(q->req, data, len) != 0) atomic_store(&q->cancelled, true);
+    else q->last_sent_ms = now_ms();
+}
+
+static int on_worker(zloop_t *loop, zsock_t *sock, void *arg) {
+    (void)loop;
+    blendsvc_t *b = arg;
+    zmsg_t *zm = zmsg_recv(sock);
+    if (!zm) return zsys_interrupted ? -1 : 0;
+    char *what = zmsg_popstr(zm);
+    int rc = 0;
+    if (!what) {
+    } else if (strcmp(what, "READY") == 0) {
+        b->worker_ready = true;
+    } else if (strcmp(what, "FATAL") == 0) {
+        char *msg = zmsg_popstr(zm);
+        cb_log(CB_LOG_ERROR, NULL, "the worker cannot run (%s): exiting", msg ? msg : "?");
+        zstr_free(&msg);
+        b->fatal = true;
+        cb_bus_service_stop(b->svc);
+        rc = -1;
+    } else {
+        zframe_t *f = zmsg_pop(zm);
+        gen_query_t *q = NULL;
+        if (f && zframe_size(f) == sizeof q) memcpy(&q, zframe_data(f), sizeof q);
+        zframe_destroy(&f);
+        zframe_t *body = zmsg_pop(zm);
+        if (q && strcmp(what, "START") == 0) {
+            q->started = true;
+        } else if (q && strcmp(what, "SEND") == 0) {
+            if (body) relay(q, zframe_data(body), zframe_size(body));
+        } else if (q && strcmp(what, "DONE") == 0) {
+            if (body && zframe_size(body) > 0) relay(q, zframe_data(body), zframe_size(body));
+            list_remove(b, q);
+            cb_bus_req_destroy(&q->req);
+            gen_query_free(&q);
+        }
+        zframe_destroy(&body);
+    }
+    zstr_free(&what);
+    zmsg_destroy(&zm);
+    return rc;
+}
+
+/* Every query silent for heartbeat_ms gets {type: heartbeat, state, position}. */
+static int on_heartbeat(zloop_t *loop, int timer_id, void *arg) {
+    (void)loop;
+    (void)timer_id;
+    blendsvc_t *b = arg;
+    double now = now_ms();
+    cb_msg_writer_t *w = cb_bus_service_writer(b->svc);
+    int position = 0;
+    for (gen_query_t *q = b->head; q; q = q->next) {
+        int pos = q->started ? 0 : ++position;
+        if (atomic_load(&q->cancelled) || now - q->last_sent_ms < (double)b->heartbeat_ms) continue;
+        cb_msg_begin_reply_as(w, "heartbeat", q->id);
+        cb_msg_put_str(w, "state", q->started ? "running" : "queued");
+        cb_msg_put_int(w, "position", pos);
+        cb_msg_put_int(w, "interval_ms", b->heartbeat_ms);
+        size_t len;
+        const void *d = cb_msg_end(w, &len);
+        if (d) relay(q, d, len);
+        if (atomic_load(&q->cancelled))
+            cb_log(CB_LOG_INFO, q->id, "the client went away: query cancelled");
+    }
+    return 0;
+}
+
+static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
+    (void)svc;
+    blendsvc_t *b = arg;
+    gen_stats_t *s = &b->stats;
+    int waiting = n_waiting(b);
+    cb_msg_put_uint(w, "queries", b->accepted);
+    cb_msg_put_int(w, "queue", waiting);
+    cb_msg_put_int(w, "running", b->n_inflight - waiting);
+    cb_msg_put_uint(w, "rejected", b->rejected);
+    cb_msg_put_uint(w, "queries_done", atomic_load(&s->queries_done));
+    cb_msg_put_uint(w, "queries_failed", atomic_load(&s->queries_failed));
+    cb_msg_put_uint(w, "queries_cancelled", atomic_load(&s->queries_cancelled));
+    cb_msg_put_uint(w, "tokens_generated", atomic_load(&s->tokens_generated));
+    cb_msg_put_uint(w, "cache_hits", atomic_load(&s->cache_hits));
+    cb_msg_put_uint(w, "cache_misses", atomic_load(&s->cache_misses));
+    cb_msg_put_uint(w, "cache_corrupt", atomic_load(&s->cache_corrupt));
+    cb_msg_put_uint(w, "cacheindex_unavailable", atomic_load(&s->index_unavailable));
+    cb_kvmem_stats_t ms;
+    cb_kvmem_stats(b->mem, &ms);
+    cb_msg_put_uint(w, "hot_entries", ms.entries);
+    cb_msg_put_uint(w, "hot_bytes", ms.bytes);
+    cb_msg_put_uint(w, "hot_hits", ms.hits);
+    cb_msg_put_uint(w, "hot_misses", ms.misses);
+    cb_msg_put_bool(w, "worker_ready", b->worker_ready);
+}
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...\n"
+               "  Serves query/ping/stats (docs/protocol.md §7) on blend.endpoint. Keys: endpoint, bind, mode, ratio,\n"
+               "  check_layer, metric, leading_tokens, k, max_tokens, temperature, top_p, seed, ctx_size, max_queue,\n"
+               "  hot_cache_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
+               "  cacheindex_timeout_ms, and common.* (data_dir, kv_dir, model, threads, ...).\n"
+               "  Environment CB_BLEND_<KEY> overrides the file.\n");
+}
+
+int main(int argc, char **argv) {
+    cb_bus_init("cb-blend");
+    char err[1024];
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            usage(stdout);
+            return 0;
+        }
+    cb_config_t *cfg = cb_config_new(SECTION, &argc, argv, err, sizeof err);
+    if (!cfg) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        return 1;
+    }
+    if (argc > 1) {
+        cb_log(CB_LOG_ERROR, NULL, "unknown argument '%s'", argv[1]);
+        usage(stderr);
+        cb_config_destroy(&cfg);
+        return 1;
+    }
+    static blendsvc_t b;
+    static gen_args_t ga;
+    int rc = 1;
+    const char *mode, *metric, *model, *sys;
+    int64_t ctx, threads, check, lead, hot, rt, ct;
+    bool store;
+    if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
+        !cb_config_double(cfg, SECTION, "ratio", 0.0, 1.0, 0.15, &b.def.ratio, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "k", 1, GEN_MAX_CONTEXTS, 3, &b.def.k, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_tokens", 1, 4096, 64, &b.def.max_tokens, err, sizeof err) ||
+        !cb_config_double(cfg, SECTION, "temperature", 0.0, 5.0, 0.0, &b.def.temperature, err, sizeof err) ||
+        !cb_config_double(cfg, SECTION, "top_p", 1e-9, 1.0, 1.0, &b.def.top_p, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "seed", 0, INT64_MAX, 0, &b.def.seed, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_queue", 0, 100000, 16, &b.max_queue, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "heartbeat_ms", 50, 600000, 1000, &b.heartbeat_ms, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "ctx_size", 64, 1 << 20, 2048, &ctx, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, 1, &check, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "metric", "k", &metric, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "leading_tokens", 0, 1 << 20, 0, &lead, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
+        !cb_config_bool(cfg, SECTION, "store_misses", true, &store, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "system_prompt", "", &sys, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "retriever_timeout_ms", 1, 3600000, 5000, &rt, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "cacheindex_timeout_ms", 1, 3600000, 2000, &ct, err, sizeof err) ||
+        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", ga.kv_dir, sizeof ga.kv_dir, err, sizeof err)) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        goto out;
+    }
+    int md = cb_blend_mode_parse(mode);
+    if (md < 0) {
+        cb_log(CB_LOG_ERROR, NULL, "config blend.mode = '%s': expected full, prefix, reuse or blend", mode);
+        goto out;
+    }
+    b.def.mode = (cb_blend_mode_t)md;
+    if (strcmp(metric, "k") != 0 && strcmp(metric, "v") != 0) {
+        cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected k or v", metric);
+        goto out;
+    }
+    ga.cfg = cfg;
+    snprintf(ga.model_path, sizeof ga.model_path, "%s", model);
+    snprintf(ga.system_prompt, sizeof ga.system_prompt, "%s", sys);
+    ga.ctx_size = (int)ctx;
+    ga.threads = (int)threads;
+    ga.check_layer = (int)check;
+    ga.metric = metric[0];
+    ga.lead_tokens = (int)lead;
+    ga.store_misses = store;
+    ga.retriever_timeout_ms = (int)rt;
+    ga.cacheindex_timeout_ms = (int)ct;
+    ga.stats = &b.stats;
+    cb_config_log(cfg, SECTION);
+    if (cb_db_mkdirs(ga.kv_dir, err, sizeof err) != 0) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        goto out;
+    }
+    if (!(b.mem = cb_kvmem_new((size_t)hot))) {
+        cb_log(CB_LOG_ERROR, NULL, "out of memory");
+        goto out;
+    }
+    ga.mem = b.mem;
+    b.svc = cb_bus_service_from_config("cb-blend", cfg, SECTION, err, sizeof err);
+    if (!b.svc) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        goto out;
+    }
+    if (!(b.worker = zactor_new(gen_actor, &ga))) {
+        cb_log(CB_LOG_ERROR, NULL, "cannot start the worker thread");
+        goto out;
+    }
+    zloop_t *loop = cb_bus_service_loop(b.svc);
+    zloop_reader(loop, (zsock_t *)b.worker, on_worker, &b);
+    zloop_timer(loop, (size_t)(b.heartbeat_ms < 100 ? b.heartbeat_ms : 100), 0, on_heartbeat, &b);
+    cb_bus_service_on(b.svc, "query", on_query, &b);
+    cb_bus_service_set_stats(b.svc, stats_extra, &b);
+    rc = cb_bus_service_run(b.svc) == 0 && !b.fatal ? 0 : 1;
+out:
+    zactor_destroy(&b.worker); /* $TERM: the worker stops at the next token */
+    while (b.head) {
+        gen_query_t *q = b.head;
+        b.head = q->next;
+        cb_bus_req_destroy(&q->req);
+        gen_query_free(&q);
+    }
+    cb_bus_service_destroy(&b.svc);
+    cb_kvmem_destroy(&b.mem);
+    cb_config_destroy(&cfg);
+    if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");
+    return rc;
+}

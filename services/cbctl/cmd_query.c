@@ -1,0 +1,194 @@
+/* cbctl query: asks cb-blend a question and streams the answer to stdout as it is generated.
+ *
+ *   cbctl query [--mode M] [--ratio R] [--k K] [--context TEXT]... [--max-tokens N] [--temperature T]
+ *               [--top-p P] [--seed S] [--json] QUESTION
+ *
+ * Without --context, cb-blend retrieves the top K chunks from cb-retriever. --json: after the streamed
+ * answer, one line with the final object {"text", "metrics", "chunk_ids", "client": {"ttft_ms",
+ * "total_ms"}} (client-side timings include the messaging).
+ *
+ * Liveness: cb-blend sends a heartbeat to a query that has heard nothing for a while (its interval is in
+ * the heartbeat), so the client gives up after 3 silent intervals (at least 1 s) once it has heard one;
+ * before the first message it waits cbctl.request_timeout_ms; and never more than cbctl.query_timeout_ms.
+ * Exit: 0 answered, 1 cb-blend answered with an error, 2 usage, 3 cb-blend unreachable, silent or overloaded.
+ */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cbctl.h"
+#include "client.h"
+
+#define MAX_CONTEXTS 32
+
+static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
+
+static int usage(cbctl_t *ctl, const char *why) {
+    cbctl_error(ctl, "%s\nusage: cbctl query [--mode full|prefix|reuse|blend] [--ratio R] [--k K] [--context TEXT]...\n"
+                     "                   [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--json] QUESTION",
+                why);
+    return CBCTL_EXIT_USAGE;
+}
+
+static bool parse_num(const char *s, double lo, double hi, double *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || *end || !(v >= lo && v <= hi)) return false;
+    *out = v;
+    return true;
+}
+
+static int run_query(cbctl_t *ctl, int argc, char **argv) {
+    const char *mode = NULL, *question = NULL;
+    const char *contexts[MAX_CONTEXTS];
+    int n_ctx = 0;
+    double ratio = -1, k = -1, max_tokens = -1, temp = -1, top_p = -1, seed = -1;
+    bool json = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        bool has_val = i + 1 < argc;
+#define NUM(flag, var, lo, hi)                                                          \
+    if (!strcmp(a, flag)) {                                                             \
+        if (!has_val || !parse_num(argv[++i], lo, hi, &var)) return usage(ctl, "bad value for " flag); \
+        continue;                                                                       \
+    }
+        NUM("--ratio", ratio, 0, 1)
+        NUM("--k", k, 1, MAX_CONTEXTS)
+        NUM("--max-tokens", max_tokens, 1, 4096)
+        NUM("--temperature", temp, 0, 5)
+        NUM("--top-p", top_p, 1e-9, 1)
+        NUM("--seed", seed, 0, 9.2e18)
+#undef NUM
+        if (!strcmp(a, "--mode")) {
+            if (!has_val) return usage(ctl, "--mode needs a value");
+            mode = argv[++i];
+            if (strcmp(mode, "full") && strcmp(mode, "prefix") && strcmp(mode, "reuse") && strcmp(mode, "blend"))
+                return usage(ctl, "--mode: expected full, prefix, reuse or blend");
+        } else if (!strcmp(a, "--context")) {
+            if (!has_val) return usage(ctl, "--context needs a value");
+            if (n_ctx >= MAX_CONTEXTS) return usage(ctl, "at most 32 --context");
+            contexts[n_ctx++] = argv[++i];
+        } else if (!strcmp(a, "--json")) {
+            json = true;
+        } else if (!strcmp(a, "--")) {
+            if (i + 1 < argc) question = argv[++i];
+            break;
+        } else if (a[0] == '-' && a[1]) {
+            char why[128];
+            snprintf(why, sizeof why, "unknown option %s", a);
+            return usage(ctl, why);
+        } else if (!question) {
+            question = a;
+        } else {
+            return usage(ctl, "one QUESTION (quote it)");
+        }
+    }
+    if (!question || !*question) return usage(ctl, "no QUESTION");
+
+    char err[512];
+    int64_t first_ms, cap_ms;
+    if (!cb_config_int(ctl->cfg, "cbctl", "request_timeout_ms", 1, 3600000, 5000, &first_ms, err, sizeof err) ||
+        !cb_config_int(ctl->cfg, "cbctl", "query_timeout_ms", 1, 86400000, 120000, &cap_ms, err, sizeof err)) {
+        cbctl_error(ctl, "%s", err);
+        return CBCTL_EXIT_USAGE;
+    }
+    cb_bus_client_t *c = cbctl_client(ctl, "blend", (int)first_ms, 0, err, sizeof err);
+    if (!c) {
+        cbctl_error(ctl, "%s", err);
+        return CBCTL_EXIT_USAGE;
+    }
+    cb_msg_writer_t *w = cb_msg_writer_new();
+    char id[32];
+    cb_bus_new_id(id, sizeof id);
+    cb_msg_begin(w, "query", id);
+    cb_msg_put_str(w, "question", question);
+    if (n_ctx > 0) {
+        cb_msg_begin_array(w, "contexts");
+        for (int i = 0; i < n_ctx; i++) cb_msg_put_str(w, NULL, contexts[i]);
+        cb_msg_end_array(w);
+    }
+    if (mode) cb_msg_put_str(w, "mode", mode);
+    if (ratio >= 0) cb_msg_put_double(w, "ratio", ratio);
+    if (k >= 0) cb_msg_put_int(w, "k", (int64_t)k);
+    if (max_tokens >= 0) cb_msg_put_int(w, "max_tokens", (int64_t)max_tokens);
+    if (temp >= 0) cb_msg_put_double(w, "temperature", temp);
+    if (top_p >= 0) cb_msg_put_double(w, "top_p", top_p);
+    if (seed >= 0) cb_msg_put_int(w, "seed", (int64_t)seed);
+    size_t len;
+    const void *data = cb_msg_end(w, &len);
+    int rc = CBCTL_EXIT_OK;
+    cb_err_t code;
+    double t0 = now_ms(), ttft = -1;
+    if (!data) {
+        cbctl_error(ctl, "cannot encode the query: %s", cb_msg_writer_error(w));
+        rc = CBCTL_EXIT_USAGE;
+        goto out;
+    }
+    if (cb_bus_send(c, data, len, &code, err, sizeof err) != 0) {
+        cbctl_error(ctl, "blend: %s", err);
+        rc = cbctl_exit_for(code);
+        goto out;
+    }
+    bool newline = true; /* the output ends with a newline */
+    int silence = (int)(first_ms < cap_ms ? first_ms : cap_ms);
+    for (;;) {
+        cb_msg_t *m = cb_bus_recv(c, id, silence, &code, err, sizeof err);
+        if (!m) {
+            if (!newline) fputc('\n', stdout);
+            cbctl_error(ctl, "no answer from cb-blend at %s for %d ms (is it running?): %s", cb_bus_client_endpoint(c),
+                        silence, err);
+            rc = CBCTL_EXIT_UNAVAILABLE;
+            break;
+        }
+        if (!cb_msg_ok(m)) {
+            if (!newline) fputc('\n', stdout);
+            cb_err_t ec = cb_msg_err_code(m);
+            cbctl_error(ctl, "query failed: %s: %s", cb_msg_err_code_name(m), cb_msg_err_message(m));
+            rc = ec == CB_ERR_OVERLOADED ? CBCTL_EXIT_UNAVAILABLE : cbctl_exit_for(ec);
+            cb_msg_destroy(&m);
+            break;
+        }
+        if (cb_msg_is_type(m, "heartbeat")) {
+            int64_t ivl = 0;
+            if (cb_msg_int_or(m, "interval_ms", 1, 3600000, 1000, &ivl)) {
+                int s = (int)(3 * ivl < 1000 ? 1000 : 3 * ivl);
+                silence = s < cap_ms ? s : (int)cap_ms;
+            }
+        } else if (cb_msg_is_type(m, "token")) {
+            const char *s;
+            size_t sl;
+            if (ttft < 0) ttft = now_ms() - t0;
+            if (cb_msg_str(m, "text", 1 << 20, &s, &sl) && sl > 0 && !ctl->quiet) {
+                fwrite(s, 1, sl, stdout);
+                fflush(stdout);
+                newline = s[sl - 1] == '\n';
+            }
+        } else if (cb_msg_is_type(m, "done")) {
+            if (!newline && !ctl->quiet) fputc('\n', stdout);
+            if (json && !ctl->quiet) {
+                json_t *o = cb_msg_to_json(m);
+                const char *skip[] = {"v", "type", "id", "ok"};
+                for (size_t i = 0; i < sizeof skip / sizeof skip[0]; i++) json_object_del(o, skip[i]);
+                json_t *cl = json_object();
+                json_object_set_new(cl, "ttft_ms", json_real(ttft < 0 ? now_ms() - t0 : ttft));
+                json_object_set_new(cl, "total_ms", json_real(now_ms() - t0));
+                json_object_set_new(o, "client", cl);
+                json_dumpf(o, stdout, JSON_COMPACT);
+                fputc('\n', stdout);
+                json_decref(o);
+            }
+            cb_msg_destroy(&m);
+            break;
+        }
+        cb_msg_destroy(&m);
+    }
+out:
+    fflush(stdout);
+    cb_msg_writer_destroy(&w);
+    cb_bus_client_destroy(&c);
+    return rc;
+}
+
+CBCTL_COMMAND(query, "query [--mode M] [--ratio R] [--k K] [--context TEXT]... [--json] Q",
+              "ask cb-blend; the answer streams to stdout", run_query)

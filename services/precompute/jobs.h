@@ -1,0 +1,93 @@
+/* jobs: cb-precompute's durable ingest queue, a SQLite database (WAL, synchronous=FULL) with one row per
+ * accepted document (a job) and one row per planned chunk.
+ *
+ * A job's id is content-derived: the hex of BLAKE2b-128("cb-job-v1" || len(doc_id) as u32 LE || doc_id ||
+ * text), so pushing the same doc_id with the same text again finds the same job (idempotent ingest).
+ * cb_jobs_submit commits the row before it returns, and the caller acknowledges only after that: with
+ * synchronous=FULL an acknowledged document survives a crash and a power loss (RELIABILITY.md §2).
+ *
+ * Job states: queued -> running (the worker picked it; its chunks get planned) -> done | failed. Chunk
+ * rows carry a done flag so that a restarted worker resumes a job where it stopped (every step of a chunk
+ * is idempotent: content-addressed KV file, idempotent put and index).
+ *
+ * Threads: one cb_jobs_t per thread (each owns its SQLite connection); several connections to the same
+ * file (the service's loop and its worker) are fine, busy_timeout absorbs their write contention.
+ */
+#ifndef CB_JOBS_H
+#define CB_JOBS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define CB_JOB_ID_LEN 32 /* hex characters of a job id */
+
+typedef struct cb_jobs cb_jobs_t;
+
+typedef enum { CB_JOB_QUEUED = 0, CB_JOB_RUNNING, CB_JOB_DONE, CB_JOB_FAILED, CB_JOB_STATE_COUNT_ } cb_job_state_t;
+const char *cb_job_state_name(cb_job_state_t s); /* "queued" ... */
+
+/* Opens (creating the file, its directories and the schema) the database at path. NULL + err. */
+cb_jobs_t *cb_jobs_open(const char *path, char *err, size_t errlen);
+void cb_jobs_close(cb_jobs_t **self_p);
+
+/* The job id of (doc_id, text) into job[CB_JOB_ID_LEN + 1]. */
+void cb_jobs_id(const char *doc_id, size_t doc_len, const char *text, size_t text_len, char job[CB_JOB_ID_LEN + 1]);
+
+/* Records a document durably, in one committed transaction. New (doc_id, text): a queued job
+ * (*duplicate = false). Already known: the same job, *duplicate = true, unless that job had failed, or is
+ * finished but a newer version of the document came after it: then it is queued again (*duplicate =
+ * false). meta_json (may be NULL) is stored as is. Returns 0, or -1 with err. */
+int cb_jobs_submit(cb_jobs_t *self, const char *doc_id, size_t doc_len, const char *text, size_t text_len,
+                   const char *meta_json, char job[CB_JOB_ID_LEN + 1], bool *duplicate, char *err, size_t errlen);
+
+typedef struct {
+    cb_job_state_t state;
+    int64_t chunks_done, chunks_total;
+    char error[256]; /* when failed */
+} cb_job_status_t;
+
+/* 1 = found (st filled), 0 = no such job, -1 = database error (err). */
+int cb_jobs_status(cb_jobs_t *self, const char *job, cb_job_status_t *st, char *err, size_t errlen);
+
+/* Jobs per state (counts[CB_JOB_STATE_COUNT_]) and chunks done over all jobs. 0 or -1. */
+int cb_jobs_counts(cb_jobs_t *self, int64_t counts[CB_JOB_STATE_COUNT_], int64_t *chunks_done, char *err,
+                   size_t errlen);
+
+/* ---- worker side -------------------------------------------------------------------------------------- */
+
+/* One job as the worker sees it (owned by the caller: cb_job_free). */
+typedef struct {
+    int64_t seq;                       /* queue order */
+    char job[CB_JOB_ID_LEN + 1];
+    char *doc_id;                      /* NUL-terminated */
+    char *text;                        /* [text_len] + NUL */
+    size_t text_len;
+    bool planned;                      /* chunk rows exist */
+    bool replaced;                     /* older versions' retriever entries were deleted already */
+    bool has_older;                    /* another job for the same doc_id came earlier */
+} cb_job_t;
+void cb_job_free(cb_job_t **job_p);
+
+/* The oldest job that is queued or running (marked running). 1 = *out set, 0 = none, -1 = error. */
+int cb_jobs_next(cb_jobs_t *self, cb_job_t **out, char *err, size_t errlen);
+
+/* A planned chunk: document bytes [off, off + len), its key (hex) and tokens, and whether it is done. */
+typedef struct {
+    int64_t off, len;
+    char key[65];
+    int n_tokens;
+    bool done;
+} cb_job_chunk_t;
+
+/* Records the chunks of a job (one transaction): chunk rows, chunks_total. 0 or -1. */
+int cb_jobs_plan(cb_jobs_t *self, const char *job, const cb_job_chunk_t *chunks, int n, char *err, size_t errlen);
+/* The planned chunks of a job in order (caller frees *chunks). 0 or -1. */
+int cb_jobs_chunks(cb_jobs_t *self, const char *job, cb_job_chunk_t **chunks, int *n, char *err, size_t errlen);
+/* Marks chunk idx done and counts it. 0 or -1. */
+int cb_jobs_chunk_done(cb_jobs_t *self, const char *job, int idx, char *err, size_t errlen);
+/* Marks that the older versions' retriever entries were deleted. 0 or -1. */
+int cb_jobs_set_replaced(cb_jobs_t *self, const char *job, char *err, size_t errlen);
+/* Ends a job: done, or failed with a message. 0 or -1. */
+int cb_jobs_finish(cb_jobs_t *self, const char *job, bool ok, const char *error, char *err, size_t errlen);
+#endif

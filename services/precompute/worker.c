@@ -1,0 +1,362 @@
+/* worker.c: cb-precompute's job worker thread (see worker.h). */
+#include "worker.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "blend.h"
+#include "bus.h"
+#include "chunker.h"
+#include "engine.h"
+#include "jobs.h"
+#include "kvfile.h"
+#include "log.h"
+#include "model.h"
+#include "msg.h"
+#include "ragprompt.h"
+#include "tokenizer.h"
+
+#define BACKOFF_MIN_MS 1000
+#define BACKOFF_MAX_MS 30000
+
+typedef struct {
+    zsock_t *pipe;
+    const pc_worker_args_t *a;
+    bool term;                   /* $TERM received */
+    cb_model_t *model;
+    cb_tokenizer_t *tok;
+    cb_ragprompt_t *rp;
+    cb_engine_t *engine;
+    cb_blend_t *blend;
+    cb_chunker_t *chunker;
+    cb_jobs_t *jobs;
+    cb_bus_client_t *retriever, *cacheindex;
+    cb_msg_writer_t *w;
+    const int32_t *prefix;       /* [n_prefix] the precompute context P */
+    int n_prefix;
+    int max_ctx;
+    char fp_hex[CB_KV_HEX_BYTES];
+} worker_t;
+
+typedef enum { STEP_OK = 0, STEP_FAIL, STEP_TERM } step_t;
+
+/* Reads pipe commands for up to wait_ms (0 = just drain). Returns true when $TERM arrived. */
+static bool poll_pipe(worker_t *w, int wait_ms) {
+    if (w->term) return true;
+    void *h = zsock_resolve(w->pipe);
+    for (;;) {
+        zmq_pollitem_t it = {h, 0, ZMQ_POLLIN, 0};
+        int rc = zmq_poll(&it, 1, wait_ms);
+        if (rc < 0) {
+            if (errno == EINTR) continue;
+            w->term = true; /* context terminated */
+            return true;
+        }
+        if (rc == 0) return false;
+        char *cmd = zstr_recv(w->pipe);
+        if (!cmd || strcmp(cmd, "$TERM") == 0) {
+            zstr_free(&cmd);
+            w->term = true;
+            return true;
+        }
+        zstr_free(&cmd); /* "WORK": just a wake-up */
+        wait_ms = 0;     /* drain the rest without waiting */
+    }
+}
+
+static void worker_free(worker_t *w) {
+    cb_bus_client_destroy(&w->retriever);
+    cb_bus_client_destroy(&w->cacheindex);
+    cb_msg_writer_destroy(&w->w);
+    cb_jobs_close(&w->jobs);
+    cb_chunker_destroy(&w->chunker);
+    cb_blend_destroy(&w->blend);
+    cb_engine_destroy(&w->engine);
+    cb_ragprompt_destroy(&w->rp);
+    cb_tokenizer_destroy(&w->tok);
+    cb_model_destroy(&w->model);
+}
+
+static int worker_init(worker_t *w, char *err, size_t errlen) {
+    const pc_worker_args_t *a = w->a;
+    if (!(w->model = cb_model_load(a->model_path, err, errlen))) return -1;
+    if (!(w->tok = cb_tokenizer_new_from_gguf(cb_model_gguf(w->model), err, errlen))) return -1;
+    if (!(w->rp = cb_ragprompt_new(w->tok, a->system_prompt, err, errlen))) return -1;
+    w->prefix = cb_ragprompt_prefix(w->rp, &w->n_prefix);
+    const cb_hparams_t *hp = cb_model_hparams(w->model);
+    /* P + a chunk of chunk_tokens encoded alone + its separator (a few tokens of slack) */
+    w->max_ctx = w->n_prefix + a->chunk_tokens + 16;
+    if (w->max_ctx > hp->n_ctx_train) {
+        snprintf(err, errlen, "precompute context (%d tokens) + chunk_tokens (%d) exceed the model's context (%d)",
+                 w->n_prefix, a->chunk_tokens, hp->n_ctx_train);
+        return -1;
+    }
+    if (!(w->engine = cb_engine_new(w->model, w->max_ctx, err, errlen))) return -1;
+    if (a->threads > 0) cb_engine_set_threads(w->engine, a->threads);
+    if (!(w->blend = cb_blend_new(w->engine, a->kv_dir, NULL, CB_KV_F16, err, errlen))) return -1;
+    if (!(w->chunker = cb_chunker_new(w->tok, a->chunk_tokens, err, errlen))) return -1;
+    if (!(w->jobs = cb_jobs_open(a->db_path, err, errlen))) return -1;
+    if (!(w->retriever = cb_bus_client_from_config(a->cfg, "precompute", "retriever", err, errlen))) return -1;
+    if (!(w->cacheindex = cb_bus_client_from_config(a->cfg, "precompute", "cacheindex", err, errlen))) return -1;
+    cb_bus_client_set_timeout(w->retriever, a->retriever_timeout_ms, -1);
+    cb_bus_client_set_timeout(w->cacheindex, a->cacheindex_timeout_ms, -1);
+    if (!(w->w = cb_msg_writer_new())) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    uint8_t fp[32];
+    cb_model_fingerprint(w->model, fp);
+    cb_kvfile_hex(fp, w->fp_hex);
+    return 0;
+}
+
+/* Sends the message finished in w->w to c, retrying transient failures (timeout, unavailable, overloaded)
+ * with back-off until it gets a reply. STEP_OK with *reply (ok reply, caller owns), STEP_FAIL with err
+ * (an error reply: permanent), STEP_TERM. */
+static step_t call_retry(worker_t *w, cb_bus_client_t *c, const char *job, const char *what, cb_msg_t **reply,
+                         char *err, size_t errlen) {
+    *reply = NULL;
+    size_t len;
+    const void *data = cb_msg_end(w->w, &len);
+    if (!data) {
+        snprintf(err, errlen, "cannot encode %s: %s", what, cb_msg_writer_error(w->w));
+        return STEP_FAIL;
+    }
+    /* the writer's buffer is reused by nothing until we return: keep a copy anyway (logging may not, but
+     * future code might) */
+    void *copy = malloc(len);
+    if (!copy) {
+        snprintf(err, errlen, "out of memory");
+        return STEP_FAIL;
+    }
+    memcpy(copy, data, len);
+    int backoff = BACKOFF_MIN_MS;
+    for (;;) {
+        cb_err_t code;
+        char e[512];
+        cb_msg_t *m = cb_bus_request(c, copy, len, &code, e, sizeof e);
+        if (m && cb_msg_ok(m)) {
+            free(copy);
+            *reply = m;
+            return STEP_OK;
+        }
+        if (m) {
+            code = cb_msg_err_code(m);
+            snprintf(e, sizeof e, "%s: %s", cb_msg_err_code_name(m), cb_msg_err_message(m));
+            cb_msg_destroy(&m);
+            if (code != CB_ERR_OVERLOADED && code != CB_ERR_UNAVAILABLE && code != CB_ERR_TIMEOUT) {
+                snprintf(err, errlen, "%s refused by %s: %s", what, cb_bus_client_endpoint(c), e);
+                free(copy);
+                return STEP_FAIL;
+            }
+        }
+        if (zsys_interrupted) {
+            free(copy);
+            return STEP_TERM;
+        }
+        cb_log(CB_LOG_WARN, job, "%s: %s; retrying in %d ms", what, e, backoff);
+        if (poll_pipe(w, backoff)) {
+            free(copy);
+            return STEP_TERM;
+        }
+        backoff = backoff * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : backoff * 2;
+    }
+}
+
+/* Chunks a document and records the plan. */
+static step_t plan_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
+    cb_chunk_span_t *spans = NULL;
+    int n = 0;
+    if (cb_chunker_split(w->chunker, job->text, job->text_len, &spans, &n, err, errlen) != 0) return STEP_FAIL;
+    cb_job_chunk_t *cs = n ? calloc((size_t)n, sizeof *cs) : NULL;
+    if (n && !cs) {
+        free(spans);
+        snprintf(err, errlen, "out of memory");
+        return STEP_FAIL;
+    }
+    for (int i = 0; i < n; i++) {
+        int nt = 0;
+        int32_t *toks = cb_ragprompt_chunk(w->rp, job->text + spans[i].off, spans[i].len, &nt);
+        if (!toks) {
+            free(spans);
+            free(cs);
+            snprintf(err, errlen, "cannot tokenize chunk %d", i);
+            return STEP_FAIL;
+        }
+        uint8_t key[32];
+        cb_blend_chunk_key(w->blend, w->prefix, w->n_prefix, toks, nt, key);
+        free(toks);
+        cs[i].off = (int64_t)spans[i].off;
+        cs[i].len = (int64_t)spans[i].len;
+        cs[i].n_tokens = nt;
+        cb_kvfile_hex(key, cs[i].key);
+    }
+    free(spans);
+    int rc = cb_jobs_plan(w->jobs, job->job, cs, n, err, errlen);
+    free(cs);
+    if (rc != 0) return STEP_FAIL;
+    cb_log(CB_LOG_INFO, job->job, "doc '%s': %zu bytes -> %d chunks", job->doc_id, job->text_len, n);
+    return STEP_OK;
+}
+
+/* One chunk: KV file, cacheindex put, retriever index. */
+static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t *c, char *err, size_t errlen) {
+    const char *text = job->text + c->off;
+    size_t len = (size_t)c->len;
+    int nt = 0;
+    int32_t *toks = cb_ragprompt_chunk(w->rp, text, len, &nt);
+    if (!toks) {
+        snprintf(err, errlen, "cannot tokenize chunk %d", idx);
+        return STEP_FAIL;
+    }
+    if (w->n_prefix + nt > w->max_ctx) {
+        free(toks);
+        snprintf(err, errlen, "chunk %d has %d tokens: more than the context allows (%d)", idx, nt,
+                 w->max_ctx - w->n_prefix);
+        return STEP_FAIL;
+    }
+    uint8_t key[32];
+    char hex[CB_KV_HEX_BYTES], rel[CB_KV_HEX_BYTES + 8], path[4400];
+    cb_blend_chunk_key(w->blend, w->prefix, w->n_prefix, toks, nt, key);
+    cb_kvfile_hex(key, hex);
+    snprintf(rel, sizeof rel, "%.2s/%s.kv", hex, hex);
+    snprintf(path, sizeof path, "%s/%s", w->a->kv_dir, rel);
+    step_t st = STEP_OK;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        cb_blend_src_t src;
+        cb_kv_miss_t why = CB_KV_OK;
+        if (cb_blend_ensure_chunk(w->blend, w->prefix, w->n_prefix, toks, nt, &src, &why, err, errlen) != 0) {
+            st = STEP_FAIL;
+            break;
+        }
+        cb_log(CB_LOG_DEBUG, job->job, "chunk %d (%d tokens) %s: %s", idx, nt,
+               src == CB_BLEND_SRC_COMPUTED ? "computed" : "already on disk", hex);
+        struct stat sb;
+        if (stat(path, &sb) != 0) {
+            snprintf(err, errlen, "KV file %.200s missing after it was written: %s", path, strerror(errno));
+            st = STEP_FAIL;
+            break;
+        }
+        cb_msg_writer_t *wr = w->w;
+        char id[32];
+        cb_msg_begin(wr, "put", cb_bus_new_id(id, sizeof id));
+        cb_msg_put_str(wr, "key", hex);
+        cb_msg_put_str(wr, "path", rel);
+        cb_msg_put_int(wr, "bytes", (int64_t)sb.st_size);
+        cb_msg_put_int(wr, "tokens", nt);
+        cb_msg_put_str(wr, "fingerprint", w->fp_hex);
+        cb_msg_t *r = NULL;
+        st = call_retry(w, w->cacheindex, job->job, "put", &r, err, errlen);
+        cb_msg_destroy(&r);
+        /* a put refused because the file vanished in between (gc, eviction): write it again once */
+        if (st == STEP_FAIL && attempt == 0 && (strstr(err, "not_found") || strstr(err, "bad_request"))) {
+            cb_log(CB_LOG_WARN, job->job, "chunk %d: %s; writing the file again", idx, err);
+            continue;
+        }
+        break;
+    }
+    free(toks);
+    if (st != STEP_OK) return st;
+    char id[32];
+    cb_msg_writer_t *wr = w->w;
+    cb_msg_begin(wr, "index", cb_bus_new_id(id, sizeof id));
+    cb_msg_put_str(wr, "chunk_id", hex);
+    cb_msg_put_str(wr, "doc_id", job->doc_id);
+    cb_msg_put_strn(wr, "text", text, len);
+    cb_msg_t *r = NULL;
+    st = call_retry(w, w->retriever, job->job, "index", &r, err, errlen);
+    cb_msg_destroy(&r);
+    if (st != STEP_OK) return st;
+    return cb_jobs_chunk_done(w->jobs, job->job, idx, err, errlen) == 0 ? STEP_OK : STEP_FAIL;
+}
+
+static step_t process_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
+    step_t st;
+    if (!job->planned && (st = plan_job(w, job, err, errlen)) != STEP_OK) return st;
+    if (job->has_older && !job->replaced) {
+        /* a new version of a document: its older chunks leave the retriever before the new ones come */
+        char id[32];
+        cb_msg_begin(w->w, "delete", cb_bus_new_id(id, sizeof id));
+        cb_msg_put_str(w->w, "doc_id", job->doc_id);
+        cb_msg_t *r = NULL;
+        if ((st = call_retry(w, w->retriever, job->job, "delete", &r, err, errlen)) != STEP_OK) return st;
+        int64_t deleted = 0;
+        cb_msg_int(r, "deleted", 0, INT64_MAX, &deleted);
+        cb_msg_destroy(&r);
+        cb_log(CB_LOG_INFO, job->job, "doc '%s' replaced: %" PRId64 " old chunks removed from the retriever",
+               job->doc_id, deleted);
+        if (cb_jobs_set_replaced(w->jobs, job->job, err, errlen) != 0) return STEP_FAIL;
+    }
+    cb_job_chunk_t *cs = NULL;
+    int n = 0;
+    if (cb_jobs_chunks(w->jobs, job->job, &cs, &n, err, errlen) != 0) return STEP_FAIL;
+    int done = 0;
+    for (int i = 0; i < n; i++) {
+        if (cs[i].done) {
+            done++;
+            continue;
+        }
+        if (poll_pipe(w, 0)) {
+            free(cs);
+            return STEP_TERM;
+        }
+        if ((st = do_chunk(w, job, i, &cs[i], err, errlen)) != STEP_OK) {
+            free(cs);
+            return st;
+        }
+    }
+    free(cs);
+    if (done > 0) cb_log(CB_LOG_INFO, job->job, "resumed: %d of %d chunks were done already", done, n);
+    return STEP_OK;
+}
+
+void pc_worker_actor(zsock_t *pipe, void *args) {
+    worker_t w = {.pipe = pipe, .a = args};
+    zsock_signal(pipe, 0);
+    char err[1024];
+    if (worker_init(&w, err, sizeof err) != 0) {
+        cb_log(CB_LOG_ERROR, NULL, "worker: %s", err);
+        zstr_sendx(pipe, "FATAL", err, NULL);
+        worker_free(&w);
+        /* wait for $TERM (the actor protocol) */
+        while (!poll_pipe(&w, 1000)) {
+        }
+        return;
+    }
+    cb_log(CB_LOG_INFO, NULL, "worker ready: precompute context %d tokens, chunks of <= %d tokens, kv_dir %s",
+           w.n_prefix, w.a->chunk_tokens, w.a->kv_dir);
+    zstr_send(pipe, "READY");
+    while (!w.term) {
+        cb_job_t *job = NULL;
+        int r = cb_jobs_next(w.jobs, &job, err, sizeof err);
+        if (r < 0) {
+            cb_log(CB_LOG_ERROR, NULL, "worker: %s", err);
+            poll_pipe(&w, BACKOFF_MIN_MS);
+            continue;
+        }
+        if (r == 0) {
+            poll_pipe(&w, 1000);
+            continue;
+        }
+        double t0 = (double)zclock_usecs() / 1000.0;
+        err[0] = 0;
+        step_t st = process_job(&w, job, err, sizeof err);
+        double ms = (double)zclock_usecs() / 1000.0 - t0;
+        if (st == STEP_TERM) {
+            cb_log(CB_LOG_INFO, job->job, "stopping in the middle of doc '%s' (resumes at the next start)", job->doc_id);
+        } else {
+            char e2[256];
+            if (cb_jobs_finish(w.jobs, job->job, st == STEP_OK, err, e2, sizeof e2) != 0)
+                cb_log(CB_LOG_ERROR, job->job, "worker: %s", e2);
+            if (st == STEP_OK) cb_log(CB_LOG_INFO, job->job, "doc '%s' done in %.0f ms", job->doc_id, ms);
+            else cb_log(CB_LOG_WARN, job->job, "doc '%s' failed: %s", job->doc_id, err);
+            zstr_sendx(pipe, "JOB", job->job, st == STEP_OK ? "done" : "failed", NULL);
+        }
+        cb_job_free(&job);
+    }
+    worker_free(&w);
+}
