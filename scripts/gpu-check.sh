@@ -7,6 +7,8 @@
 # If the tree cannot be built there (the GPU image lacks this project's libraries) and build/gpu-bundle
 # was carried along (scripts/gpu-bundle.sh, built where the dependencies are), its binaries are used.
 # Extra arguments after RESULTS_DIR go to the benchmark. Exit 0 when everything ran and passed.
+# Time: steps are capped (build 200 s, tests 150 s, benchmark 210 s) so the whole check fits one 600 s
+# device command; expect about 3 minutes. At most 6 files are written (a device run returns up to 8).
 set -u
 cd "$(dirname "$0")/.."
 R=${1:-build/gpu-check}
@@ -27,8 +29,8 @@ jobs=$(nproc 2>/dev/null || echo 4)
 status=0
 
 # 1. build
-if make -j"$jobs" cuda > "$R/build.log" 2>&1 && \
-   make -j"$jobs" -f Makefile -f mk/cuda.mk CB_CUDA=1 gpu-tests >> "$R/build.log" 2>&1; then
+if timeout 200 make -j"$jobs" cuda > "$R/build.log" 2>&1 && \
+   timeout 60 make -j"$jobs" -f Makefile -f mk/cuda.mk CB_CUDA=1 gpu-tests >> "$R/build.log" 2>&1; then
   say "build: ok (make cuda)"
   unset CB_GPU_BIN_DIR
 elif [ -x build/gpu-bundle/bin/test_gpu ] && [ -x build/gpu-bundle/bin/cb-bench-gpu ]; then
@@ -41,9 +43,9 @@ fi
 
 # 2. tests
 if [ -n "${CB_GPU_BIN_DIR:-}" ]; then
-  timeout 900 tests/run-gpu.sh > "$R/test-gpu.log" 2>&1; rc=$?
+  timeout 150 tests/run-gpu.sh > "$R/test-gpu.log" 2>&1; rc=$?
 else
-  timeout 900 make test-gpu > "$R/test-gpu.log" 2>&1; rc=$?
+  timeout 150 tests/run-gpu.sh > "$R/test-gpu.log" 2>&1; rc=$?   # what `make test-gpu` runs, minus `all`
 fi
 cp build/test-logs/gpu-*.err "$R/" 2>/dev/null
 say "tests: $(grep 'test-gpu:' "$R/test-gpu.log" | tail -1) (exit $rc)"
@@ -51,7 +53,7 @@ grep -E '^\[test_.*FAIL' "$R/test-gpu.log" | sed 's/^/  /' | tee -a "$R/summary.
 [ $rc -eq 0 ] || status=1
 
 # 3. benchmark
-timeout 900 scripts/bench-gpu.sh "$@" > "$R/bench.log" 2>&1; rc=$?
+timeout 210 scripts/bench-gpu.sh "$@" > "$R/bench.log" 2>&1; rc=$?
 say "benchmark: exit $rc"
 grep -E '^(\||  cuBLAS|  device|  host|  best|  precomputed|targets|  blend|  prefill|  decode|  [0-9]+-token)' "$R/bench.log" >> "$R/summary.txt"
 [ $rc -eq 0 ] || status=1
