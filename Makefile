@@ -96,7 +96,7 @@ model:
 test: all $(TESTS) $(ASAN_TESTS) model
 	@tests/run.sh
 
-test-gpu: all
+test-gpu: all gpu-tests
 	@tests/run-gpu.sh
 
 fuzz: build/lib/libshared.a
@@ -120,3 +120,4 @@ bench-stack: all model
 
 clean:
 	rm -rf build
+-include mk/cuda.mk
