@@ -209,7 +209,7 @@ static size_t utf8_feed(utf8_stream_t *u, const unsigned char *in, size_t n, boo
 /* ---- one query ------------------------------------------------------------------------------------- */
 
 typedef struct {
-    double queue_ms, retrieve_ms, lookup_ms, load_ms, miss_ms, blend_ms, decode_ms, ttft_ms;
+    double queue_ms, retrieve_ms, lookup_ms, load_ms, blend_ms, decode_ms, ttft_ms;
     int hits, misses, corrupt, n_prompt, n_gen, n_chunks;
     cb_blend_stats_t bs;
 } qmetrics_t;
@@ -288,19 +288,22 @@ static void put_chunk(gen_t *g, gen_query_t *q, const char *hex, int n_tokens) {
     cb_msg_destroy(&r);
 }
 
-/* Looks keys up in cb-cacheindex (marks them used); the reply only informs the log and the LRU: the
- * blend checks memory and files itself. Returns the number of index hits, or -1 when unreachable. */
-static int lookup(gen_t *g, gen_query_t *q, char (*hex)[CB_KV_HEX_BYTES], const bool *need, int n) {
+/* Looks the needed keys up in cb-cacheindex (which marks them used for its LRU); in_index[i] says
+ * whether the index knows chunk i. The blend itself checks the memory tier and the files, so the index
+ * only informs the LRU, the metrics and which chunks to register. Returns -1 when unreachable. */
+static int lookup(gen_t *g, gen_query_t *q, char (*hex)[CB_KV_HEX_BYTES], const bool *need, int n, bool *in_index) {
     char id[CB_MSG_MAX_ID + 1];
     snprintf(id, sizeof id, "%.40s.l", q->id);
     cb_msg_begin(g->w, "lookup", id);
     cb_msg_begin_array(g->w, "keys");
     int nk = 0;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        in_index[i] = false;
         if (need[i]) {
             cb_msg_put_str(g->w, NULL, hex[i]);
             nk++;
         }
+    }
     cb_msg_end_array(g->w);
     if (nk == 0) return 0;
     cb_err_t code;
@@ -313,6 +316,14 @@ static int lookup(gen_t *g, gen_query_t *q, char (*hex)[CB_KV_HEX_BYTES], const 
     }
     size_t nh = 0;
     cb_msg_array_len(r, "hits", 256, &nh);
+    for (size_t h = 0; h < nh; h++) {
+        const cb_msg_t *hm = cb_msg_at_map(r, "hits", h);
+        const char *k;
+        size_t kl;
+        if (!hm || !cb_msg_str(hm, "key", 128, &k, &kl)) continue;
+        for (int i = 0; i < n; i++)
+            if (need[i] && kl == 64 && memcmp(k, hex[i], 64) == 0) in_index[i] = true;
+    }
     cb_msg_destroy(&r);
     return (int)nh;
 }
@@ -328,7 +339,6 @@ static void run_query(gen_t *g, gen_query_t *q) {
     size_t rlens[GEN_MAX_CONTEXTS] = {0};
     int32_t *ctoks[GEN_MAX_CONTEXTS] = {0};
     int cn[GEN_MAX_CONTEXTS] = {0};
-    cb_kvmem_entry_t *held[GEN_MAX_CONTEXTS] = {0};
     char hex[GEN_MAX_CONTEXTS][CB_KV_HEX_BYTES];
     bool need[GEN_MAX_CONTEXTS] = {0};
     int32_t *suffix = NULL;
@@ -378,36 +388,16 @@ static void run_query(gen_t *g, gen_query_t *q) {
         cb_blend_chunk_key(g->blend, g->prefix, g->n_prefix, ctoks[i], cn[i], key);
         cb_kvfile_hex(key, hex[i]);
     }
+    bool in_index[GEN_MAX_CONTEXTS] = {0};
+    int index_rc;
     {
         double t = now_ms();
-        lookup(g, q, hex, need, n);
+        index_rc = lookup(g, q, hex, need, n, in_index);
         mt.lookup_ms = now_ms() - t;
     }
-    /* 4. load (memory tier, then file) or compute + store each needed chunk */
-    for (int i = 0; i < n; i++) {
-        if (!need[i]) continue;
-        if (atomic_load(&q->cancelled)) goto cancelled;
-        double t = now_ms();
-        cb_blend_src_t src;
-        cb_kv_miss_t why = CB_KV_OK;
-        held[i] = cb_blend_load_chunk(g->blend, g->prefix, g->n_prefix, ctoks[i], cn[i], &src, &why, err, sizeof err);
-        if (!held[i]) goto fail;
-        double dt = now_ms() - t;
-        if (src == CB_BLEND_SRC_COMPUTED) {
-            mt.misses++;
-            mt.miss_ms += dt;
-            if (why != CB_KV_MISS_NOT_FOUND && why != CB_KV_OK) {
-                mt.corrupt++;
-                cb_log(CB_LOG_WARN, q->id, "chunk %.16s: KV file rejected (%s): recomputed and rewritten", hex[i],
-                       cb_kv_miss_str(why));
-            }
-            if (a->store_misses) put_chunk(g, q, hex[i], cn[i]);
-        } else {
-            mt.hits++;
-            mt.load_ms += dt;
-        }
-    }
-    /* 5. the fused prefill */
+    /* 4. the fused prefill: it takes each needed chunk from the memory tier, else streams its KV file
+     * (checked layer by layer, loading overlapped with compute), else computes it and writes the file; a
+     * file that fails any check is a miss */
     if (atomic_load(&q->cancelled)) goto cancelled;
     cb_blend_chunk_t chunks[GEN_MAX_CONTEXTS];
     for (int i = 0; i < n; i++) chunks[i] = (cb_blend_chunk_t){ctoks[i], cn[i]};
@@ -423,7 +413,26 @@ static void run_query(gen_t *g, gen_query_t *q) {
                          sizeof err) != 0)
         goto fail;
     mt.blend_ms = now_ms() - t_blend;
-    for (int i = 0; i < n; i++) cb_kvmem_entry_release(&held[i]);
+    mt.hits = mt.bs.chunks_mem + mt.bs.chunks_file;
+    mt.misses = mt.bs.chunks_computed;
+    mt.load_ms = mt.bs.t_load_ms;
+    if (mt.misses > 0) {
+        /* chunks computed now: register their files. A chunk the index knew but that had to be computed had
+         * a file that failed its checks (rewritten now): count it and register it again. */
+        int index_misses = 0;
+        for (int i = 0; i < n; i++) index_misses += need[i] && !in_index[i];
+        if (index_rc >= 0 && mt.misses > index_misses) {
+            mt.corrupt = mt.misses - index_misses;
+            cb_log(CB_LOG_WARN, q->id, "%d chunk file(s) rejected (corrupt or stale): recomputed and rewritten",
+                   mt.corrupt);
+        }
+        if (a->store_misses)
+            for (int i = 0; i < n; i++)
+                if (need[i] && (!in_index[i] || mt.corrupt > 0 || index_rc < 0)) put_chunk(g, q, hex[i], cn[i]);
+    } else {
+        for (int i = 0; i < n; i++)
+            if (need[i] && !in_index[i] && index_rc >= 0 && a->store_misses) put_chunk(g, q, hex[i], cn[i]);
+    }
     /* 6. decode, streaming */
     cb_sampler_params_t sp = {.temperature = (float)q->temperature, .top_k = 0, .top_p = (float)q->top_p, .seed = q->seed};
     if (!(sampler = cb_sampler_new(&sp, g->n_vocab))) {
@@ -493,7 +502,9 @@ static void run_query(gen_t *g, gen_query_t *q) {
     cb_msg_put_double(w, "retrieve_ms", mt.retrieve_ms);
     cb_msg_put_double(w, "lookup_ms", mt.lookup_ms);
     cb_msg_put_double(w, "load_ms", mt.load_ms);
-    cb_msg_put_double(w, "miss_ms", mt.miss_ms);
+    cb_msg_put_double(w, "load_wait_ms", mt.bs.t_load_wait_ms);
+    cb_msg_put_double(w, "resolve_ms", mt.bs.t_resolve_ms);
+    cb_msg_put_double(w, "compute_ms", mt.bs.t_compute_ms);
     cb_msg_put_double(w, "blend_ms", mt.blend_ms);
     cb_msg_put_double(w, "decode_ms", mt.decode_ms);
     cb_msg_put_double(w, "total_ms", now_ms() - q->t_recv_ms);
@@ -516,11 +527,12 @@ static void run_query(gen_t *g, gen_query_t *q) {
         goto fail;
     }
     cb_log(CB_LOG_INFO, q->id,
-           "query %s r=%.2f: %d chunks (%d hits, %d misses%s), %d prompt tokens (%d recomputed), ttft %.1f ms "
-           "(queue %.1f, retrieve %.1f, lookup %.1f, load %.1f, miss %.1f, blend %.1f), %d tokens in %.1f ms",
-           cb_blend_mode_str(q->mode), q->ratio, n, mt.hits, mt.misses, mt.corrupt ? ", corrupt files" : "", N,
-           mt.bs.tokens_recomputed, mt.ttft_ms, mt.queue_ms, mt.retrieve_ms, mt.lookup_ms, mt.load_ms, mt.miss_ms,
-           mt.blend_ms, mt.n_gen, mt.decode_ms);
+           "query %s r=%.2f: %d chunks (%d hits: %d memory, %d file; %d misses%s), %d prompt tokens (%d recomputed), "
+           "ttft %.1f ms (queue %.1f, retrieve %.1f, lookup %.1f, blend %.1f: resolve %.1f, load %.1f), %d tokens in "
+           "%.1f ms",
+           cb_blend_mode_str(q->mode), q->ratio, n, mt.hits, mt.bs.chunks_mem, mt.bs.chunks_file, mt.misses,
+           mt.corrupt ? ", rejected files" : "", N, mt.bs.tokens_recomputed, mt.ttft_ms, mt.queue_ms, mt.retrieve_ms,
+           mt.lookup_ms, mt.blend_ms, mt.bs.t_resolve_ms, mt.load_ms, mt.n_gen, mt.decode_ms);
     to_loop(g, "DONE", q, d, len);
     goto out;
 
@@ -538,7 +550,6 @@ out:
     for (int i = 0; i < GEN_MAX_CONTEXTS; i++) {
         free(rtexts[i]);
         free(ctoks[i]);
-        cb_kvmem_entry_release(&held[i]);
     }
     free(suffix);
     free(text);
