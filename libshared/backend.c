@@ -42,6 +42,17 @@ static void cpu_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, f
     }
 }
 
+static void cpu_matmul_multi(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
+    cpu_ctx_t *c = ctx;
+    bool gemm = n > CB_CPU_MATVEC_MAX_ROWS;
+    for (int p = 0; p < n_parts; p++) gemm = gemm && parts[p].w->f32;
+    if (gemm || n <= CB_CPU_MATVEC_MAX_ROWS) {
+        cb_cpu_matmul_multi(parts, n_parts, x, n, gemm, c->mv_scratch, c->pool);
+        return;
+    }
+    for (int p = 0; p < n_parts; p++) cpu_matmul(ctx, parts[p].w, x, n, parts[p].y, parts[p].ldy);
+}
+
 typedef struct {
     const float *x, *w;
     float *y;
@@ -104,7 +115,7 @@ static void swiglu_task(void *arg, int t, int thread) {
 
 static void cpu_swiglu(void *ctx, const float *gate, const float *up, size_t n, float *out) {
     cpu_ctx_t *c = ctx;
-    if (n < 65536 || c->nt == 1) {
+    if (n < 32768 || c->nt == 1) {
         cb_cpu_swiglu(gate, up, n, out);
         return;
     }
@@ -152,6 +163,7 @@ static const cb_backend_ops_t CPU_OPS = {
     .rope = cpu_rope,
     .attention = cpu_attention,
     .swiglu = cpu_swiglu,
+    .matmul_multi = cpu_matmul_multi,
     .add = cpu_add,
     .embed = cpu_embed,
     .set_threads = cpu_set_threads,

@@ -23,6 +23,13 @@ typedef struct {
     float scale;            /* usually 1/sqrt(head_dim) */
 } cb_attn_geom_t;
 
+/* One output of matmul_multi. */
+typedef struct {
+    const cb_weight_t *w;
+    float *y;               /* [n][ldy] */
+    int ldy;
+} cb_matmul_part_t;
+
 typedef struct {
     const char *name;
     /* y[i][o] = sum_j x[i][j] w[o][j]:  x [n][w->cols], y [n][ldy] (ldy >= w->rows); n <= max_rows. */
@@ -41,6 +48,10 @@ typedef struct {
     void (*add)(void *ctx, float *x, const float *y, size_t n);
     /* x[i] = row tokens[i] of table (dequantized):  x [n][table->cols]; tokens already validated. */
     void (*embed)(void *ctx, const cb_weight_t *table, const int32_t *tokens, int n, float *x);
+    /* Optional (NULL: the engine calls matmul once per part): the products of one x with several
+     * weights (Q|K|V, gate|up) in one call, so a backend can schedule them together. Each part is
+     * y [n][ldy] = x [n][w->cols] · wᵀ, all parts with the same cols. */
+    void (*matmul_multi)(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n);
     /* Threads used by later calls (>= 1). */
     void (*set_threads)(void *ctx, int n_threads);
     void (*destroy)(void *ctx);

@@ -37,7 +37,7 @@ struct cb_engine {
     float *xb;               /* [max_rows][E] normed input; also the logits row's norm */
     float *att;              /* [max_rows][QD] attention output */
     float *proj;             /* [max_rows][E] o_proj / down_proj output */
-    float *gate;             /* [max_rows][F] gate, then silu(gate)*up */
+    float *gate;             /* [max_rows][F] gate, then silu(gate) * up */
     float *up;               /* [max_rows][F] */
 };
 
@@ -154,6 +154,15 @@ float *cb_engine_vcache(cb_engine_t *self, int layer) {
 
 /* ---------------------------------------------------------------- primitives */
 
+/* Several products of the same x: one backend call when it offers matmul_multi. */
+static void matmul_parts(cb_engine_t *e, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
+    if (e->be->ops->matmul_multi) {
+        e->be->ops->matmul_multi(e->be->ctx, parts, n_parts, x, n);
+        return;
+    }
+    for (int p = 0; p < n_parts; p++) e->be->ops->matmul(e->be->ctx, parts[p].w, x, n, parts[p].y, parts[p].ldy);
+}
+
 void cb_engine_embed(cb_engine_t *self, const int32_t *tokens, int n, float *x) {
     assert(n >= 0 && n <= self->max_rows);
     self->be->ops->embed(self->be->ctx, cb_model_tok_embd(self->model), tokens, n, x);
@@ -166,9 +175,8 @@ void cb_engine_layer_qkv(cb_engine_t *self, int layer, const float *x, int n, fl
     const cb_layer_weights_t *L = cb_model_layer(self->model, layer);
     assert(L);
     ops->rmsnorm(ctx, x, L->attn_norm, n, self->E, self->hp->rms_eps, self->xb);
-    ops->matmul(ctx, &L->wq, self->xb, n, q, self->QD);
-    ops->matmul(ctx, &L->wk, self->xb, n, k, self->KVD);
-    ops->matmul(ctx, &L->wv, self->xb, n, v, self->KVD);
+    cb_matmul_part_t parts[3] = {{&L->wq, q, self->QD}, {&L->wk, k, self->KVD}, {&L->wv, v, self->KVD}};
+    matmul_parts(self, parts, 3, self->xb, n);
 }
 
 void cb_engine_layer_attn_mlp(cb_engine_t *self, int layer, float *x, const float *q, int n,
@@ -178,15 +186,15 @@ void cb_engine_layer_attn_mlp(cb_engine_t *self, int layer, float *x, const floa
     void *ctx = self->be->ctx;
     const cb_layer_weights_t *L = cb_model_layer(self->model, layer);
     assert(L);
-    const size_t nE = (size_t)n * self->E, nF = (size_t)n * self->F;
+    const size_t nE = (size_t)n * self->E;
     ops->attention(ctx, &self->geom, q, n, cb_engine_kcache(self, layer), cb_engine_vcache(self, layer), key_limit,
                    self->att);
     ops->matmul(ctx, &L->wo, self->att, n, self->proj, self->E);
     ops->add(ctx, x, self->proj, nE);
     ops->rmsnorm(ctx, x, L->ffn_norm, n, self->E, self->hp->rms_eps, self->xb);
-    ops->matmul(ctx, &L->w_gate, self->xb, n, self->gate, self->F);
-    ops->matmul(ctx, &L->w_up, self->xb, n, self->up, self->F);
-    ops->swiglu(ctx, self->gate, self->up, nF, self->gate);
+    cb_matmul_part_t parts[2] = {{&L->w_gate, self->gate, self->F}, {&L->w_up, self->up, self->F}};
+    matmul_parts(self, parts, 2, self->xb, n);
+    ops->swiglu(ctx, self->gate, self->up, (size_t)n * self->F, self->gate);
     ops->matmul(ctx, &L->w_down, self->gate, n, self->proj, self->E);
     ops->add(ctx, x, self->proj, nE);
 }

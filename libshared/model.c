@@ -456,8 +456,7 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
         if (!load_norm(m, g, name, &L->ffn_norm, err, errlen)) goto fail;
     }
 
-    /* f32 copies of the block matrices, one arena; per layer q,k,v are adjacent (so are gate,up), which
-     * lets a caller treat [wq;wk;wv] and [w_gate;w_up] as single matrices. */
+    /* f32 copies of the block matrices, one arena, in layer order. */
     size_t per_layer = (size_t)E * (QD + 2 * KVD) + (size_t)QD * E + (size_t)E * F * 3;
     m->arena_floats = per_layer * (size_t)hp->n_layer;
     if (m->arena_floats > ((size_t)1 << 40) / sizeof(float)) {

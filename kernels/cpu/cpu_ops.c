@@ -362,9 +362,72 @@ void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy,
     cb_pool_run(pool, (w->rows + slice - 1) / slice, gemm_task, &j);
 }
 
+/* ---------------------------------------------------------------- several outputs of one x */
+
+#define MULTI_MAX_TASKS 512
+
+typedef struct {
+    const cb_matmul_part_t *parts;
+    const float *x;
+    int n;
+    bool gemm;
+    float *scratch;
+    int n_tasks;
+    struct { int16_t part; int r0, r1; } task[MULTI_MAX_TASKS];
+} multi_job_t;
+
+static void multi_task(void *arg, int t, int thread) {
+    const multi_job_t *j = arg;
+    const cb_matmul_part_t *p = &j->parts[j->task[t].part];
+    const cb_weight_t *w = p->w;
+    int r0 = j->task[t].r0, r1 = j->task[t].r1;
+    if (j->gemm) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, j->n, r1 - r0, w->cols, 1.0f, j->x, w->cols,
+                    w->f32 + (size_t)r0 * w->cols, w->cols, 0.0f, p->y + r0, p->ldy);
+        return;
+    }
+#if CB_AVX512
+    if (w->type == CB_TYPE_Q4_1) { matvec_q4_1(w, j->x, j->n, p->y, p->ldy, r0, r1); return; }
+    if (w->type == CB_TYPE_Q8_0) { matvec_q8_0(w, j->x, j->n, p->y, p->ldy, r0, r1); return; }
+#endif
+    matvec_generic(w, j->x, j->n, p->y, p->ldy, r0, r1, j->scratch + (size_t)thread * w->cols);
+}
+
+void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float *x, int n, bool gemm,
+                         float *scratch, cb_pool_t *pool) {
+    static __thread multi_job_t j; /* large; one per calling thread */
+    j.parts = parts;
+    j.x = x;
+    j.n = n;
+    j.gemm = gemm;
+    j.scratch = scratch;
+    j.n_tasks = 0;
+    int nt = cb_pool_size(pool), total = 0;
+    for (int p = 0; p < n_parts; p++) total += parts[p].w->rows;
+    /* GEMM: ~2 slices per thread over all parts (multiples of 32 rows); matvec: ~8 per thread (16) */
+    int align = gemm ? 32 : 16, per = gemm ? 2 : 8;
+    int width = (total / (per * nt) + align - 1) / align * align;
+    if (width < align) width = align;
+    if (nt == 1 && gemm) width = total;
+    for (int p = 0; p < n_parts; p++) {
+        const int rows = parts[p].w->rows;
+        int k = (rows + width - 1) / width; /* slices of this part, evenly sized */
+        int w = ((rows + k - 1) / k + align - 1) / align * align;
+        for (int r0 = 0; r0 < rows; r0 += w) {
+            assert(j.n_tasks < MULTI_MAX_TASKS);
+            j.task[j.n_tasks].part = (int16_t)p;
+            j.task[j.n_tasks].r0 = r0;
+            j.task[j.n_tasks].r1 = r0 + w < rows ? r0 + w : rows;
+            j.n_tasks++;
+        }
+    }
+    cb_pool_run(pool, j.n_tasks, multi_task, &j);
+}
+
 /* ---------------------------------------------------------------- attention */
 
 #define ATT_BLOCK_ROWS 64  /* query rows per GEMM block (x group size query heads) */
+#define ATT_MAX_G 64       /* largest GQA group (n_head / n_head_kv) the block path handles */
 
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt) {
     (void)max_rows;
@@ -374,37 +437,44 @@ size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_k
     return per_thread * (size_t)(nt < 1 ? 1 : nt);
 }
 
-/* Softmax of s[0:lim) in place, zeros in s[lim:L). */
-static void softmax_row(float *s, int lim, int L) {
-    float mx = -INFINITY;
-    for (int j = 0; j < lim; j++) mx = s[j] > mx ? s[j] : mx;
-    float sum = 0.0f;
+/* Unnormalised softmax of s[0:lim) in place (exp(s - max)), zeros in s[lim:L); returns 1 / sum. */
+static float softmax_row(float *s, int lim, int L) {
+    float mx = -INFINITY, sum = 0.0f;
     int j = 0;
 #if CB_AVX512
-    __m512 vmx = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
-    for (; j + 16 <= lim; j += 16) {
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= lim; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + j));
+    if (j < lim) vmx = _mm512_mask_max_ps(vmx, (__mmask16)((1u << (lim - j)) - 1u), vmx, _mm512_loadu_ps(s + j));
+    mx = _mm512_reduce_max_ps(vmx);
+    vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= lim; j += 16) {
         __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmx));
         _mm512_storeu_ps(s + j, e);
         vsum = _mm512_add_ps(vsum, e);
     }
     if (j < lim) {
         __mmask16 k = (__mmask16)((1u << (lim - j)) - 1u);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vmx));
-        e = _mm512_maskz_mov_ps(k, e);
+        __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vmx)));
         _mm512_mask_storeu_ps(s + j, k, e);
         vsum = _mm512_add_ps(vsum, e);
         j = lim;
     }
     sum = hsum16(vsum);
-#endif
-    for (; j < lim; j++) {
+#else
+    for (j = 0; j < lim; j++) mx = s[j] > mx ? s[j] : mx;
+    for (j = 0; j < lim; j++) {
         float d = s[j] - mx;
         cb_cpu_exp(&d, &s[j], 1);
         sum += s[j];
     }
-    float inv = 1.0f / sum;
-    for (j = 0; j < lim; j++) s[j] *= inv;
+#endif
     if (L > lim) memset(s + lim, 0, sizeof(float) * (size_t)(L - lim));
+    return 1.0f / sum;
+}
+
+static void scale_row(float *x, int n, float a) {
+    for (int i = 0; i < n; i++) x[i] *= a;
 }
 
 /* One query row, one head: out[hd] = softmax(q·K[0:lim)ᵀ·scale) · V. s: [lim] scratch. */
@@ -412,13 +482,14 @@ static void attend_row(const cb_attn_geom_t *g, const float *q, const float *kc,
                        float *s, float *out) {
     const int hd = g->head_dim;
     for (int j = 0; j < lim; j++) s[j] = dot_f32(q, kc + (size_t)j * kvd, hd) * g->scale;
-    softmax_row(s, lim, lim);
+    float inv = softmax_row(s, lim, lim);
     memset(out, 0, sizeof(float) * (size_t)hd);
     for (int j = 0; j < lim; j++) {
         const float *v = vc + (size_t)j * kvd;
         float p = s[j];
         for (int d = 0; d < hd; d++) out[d] += p * v[d];
     }
+    scale_row(out, hd, inv);
 }
 
 typedef struct {
@@ -457,14 +528,16 @@ static void attn_block_task(void *arg, int t, int thread) {
                    sizeof(float) * (size_t)hd);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, j->kc + (size_t)kvh * hd, kvd,
                 0.0f, S, L);
-    for (int hh = 0; hh < G; hh++)
-        for (int i = 0; i < nr; i++) softmax_row(S + ((size_t)hh * nr + i) * L, j->key_limit[i0 + i], L);
+    float inv[ATT_MAX_G * ATT_BLOCK_ROWS];
+    for (int r = 0; r < M; r++) inv[r] = softmax_row(S + (size_t)r * L, j->key_limit[i0 + r % nr], L);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, L, 1.0f, S, L, j->vc + (size_t)kvh * hd, kvd, 0.0f,
                 O, hd);
     for (int hh = 0; hh < G; hh++)
-        for (int i = 0; i < nr; i++)
-            memcpy(j->out + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd, O + ((size_t)hh * nr + i) * hd,
-                   sizeof(float) * (size_t)hd);
+        for (int i = 0; i < nr; i++) {
+            float *dst = j->out + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd;
+            const float *src = O + ((size_t)hh * nr + i) * hd, a = inv[hh * nr + i];
+            for (int d = 0; d < hd; d++) dst[d] = src[d] * a;
+        }
 }
 
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
@@ -473,7 +546,7 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const floa
     for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= max_keys);
     attn_job_t j = {g, q, kc, vc, key_limit, out, scratch, cb_cpu_attention_scratch(g, ATT_BLOCK_ROWS, max_keys, 1),
                     n, ATT_BLOCK_ROWS};
-    if (n <= 4) { /* decode-sized: one task per (row, head) */
+    if (n <= 4 || H / HKV > ATT_MAX_G) { /* decode-sized: one task per (row, head) */
         cb_pool_run(pool, n * H, attn_row_task, &j);
         return;
     }

@@ -58,6 +58,11 @@ void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ld
  * the pool's threads each computing slices of the output columns. */
 void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, cb_pool_t *pool);
 
+/* Several products of one x [n][cols] in one pool run: parts[i].y [n][ldy] = x · parts[i].wᵀ, by GEMM over
+ * w->f32 (gemm = true; every part needs f32) or by matvec over the stored rows (n <= MATVEC_MAX_ROWS). */
+void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float *x, int n, bool gemm,
+                         float *scratch, cb_pool_t *pool);
+
 /* Scratch floats needed by cb_cpu_attention for max_rows rows against max_keys keys with nt pool threads. */
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt);
 /* out[i] = softmax(q[i]·Kᵀ · scale over keys [0, key_limit[i])) · V, per head:
