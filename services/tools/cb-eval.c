@@ -1,0 +1,680 @@
+/* cb-eval: quality and speed of the four reuse modes (full, prefix, reuse, blend) on MuSiQue (docs/eval.md).
+ *
+ *   cb-eval [--model PATH] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R] [--metric k|v]
+ *           [--check-layer L] [--gradual R1:L] [--lead N] [--no-overlap] [--kv-dir DIR] [--kv-dtype f16|f32|bf16]
+ *           [--mem-mb N] [--out DIR] [--threads N] [--max-new N]
+ *
+ * For each example: prefix P = ChatML system turn (default system prompt) + user-turn opening + the anchors'
+ * instruction ending in "Passages:\n"; the 10 chunks "{title}\n\n{text}\n\n"; suffix S = the anchors' query
+ * text "...Question:{q}?\nAnswer:" + end of the user turn + assistant opening; each piece tokenized on its
+ * own and concatenated (never the concatenated text). Missing chunk KV files are precomputed first (not
+ * timed). Then for each mode: the prefill from the files, greedy decoding of at most --max-new (32) tokens,
+ * stopping at end-of-generation or at a newline after the first line's text. TTFT = from the start of the
+ * request (chunk lookups and KV loads included) to the first sampled token.
+ *
+ * --modes is a comma list of mode names, each optionally with overrides, e.g.
+ *   full,prefix,reuse,blend,blend:r=0.05,blend:metric=k,blend:gradual=0.3/6,blend:lead=4,blend:overlap=0
+ * (keys: r, metric, check, gradual R1/L, lead, overlap 0|1); the token is the mode's label. Plain `blend`
+ * takes --ratio, --metric, --check-layer, --gradual, --lead, --no-overlap.
+ *
+ * Output: OUT/results.jsonl (one line per example and mode: id, mode, answer, f1, agree_f1,
+ * first_token_match, ttft_ms, tokens_reused, tokens_recomputed, plus n_tokens, output, timings) and
+ * OUT/summary.json {"modes": {label: {n, f1, agree_f1, first_token_match, ttft_ms, ttft_ratio, recompute_frac,
+ * ...}}, "config": {...}}, rewritten after every example; with several blend variants also one
+ * OUT/summary-<label>.json per variant (the non-blend modes + that variant as "blend", its ratio in config)
+ * for scripts/plot-eval. The summary is printed as a table at the end; progress goes to stderr.
+ * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf.
+ * Exit: 0 ok, 1 runtime error, 2 bad arguments.
+ */
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "blend.h"
+#include "chat.h"
+#include "engine.h"
+#include "kvmem.h"
+#include "log.h"
+#include "model.h"
+#include "qa.h"
+#include "sampler.h"
+#include "tokenizer.h"
+
+#define MAX_VARIANTS 32
+
+typedef struct {
+    char label[64];
+    cb_blend_opts_t o;
+    /* sums over examples */
+    int n, n_agree;
+    double f1, agree, ftm, ttft, ttft_cpu, rfrac, load, wait, sel, comp, resolve;
+} variant_t;
+
+static int usage(const char *why) {
+    if (why) fprintf(stderr, "cb-eval: %s\n", why);
+    fprintf(stderr,
+            "usage: cb-eval [--model PATH] --data FILE.jsonl [options]\n"
+            "  --limit N          first N examples (after --skip; default all)\n"
+            "  --skip N           skip the first N examples\n"
+            "  --modes LIST       comma list (default full,prefix,reuse,blend); a token may carry overrides,\n"
+            "                     blend:r=0.05:metric=k:check=1:gradual=0.3/6:lead=4:overlap=0\n"
+            "  --ratio R          blend recompute ratio (default %.2f)\n"
+            "  --metric k|v       deviation metric (default %c)\n"
+            "  --check-layer L    check layer (default %d)\n"
+            "  --gradual R1:L     gradual filtering from ratio R1 at the check layer to R at layer L\n"
+            "  --lead N           leading tokens of each chunk always recomputed (default %d)\n"
+            "  --no-overlap       load each layer's KV serially (no loader thread)\n"
+            "  --kv-dir DIR       chunk KV files (default var/kv; created)\n"
+            "  --kv-dtype T       f16 (default), bf16 or f32 for new files\n"
+            "  --mem-mb N         in-memory KV tier of N MiB (default 0: every mode streams from files)\n"
+            "  --out DIR          results directory (default results/eval; created)\n"
+            "  --threads N        engine threads (default $CB_THREADS or all cores)\n"
+            "  --max-new N        new tokens at most (default 32)\n"
+            "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n",
+            (double)CB_BLEND_DEFAULT_RATIO, CB_BLEND_DEFAULT_METRIC, CB_BLEND_DEFAULT_CHECK_LAYER,
+            CB_BLEND_DEFAULT_LEAD);
+    return 2;
+}
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
+}
+
+/* CPU time of the whole process (all threads): the work done, whatever else runs on the machine. */
+static double cpu_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
+}
+
+static bool parse_long(const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (!*s || *end || errno || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+static bool parse_float(const char *s, float lo, float hi, float *out) {
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (!*s || *end || errno || !(v >= lo && v <= hi)) return false;
+    *out = v;
+    return true;
+}
+
+/* "R1<sep>L" into ratio and layer. */
+static bool parse_gradual(const char *s, char sep, float *r1, int *layer) {
+    const char *p = strchr(s, sep);
+    if (!p || p == s) return false;
+    char a[32];
+    size_t n = (size_t)(p - s);
+    if (n >= sizeof a) return false;
+    memcpy(a, s, n);
+    a[n] = 0;
+    long l;
+    if (!parse_float(a, 0.0f, 1.0f, r1) || !parse_long(p + 1, 0, 4096, &l)) return false;
+    *layer = (int)l;
+    return true;
+}
+
+/* One --modes token ("blend:r=0.1:metric=k") on top of base. */
+static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_t *v) {
+    if (strlen(tok) >= sizeof v->label || !*tok) return false;
+    snprintf(v->label, sizeof v->label, "%s", tok);
+    char buf[64];
+    snprintf(buf, sizeof buf, "%s", tok);
+    char *save = NULL, *name = strtok_r(buf, ":", &save);
+    int m = cb_blend_mode_parse(name);
+    if (m < 0) return false;
+    v->o = *base;
+    v->o.mode = (cb_blend_mode_t)m;
+    for (char *kv = strtok_r(NULL, ":", &save); kv; kv = strtok_r(NULL, ":", &save)) {
+        char *eq = strchr(kv, '=');
+        if (!eq) return false;
+        *eq = 0;
+        const char *k = kv, *val = eq + 1;
+        long l;
+        if (!strcmp(k, "r")) {
+            if (!parse_float(val, 0.0f, 1.0f, &v->o.ratio)) return false;
+        } else if (!strcmp(k, "metric")) {
+            if (strcmp(val, "k") && strcmp(val, "v")) return false;
+            v->o.metric = val[0];
+        } else if (!strcmp(k, "check")) {
+            if (!parse_long(val, 0, 4096, &l)) return false;
+            v->o.check_layer = (int)l;
+        } else if (!strcmp(k, "gradual")) {
+            if (!strcmp(val, "0")) v->o.gradual_ratio = 0.0f;
+            else if (!parse_gradual(val, '/', &v->o.gradual_ratio, &v->o.gradual_end_layer)) return false;
+        } else if (!strcmp(k, "lead")) {
+            if (!parse_long(val, 0, 1 << 20, &l)) return false;
+            v->o.lead_tokens = (int)l;
+        } else if (!strcmp(k, "overlap")) {
+            if (strcmp(val, "0") && strcmp(val, "1")) return false;
+            v->o.no_overlap = val[0] == '0';
+        } else {
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Valid UTF-8 copy (bytes that do not start a well-formed sequence become U+FFFD). Caller frees. */
+static char *utf8_clean(const char *s, size_t n) {
+    char *o = malloc(n * 3 + 1);
+    if (!o) return NULL;
+    size_t k = 0;
+    const unsigned char *u = (const unsigned char *)s;
+    for (size_t i = 0; i < n;) {
+        unsigned c = u[i];
+        size_t len = c < 0x80 ? 1 : c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+        bool ok = len > 0 && i + len <= n && (len == 1 || c != 0);
+        for (size_t j = 1; ok && j < len; j++) ok = (u[i + j] & 0xC0) == 0x80;
+        if (ok && len == 3) ok = !(c == 0xE0 && u[i + 1] < 0xA0) && !(c == 0xED && u[i + 1] >= 0xA0);
+        if (ok && len == 4) ok = !(c == 0xF0 && u[i + 1] < 0x90) && !(c == 0xF4 && u[i + 1] >= 0x90);
+        if (ok && c == 0) ok = false;
+        if (ok) {
+            memcpy(o + k, u + i, len);
+            k += len;
+            i += len;
+        } else {
+            memcpy(o + k, "\xEF\xBF\xBD", 3);
+            k += 3;
+            i++;
+        }
+    }
+    o[k] = 0;
+    return o;
+}
+
+static int mkdir_p(const char *path) {
+    char buf[4096];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return -1;
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+        *p = '/';
+    }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+    return 0;
+}
+
+/* Tokens of text (special parsing off) appended to a growing array. -1 on error. */
+static int append_text(const cb_tokenizer_t *tok, const char *text, int32_t **arr, int *n, int *cap) {
+    int k = 0;
+    int32_t *ids = cb_tokenizer_encode_alloc(tok, text, strlen(text), false, &k);
+    if (!ids) return -1;
+    if (*n + k > *cap) {
+        int nc = (*n + k) * 2 + 16;
+        int32_t *p = realloc(*arr, sizeof(int32_t) * (size_t)nc);
+        if (!p) {
+            free(ids);
+            return -1;
+        }
+        *arr = p;
+        *cap = nc;
+    }
+    memcpy(*arr + *n, ids, sizeof(int32_t) * (size_t)k);
+    *n += k;
+    free(ids);
+    return 0;
+}
+
+static json_t *summary_mode(const variant_t *v, const variant_t *full) {
+    json_t *m = json_object();
+    double n = v->n > 0 ? v->n : 1;
+    json_object_set_new(m, "n", json_integer(v->n));
+    json_object_set_new(m, "f1", json_real(v->f1 / n));
+    json_object_set_new(m, "agree_f1", v->n_agree ? json_real(v->agree / v->n_agree) : json_null());
+    json_object_set_new(m, "first_token_match", v->n_agree ? json_real(v->ftm / v->n_agree) : json_null());
+    json_object_set_new(m, "ttft_ms", json_real(v->ttft / n));
+    json_object_set_new(m, "ttft_ratio",
+                        full && full->n > 0 && full->ttft > 0 ? json_real((v->ttft / n) / (full->ttft / full->n))
+                                                              : json_null());
+    json_object_set_new(m, "ttft_cpu_ms", json_real(v->ttft_cpu / n));
+    json_object_set_new(m, "ttft_cpu_ratio", full && full->n > 0 && full->ttft_cpu > 0
+                                                 ? json_real((v->ttft_cpu / n) / (full->ttft_cpu / full->n))
+                                                 : json_null());
+    json_object_set_new(m, "recompute_frac", json_real(v->rfrac / n));
+    json_object_set_new(m, "load_ms", json_real(v->load / n));
+    json_object_set_new(m, "load_wait_ms", json_real(v->wait / n));
+    json_object_set_new(m, "select_ms", json_real(v->sel / n));
+    json_object_set_new(m, "compute_ms", json_real(v->comp / n));
+    json_object_set_new(m, "resolve_ms", json_real(v->resolve / n));
+    json_t *c = json_object();
+    json_object_set_new(c, "mode", json_string(cb_blend_mode_str(v->o.mode)));
+    if (v->o.mode == CB_BLEND_BLEND) {
+        json_object_set_new(c, "ratio", json_real(v->o.ratio));
+        char mt[2] = {v->o.metric, 0};
+        json_object_set_new(c, "metric", json_string(mt));
+        json_object_set_new(c, "check_layer", json_integer(v->o.check_layer));
+        json_object_set_new(c, "gradual_ratio", json_real(v->o.gradual_ratio));
+        json_object_set_new(c, "gradual_end_layer", json_integer(v->o.gradual_ratio != 0.0f ? v->o.gradual_end_layer : 0));
+        json_object_set_new(c, "lead_tokens", json_integer(v->o.lead_tokens));
+    }
+    json_object_set_new(c, "overlap", json_boolean(!v->o.no_overlap));
+    json_object_set_new(m, "config", c);
+    return m;
+}
+
+static int write_json(const char *path, json_t *j) {
+    char tmp[4400];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp) return -1;
+    if (json_dump_file(j, tmp, JSON_INDENT(2) | JSON_REAL_PRECISION(6)) != 0) return -1;
+    return rename(tmp, path);
+}
+
+/* summary.json (all variants) and, with several blend variants, summary-<label>.json per variant. */
+static int write_summaries(const char *out, variant_t *vs, int nv, json_t *config) {
+    const variant_t *full = NULL;
+    int n_blend = 0;
+    for (int i = 0; i < nv; i++) {
+        if (!full && vs[i].o.mode == CB_BLEND_FULL) full = &vs[i];
+        n_blend += vs[i].o.mode == CB_BLEND_BLEND;
+    }
+    char path[4200];
+    json_t *root = json_object(), *modes = json_object();
+    for (int i = 0; i < nv; i++) json_object_set_new(modes, vs[i].label, summary_mode(&vs[i], full));
+    json_object_set_new(root, "modes", modes);
+    json_object_set(root, "config", config);
+    snprintf(path, sizeof path, "%s/summary.json", out);
+    int rc = write_json(path, root);
+    json_decref(root);
+    if (n_blend < 2) return rc;
+    for (int i = 0; i < nv; i++) {
+        if (vs[i].o.mode != CB_BLEND_BLEND) continue;
+        json_t *r = json_object(), *m = json_object();
+        for (int j = 0; j < nv; j++)
+            if (vs[j].o.mode != CB_BLEND_BLEND && !strcmp(vs[j].label, cb_blend_mode_str(vs[j].o.mode)))
+                json_object_set_new(m, vs[j].label, summary_mode(&vs[j], full));
+        json_object_set_new(m, "blend", summary_mode(&vs[i], full));
+        json_object_set_new(r, "modes", m);
+        json_t *c = json_deep_copy(config);
+        json_object_set_new(c, "ratio", json_real(vs[i].o.ratio));
+        json_object_set_new(c, "variant", json_string(vs[i].label));
+        json_object_set_new(r, "config", c);
+        char name[80];
+        snprintf(name, sizeof name, "%s", vs[i].label);
+        for (char *p = name; *p; p++)
+            if (*p == ':' || *p == '/' || *p == '=') *p = '_';
+        snprintf(path, sizeof path, "%s/summary-%s.json", out, name);
+        rc |= write_json(path, r);
+        json_decref(r);
+    }
+    return rc;
+}
+
+static void print_table(FILE *f, const variant_t *vs, int nv) {
+    const variant_t *full = NULL;
+    for (int i = 0; i < nv; i++)
+        if (vs[i].o.mode == CB_BLEND_FULL) {
+            full = &vs[i];
+            break;
+        }
+    fprintf(f, "%-28s %4s %7s %9s %7s %10s %10s %10s %8s %8s %8s\n", "mode", "n", "f1", "agree_f1", "ftm", "ttft_ms",
+            "ttft_ratio", "cpu_ratio", "recomp", "load_ms", "wait_ms");
+    for (int i = 0; i < nv; i++) {
+        const variant_t *v = &vs[i];
+        double n = v->n > 0 ? v->n : 1;
+        char ag[16] = "-", ft[16] = "-", tr[16] = "-", cr[16] = "-";
+        if (v->n_agree) {
+            snprintf(ag, sizeof ag, "%.3f", v->agree / v->n_agree);
+            snprintf(ft, sizeof ft, "%.3f", v->ftm / v->n_agree);
+        }
+        if (full && full->n > 0 && full->ttft > 0) {
+            snprintf(tr, sizeof tr, "%.3f", (v->ttft / n) / (full->ttft / full->n));
+            snprintf(cr, sizeof cr, "%.3f", (v->ttft_cpu / n) / (full->ttft_cpu / full->n));
+        }
+        fprintf(f, "%-28s %4d %7.3f %9s %7s %10.1f %10s %10s %8.3f %8.1f %8.1f\n", v->label, v->n, v->f1 / n, ag, ft,
+                v->ttft / n, tr, cr, v->rfrac / n, v->load / n, v->wait / n);
+    }
+}
+
+int main(int argc, char **argv) {
+    cb_log_set_component("cb-eval");
+    const char *model_path = getenv("CB_MODEL");
+    if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    const char *data = NULL, *modes_arg = "full,prefix,reuse,blend", *kv_dir = "var/kv", *out = "results/eval";
+    long limit = -1, skip = 0, threads = 0, mem_mb = 0, max_new = 32;
+    cb_kv_dtype_t dtype = CB_KV_F16;
+    cb_blend_opts_t base;
+    cb_blend_opts_default(&base);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        bool has_v = true;
+        long l;
+        if (!strcmp(a, "--no-overlap")) base.no_overlap = true, has_v = false;
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
+        else if (!v) return usage("missing value after an option");
+        else if (!strcmp(a, "--model")) model_path = v;
+        else if (!strcmp(a, "--data")) data = v;
+        else if (!strcmp(a, "--limit")) { if (!parse_long(v, 0, INT_MAX, &limit)) return usage("bad --limit"); }
+        else if (!strcmp(a, "--skip")) { if (!parse_long(v, 0, INT_MAX, &skip)) return usage("bad --skip"); }
+        else if (!strcmp(a, "--modes")) modes_arg = v;
+        else if (!strcmp(a, "--ratio")) { if (!parse_float(v, 0.0f, 1.0f, &base.ratio)) return usage("bad --ratio"); }
+        else if (!strcmp(a, "--metric")) {
+            if (strcmp(v, "k") && strcmp(v, "v")) return usage("bad --metric");
+            base.metric = v[0];
+        } else if (!strcmp(a, "--check-layer")) {
+            if (!parse_long(v, 0, 4096, &l)) return usage("bad --check-layer");
+            base.check_layer = (int)l;
+        } else if (!strcmp(a, "--gradual")) {
+            if (!parse_gradual(v, ':', &base.gradual_ratio, &base.gradual_end_layer)) return usage("bad --gradual");
+        } else if (!strcmp(a, "--lead")) {
+            if (!parse_long(v, 0, 1 << 20, &l)) return usage("bad --lead");
+            base.lead_tokens = (int)l;
+        } else if (!strcmp(a, "--kv-dir")) kv_dir = v;
+        else if (!strcmp(a, "--kv-dtype")) {
+            if (!strcmp(v, "f16")) dtype = CB_KV_F16;
+            else if (!strcmp(v, "f32")) dtype = CB_KV_F32;
+            else if (!strcmp(v, "bf16")) dtype = CB_KV_BF16;
+            else return usage("bad --kv-dtype");
+        } else if (!strcmp(a, "--mem-mb")) { if (!parse_long(v, 0, 1 << 20, &mem_mb)) return usage("bad --mem-mb"); }
+        else if (!strcmp(a, "--out")) out = v;
+        else if (!strcmp(a, "--threads")) { if (!parse_long(v, 1, 256, &threads)) return usage("bad --threads"); }
+        else if (!strcmp(a, "--max-new")) { if (!parse_long(v, 1, 4096, &max_new)) return usage("bad --max-new"); }
+        else return usage("unknown option");
+        if (has_v) i++;
+    }
+    if (!data) return usage("--data is required");
+    variant_t vs[MAX_VARIANTS];
+    memset(vs, 0, sizeof vs);
+    int nv = 0;
+    {
+        char buf[2048];
+        if (snprintf(buf, sizeof buf, "%s", modes_arg) >= (int)sizeof buf) return usage("--modes too long");
+        char *save = NULL;
+        for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+            if (nv == MAX_VARIANTS) return usage("too many modes");
+            if (!parse_variant(t, &base, &vs[nv])) {
+                fprintf(stderr, "cb-eval: bad mode \"%s\"\n", t);
+                return usage(NULL);
+            }
+            for (int j = 0; j < nv; j++)
+                if (!strcmp(vs[j].label, vs[nv].label)) return usage("a mode is listed twice");
+            nv++;
+        }
+        if (nv == 0) return usage("no modes");
+        /* full first: the others are scored against its answer */
+        for (int i = 1; i < nv; i++)
+            if (vs[i].o.mode == CB_BLEND_FULL && vs[0].o.mode != CB_BLEND_FULL) {
+                variant_t t = vs[0];
+                vs[0] = vs[i];
+                vs[i] = t;
+            }
+    }
+
+    int rc = 1;
+    char err[512] = "";
+    cb_model_t *model = NULL;
+    cb_tokenizer_t *tok = NULL;
+    cb_engine_t *eng = NULL;
+    cb_kvmem_t *mem = NULL;
+    cb_blend_t *bl = NULL;
+    cb_qa_set_t *set = NULL;
+    float *logits = NULL;
+    int32_t *prefix = NULL, *suffix = NULL, *gen = NULL;
+    int32_t *chunk_tok[CB_QA_MAX_CTXS];
+    int chunk_n[CB_QA_MAX_CTXS];
+    memset(chunk_tok, 0, sizeof chunk_tok);
+    FILE *res = NULL;
+    json_t *config = NULL;
+
+    if (!(set = cb_qa_set_load(data, err, sizeof err))) {
+        fprintf(stderr, "cb-eval: %s\n", err);
+        goto done;
+    }
+    if (!(model = cb_model_load(model_path, err, sizeof err))) {
+        fprintf(stderr, "cb-eval: %s: %s\n", model_path, err);
+        goto done;
+    }
+    const cb_hparams_t *hp = cb_model_hparams(model);
+    if (!(tok = cb_tokenizer_new_from_gguf(cb_model_gguf(model), err, sizeof err))) {
+        fprintf(stderr, "cb-eval: tokenizer: %s\n", err);
+        goto done;
+    }
+    if (!(eng = cb_engine_new(model, hp->n_ctx_train, err, sizeof err))) {
+        fprintf(stderr, "cb-eval: %s\n", err);
+        goto done;
+    }
+    if (threads > 0) cb_engine_set_threads(eng, (int)threads);
+    if (mkdir_p(kv_dir) != 0 || mkdir_p(out) != 0) {
+        fprintf(stderr, "cb-eval: cannot create %s or %s: %s\n", kv_dir, out, strerror(errno));
+        goto done;
+    }
+    if (mem_mb > 0 && !(mem = cb_kvmem_new((size_t)mem_mb << 20))) goto done;
+    if (!(bl = cb_blend_new(eng, kv_dir, mem, dtype, err, sizeof err))) {
+        fprintf(stderr, "cb-eval: %s\n", err);
+        goto done;
+    }
+    if (!(logits = malloc(sizeof(float) * (size_t)hp->n_vocab)) || !(gen = malloc(sizeof(int32_t) * (size_t)max_new)))
+        goto done;
+
+    /* the prefix: ChatML system turn + user opening, then the anchors' instruction */
+    int n_prefix = 0, cap_prefix = 0;
+    {
+        int k = cb_chat_encode_prefix(tok, NULL, NULL, 0);
+        if (k >= 0 || k == CB_TOKENIZER_EINVAL || k == CB_TOKENIZER_EINTERNAL) {
+            fprintf(stderr, "cb-eval: chat prefix failed\n");
+            goto done;
+        }
+        cap_prefix = -k + 256;
+        prefix = malloc(sizeof(int32_t) * (size_t)cap_prefix);
+        if (!prefix || (n_prefix = cb_chat_encode_prefix(tok, NULL, prefix, cap_prefix)) < 0) goto done;
+        if (append_text(tok, cb_qa_prefix(), &prefix, &n_prefix, &cap_prefix)) goto done;
+    }
+    int32_t chat_suffix[32];
+    int n_chat_suffix = cb_chat_encode_suffix(tok, chat_suffix, 32);
+    if (n_chat_suffix < 0) goto done;
+
+    snprintf(err, sizeof err, "%s/results.jsonl", out);
+    if (!(res = fopen(err, "w"))) {
+        fprintf(stderr, "cb-eval: %s: %s\n", err, strerror(errno));
+        goto done;
+    }
+    config = json_object();
+    json_object_set_new(config, "model", json_string(model_path));
+    json_object_set_new(config, "data", json_string(data));
+    json_object_set_new(config, "skip", json_integer(skip));
+    json_object_set_new(config, "limit", json_integer(limit));
+    json_object_set_new(config, "modes", json_string(modes_arg));
+    json_object_set_new(config, "ratio", json_real(base.ratio));
+    char mt[2] = {base.metric, 0};
+    json_object_set_new(config, "metric", json_string(mt));
+    json_object_set_new(config, "check_layer", json_integer(base.check_layer));
+    json_object_set_new(config, "gradual_ratio", json_real(base.gradual_ratio));
+    json_object_set_new(config, "gradual_end_layer", json_integer(base.gradual_ratio != 0.0f ? base.gradual_end_layer : 0));
+    json_object_set_new(config, "lead_tokens", json_integer(base.lead_tokens));
+    json_object_set_new(config, "overlap", json_boolean(!base.no_overlap));
+    json_object_set_new(config, "threads", json_integer(cb_engine_threads(eng)));
+    json_object_set_new(config, "kv_dtype", json_string(dtype == CB_KV_F16 ? "f16" : dtype == CB_KV_F32 ? "f32" : "bf16"));
+    json_object_set_new(config, "mem_mb", json_integer(mem_mb));
+    json_object_set_new(config, "max_new_tokens", json_integer(max_new));
+    json_object_set_new(config, "prefix_tokens", json_integer(n_prefix));
+
+    int n_set = cb_qa_set_size(set);
+    int first = (int)(skip < n_set ? skip : n_set);
+    int last = limit < 0 ? n_set : (int)(first + limit < n_set ? first + limit : n_set);
+    for (int ei = first; ei < last; ei++) {
+        const cb_qa_example_t *ex = cb_qa_set_get(set, ei);
+        /* pieces */
+        int nc = ex->n_ctxs, n_suffix = 0, cap_suffix = 0, ok = 1;
+        long long total = n_prefix;
+        for (int c = 0; c < nc; c++) {
+            char *t = cb_qa_chunk_text(ex->ctxs[c].title, ex->ctxs[c].text);
+            chunk_tok[c] = cb_tokenizer_encode_alloc(tok, t, strlen(t), false, &chunk_n[c]);
+            free(t);
+            if (!chunk_tok[c] || chunk_n[c] < 1) ok = 0;
+            else total += chunk_n[c];
+        }
+        char *st = cb_qa_suffix(ex->question);
+        if (append_text(tok, st, &suffix, &n_suffix, &cap_suffix)) ok = 0;
+        free(st);
+        for (int i = 0; ok && i < n_chat_suffix; i++) {
+            if (n_suffix == cap_suffix) {
+                int32_t *p = realloc(suffix, sizeof(int32_t) * (size_t)(cap_suffix + 64));
+                if (!p) {
+                    ok = 0;
+                    break;
+                }
+                suffix = p;
+                cap_suffix += 64;
+            }
+            suffix[n_suffix++] = chat_suffix[i];
+        }
+        total += n_suffix;
+        if (!ok || total + max_new > cb_engine_max_ctx(eng)) {
+            fprintf(stderr, "cb-eval: %s: skipped (%s, %lld tokens)\n", ex->id, ok ? "too long" : "tokenization failed",
+                    total);
+            goto next;
+        }
+        /* precompute missing chunk files (not timed) */
+        double tp = now_ms();
+        int n_computed = 0;
+        for (int c = 0; c < nc; c++) {
+            cb_blend_src_t src;
+            if (cb_blend_ensure_chunk(bl, prefix, n_prefix, chunk_tok[c], chunk_n[c], &src, NULL, err, sizeof err)) {
+                fprintf(stderr, "cb-eval: %s: chunk %d: %s\n", ex->id, c, err);
+                goto done;
+            }
+            n_computed += src == CB_BLEND_SRC_COMPUTED;
+        }
+        fprintf(stderr, "[%d/%d] %s: %lld tokens, %d chunks (%d precomputed in %.1f s)\n", ei - first + 1, last - first,
+                ex->id, total, nc, n_computed, (now_ms() - tp) / 1e3);
+        cb_blend_chunk_t chunks[CB_QA_MAX_CTXS];
+        for (int c = 0; c < nc; c++) chunks[c] = (cb_blend_chunk_t){chunk_tok[c], chunk_n[c]};
+        char *full_answer = NULL;
+        int32_t full_first = -1;
+        for (int vi = 0; vi < nv; vi++) {
+            variant_t *v = &vs[vi];
+            cb_blend_stats_t bst;
+            double t0 = now_ms(), c0 = cpu_ms();
+            if (cb_blend_prefill(bl, prefix, n_prefix, chunks, nc, suffix, n_suffix, &v->o, logits, &bst, err,
+                                 sizeof err)) {
+                fprintf(stderr, "cb-eval: %s: %s: %s\n", ex->id, v->label, err);
+                goto done;
+            }
+            int32_t t = cb_argmax(logits, hp->n_vocab);
+            double ttft = now_ms() - t0, ttft_cpu = cpu_ms() - c0;
+            /* greedy decoding: stop at end of generation or a newline after the first line's text */
+            int ng = 0;
+            char *text = NULL;
+            size_t tlen = 0;
+            int pos = (int)total;
+            for (;;) {
+                if (cb_tokenizer_is_eog(tok, t)) break;
+                gen[ng++] = t;
+                free(text);
+                text = cb_tokenizer_decode_alloc(tok, gen, (size_t)ng, false, &tlen);
+                if (!text) goto done;
+                size_t a = 0;
+                while (a < tlen && text[a] == '\n') a++;
+                if (memchr(text + a, '\n', tlen - a) || ng >= max_new) break;
+                if (cb_engine_decode(eng, t, pos++, logits)) goto done;
+                t = cb_argmax(logits, hp->n_vocab);
+            }
+            char *clean = utf8_clean(text ? text : "", text ? tlen : 0);
+            free(text);
+            if (!clean) goto done;
+            char *answer = cb_qa_parse_generation(clean);
+            double f1 = cb_qa_score(clean, (const char *const *)ex->answers, ex->n_answers);
+            double agree = -1;
+            int ftm = -1;
+            if (v->o.mode == CB_BLEND_FULL && !full_answer) {
+                full_answer = strdup(answer);
+                full_first = ng > 0 ? gen[0] : -1;
+            }
+            if (full_answer) {
+                agree = cb_qa_f1(answer, full_answer);
+                ftm = (ng > 0 ? gen[0] : -1) == full_first;
+            }
+            v->n++;
+            v->f1 += f1;
+            if (agree >= 0) {
+                v->n_agree++;
+                v->agree += agree;
+                v->ftm += ftm;
+            }
+            v->ttft += ttft;
+            v->ttft_cpu += ttft_cpu;
+            v->rfrac += (double)bst.tokens_recomputed / (double)bst.n_tokens;
+            v->load += bst.t_load_ms;
+            v->wait += bst.t_load_wait_ms;
+            v->sel += bst.t_select_ms;
+            v->comp += bst.t_compute_ms;
+            v->resolve += bst.t_resolve_ms;
+            json_t *line = json_object();
+            json_object_set_new(line, "id", json_string(ex->id));
+            json_object_set_new(line, "mode", json_string(v->label));
+            json_object_set_new(line, "answer", json_string(answer));
+            json_object_set_new(line, "f1", json_real(f1));
+            json_object_set_new(line, "agree_f1", agree >= 0 ? json_real(agree) : json_null());
+            json_object_set_new(line, "first_token_match", ftm >= 0 ? json_boolean(ftm) : json_null());
+            json_object_set_new(line, "ttft_ms", json_real(ttft));
+            json_object_set_new(line, "ttft_cpu_ms", json_real(ttft_cpu));
+            json_object_set_new(line, "tokens_reused", json_integer(bst.tokens_reused));
+            json_object_set_new(line, "tokens_recomputed", json_integer(bst.tokens_recomputed));
+            json_object_set_new(line, "n_tokens", json_integer(bst.n_tokens));
+            json_object_set_new(line, "output", json_string(clean));
+            json_object_set_new(line, "load_ms", json_real(bst.t_load_ms));
+            json_object_set_new(line, "load_wait_ms", json_real(bst.t_load_wait_ms));
+            json_object_set_new(line, "select_ms", json_real(bst.t_select_ms));
+            json_object_set_new(line, "compute_ms", json_real(bst.t_compute_ms));
+            json_object_set_new(line, "resolve_ms", json_real(bst.t_resolve_ms));
+            json_object_set_new(line, "restarts", json_integer(bst.restarts));
+            char *s = json_dumps(line, JSON_COMPACT | JSON_REAL_PRECISION(6));
+            json_decref(line);
+            if (s) {
+                fprintf(res, "%s\n", s);
+                fflush(res);
+                free(s);
+            }
+            fprintf(stderr, "    %-24s ttft %8.1f ms  recomputed %5d/%d  f1 %.2f  agree %5.2f  \"%s\"\n", v->label, ttft,
+                    bst.tokens_recomputed, bst.n_tokens, f1, agree, answer);
+            free(answer);
+            free(clean);
+        }
+        free(full_answer);
+        if (write_summaries(out, vs, nv, config) != 0) fprintf(stderr, "cb-eval: writing the summary failed\n");
+    next:
+        for (int c = 0; c < nc; c++) {
+            free(chunk_tok[c]);
+            chunk_tok[c] = NULL;
+        }
+    }
+    if (write_summaries(out, vs, nv, config) != 0) {
+        fprintf(stderr, "cb-eval: writing the summary failed\n");
+        goto done;
+    }
+    print_table(stdout, vs, nv);
+    rc = 0;
+done:
+    if (rc && err[0] == 0) fprintf(stderr, "cb-eval: failed (out of memory?)\n");
+    if (res) fclose(res);
+    json_decref(config);
+    for (int c = 0; c < CB_QA_MAX_CTXS; c++) free(chunk_tok[c]);
+    free(prefix);
+    free(suffix);
+    free(gen);
+    free(logits);
+    cb_blend_destroy(&bl);
+    cb_kvmem_destroy(&mem);
+    cb_engine_destroy(&eng);
+    cb_tokenizer_destroy(&tok);
+    cb_model_destroy(&model);
+    cb_qa_set_destroy(&set);
+    return rc;
+}
