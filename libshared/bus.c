@@ -645,15 +645,25 @@ static int s_on_router(zloop_t *loop, zsock_t *sock, void *arg) {
     return svc->stop ? -1 : 0;
 }
 
+/* Wakes the loop every 100 ms: a signal that lands between zloop's check of zsys_interrupted and its
+ * zmq_poll would otherwise go unnoticed until the next message (the poll would sleep on). */
+static int s_tick(zloop_t *loop, int timer_id, void *arg) {
+    (void)loop, (void)timer_id;
+    cb_bus_service_t *svc = arg;
+    return zsys_interrupted || svc->stop ? -1 : 0;
+}
+
 int cb_bus_service_run(cb_bus_service_t *svc) {
     svc->stop = false;
-    if (zloop_reader(svc->loop, svc->router, s_on_router, svc) != 0) {
+    int tick = zloop_timer(svc->loop, 100, 0, s_tick, svc);
+    if (tick < 0 || zloop_reader(svc->loop, svc->router, s_on_router, svc) != 0) {
         cb_log(CB_LOG_ERROR, NULL, "cannot register the service socket in the loop");
         return -1;
     }
     cb_log(CB_LOG_INFO, NULL, "listening on %s", svc->endpoint);
     int rc = zloop_start(svc->loop);
     zloop_reader_end(svc->loop, svc->router);
+    zloop_timer_end(svc->loop, tick);
     if (zsys_interrupted) cb_log(CB_LOG_INFO, NULL, "interrupted, shutting down");
     else if (svc->stop) cb_log(CB_LOG_INFO, NULL, "stopped");
     else if (rc != 0) return -1;

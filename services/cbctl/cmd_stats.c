@@ -1,0 +1,69 @@
+/* cbctl stats [--json] [SERVICE...]: every service's statistics (all four by default), asked in
+ * parallel. Services that do not answer are reported (exit 3); the others are still printed. */
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cbctl.h"
+#include "client.h"
+
+static const char *const s_skip[] = {"v", "type", "id", "ok", NULL};
+
+static int run_stats(cbctl_t *ctl, int argc, char **argv) {
+    const char *names[CBCTL_N_SERVICES * 4];
+    bool json;
+    int n = cbctl_parse_services(ctl, argc, argv, &json, names, CBCTL_N_SERVICES * 4);
+    if (n < 0) return CBCTL_EXIT_USAGE;
+    int64_t timeout, connect;
+    char err[256];
+    if (!cb_config_int(ctl->cfg, "cbctl", "request_timeout_ms", 1, 3600000, 5000, &timeout, err, sizeof err) ||
+        !cb_config_int(ctl->cfg, "cbctl", "health_timeout_ms", 1, 600000, 1000, &connect, err, sizeof err)) {
+        cbctl_error(ctl, "%s", err);
+        return CBCTL_EXIT_USAGE;
+    }
+    cbctl_result_t res[CBCTL_N_SERVICES * 4];
+    cbctl_fanout(ctl, "stats", names, n, (int)connect, (int)timeout, res);
+    int rc = CBCTL_EXIT_OK;
+    json_t *top = json_object();
+    for (int i = 0; i < n; i++) {
+        cbctl_result_t *r = &res[i];
+        bool ok = r->reply && cb_msg_ok(r->reply);
+        if (!ok) rc = r->reply ? (rc == CBCTL_EXIT_OK ? CBCTL_EXIT_FAIL : rc) : CBCTL_EXIT_UNAVAILABLE;
+        json_t *o = ok ? cb_msg_to_json(r->reply) : json_object();
+        for (int k = 0; s_skip[k]; k++) json_object_del(o, s_skip[k]);
+        if (!ok && json) {
+            json_object_set_new(o, "error", json_string(r->error));
+            json_object_set_new(o, "code", json_string(cb_err_name(r->code)));
+        }
+        if (json) {
+            json_object_set_new(top, r->name, o);
+            continue;
+        }
+        if (!ctl->quiet) {
+            printf("%s (%s)%s\n", r->name, r->endpoint ? r->endpoint : "-", ok ? "" : ": not available (see below)");
+            const char *k;
+            json_t *v;
+            json_object_foreach(o, k, v) {
+                if (json_is_string(v)) printf("  %-20s %s\n", k, json_string_value(v));
+                else if (json_is_real(v)) printf("  %-20s %.3f\n", k, json_real_value(v));
+                else {
+                    char *s = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+                    printf("  %-20s %s\n", k, s ? s : "?");
+                    free(s);
+                }
+            }
+        }
+        json_decref(o);
+    }
+    if (json && !ctl->quiet) {
+        json_dumpf(top, stdout, JSON_INDENT(2));
+        fputc('\n', stdout);
+    }
+    json_decref(top);
+    for (int i = 0; i < n && !ctl->quiet && !json; i++)
+        if (!res[i].reply) cbctl_error(ctl, "%s: %s", res[i].name, res[i].error);
+    cbctl_results_free(res, n);
+    return rc;
+}
+
+CBCTL_COMMAND(stats, "stats [--json] [SERVICE...]", "statistics of the services", run_stats)
