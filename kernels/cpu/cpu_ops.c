@@ -427,13 +427,15 @@ void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float
 /* ---------------------------------------------------------------- attention */
 
 #define ATT_BLOCK_ROWS 64  /* query rows per GEMM block (x group size query heads) */
-#define ATT_MAX_G 64       /* largest GQA group (n_head / n_head_kv) the block path handles */
+#define ATT_MAX_G 16       /* largest GQA group (n_head / n_head_kv) the block path handles */
+#define ATT_KEY_CHUNK 512  /* keys per score tile of the block path */
 
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt) {
     (void)max_rows;
     int G = g->n_head / g->n_head_kv;
     size_t rows = (size_t)G * ATT_BLOCK_ROWS;
-    size_t per_thread = rows * (size_t)g->head_dim * 2 + rows * (size_t)max_keys + 16;
+    size_t tile = rows * ATT_KEY_CHUNK > (size_t)max_keys ? rows * ATT_KEY_CHUNK : (size_t)max_keys;
+    size_t per_thread = rows * (size_t)g->head_dim * 2 + tile + 16;
     return per_thread * (size_t)(nt < 1 ? 1 : nt);
 }
 
@@ -510,7 +512,64 @@ static void attn_row_task(void *arg, int t, int thread) {
                j->key_limit[i], j->scratch + (size_t)thread * j->per_thread, j->out + (size_t)i * qd + (size_t)h * hd);
 }
 
-/* Block of rb rows x one KV head (its G query heads stacked): S = Qg·Kᵀ, masked softmax, O = P·V. */
+/* Online-softmax step over one chunk of keys: s[0:w) are the chunk's scores, of which [0, lim) are
+ * allowed (lim <= 0: none). Updates the row's running max *m and sum *l, replaces s by
+ * exp(s - max) (zeros past lim) and returns the factor by which the row's output so far must be
+ * rescaled (exp(old max - new max)). */
+static float online_softmax(float *s, int lim, int w, float *m, float *l) {
+    if (lim <= 0) {
+        memset(s, 0, sizeof(float) * (size_t)w);
+        return 1.0f;
+    }
+    if (lim > w) lim = w;
+    float mx = -INFINITY;
+    int j = 0;
+#if CB_AVX512
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= lim; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + j));
+    if (j < lim) vmx = _mm512_mask_max_ps(vmx, (__mmask16)((1u << (lim - j)) - 1u), vmx, _mm512_loadu_ps(s + j));
+    mx = _mm512_reduce_max_ps(vmx);
+#else
+    for (; j < lim; j++) mx = s[j] > mx ? s[j] : mx;
+#endif
+    float m_new = mx > *m ? mx : *m, alpha = 0.0f;
+    if (*m != -INFINITY) {
+        float d = *m - m_new;
+        cb_cpu_exp(&d, &alpha, 1);
+    }
+    float sum = 0.0f;
+    j = 0;
+#if CB_AVX512
+    __m512 vm = _mm512_set1_ps(m_new), vsum = _mm512_setzero_ps();
+    for (; j + 16 <= lim; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+        _mm512_storeu_ps(s + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    if (j < lim) {
+        __mmask16 k = (__mmask16)((1u << (lim - j)) - 1u);
+        __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm)));
+        _mm512_mask_storeu_ps(s + j, k, e);
+        vsum = _mm512_add_ps(vsum, e);
+        j = lim;
+    }
+    sum = hsum16(vsum);
+#else
+    for (; j < lim; j++) {
+        float d = s[j] - m_new;
+        cb_cpu_exp(&d, &s[j], 1);
+        sum += s[j];
+    }
+#endif
+    if (w > lim) memset(s + lim, 0, sizeof(float) * (size_t)(w - lim));
+    *l = *l * alpha + sum;
+    *m = m_new;
+    return alpha;
+}
+
+/* Block of rb rows x one KV head (its G query heads stacked as M rows), flash-style over chunks of
+ * ATT_KEY_CHUNK keys so the score tile stays in L2: S = scale·Qg·K[c0:c1]ᵀ (sgemm), online softmax
+ * per row with its own key limit, O = O·alpha + S·V[c0:c1] (sgemm, beta = 1); finally O / sum. */
 static void attn_block_task(void *arg, int t, int thread) {
     const attn_job_t *j = arg;
     const cb_attn_geom_t *g = j->g;
@@ -521,21 +580,29 @@ static void attn_block_task(void *arg, int t, int thread) {
     for (int i = 0; i < nr; i++) L = j->key_limit[i0 + i] > L ? j->key_limit[i0 + i] : L;
     float *Q = j->scratch + (size_t)thread * j->per_thread; /* [G*rb][hd] */
     float *O = Q + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][hd] */
-    float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][L]  */
+    float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][ATT_KEY_CHUNK] */
+    float m[ATT_MAX_G * ATT_BLOCK_ROWS], l[ATT_MAX_G * ATT_BLOCK_ROWS];
     for (int hh = 0; hh < G; hh++)
         for (int i = 0; i < nr; i++)
             memcpy(Q + ((size_t)hh * nr + i) * hd, j->q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
                    sizeof(float) * (size_t)hd);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, j->kc + (size_t)kvh * hd, kvd,
-                0.0f, S, L);
-    float inv[ATT_MAX_G * ATT_BLOCK_ROWS];
-    for (int r = 0; r < M; r++) inv[r] = softmax_row(S + (size_t)r * L, j->key_limit[i0 + r % nr], L);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, L, 1.0f, S, L, j->vc + (size_t)kvh * hd, kvd, 0.0f,
-                O, hd);
+    for (int r = 0; r < M; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    const float *K = j->kc + (size_t)kvh * hd, *V = j->vc + (size_t)kvh * hd;
+    for (int c0 = 0; c0 < L; c0 += ATT_KEY_CHUNK) {
+        int w = L - c0 < ATT_KEY_CHUNK ? L - c0 : ATT_KEY_CHUNK;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, w, hd, g->scale, Q, hd, K + (size_t)c0 * kvd, kvd,
+                    0.0f, S, w);
+        for (int r = 0; r < M; r++) {
+            float alpha = online_softmax(S + (size_t)r * w, j->key_limit[i0 + r % nr] - c0, w, &m[r], &l[r]);
+            if (c0 > 0 && alpha != 1.0f) scale_row(O + (size_t)r * hd, hd, alpha);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, w, 1.0f, S, w, V + (size_t)c0 * kvd, kvd,
+                    c0 > 0 ? 1.0f : 0.0f, O, hd);
+    }
     for (int hh = 0; hh < G; hh++)
         for (int i = 0; i < nr; i++) {
             float *dst = j->out + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd;
-            const float *src = O + ((size_t)hh * nr + i) * hd, a = inv[hh * nr + i];
+            const float *src = O + ((size_t)hh * nr + i) * hd, a = 1.0f / l[hh * nr + i];
             for (int d = 0; d < hd; d++) dst[d] = src[d] * a;
         }
 }

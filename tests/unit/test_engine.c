@@ -196,6 +196,7 @@ TEST(test_attention_key_limits) {
     CHECK(check_attention(4, 2, 16, 70, 150, 2));   /* blocked path */
     CHECK(check_attention(9, 3, 64, 130, 200, 2));  /* SmolLM2 geometry, partial last block */
     CHECK(check_attention(9, 3, 64, 20, 20, 1));    /* limits < n (square causal) */
+    CHECK(check_attention(9, 3, 64, 70, 1300, 2));  /* several key chunks: online softmax across tiles */
 }
 
 /* Random Q4_1 / Q8_0 rows: our AVX-512 dequantization is bit-identical to cb_dequant. */
