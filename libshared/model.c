@@ -26,7 +26,8 @@ struct cb_model {
     cb_weight_t tok_embd;        /* [n_vocab][n_embd] */
     cb_weight_t output;          /* [n_vocab][n_embd]; a copy of tok_embd's view when tied */
     const float *output_norm;    /* [n_embd] */
-    float *arena;                /* f32 weight copies, 64-byte aligned */
+    float *arena;                /* f32 weight copies, huge-page advised */
+    float *scales;               /* f32 block scales/mins of Q4_1 and Q8_0 matrices */
     size_t arena_floats;
     float **norm_copies;         /* norm vectors converted from F16/BF16 */
     int n_norm_copies;
@@ -385,6 +386,60 @@ static int compute_fingerprint(cb_model_t *m) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- block scales */
+
+/* Floats of scale copies a weight needs (0 for types without). */
+static size_t scale_floats(const cb_weight_t *w) {
+    size_t nb = (size_t)w->rows * (size_t)(w->cols / 32);
+    return w->type == CB_TYPE_Q4_1 ? 2 * nb : w->type == CB_TYPE_Q8_0 ? nb : 0;
+}
+
+static void fill_scales(cb_weight_t *w, float *dst) {
+    const int nb = w->cols / 32;
+    const size_t bb = w->type == CB_TYPE_Q4_1 ? 20 : 34;
+    float *d = dst, *mn = w->type == CB_TYPE_Q4_1 ? dst + (size_t)w->rows * nb : NULL;
+    for (int r = 0; r < w->rows; r++) {
+        const uint8_t *src = (const uint8_t *)w->q + (size_t)r * w->row_bytes;
+        for (int b = 0; b < nb; b++, src += bb) {
+            uint16_t h;
+            memcpy(&h, src, 2);
+            d[(size_t)r * nb + b] = cb_f16_to_f32(h);
+            if (mn) {
+                memcpy(&h, src + 2, 2);
+                mn[(size_t)r * nb + b] = cb_f16_to_f32(h);
+            }
+        }
+    }
+    w->scale = d;
+    w->min = mn;
+}
+
+/* f32 copies of the per-block scales of every Q4_1 / Q8_0 matrix the engine reads by matvec. */
+static bool build_scales(cb_model_t *m) {
+    cb_weight_t *ws[7 * MAX_LAYERS + 2];
+    int n = 0;
+    ws[n++] = &m->tok_embd;
+    if (!m->hp.tied_output) ws[n++] = &m->output;
+    for (int l = 0; l < m->hp.n_layer; l++) {
+        cb_layer_weights_t *L = &m->layers[l];
+        cb_weight_t *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (int k = 0; k < 7; k++) ws[n++] = lw[k];
+    }
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += scale_floats(ws[i]);
+    if (total == 0) return true;
+    m->scales = malloc(sizeof(float) * total);
+    if (!m->scales) return false;
+    float *p = m->scales;
+    for (int i = 0; i < n; i++) {
+        if (!scale_floats(ws[i])) continue;
+        fill_scales(ws[i], p);
+        p += scale_floats(ws[i]);
+    }
+    if (m->hp.tied_output) m->output = m->tok_embd;
+    return true;
+}
+
 /* ---------------------------------------------------------------- load */
 
 static bool dequant_weight(cb_weight_t *w, float *dst, char *err, size_t errlen) {
@@ -477,6 +532,10 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
             p += (size_t)ws[k]->rows * ws[k]->cols;
         }
     }
+    if (!build_scales(m)) {
+        set_err(err, errlen, "out of memory for block scales");
+        goto fail;
+    }
     if (compute_fingerprint(m) != 0) {
         set_err(err, errlen, "libsodium initialisation failed");
         goto fail;
@@ -497,6 +556,7 @@ void cb_model_destroy(cb_model_t **self_p) {
     for (int i = 0; i < m->n_norm_copies; i++) free(m->norm_copies[i]);
     free(m->norm_copies);
     free(m->arena);
+    free(m->scales);
     free(m->layers);
     cb_gguf_destroy(&m->gguf);
     free(m);

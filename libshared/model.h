@@ -7,13 +7,15 @@
  *     dequantize in registers (kernels/cpu/cpu_ops.c);
  *   - an f32 copy, dequantized once at load with cb_dequant: prefill GEMMs (OpenBLAS sgemm) read these.
  * token_embd (and output, when the file has one) is kept only in its stored form: the embedding gather
- * and the one-row LM head dequantize on the fly.
+ * and the one-row LM head dequantize on the fly. Q4_1 and Q8_0 matrices also get f32 copies of their
+ * per-block scales (and mins), which the decode kernels read instead of converting f16 per block.
  *
  * Anything we cannot run faithfully is rejected with a clear error instead of being run wrongly:
  * another architecture, NEOX RoPE, partial rotary, RoPE scaling, biases, rope_freqs, unknown tensors.
  *
  * The model is immutable after load, so one model may be shared (read-only) by several engines and
- * threads. Memory: the mapping (file size) plus 4 bytes per block-weight parameter.
+ * threads. Memory: the mapping (file size) plus 4 bytes per block-weight parameter (plus 8 bytes per
+ * 32 Q4_1 weights and 4 per 32 Q8_0 weights of scale copies).
  */
 #ifndef CB_MODEL_H
 #define CB_MODEL_H
@@ -64,6 +66,8 @@ typedef struct {
     size_t row_bytes;        /* bytes of one stored row */
     int rows, cols;          /* out, in */
     const float *f32;        /* [rows][cols] dequantized copy (prefill GEMMs), or NULL when not kept */
+    const float *scale;      /* [rows][cols/32] f32 copies of the Q4_1/Q8_0 block scales d, or NULL */
+    const float *min;        /* [rows][cols/32] f32 copies of the Q4_1 block mins m, or NULL */
 } cb_weight_t;
 
 typedef struct {

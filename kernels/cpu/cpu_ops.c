@@ -239,56 +239,72 @@ void cb_cpu_embed(const cb_weight_t *table, const int32_t *tokens, int n, float 
 /* ---------------------------------------------------------------- matvec (decode) */
 
 #if CB_AVX512
-/* Rows [o0, o1) of a Q4_1 matrix times n activation rows. Weights are rebuilt exactly as
- * cb_dequant does (q*d then + m, no FMA), then FMA-accumulated in 16 lanes. */
+#define MV_MAX_NB 256 /* blocks per row the scale-copy kernels handle (cols <= 8192) */
+
+/* Rows [o0, o1) of a Q4_1 matrix times n activation rows, with the block scales/mins as f32 copies:
+ * sum_b d_b * (q_b · x_b) + sum_b m_b * (sum of x_b), so a block costs two nibble expansions, a mul and
+ * two FMAs per activation row; the min term is one short dot per row. */
 static void matvec_q4_1(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
     const int nb = w->cols / 32, cols = w->cols;
     const __m128i m4 = _mm_set1_epi8(0x0F);
+    float xs[CB_CPU_MATVEC_MAX_ROWS][MV_MAX_NB]; /* per row and block: sum of the 32 activations */
+    for (int r = 0; r < n; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * cols + 32 * b;
+            xs[r][b] = hsum16(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
+        }
     for (int o = o0; o < o1; o++) {
-        const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes;
+        const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes + 4;
+        const float *d = w->scale + (size_t)o * nb, *mn = w->min + (size_t)o * nb;
         __m512 acc[CB_CPU_MATVEC_MAX_ROWS];
         for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
         for (int b = 0; b < nb; b++, src += 20) {
-            __m512 d = _mm512_set1_ps(f16f(src)), m = _mm512_set1_ps(f16f(src + 2));
-            __m128i raw = _mm_loadu_si128((const __m128i *)(src + 4));
+            __m128i raw = _mm_loadu_si128((const __m128i *)src);
             __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, m4)));
             __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)));
-            lo = _mm512_add_ps(_mm512_mul_ps(lo, d), m);
-            hi = _mm512_add_ps(_mm512_mul_ps(hi, d), m);
+            __m512 db = _mm512_set1_ps(d[b]);
             for (int r = 0; r < n; r++) {
                 const float *xr = x + (size_t)r * cols + 32 * b;
-                acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
-                acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[r]);
+                __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xr));
+                t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), t);
+                acc[r] = _mm512_fmadd_ps(db, t, acc[r]);
             }
         }
-        for (int r = 0; r < n; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]);
+        for (int r = 0; r < n; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]) + dot_f32(mn, xs[r], nb);
     }
 }
 
 static void matvec_q8_0(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
     const int nb = w->cols / 32, cols = w->cols;
     for (int o = o0; o < o1; o++) {
-        const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes;
+        const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes + 2;
+        const float *d = w->scale + (size_t)o * nb;
         __m512 acc[CB_CPU_MATVEC_MAX_ROWS];
         for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
         for (int b = 0; b < nb; b++, src += 34) {
-            __m512 d = _mm512_set1_ps(f16f(src));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 2))));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 18))));
-            lo = _mm512_mul_ps(lo, d);
-            hi = _mm512_mul_ps(hi, d);
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
+            __m512 db = _mm512_set1_ps(d[b]);
             for (int r = 0; r < n; r++) {
                 const float *xr = x + (size_t)r * cols + 32 * b;
-                acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
-                acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[r]);
+                __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xr));
+                t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), t);
+                acc[r] = _mm512_fmadd_ps(db, t, acc[r]);
             }
         }
         for (int r = 0; r < n; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]);
     }
 }
+
+/* The fused kernels apply when the model made scale copies (cb_model_load does for Q4_1 / Q8_0). */
+static bool fused_q4_1(const cb_weight_t *w) {
+    return w->type == CB_TYPE_Q4_1 && w->scale && w->min && w->cols / 32 <= MV_MAX_NB;
+}
+static bool fused_q8_0(const cb_weight_t *w) { return w->type == CB_TYPE_Q8_0 && w->scale; }
 #endif
 
-/* Any type: the f32 copy when the model kept one, else dequantize each row into buf. */
+/* Any type: the f32 copy when the model kept one, else dequantize each row into buf (only for weights
+ * without a fused kernel: the f32 copy of a decode matrix would be read at 4 bytes per weight). */
 static void matvec_generic(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1,
                            float *buf) {
     for (int o = o0; o < o1; o++) {
@@ -317,8 +333,8 @@ static void matvec_task(void *arg, int task, int thread) {
     const cb_weight_t *w = j->w;
     int o0 = task * j->chunk, o1 = o0 + j->chunk < w->rows ? o0 + j->chunk : w->rows;
 #if CB_AVX512
-    if (w->type == CB_TYPE_Q4_1) { matvec_q4_1(w, j->x, j->n, j->y, j->ldy, o0, o1); return; }
-    if (w->type == CB_TYPE_Q8_0) { matvec_q8_0(w, j->x, j->n, j->y, j->ldy, o0, o1); return; }
+    if (fused_q4_1(w)) { matvec_q4_1(w, j->x, j->n, j->y, j->ldy, o0, o1); return; }
+    if (fused_q8_0(w)) { matvec_q8_0(w, j->x, j->n, j->y, j->ldy, o0, o1); return; }
 #endif
     matvec_generic(w, j->x, j->n, j->y, j->ldy, o0, o1, j->scratch + (size_t)thread * w->cols);
 }
@@ -387,8 +403,8 @@ static void multi_task(void *arg, int t, int thread) {
         return;
     }
 #if CB_AVX512
-    if (w->type == CB_TYPE_Q4_1) { matvec_q4_1(w, j->x, j->n, p->y, p->ldy, r0, r1); return; }
-    if (w->type == CB_TYPE_Q8_0) { matvec_q8_0(w, j->x, j->n, p->y, p->ldy, r0, r1); return; }
+    if (fused_q4_1(w)) { matvec_q4_1(w, j->x, j->n, p->y, p->ldy, r0, r1); return; }
+    if (fused_q8_0(w)) { matvec_q8_0(w, j->x, j->n, p->y, p->ldy, r0, r1); return; }
 #endif
     matvec_generic(w, j->x, j->n, p->y, p->ldy, r0, r1, j->scratch + (size_t)thread * w->cols);
 }

@@ -50,7 +50,8 @@ void cb_cpu_dequant_row(const cb_weight_t *w, int row, float *dst);
 void cb_cpu_embed(const cb_weight_t *table, const int32_t *tokens, int n, float *x);
 
 /* y[i][o] = sum_j w[o][j] x[i][j] for n <= CB_CPU_MATVEC_MAX_ROWS rows, reading w's stored (quantized)
- * rows and dequantizing in registers (f32 activations, f32 accumulation). x [n][cols], y [n][ldy].
+ * rows and expanding them in registers (f32 activations, f32 accumulation; Q4_1 / Q8_0 use the
+ * weight's f32 scale copies). x [n][cols], y [n][ldy].
  * scratch: [pool threads][cols] floats for types without a fused kernel. */
 #define CB_CPU_MATVEC_MAX_ROWS 8
 void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, cb_pool_t *pool);

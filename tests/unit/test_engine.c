@@ -214,6 +214,22 @@ static void random_weight(cb_weight_t *w, uint32_t type, int rows, int cols, uin
                        .cols = cols, .f32 = NULL};
 }
 
+/* The f32 scale (and min) copies cb_model_load makes, for the fused matvec kernels. */
+static float *add_scales(cb_weight_t *w) {
+    size_t nb = (size_t)w->rows * (w->cols / 32), bb = w->type == CB_TYPE_Q4_1 ? 20 : 34;
+    float *s = malloc(sizeof(float) * 2 * nb);
+    for (size_t b = 0; b < nb; b++) {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)w->q + b * bb, 2);
+        s[b] = cb_f16_to_f32(h);
+        memcpy(&h, (const uint8_t *)w->q + b * bb + 2, 2);
+        s[nb + b] = cb_f16_to_f32(h);
+    }
+    w->scale = s;
+    w->min = w->type == CB_TYPE_Q4_1 ? s + nb : NULL;
+    return s;
+}
+
 TEST(test_dequant_and_matvec) {
     cb_pool_t *pool2 = cb_pool_new(2);
     uint32_t types[2] = {CB_TYPE_Q4_1, CB_TYPE_Q8_0};
@@ -228,20 +244,24 @@ TEST(test_dequant_and_matvec) {
         CHECK(memcmp(ref, mine, sizeof(float) * R * C) == 0);
         float x[8 * C], y[8 * R], y2[8 * R], scr[2 * C];
         fill(x, 8 * C, 1.0f);
-        for (int n = 1; n <= 8; n++) {
-            cb_cpu_matvec(&w, x, n, y, R, scr, pool2);
-            for (int i = 0; i < n; i++)
-                for (int o = 0; o < R; o++) {
-                    double s = 0;
-                    for (int j = 0; j < C; j++) s += (double)ref[(size_t)o * C + j] * x[i * C + j];
-                    CHECK_NEAR(y[i * R + o], s, 1e-4);
-                }
+        float *scales = NULL;
+        for (int pass = 0; pass < 2; pass++) { /* generic path, then the fused kernels with scale copies */
+            if (pass == 1) scales = add_scales(&w);
+            for (int n = 1; n <= 8; n++) {
+                cb_cpu_matvec(&w, x, n, y, R, scr, pool2);
+                for (int i = 0; i < n; i++)
+                    for (int o = 0; o < R; o++) {
+                        double s = 0;
+                        for (int j = 0; j < C; j++) s += (double)ref[(size_t)o * C + j] * x[i * C + j];
+                        CHECK_NEAR(y[i * R + o], s, 1e-4);
+                    }
+            }
         }
         w.f32 = ref; /* GEMM on the f32 copy agrees with matvec on the stored rows */
         cb_cpu_gemm(&w, x, 8, y2, R, pool2);
         cb_cpu_matvec(&w, x, 8, y, R, scr, NULL);
         CHECK(maxdiff(y, y2, 8 * R) < 1e-4);
-        free(ref); free(mine); free(buf);
+        free(ref); free(mine); free(buf); free(scales);
     }
     cb_pool_destroy(&pool2);
 }
