@@ -225,6 +225,11 @@ static cb_msg_t *client_wait(cb_bus_client_t *c, const char *id, double deadline
             cb_log(CB_LOG_WARN, id, "dropped an invalid reply from %s: %s", c->endpoint, e.message);
             continue;
         }
+        if (!cb_msg_is_reply(m)) { /* e.g. our own request echoed by a TCP self-connection */
+            cb_log(CB_LOG_WARN, id, "dropped a message from %s that is not a reply", c->endpoint);
+            cb_msg_destroy(&m);
+            continue;
+        }
         if (strcmp(cb_msg_id(m), id) == 0) return m;
         cb_log(CB_LOG_DEBUG, id, "dropped a stale reply (id %s) from %s", cb_msg_id(m), c->endpoint);
         cb_msg_destroy(&m);
@@ -534,7 +539,9 @@ int cb_bus_reply(cb_bus_req_t *req, cb_msg_writer_t *w) {
 /* The log line for a finished request. */
 static void req_log(const cb_bus_req_t *r) {
     double ms = now_ms() - r->t0_ms;
-    if (r->code == CB_ERR_NONE)
+    if (r->n_replies == 0)
+        cb_log(CB_LOG_WARN, r->id[0] ? r->id : NULL, "%s finished without a reply (%.2f ms)", r->type, ms);
+    else if (r->code == CB_ERR_NONE)
         cb_log(CB_LOG_INFO, r->id[0] ? r->id : NULL, "%s ok %.2f ms%s", r->type, ms, r->send_failed ? " (reply not delivered)" : "");
     else
         cb_log(CB_LOG_WARN, r->id[0] ? r->id : NULL, "%s %s: %s (%.2f ms)%s", r->type, cb_err_name(r->code), r->error, ms,

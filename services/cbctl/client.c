@@ -157,7 +157,7 @@ void cbctl_fanout(cbctl_t *ctl, const char *type, const char *const *names, int 
                 cb_msg_error_t e;
                 cb_msg_t *m = f ? cb_msg_decode_ex(zframe_data(f), zframe_size(f), (size_t)o.max_msg_bytes, &e) : NULL;
                 zmsg_destroy(&zm);
-                if (!m || strcmp(cb_msg_id(m), ids[i]) != 0) {
+                if (!m || !cb_msg_is_reply(m) || strcmp(cb_msg_id(m), ids[i]) != 0) {
                     cb_msg_destroy(&m); /* not our answer: keep waiting */
                     continue;
                 }

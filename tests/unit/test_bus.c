@@ -1,7 +1,11 @@
 /* test_bus: libshared/bus: a service in a thread (zactor) on a loopback port, and clients: ping,
  * dispatch, error replies for malformed/unknown/oversized input, streams, Lazy Pirate timeout and
  * unavailable endpoints, REQ-socket compatibility. */
+#include <arpa/inet.h>
 #include <czmq.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "bus.h"
 #include "test.h"
@@ -260,10 +264,20 @@ TEST(unavailable) {
     o.send_timeout_ms = 200;
     o.request_timeout_ms = 200;
     o.request_retries = 1;
-    /* a port nothing listens on: bind and close a socket to find one */
-    zsock_t *tmp = zsock_new(ZMQ_ROUTER);
-    int port = zsock_bind(tmp, "tcp://127.0.0.1:*");
-    zsock_destroy(&tmp);
+    /* a port nothing listens on: a random one that a plain socket can bind (closed synchronously,
+     * unlike a ZeroMQ socket), below the kernel's ephemeral range, where a connect to a free port
+     * could connect to itself (TCP simultaneous open) */
+    int port = 0;
+    srand((unsigned)getpid());
+    for (int tries = 0; tries < 200 && !port; tries++) {
+        int p = 20000 + rand() % 12000;
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p)};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0) port = p;
+        if (fd >= 0) close(fd);
+    }
+    CHECK(port);
     char ep[64];
     snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", port);
     cb_bus_client_t *c = cb_bus_client_new(ep, &o, err, sizeof err);
@@ -272,7 +286,7 @@ TEST(unavailable) {
     cb_msg_begin(w, "ping", "u1");
     cb_err_t code;
     cb_msg_t *m = cb_bus_call(c, w, &code, err, sizeof err);
-    CHECK(!m && code == CB_ERR_UNAVAILABLE);
+    CHECK_MSG(!m && code == CB_ERR_UNAVAILABLE, "reply %p, code %s: %s", (void *)m, cb_err_name(code), err);
     CHECK_MSG(strstr(err, ep) && strstr(err, "unavailable"), "%s", err);
     CHECK(!cb_bus_client_new("nonsense", &o, err, sizeof err));
     cb_msg_writer_destroy(&w);

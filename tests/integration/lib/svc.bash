@@ -57,8 +57,20 @@ svc_need() {
   fi
 }
 
+# A free loopback port below the kernel's ephemeral range (32768+ on Linux), so that a client connecting
+# to it while nothing listens can never connect to itself (TCP simultaneous open).
 svc_free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+  python3 -c '
+import random, socket
+for _ in range(200):
+    p = random.randint(20000, 32000)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p)); print(p); break
+    except OSError:
+        pass
+    finally:
+        s.close()'
 }
 
 # svc_start NAME BINARY [VAR=VALUE...] [-- ARGS...]: runs BINARY in the background with the variables
