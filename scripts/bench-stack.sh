@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# bench-stack.sh (`make bench-stack`): the same RAG queries through the stack and in process, side by side.
+#
+#   1. Latency before the first token, blend mode. In process: cb-rag (same prompt, config and code path,
+#      chunks already in its memory tier: median of warm runs). Through the stack: cbctl query (client-side
+#      TTFT: send -> first token message), after one warm-up query that computed and stored every chunk,
+#        (a) with cb-blend's memory tier (the chunks stay in RAM): messaging + lookup + queueing;
+#        (b) without it (blend.hot_cache_bytes = 0): every chunk is also loaded from its KV file (page cache).
+#      The stack's added latency = stack TTFT - in-process TTFT, per query, as a share of the in-process
+#      TTFT (target < 5%). Full-prefill TTFT in process is shown for scale.
+#   2. Throughput with N concurrent clients (N in BENCH_CLIENTS, default "1 4 16"): queries/s and client
+#      TTFT p50/p99 (cb-load), blend mode, memory tier on.
+#
+# Queries: the first BENCH_QUERIES (6) MuSiQue examples of data/musique_dev.jsonl, each with its first
+# BENCH_CONTEXTS (2) passages as explicit contexts ("{title}\n\n{text}"), BENCH_MAX_TOKENS (16) generated
+# tokens, greedy. BENCH_REPS (3) measured runs per query and setting. BENCH_LOAD_QUERIES (16) queries per
+# throughput point (at least N). Threads: CB_COMMON_THREADS (2). Output: a table on stdout and
+# $BENCH_OUT (build/bench-stack.json). The stack runs on ports from BENCH_PORT (5750..5754) with its state in
+# a temporary directory. Timings on a shared machine are noisy: compare the columns of one run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+NQ=${BENCH_QUERIES:-6}
+NCTX=${BENCH_CONTEXTS:-2}
+MAXTOK=${BENCH_MAX_TOKENS:-16}
+REPS=${BENCH_REPS:-3}
+CLIENTS=${BENCH_CLIENTS:-1 4 16}
+LOADQ=${BENCH_LOAD_QUERIES:-16}
+OUT=${BENCH_OUT:-build/bench-stack.json}
+PORT=${BENCH_PORT:-5750}
+export CB_COMMON_THREADS=${CB_COMMON_THREADS:-2}
+export CB_MODEL=${CB_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+export CB_COMMON_MODEL=$CB_MODEL
+[ -f "$CB_MODEL" ] || { echo "bench-stack: model $CB_MODEL not found (make model)" >&2; exit 1; }
+for b in cb-retriever cb-cacheindex cb-precompute cb-blend cbctl cb-rag cb-load; do
+  [ -x build/bin/$b ] || { echo "bench-stack: build/bin/$b missing (make)" >&2; exit 1; }
+done
+
+TMP=$(mktemp -d /tmp/cb-bench.XXXXXX)
+export CB_DATA_DIR="$TMP/var"
+export CB_RETRIEVER_ENDPOINT=tcp://127.0.0.1:$PORT CB_CACHEINDEX_ENDPOINT=tcp://127.0.0.1:$((PORT + 1))
+export CB_PRECOMPUTE_ENDPOINT=tcp://127.0.0.1:$((PORT + 2)) CB_PRECOMPUTE_PULL_ENDPOINT=tcp://127.0.0.1:$((PORT + 3))
+export CB_BLEND_ENDPOINT=tcp://127.0.0.1:$((PORT + 4))
+export CB_BLEND_MAX_TOKENS=$MAXTOK CB_BLEND_MODE=blend CB_BLEND_CTX_SIZE=${CB_BLEND_CTX_SIZE:-2048}
+export CB_BLEND_MAX_QUEUE=64 CB_CBCTL_QUERY_TIMEOUT_MS=600000
+cleanup() { scripts/stack.sh stop >/dev/null 2>&1 || true; rm -rf "$TMP"; }
+trap cleanup EXIT
+
+python3 - "$NQ" "$NCTX" >"$TMP/queries.jsonl" <<'EOF'
+import json, sys
+n, k = int(sys.argv[1]), int(sys.argv[2])
+with open("data/musique_dev.jsonl") as f:
+    for i, line in enumerate(f):
+        if i >= n: break
+        ex = json.loads(line)
+        ctx = ["%s\n\n%s" % (c["title"], c["text"]) for c in ex["ctxs"][:k]]
+        print(json.dumps({"question": ex["question"], "contexts": ctx}))
+EOF
+
+# args_for I: the cb-rag / cbctl arguments (contexts, question) of query I, one per line (NUL-safe via files)
+mkdir -p "$TMP/q"
+python3 - "$TMP/queries.jsonl" "$TMP/q" <<'EOF'
+import json, sys, os
+for i, line in enumerate(open(sys.argv[1])):
+    q = json.loads(line)
+    d = os.path.join(sys.argv[2], str(i)); os.makedirs(d)
+    open(os.path.join(d, "question"), "w").write(q["question"])
+    for j, c in enumerate(q["contexts"]):
+        open(os.path.join(d, "ctx%d" % j), "w").write(c)
+EOF
+qargs() { local d="$TMP/q/$1" f; ARGS=(); for f in "$d"/ctx*; do ARGS+=(--context "$(cat "$f")"); done; QUESTION=$(cat "$d/question"); }
+median() { python3 -c 'import sys,statistics; v=[float(x) for x in sys.argv[1:]]; print(statistics.median(v))' "$@"; }
+jfield() { python3 -c 'import json,sys; v=json.loads(sys.argv[1])
+for k in sys.argv[2].split("."): v=v[int(k)] if isinstance(v,list) else v[k]
+print(v)' "$1" "$2"; }
+
+echo "bench-stack: $NQ queries x $NCTX MuSiQue passages, $MAXTOK tokens, $CB_COMMON_THREADS threads, $REPS runs each"
+echo "== in process (cb-rag)"
+declare -a IN_BLEND IN_FULL NPROMPT
+for i in $(seq 0 $((NQ - 1))); do
+  qargs "$i"
+  js=$(build/bin/cb-rag --mode blend --repeat $((REPS + 1)) --json "${ARGS[@]}" "$QUESTION")
+  IN_BLEND[$i]=$(python3 -c 'import json,sys,statistics; print(statistics.median(json.loads(sys.argv[1])["ttft_ms"][1:]))' "$js")
+  NPROMPT[$i]=$(jfield "$js" n_prompt)
+  js=$(build/bin/cb-rag --mode full --repeat 2 --json "${ARGS[@]}" "$QUESTION")
+  IN_FULL[$i]=$(python3 -c 'import json,sys; print(min(json.loads(sys.argv[1])["ttft_ms"]))' "$js")
+  printf '  query %d: %4d prompt tokens: in-process TTFT full %7.1f ms, blend %7.1f ms\n' "$i" "${NPROMPT[$i]}" "${IN_FULL[$i]}" "${IN_BLEND[$i]}"
+done
+
+stack_ttft() { # mode -> median client TTFT over REPS runs of query i (after ARGS/QUESTION are set)
+  local v=() r js
+  for r in $(seq 1 "$REPS"); do
+    js=$(build/bin/cbctl query --json --mode blend "${ARGS[@]}" "$QUESTION" | tail -n 1)
+    v+=("$(jfield "$js" client.ttft_ms)")
+  done
+  median "${v[@]}"
+}
+
+echo "== through the stack (cbctl query), memory tier on"
+scripts/stack.sh start >/dev/null
+declare -a ST_MEM ST_FILE
+for i in $(seq 0 $((NQ - 1))); do
+  qargs "$i"
+  build/bin/cbctl query --json --mode blend "${ARGS[@]}" "$QUESTION" >/dev/null   # computes + stores the chunks
+  ST_MEM[$i]=$(stack_ttft)
+  printf '  query %d: stack TTFT %7.1f ms (in process %7.1f ms)\n' "$i" "${ST_MEM[$i]}" "${IN_BLEND[$i]}"
+done
+echo "== through the stack, memory tier off (every chunk loaded from its KV file)"
+pid=$(cat "$CB_DATA_DIR/run/blend.pid"); kill -TERM "$pid"; while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+CB_BLEND_HOT_CACHE_BYTES=0 scripts/stack.sh start >/dev/null
+for i in $(seq 0 $((NQ - 1))); do
+  qargs "$i"
+  build/bin/cbctl query --json --mode blend "${ARGS[@]}" "$QUESTION" >/dev/null   # page cache warm
+  ST_FILE[$i]=$(stack_ttft)
+  printf '  query %d: stack TTFT %7.1f ms (in process %7.1f ms)\n' "$i" "${ST_FILE[$i]}" "${IN_BLEND[$i]}"
+done
+pid=$(cat "$CB_DATA_DIR/run/blend.pid"); kill -TERM "$pid"; while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+scripts/stack.sh start >/dev/null
+
+echo "== throughput (cb-load, blend mode, memory tier on)"
+LOADJS=()
+for n in $CLIENTS; do
+  q=$LOADQ; [ "$q" -lt "$n" ] && q=$n
+  js=$(build/bin/cb-load --clients "$n" --queries "$q" --mode blend --max-tokens "$MAXTOK" --json "$CB_BLEND_ENDPOINT" "$TMP/queries.jsonl")
+  LOADJS+=("$js")
+  printf '  %2d clients: %2d queries in %6.2f s: %.3f queries/s, TTFT p50 %7.1f ms, p99 %7.1f ms (errors %d)\n' "$n" "$q" \
+    "$(jfield "$js" wall_s)" "$(jfield "$js" qps)" "$(jfield "$js" ttft_ms.p50)" "$(jfield "$js" ttft_ms.p99)" "$(jfield "$js" errors)"
+done
+
+mkdir -p "$(dirname "$OUT")"
+python3 - "$OUT" "$NQ" "${IN_FULL[*]}" "${IN_BLEND[*]}" "${ST_MEM[*]}" "${ST_FILE[*]}" "${NPROMPT[*]}" "${LOADJS[@]}" <<'EOF'
+import json, statistics, sys
+out, nq = sys.argv[1], int(sys.argv[2])
+full, inb, mem, fil, npr = ([float(x) for x in a.split()] for a in sys.argv[3:8])
+loads = [json.loads(x) for x in sys.argv[8:]]
+def added(st):
+    d = [s - b for s, b in zip(st, inb)]
+    r = [x / b for x, b in zip(d, inb)]
+    return {"added_ms_median": statistics.median(d), "added_ms_mean": statistics.mean(d),
+            "added_pct_median": 100 * statistics.median(r), "added_pct_mean": 100 * statistics.mean(r)}
+res = {"queries": nq, "prompt_tokens": npr, "inprocess_full_ttft_ms": full, "inprocess_blend_ttft_ms": inb,
+       "stack_mem_ttft_ms": mem, "stack_file_ttft_ms": fil, "stack_mem": added(mem), "stack_file": added(fil),
+       "throughput": loads}
+json.dump(res, open(out, "w"), indent=2)
+m, f = res["stack_mem"], res["stack_file"]
+print("\nsummary (medians over queries; in-process blend TTFT %.1f ms, full %.1f ms, %d prompt tokens):"
+      % (statistics.median(inb), statistics.median(full), statistics.median(npr)))
+print("  stack added latency before the first token, memory tier: %+7.2f ms = %+5.2f%% of in-process TTFT" % (m["added_ms_median"], m["added_pct_median"]))
+print("  stack added latency before the first token, KV files:    %+7.2f ms = %+5.2f%% of in-process TTFT" % (f["added_ms_median"], f["added_pct_median"]))
+for l in loads:
+    print("  %2d clients: %.3f queries/s, TTFT p50 %.1f ms, p99 %.1f ms" % (l["clients"], l["qps"], l["ttft_ms"]["p50"], l["ttft_ms"]["p99"]))
+print("written to " + out)
+EOF

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# scripts/stack.sh start|stop|status|restart: the four cacheblend services in the background on this host.
+#
+# State lives under $CB_DATA_DIR (default ./var): run/<service>.pid, log/<service>.log, the databases and
+# the KV directory (the services' own config keys, relative to data_dir). Configuration: $CB_CONFIG or
+# config/cacheblend.cfg, with the usual CB_<SECTION>_<KEY> environment overrides (they are passed on).
+#
+#   start    starts the services that are not running, then waits until `cbctl health` passes and the
+#            model-loading workers (precompute, blend) are ready; exit 1 if they do not come up in
+#            $CB_STACK_START_TIMEOUT seconds (default 120), with the tail of the failing log
+#   stop     SIGTERM to each (blend, precompute, cacheindex, retriever), waits up to
+#            $CB_STACK_STOP_TIMEOUT seconds (default 30) each, then SIGKILL with a warning
+#   status   each service's pid (or "stopped"), then `cbctl health`; exit 0 only when all four answer
+#   restart  stop, then start
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+export CB_DATA_DIR=${CB_DATA_DIR:-var}
+RUN="$CB_DATA_DIR/run"
+LOG="$CB_DATA_DIR/log"
+SERVICES=(retriever cacheindex precompute blend)
+BIN="$ROOT/build/bin"
+CBCTL="$BIN/cbctl"
+
+die() { echo "stack: $*" >&2; exit 1; }
+
+# pid of a running service, or nothing (a stale pid file is removed)
+svc_pid() {
+  local f="$RUN/$1.pid" pid
+  [ -f "$f" ] || return 1
+  pid=$(cat "$f" 2>/dev/null)
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && grep -q "cb-$1" "/proc/$pid/cmdline" 2>/dev/null; then
+    echo "$pid"; return 0
+  fi
+  rm -f "$f"; return 1
+}
+
+start() {
+  for s in "${SERVICES[@]}" cbctl; do
+    local b="$BIN/cb-$s"; [ "$s" = cbctl ] && b="$CBCTL"
+    [ -x "$b" ] || die "$b is missing: run make first"
+  done
+  mkdir -p "$RUN" "$LOG" || die "cannot create $RUN and $LOG"
+  for s in "${SERVICES[@]}"; do
+    if pid=$(svc_pid "$s"); then echo "stack: cb-$s already running (pid $pid)"; continue; fi
+    nohup "$BIN/cb-$s" >>"$LOG/$s.log" 2>&1 </dev/null &
+    echo $! >"$RUN/$s.pid"
+    echo "stack: started cb-$s (pid $!, log $LOG/$s.log)"
+  done
+  local limit=${CB_STACK_START_TIMEOUT:-120} t0=$SECONDS
+  while :; do
+    for s in "${SERVICES[@]}"; do
+      svc_pid "$s" >/dev/null || { echo "stack: cb-$s exited; the end of $LOG/$s.log:" >&2; tail -n 15 "$LOG/$s.log" >&2; exit 1; }
+    done
+    if "$CBCTL" -q health 2>/dev/null; then
+      local ready=0
+      for s in precompute blend; do
+        "$CBCTL" stats "$s" 2>/dev/null | grep -q "worker_ready *true" && ready=$((ready + 1))
+      done
+      [ $ready -eq 2 ] && break
+    fi
+    [ $((SECONDS - t0)) -ge "$limit" ] && { "$CBCTL" health >&2; die "the stack did not come up within $limit s (logs in $LOG)"; }
+    sleep 0.5
+  done
+  echo "stack: up in $((SECONDS - t0)) s (data in $CB_DATA_DIR)"
+}
+
+stop() {
+  local limit=${CB_STACK_STOP_TIMEOUT:-30} pid i s rc=0
+  for ((i = ${#SERVICES[@]} - 1; i >= 0; i--)); do
+    s=${SERVICES[$i]}
+    pid=$(svc_pid "$s") || { echo "stack: cb-$s not running"; continue; }
+    kill -TERM "$pid" 2>/dev/null
+    local t0=$SECONDS
+    while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "stack: cb-$s (pid $pid) ignored SIGTERM for $limit s: killing it" >&2
+      kill -KILL "$pid" 2>/dev/null; rc=1
+    else
+      echo "stack: stopped cb-$s (pid $pid)"
+    fi
+    rm -f "$RUN/$s.pid"
+  done
+  return $rc
+}
+
+status() {
+  local s pid
+  for s in "${SERVICES[@]}"; do
+    if pid=$(svc_pid "$s"); then printf 'cb-%-11s running (pid %s)\n' "$s" "$pid"
+    else printf 'cb-%-11s stopped\n' "$s"; fi
+  done
+  [ -x "$CBCTL" ] || die "$CBCTL is missing: run make first"
+  "$CBCTL" health
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  restart) stop; start ;;
+  *) echo "usage: scripts/stack.sh start|stop|status|restart   (state under \$CB_DATA_DIR, default ./var)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,202 @@
+/* cb-load: a load generator for cb-blend: N client threads (one DEALER socket each) send queries from a
+ * file until a total count is reached, and the time to the first token and to the end of each answer is
+ * measured at the client. For scripts/bench-stack.sh.
+ *
+ *   cb-load [--clients N] [--queries M] [--mode M] [--ratio R] [--max-tokens T] [--timeout MS] [--json]
+ *           ENDPOINT QUERIES.jsonl
+ *
+ * QUERIES.jsonl: one object per line {"question": str, "contexts": [str...]} (contexts optional: then
+ * cb-blend retrieves). Queries are taken in order, round-robin over the file, by whichever client is free.
+ * Output: a summary line, or with --json one object {"clients", "queries", "ok", "errors", "wall_s",
+ * "qps", "ttft_ms": {"mean", "p50", "p90", "p99", "max"}, "total_ms": {...}}.
+ * Exit: 0 when every query was answered, 1 when some failed, 2 usage.
+ */
+#include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bus.h"
+#include "log.h"
+#include "msg.h"
+
+#define MAX_CLIENTS 256
+
+typedef struct {
+    json_t *queries;   /* array of query objects */
+    const char *endpoint, *mode;
+    double ratio;
+    int max_tokens, timeout_ms, total;
+    atomic_int next;
+    double *ttft, *tot; /* [total] per query, -1 when it failed */
+    atomic_int errors;
+} load_t;
+
+static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
+
+static void *client(void *arg) {
+    load_t *L = arg;
+    char err[512];
+    cb_bus_opts_t o;
+    cb_bus_opts_default(&o);
+    o.request_timeout_ms = L->timeout_ms;
+    o.send_timeout_ms = 5000;
+    cb_bus_client_t *c = cb_bus_client_new(L->endpoint, &o, err, sizeof err);
+    cb_msg_writer_t *w = cb_msg_writer_new();
+    if (!c || !w) {
+        fprintf(stderr, "cb-load: %s\n", err);
+        cb_bus_client_destroy(&c);
+        cb_msg_writer_destroy(&w);
+        return NULL;
+    }
+    for (;;) {
+        int i = atomic_fetch_add(&L->next, 1);
+        if (i >= L->total) break;
+        json_t *q = json_array_get(L->queries, (size_t)i % json_array_size(L->queries));
+        char id[32];
+        cb_msg_begin(w, "query", cb_bus_new_id(id, sizeof id));
+        cb_msg_put_str(w, "question", json_string_value(json_object_get(q, "question")));
+        json_t *ctx = json_object_get(q, "contexts");
+        if (json_is_array(ctx)) cb_msg_put_json(w, "contexts", ctx);
+        if (L->mode) cb_msg_put_str(w, "mode", L->mode);
+        if (L->ratio >= 0) cb_msg_put_double(w, "ratio", L->ratio);
+        if (L->max_tokens > 0) cb_msg_put_int(w, "max_tokens", L->max_tokens);
+        size_t len;
+        const void *d = cb_msg_end(w, &len);
+        L->ttft[i] = L->tot[i] = -1;
+        cb_err_t code;
+        double t0 = now_ms(), t1 = -1;
+        if (!d || cb_bus_send(c, d, len, &code, err, sizeof err) != 0) {
+            fprintf(stderr, "cb-load: query %d: %s\n", i, d ? err : cb_msg_writer_error(w));
+            atomic_fetch_add(&L->errors, 1);
+            continue;
+        }
+        for (;;) {
+            cb_msg_t *m = cb_bus_recv(c, id, L->timeout_ms, &code, err, sizeof err);
+            if (!m) {
+                fprintf(stderr, "cb-load: query %d: %s\n", i, err);
+                atomic_fetch_add(&L->errors, 1);
+                break;
+            }
+            if (!cb_msg_ok(m)) {
+                fprintf(stderr, "cb-load: query %d: %s: %s\n", i, cb_msg_err_code_name(m), cb_msg_err_message(m));
+                atomic_fetch_add(&L->errors, 1);
+                cb_msg_destroy(&m);
+                break;
+            }
+            bool done = cb_msg_is_type(m, "done");
+            if ((cb_msg_is_type(m, "token") || done) && t1 < 0) t1 = now_ms();
+            cb_msg_destroy(&m);
+            if (done) {
+                L->ttft[i] = t1 - t0;
+                L->tot[i] = now_ms() - t0;
+                break;
+            }
+        }
+    }
+    cb_msg_writer_destroy(&w);
+    cb_bus_client_destroy(&c);
+    return NULL;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Percentiles of the non-negative values of v[n] (nearest rank). */
+static json_t *summary(const double *v, int n) {
+    double *s = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+    int k = 0;
+    double sum = 0;
+    for (int i = 0; i < n; i++)
+        if (v[i] >= 0) {
+            s[k++] = v[i];
+            sum += v[i];
+        }
+    qsort(s, (size_t)k, sizeof *s, cmp_d);
+#define PCT(p) (k ? s[(int)((p) / 100.0 * (k - 1) + 0.5)] : 0.0)
+    json_t *o = json_pack("{s:f, s:f, s:f, s:f, s:f}", "mean", k ? sum / k : 0.0, "p50", PCT(50), "p90", PCT(90), "p99",
+                          PCT(99), "max", k ? s[k - 1] : 0.0);
+#undef PCT
+    free(s);
+    return o;
+}
+
+static int usage(void) {
+    fprintf(stderr, "usage: cb-load [--clients N] [--queries M] [--mode M] [--ratio R] [--max-tokens T] [--timeout MS]\n"
+                    "               [--json] ENDPOINT QUERIES.jsonl\n");
+    return 2;
+}
+
+int main(int argc, char **argv) {
+    cb_log_set_component("cb-load");
+    setenv("ZSYS_SIGHANDLER", "false", 0);
+    load_t L = {.ratio = -1, .timeout_ms = 60000};
+    int clients = 1, i = 1;
+    bool json = false;
+    L.total = 0;
+    for (; i < argc && argv[i][0] == '-'; i++) {
+        if (!strcmp(argv[i], "--clients") && i + 1 < argc) clients = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--queries") && i + 1 < argc) L.total = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--mode") && i + 1 < argc) L.mode = argv[++i];
+        else if (!strcmp(argv[i], "--ratio") && i + 1 < argc) L.ratio = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc) L.max_tokens = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--timeout") && i + 1 < argc) L.timeout_ms = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--json")) json = true;
+        else return usage();
+    }
+    if (i + 2 != argc || clients < 1 || clients > MAX_CLIENTS || L.timeout_ms < 1) return usage();
+    L.endpoint = argv[i];
+    json_t *qs = json_array();
+    FILE *f = fopen(argv[i + 1], "r");
+    if (!f) {
+        perror(argv[i + 1]);
+        return 2;
+    }
+    char *line = NULL;
+    size_t cap = 0;
+    while (getline(&line, &cap, f) > 0) {
+        json_t *q = json_loads(line, 0, NULL);
+        if (json_is_object(q) && json_is_string(json_object_get(q, "question"))) json_array_append_new(qs, q);
+        else json_decref(q);
+    }
+    free(line);
+    fclose(f);
+    if (json_array_size(qs) == 0) {
+        fprintf(stderr, "cb-load: no queries in %s\n", argv[i + 1]);
+        return 2;
+    }
+    if (L.total <= 0) L.total = (int)json_array_size(qs);
+    L.queries = qs;
+    L.ttft = calloc((size_t)L.total, sizeof(double));
+    L.tot = calloc((size_t)L.total, sizeof(double));
+    atomic_init(&L.next, 0);
+    atomic_init(&L.errors, 0);
+    zsys_init();
+    pthread_t th[MAX_CLIENTS];
+    double t0 = now_ms();
+    for (int c = 0; c < clients; c++) pthread_create(&th[c], NULL, client, &L);
+    for (int c = 0; c < clients; c++) pthread_join(th[c], NULL);
+    double wall = (now_ms() - t0) / 1000.0;
+    int errors = atomic_load(&L.errors), ok = L.total - errors;
+    json_t *out = json_pack("{s:i, s:i, s:i, s:i, s:f, s:f, s:o, s:o}", "clients", clients, "queries", L.total, "ok", ok,
+                            "errors", errors, "wall_s", wall, "qps", wall > 0 ? ok / wall : 0.0, "ttft_ms",
+                            summary(L.ttft, L.total), "total_ms", summary(L.tot, L.total));
+    if (json) {
+        json_dumpf(out, stdout, JSON_COMPACT);
+        fputc('\n', stdout);
+    } else {
+        json_t *tt = json_object_get(out, "ttft_ms");
+        printf("%d clients, %d queries (%d ok) in %.2f s: %.3f queries/s, TTFT p50 %.1f ms, p99 %.1f ms\n", clients,
+               L.total, ok, wall, wall > 0 ? ok / wall : 0.0, json_real_value(json_object_get(tt, "p50")),
+               json_real_value(json_object_get(tt, "p99")));
+    }
+    json_decref(out);
+    json_decref(qs);
+    free(L.ttft);
+    free(L.tot);
+    return errors ? 1 : 0;
+}
