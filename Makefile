@@ -102,7 +102,7 @@ test-gpu: all gpu-tests
 fuzz: build/lib/libshared.a
 	@mkdir -p build/fuzz
 	@for f in $(FUZZ_SRC); do n=$$(basename $$f .c); \
-	  clang $(CSTD) $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -Ilibshared $(PKG_CFLAGS) $$f $(LIB_SRC) $(LDLIBS) -o build/fuzz/$$n || exit 1; done
+	  clang $(CSTD) $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -Ilibshared -Ikernels/cpu $(PKG_CFLAGS) $$f $(LIB_SRC) $(PKG_LIBS) -lm -lpthread -o build/fuzz/$$n || exit 1; done
 
 cuda:
 	$(MAKE) CB_CUDA=1 all
