@@ -899,6 +899,26 @@ static cb_kvfile_t *open_chunk_file(cb_blend_t *b, const uint8_t key[32], const 
     return f;
 }
 
+/* Whether a memory-tier entry fits this model and these tokens (the key makes a mismatch unlikely; an entry
+ * that does not fit is dropped and counts as a miss). */
+static bool entry_fits(const cb_blend_t *b, const cb_kvmem_entry_t *e, const int32_t *tokens, int n) {
+    return cb_kvmem_entry_n_layer(e) == b->L && cb_kvmem_entry_n_head_kv(e) == b->hp->n_head_kv &&
+           cb_kvmem_entry_head_dim(e) == b->HD && cb_kvmem_entry_n_tokens(e) == n &&
+           !memcmp(cb_kvmem_entry_tokens(e), tokens, sizeof(int32_t) * (size_t)n);
+}
+
+/* The memory tier's entry for key, validated (NULL: miss). */
+static cb_kvmem_entry_t *mem_get(cb_blend_t *b, const uint8_t key[32], const int32_t *tokens, int n) {
+    if (!b->mem) return NULL;
+    cb_kvmem_entry_t *e = cb_kvmem_get(b->mem, key);
+    if (e && !entry_fits(b, e, tokens, n)) {
+        CB_WARN("blend: memory-tier entry does not fit its key; dropped");
+        cb_kvmem_remove(b->mem, key);
+        cb_kvmem_entry_release(&e);
+    }
+    return e;
+}
+
 /* Shared by ensure/load: find (mem, file) or compute + store. With want_entry the decoded KV is returned. */
 static int find_chunk(cb_blend_t *b, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n, bool want_entry,
                       cb_kvmem_entry_t **out, cb_blend_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
@@ -907,8 +927,8 @@ static int find_chunk(cb_blend_t *b, const int32_t *ctx, int n_ctx, const int32_
     if (ensure_prefix(b, ctx, n_ctx, err, errlen)) return -1;
     uint8_t key[32];
     cb_kvfile_key(b->model_fp, b->p_ctx_fp, tokens, n, key);
-    if (b->mem) {
-        cb_kvmem_entry_t *ent = cb_kvmem_get(b->mem, key);
+    {
+        cb_kvmem_entry_t *ent = mem_get(b, key, tokens, n);
         if (ent) {
             if (src) *src = CB_BLEND_SRC_MEM;
             if (why) *why = CB_KV_OK;
@@ -985,8 +1005,8 @@ static int resolve_chunk(cb_blend_t *b, const int32_t *tokens, int n, bool force
     cb_kvfile_key(b->model_fp, b->p_ctx_fp, tokens, n, rs->key);
     rs->entry = NULL;
     rs->file = NULL;
-    if (b->mem && !force) {
-        rs->entry = cb_kvmem_get(b->mem, rs->key);
+    if (!force) {
+        rs->entry = mem_get(b, rs->key, tokens, n);
         if (rs->entry) {
             rs->kind = CB_BLEND_SRC_MEM;
             return 0;

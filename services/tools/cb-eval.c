@@ -77,6 +77,7 @@ static int usage(const char *why) {
             "  --out DIR          results directory (default results/eval; created)\n"
             "  --threads N        engine threads (default $CB_THREADS or all cores)\n"
             "  --max-new N        new tokens at most (default 32)\n"
+            "  --dump-prompt      print the first example's prompt (pieces separated by |) and exit\n"
             "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n",
             (double)CB_BLEND_DEFAULT_RATIO, CB_BLEND_DEFAULT_METRIC, CB_BLEND_DEFAULT_CHECK_LAYER,
             CB_BLEND_DEFAULT_LEAD);
@@ -349,6 +350,7 @@ int main(int argc, char **argv) {
     const char *data = NULL, *modes_arg = "full,prefix,reuse,blend", *kv_dir = "var/kv", *out = "results/eval";
     long limit = -1, skip = 0, threads = 0, mem_mb = 0, max_new = 32;
     cb_kv_dtype_t dtype = CB_KV_F16;
+    bool dump_prompt = false;
     cb_blend_opts_t base;
     cb_blend_opts_default(&base);
     for (int i = 1; i < argc; i++) {
@@ -357,6 +359,7 @@ int main(int argc, char **argv) {
         bool has_v = true;
         long l;
         if (!strcmp(a, "--no-overlap")) base.no_overlap = true, has_v = false;
+        else if (!strcmp(a, "--dump-prompt")) dump_prompt = true, has_v = false;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else if (!v) return usage("missing value after an option");
         else if (!strcmp(a, "--model")) model_path = v;
@@ -540,6 +543,23 @@ int main(int argc, char **argv) {
             fprintf(stderr, "cb-eval: %s: skipped (%s, %lld tokens)\n", ex->id, ok ? "too long" : "tokenization failed",
                     total);
             goto next;
+        }
+        if (dump_prompt) {
+            char *t = cb_tokenizer_decode_alloc(tok, prefix, (size_t)n_prefix, true, NULL);
+            printf("%s", t ? t : "");
+            free(t);
+            for (int c = 0; c < nc; c++) {
+                t = cb_tokenizer_decode_alloc(tok, chunk_tok[c], (size_t)chunk_n[c], true, NULL);
+                printf("|%s", t ? t : "");
+                free(t);
+            }
+            t = cb_tokenizer_decode_alloc(tok, suffix, (size_t)n_suffix, true, NULL);
+            printf("|%s\n[prefix %d tokens, chunks", t ? t : "", n_prefix);
+            free(t);
+            for (int c = 0; c < nc; c++) printf(" %d", chunk_n[c]);
+            printf(", suffix %d, total %lld]\n", n_suffix, total);
+            rc = 0;
+            goto done;
         }
         /* precompute missing chunk files (not timed) */
         double tp = now_ms();
