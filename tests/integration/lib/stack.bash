@@ -22,6 +22,7 @@ PUSH="$ROOT/build/bin/cb-push"
 
 stack_setup() {
   svc_setup
+  export CB_LOG_LEVEL=info   # the tests read some info lines of the services' logs (tests/run.sh sets warn)
   svc_need build/bin/cb-retriever build/bin/cb-cacheindex build/bin/cb-precompute build/bin/cb-blend \
            build/bin/cbctl build/bin/cb-send build/bin/cb-rag build/bin/cb-push
   export CB_MODEL=${CB_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
