@@ -446,13 +446,25 @@ void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float
 #define ATT_MAX_G 16       /* largest GQA group (n_head / n_head_kv) the block path handles */
 #define ATT_KEY_CHUNK 512  /* keys per score tile of the block path */
 
+#define ATT_SPLIT_ROWS 4   /* up to this many rows use the split-key (decode) kernel */
+#define ATT_SPLIT_MIN 256  /* smallest key chunk of one split task */
+
+/* Shared region at the start of the scratch: split-kernel partials [rows][n_head][chunks][2 + head_dim]. */
+static size_t att_partial_floats(const cb_attn_geom_t *g, int max_keys) {
+    return (size_t)ATT_SPLIT_ROWS * g->n_head * (size_t)((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN) *
+           (size_t)(g->head_dim + 2);
+}
+
+/* Per-thread region after it: Q and O blocks plus one score tile (or one row of scores). */
+static size_t att_thread_floats(const cb_attn_geom_t *g, int max_keys) {
+    size_t rows = (size_t)(g->n_head / g->n_head_kv) * ATT_BLOCK_ROWS;
+    size_t tile = rows * ATT_KEY_CHUNK > (size_t)max_keys ? rows * ATT_KEY_CHUNK : (size_t)max_keys;
+    return rows * (size_t)g->head_dim * 2 + tile + 16;
+}
+
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt) {
     (void)max_rows;
-    int G = g->n_head / g->n_head_kv;
-    size_t rows = (size_t)G * ATT_BLOCK_ROWS;
-    size_t tile = rows * ATT_KEY_CHUNK > (size_t)max_keys ? rows * ATT_KEY_CHUNK : (size_t)max_keys;
-    size_t per_thread = rows * (size_t)g->head_dim * 2 + tile + 16;
-    return per_thread * (size_t)(nt < 1 ? 1 : nt);
+    return att_partial_floats(g, max_keys) + att_thread_floats(g, max_keys) * (size_t)(nt < 1 ? 1 : nt);
 }
 
 /* Unnormalised softmax of s[0:lim) in place (exp(s - max)), zeros in s[lim:L); returns 1 / sum. */
@@ -515,8 +527,10 @@ typedef struct {
     const float *q, *kc, *vc;
     const int32_t *key_limit;
     float *out, *scratch;
-    size_t per_thread;
+    size_t per_thread;     /* floats of each thread's region */
+    size_t partial_floats; /* floats of the shared partials region at the start of scratch */
     int n, rb;
+    int chunk, n_chunks;   /* split kernel: keys per task, tasks per (row, KV head) */
 } attn_job_t;
 
 static void attn_row_task(void *arg, int t, int thread) {
@@ -623,16 +637,152 @@ static void attn_block_task(void *arg, int t, int thread) {
         }
 }
 
+#if CB_AVX512
+/* r[i] = sum of the 16 lanes of v[i], for i in 0..15 (a transpose-and-add tree: 45 ops for 16 sums). */
+static inline __m512 hsum16x16(const __m512 v[16]) {
+    __m512 w[8], u[4], z[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+/* s[j] = scale * q · K[j] for j < cnt (K rows kvd apart; hd a multiple of 16 on the AVX-512 path). */
+static void scores_row(const float *q, const float *K, int kvd, int cnt, int hd, float scale, float *s) {
+    int j = 0;
+#if CB_AVX512
+    if (hd % 16 == 0 && hd <= 256) {
+        __m512 qv[16], v[16];
+        const int nd = hd / 16;
+        for (int d = 0; d < nd; d++) qv[d] = _mm512_loadu_ps(q + 16 * d);
+        const __m512 vs = _mm512_set1_ps(scale);
+        for (; j < cnt; j += 16) {
+            int nk = cnt - j < 16 ? cnt - j : 16;
+            for (int k = 0; k < 16; k++) {
+                __m512 acc = _mm512_setzero_ps();
+                if (k < nk) {
+                    const float *kr = K + (size_t)(j + k) * kvd;
+                    for (int d = 0; d < nd; d++) acc = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(kr + 16 * d), acc);
+                }
+                v[k] = acc;
+            }
+            _mm512_mask_storeu_ps(s + j, (__mmask16)((1u << nk) - 1u), _mm512_mul_ps(hsum16x16(v), vs));
+        }
+        return;
+    }
+#endif
+    for (; j < cnt; j++) s[j] = dot_f32(q, K + (size_t)j * kvd, hd) * scale;
+}
+
+/* o[0:hd) = sum_j p[j] V[j] for j < cnt. */
+static void pv_row(const float *p, const float *V, int kvd, int cnt, int hd, float *o) {
+    int d0 = 0;
+#if CB_AVX512
+    for (; d0 + 64 <= hd; d0 += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < cnt; j++) {
+            const float *vr = V + (size_t)j * kvd + d0;
+            __m512 pj = _mm512_set1_ps(p[j]);
+            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr), a0);
+            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16), a1);
+            a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 32), a2);
+            a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 48), a3);
+        }
+        _mm512_storeu_ps(o + d0, a0);
+        _mm512_storeu_ps(o + d0 + 16, a1);
+        _mm512_storeu_ps(o + d0 + 32, a2);
+        _mm512_storeu_ps(o + d0 + 48, a3);
+    }
+#endif
+    for (int d = d0; d < hd; d++) {
+        float a = 0.0f;
+        for (int j = 0; j < cnt; j++) a += p[j] * V[(size_t)j * kvd + d];
+        o[d] = a;
+    }
+}
+
+/* Split-key attention for a few rows (decode): task = (row, KV head, chunk of keys). Each task leaves,
+ * per query head of the group, the chunk's max m, sum l and unnormalised output o; attn_split_merge
+ * combines the chunks (flash-decoding). K and V of a chunk are read once per query head from L2. */
+static void attn_split_task(void *arg, int t, int thread) {
+    const attn_job_t *j = arg;
+    const cb_attn_geom_t *g = j->g;
+    const int H = g->n_head, HKV = g->n_head_kv, hd = g->head_dim, G = H / HKV, qd = H * hd, kvd = HKV * hd;
+    const int c = t % j->n_chunks, kvh = (t / j->n_chunks) % HKV, i = t / j->n_chunks / HKV;
+    const int lim = j->key_limit[i], c0 = c * j->chunk, c1 = c0 + j->chunk < lim ? c0 + j->chunk : lim;
+    float *s = j->scratch + j->partial_floats + (size_t)thread * j->per_thread;
+    for (int hh = 0; hh < G; hh++) {
+        const int h = kvh * G + hh;
+        float *part = j->scratch + (((size_t)i * H + h) * j->n_chunks + c) * (size_t)(hd + 2);
+        if (c0 >= c1) {
+            part[0] = -INFINITY;
+            part[1] = 0.0f;
+            continue;
+        }
+        scores_row(j->q + (size_t)i * qd + (size_t)h * hd, j->kc + (size_t)c0 * kvd + (size_t)kvh * hd, kvd, c1 - c0,
+                   hd, g->scale, s);
+        float m = -INFINITY, l = 0.0f;
+        online_softmax(s, c1 - c0, c1 - c0, &m, &l);
+        pv_row(s, j->vc + (size_t)c0 * kvd + (size_t)kvh * hd, kvd, c1 - c0, hd, part + 2);
+        part[0] = m;
+        part[1] = l;
+    }
+}
+
+static void attn_split_merge(const attn_job_t *j) {
+    const int H = j->g->n_head, hd = j->g->head_dim, qd = H * hd;
+    for (int i = 0; i < j->n; i++)
+        for (int h = 0; h < H; h++) {
+            const float *part = j->scratch + ((size_t)i * H + h) * j->n_chunks * (size_t)(hd + 2);
+            float M = -INFINITY, L = 0.0f;
+            for (int c = 0; c < j->n_chunks; c++) M = part[c * (hd + 2)] > M ? part[c * (hd + 2)] : M;
+            float *o = j->out + (size_t)i * qd + (size_t)h * hd;
+            memset(o, 0, sizeof(float) * (size_t)hd);
+            for (int c = 0; c < j->n_chunks; c++) {
+                const float *pc = part + (size_t)c * (hd + 2);
+                if (pc[0] == -INFINITY) continue;
+                float d = pc[0] - M, a;
+                cb_cpu_exp(&d, &a, 1);
+                L += a * pc[1];
+                for (int k = 0; k < hd; k++) o[k] += a * pc[2 + k];
+            }
+            scale_row(o, hd, 1.0f / L);
+        }
+}
+
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
                       const int32_t *key_limit, float *out, float *scratch, int max_keys, cb_pool_t *pool) {
     const int H = g->n_head, HKV = g->n_head_kv, nt = cb_pool_size(pool);
-    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= max_keys);
-    attn_job_t j = {g, q, kc, vc, key_limit, out, scratch, cb_cpu_attention_scratch(g, ATT_BLOCK_ROWS, max_keys, 1),
-                    n, ATT_BLOCK_ROWS};
-    if (n <= 4 || H / HKV > ATT_MAX_G) { /* decode-sized: one task per (row, head) */
+    int max_lim = 0;
+    for (int i = 0; i < n; i++) {
+        assert(key_limit[i] >= 1 && key_limit[i] <= max_keys);
+        max_lim = key_limit[i] > max_lim ? key_limit[i] : max_lim;
+    }
+    attn_job_t j = {g, q, kc, vc, key_limit, out, scratch, att_thread_floats(g, max_keys),
+                    att_partial_floats(g, max_keys), n, ATT_BLOCK_ROWS, 0, 0};
+    float *thread_scratch = scratch + j.partial_floats;
+    if (H / HKV > ATT_MAX_G) { /* one task per (row, head) */
+        j.scratch = thread_scratch;
         cb_pool_run(pool, n * H, attn_row_task, &j);
         return;
     }
+    if (n <= ATT_SPLIT_ROWS) { /* decode: split the keys so that every thread has work */
+        int want = (4 * nt + n * HKV - 1) / (n * HKV); /* chunks per (row, KV head) */
+        j.chunk = (max_lim + want - 1) / want;
+        j.chunk = j.chunk < ATT_SPLIT_MIN ? ATT_SPLIT_MIN : (j.chunk + 15) / 16 * 16;
+        j.n_chunks = (max_lim + j.chunk - 1) / j.chunk;
+        cb_pool_run(pool, n * HKV * j.n_chunks, attn_split_task, &j);
+        attn_split_merge(&j);
+        return;
+    }
+    j.scratch = thread_scratch;
     while (j.rb > 8 && ((n + j.rb - 1) / j.rb) * HKV < 4 * nt) j.rb /= 2;
     cb_pool_run(pool, ((n + j.rb - 1) / j.rb) * HKV, attn_block_task, &j);
 }

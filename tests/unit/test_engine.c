@@ -197,6 +197,9 @@ TEST(test_attention_key_limits) {
     CHECK(check_attention(9, 3, 64, 130, 200, 2));  /* SmolLM2 geometry, partial last block */
     CHECK(check_attention(9, 3, 64, 20, 20, 1));    /* limits < n (square causal) */
     CHECK(check_attention(9, 3, 64, 70, 1300, 2));  /* several key chunks: online softmax across tiles */
+    CHECK(check_attention(9, 3, 64, 1, 1300, 2));   /* decode split over key chunks, merged */
+    CHECK(check_attention(9, 3, 64, 4, 700, 3));    /* split path, rows with different limits */
+    CHECK(check_attention(4, 1, 32, 2, 300, 2));    /* head_dim 32: scalar tail of the split kernel */
 }
 
 /* Random Q4_1 / Q8_0 rows: our AVX-512 dequantization is bit-identical to cb_dequant. */
