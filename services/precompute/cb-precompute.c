@@ -82,8 +82,8 @@ static cb_err_t ingest(precompute_t *p, const cb_msg_t *m, char job[CB_JOB_ID_LE
         json_t *v;
         json_object_foreach(js, k, v) {
             if (!json_is_string(v) && !json_is_number(v) && !json_is_boolean(v)) {
-                json_decref(js);
                 snprintf(why, whylen, "field 'meta.%.64s': expected a string, number or boolean", k);
+                json_decref(js);
                 return CB_ERR_BAD_REQUEST;
             }
         }
