@@ -11,9 +11,11 @@
  *      candidates; attention (key limit pos + 1) + MLP for A; at the last layer only the last row (its
  *      residual feeds the logits; the K/V of every active row are already in the cache);
  *   3. logits of the last row.
- * The loader (a thread, or inline with no_overlap) handles layer l+1 while layer l computes; staging for
- * rows streamed from KV files without a memory tier is a ring of two layer slots, so the loader waits for
- * the compute of layer l-1 to finish before it fills the slot of layer l+1.
+ * The loader (a thread, or inline with no_overlap) runs ahead of the compute layer by layer: it converts
+ * the cached K/V of a layer straight from the source (an f32 entry, or the KV file's mapping, f16/bf16
+ * converted with F16C where available) into the engine's cache rows and rotates K there, one pass, no
+ * staging copy; the compute of layer l waits only for the loader's layer l. Deviation rows of streamed
+ * files are converted on demand from the mapping (pointers published by the loader with the layer).
  *
  * Owns: every buffer below, the cached prefix KV, the loader thread of a run. Borrows: engine, memory tier.
  */
@@ -34,6 +36,10 @@
 #include "log.h"
 #include "quant.h"
 
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 /* ---------------------------------------------------------------- types */
 
 enum { SRC_ENTRY = 0, SRC_FILE = 1 };
@@ -45,6 +51,9 @@ typedef struct {
     cb_kvmem_entry_t *entry;   /* SRC_ENTRY: our reference */
     cb_kvfile_t *file;         /* SRC_FILE: open handle (owned) */
     cb_kvmem_entry_t *fill;    /* SRC_FILE with a memory tier: entry decoded layer by layer (owned ref) */
+    cb_kv_dtype_t dtype;       /* SRC_FILE: payload dtype */
+    const void **raw_k;        /* SRC_FILE without fill: [n_layer] layer's K/V in the mapping (set by the loader) */
+    const void **raw_v;
     uint8_t key[32];
     int n_loaded, n_cand;      /* rows of each class in this source (set with the classes) */
 } src_t;
@@ -84,8 +93,7 @@ struct cb_blend {
     float *x;                  /* [max_ctx][E] residual stream of the active rows (compact, ascending) */
     float *q;                  /* [max_ctx][QD] post-RoPE queries of the active rows */
     float *kb, *vb;            /* [max_rows][KVD] one ubatch's fresh K (pre-RoPE, then rotated) and V */
-    float *stage_k[2];         /* [max_ctx][KVD] pre-RoPE K of streamed rows, by fused row; layer l in slot l&1 */
-    float *stage_v[2];         /* [max_ctx][KVD] */
+    float *dev_row;            /* [KVD] one cached row converted to f32 (compute thread) */
     int32_t *tok;              /* [max_ctx] prompt tokens */
     uint8_t *cls;              /* [max_ctx] CB_ROW_* */
     int32_t *src_of;           /* [max_ctx] source index or -1 */
@@ -108,7 +116,6 @@ struct cb_blend {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int ld_ready;              /* layers the loader has finished */
-    int ld_done;               /* layers the compute has finished */
     int ld_stop, ld_failed;
 };
 
@@ -239,10 +246,7 @@ cb_blend_t *cb_blend_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t *me
     b->q = cb_cpu_alloc_huge(sizeof(float) * C * b->QD, false);
     b->kb = malloc(sizeof(float) * R * b->KVD);
     b->vb = malloc(sizeof(float) * R * b->KVD);
-    for (int s = 0; s < 2; s++) {
-        b->stage_k[s] = cb_cpu_alloc_huge(sizeof(float) * C * b->KVD, false);
-        b->stage_v[s] = cb_cpu_alloc_huge(sizeof(float) * C * b->KVD, false);
-    }
+    b->dev_row = malloc(sizeof(float) * (size_t)b->KVD);
     b->tok = malloc(sizeof(int32_t) * C);
     b->cls = malloc(C);
     b->src_of = malloc(sizeof(int32_t) * C);
@@ -253,8 +257,7 @@ cb_blend_t *cb_blend_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t *me
     b->ub_pos = malloc(sizeof(int32_t) * R);
     b->ub_lim = malloc(sizeof(int32_t) * R);
     b->ub_tok = malloc(sizeof(int32_t) * R);
-    if (!b->rope_cs || !b->cs_rows || !b->x || !b->q || !b->kb || !b->vb || !b->stage_k[0] || !b->stage_k[1] ||
-        !b->stage_v[0] || !b->stage_v[1] || !b->tok || !b->cls || !b->src_of || !b->act || !b->dev || !b->order ||
+    if (!b->rope_cs || !b->cs_rows || !b->x || !b->q || !b->kb || !b->vb || !b->dev_row || !b->tok || !b->cls || !b->src_of || !b->act || !b->dev || !b->order ||
         !b->keep || !b->ub_pos || !b->ub_lim || !b->ub_tok)
         goto oom;
     for (int p = 0; p < b->max_ctx; p++) cb_cpu_rope_coeffs(p, b->HD, b->hp->rope_base, b->rope_cs + (size_t)p * b->HD);
@@ -272,6 +275,9 @@ static void release_srcs(cb_blend_t *b) {
         cb_kvmem_entry_release(&s->entry);
         cb_kvmem_entry_release(&s->fill);
         cb_kvfile_destroy(&s->file);
+        free(s->raw_k);
+        free(s->raw_v);
+        s->raw_k = s->raw_v = NULL;
     }
     b->n_srcs = 0;
 }
@@ -290,10 +296,7 @@ void cb_blend_destroy(cb_blend_t **self_p) {
     free(b->q);
     free(b->kb);
     free(b->vb);
-    for (int s = 0; s < 2; s++) {
-        free(b->stage_k[s]);
-        free(b->stage_v[s]);
-    }
+    free(b->dev_row);
     free(b->tok);
     free(b->cls);
     free(b->src_of);
@@ -369,20 +372,40 @@ static bool row_needs_cache(const run_t *R, int c, int l) {
     return c == CB_ROW_LOADED || (c == CB_ROW_CANDIDATE && l > R->check_layer);
 }
 
-/* Pre-RoPE cached K and V rows of fused row r at layer l (valid once the loader has done layer l). */
-static void cached_rows(const cb_blend_t *b, int r, int l, const float **k, const float **v) {
+/* n values of a KV payload (dtype) as f32; bit-identical to kvfile's conversion. */
+static void kv_to_f32(cb_kv_dtype_t dt, const void *src, float *dst, size_t n) {
+    if (dt == CB_KV_F32) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    const uint16_t *h = src;
+    size_t i = 0;
+    if (dt == CB_KV_F16) {
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(h + i))));
+#elif defined(__F16C__) && defined(__AVX__)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(h + i))));
+#endif
+        for (; i < n; i++) dst[i] = cb_f16_to_f32(h[i]);
+    } else {
+        for (; i < n; i++) dst[i] = cb_bf16_to_f32(h[i]);
+    }
+}
+
+static size_t dtype_bytes(cb_kv_dtype_t dt) { return dt == CB_KV_F32 ? 4 : 2; }
+
+/* Pre-RoPE cached K or V row (which: 0 = K, 1 = V) of fused row r at layer l (valid once the loader has
+ * done layer l); streamed rows are converted into b->dev_row. */
+static const float *cached_row(const cb_blend_t *b, int r, int l, int which) {
     const src_t *s = &b->srcs[b->src_of[r]];
     size_t off = (size_t)(r - s->row0) * b->KVD;
-    if (s->kind == SRC_ENTRY) {
-        *k = cb_kvmem_entry_k(s->entry, l) + off;
-        *v = cb_kvmem_entry_v(s->entry, l) + off;
-    } else if (s->fill) {
-        *k = cb_kvmem_entry_k(s->fill, l) + off;
-        *v = cb_kvmem_entry_v(s->fill, l) + off;
-    } else {
-        *k = b->stage_k[l & 1] + (size_t)r * b->KVD;
-        *v = b->stage_v[l & 1] + (size_t)r * b->KVD;
-    }
+    const cb_kvmem_entry_t *e = s->kind == SRC_ENTRY ? s->entry : s->fill;
+    if (e) return (which ? cb_kvmem_entry_v(e, l) : cb_kvmem_entry_k(e, l)) + off;
+    const uint8_t *raw = which ? s->raw_v[l] : s->raw_k[l];
+    kv_to_f32(s->dtype, raw + off * dtype_bytes(s->dtype), b->dev_row, (size_t)b->KVD);
+    return b->dev_row;
 }
 
 /* Places layer l's cached K/V of every row that needs them into the engine's cache rows (K rotated to the
@@ -394,21 +417,15 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
         src_t *s = &b->srcs[si];
         bool need_rows = s->n_loaded > 0 || (s->n_cand > 0 && l > R->check_layer);
         bool need_pre = s->n_cand > 0 && measuring(R, l);
-        const float *kp, *vp;
+        const void *kp, *vp;             /* source rows of this layer, in dtype dt */
+        cb_kv_dtype_t dt = CB_KV_F32;
         if (s->kind == SRC_ENTRY) {
             if (!need_rows) continue;
             kp = cb_kvmem_entry_k(s->entry, l);
             vp = cb_kvmem_entry_v(s->entry, l);
-        } else {
-            if (!need_rows && !need_pre && !s->fill) continue;
-            float *dk, *dv;
-            if (s->fill) {
-                dk = cb_kvmem_entry_k_mut(s->fill, l);
-                dv = cb_kvmem_entry_v_mut(s->fill, l);
-            } else {
-                dk = b->stage_k[l & 1] + (size_t)s->row0 * KVD;
-                dv = b->stage_v[l & 1] + (size_t)s->row0 * KVD;
-            }
+        } else if (s->fill) {
+            /* decode every layer: the entry joins the memory tier after the prefill */
+            float *dk = cb_kvmem_entry_k_mut(s->fill, l), *dv = cb_kvmem_entry_v_mut(s->fill, l);
             cb_kv_miss_t w = cb_kvfile_read_layer(s->file, l, dk, dv);
             if (w != CB_KV_OK) {
                 R->fail_src = si;
@@ -418,20 +435,32 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
             if (!need_rows) continue;
             kp = dk;
             vp = dv;
+        } else {
+            if (!need_rows && !need_pre) continue;
+            cb_kv_miss_t w = cb_kvfile_layer_raw(s->file, l, &kp, &vp); /* checksum verified here */
+            if (w != CB_KV_OK) {
+                R->fail_src = si;
+                R->fail_why = w;
+                return -1;
+            }
+            s->raw_k[l] = kp;
+            s->raw_v[l] = vp;
+            dt = s->dtype;
+            if (!need_rows) continue;
         }
-        /* contiguous runs of rows that need the cache */
+        const size_t esz = dtype_bytes(dt);
+        /* contiguous runs of rows that need the cache: convert into the cache rows, rotate K there */
         int i = 0;
         while (i < s->n) {
-            int r = s->row0 + i;
-            if (!row_needs_cache(R, b->cls[r], l)) {
+            if (!row_needs_cache(R, b->cls[s->row0 + i], l)) {
                 i++;
                 continue;
             }
             int j = i + 1;
             while (j < s->n && row_needs_cache(R, b->cls[s->row0 + j], l)) j++;
             int a = s->row0 + i, cnt = j - i;
-            memcpy(kc + (size_t)a * KVD, kp + (size_t)i * KVD, sizeof(float) * (size_t)cnt * KVD);
-            memcpy(vc + (size_t)a * KVD, vp + (size_t)i * KVD, sizeof(float) * (size_t)cnt * KVD);
+            kv_to_f32(dt, (const uint8_t *)kp + (size_t)i * KVD * esz, kc + (size_t)a * KVD, (size_t)cnt * KVD);
+            kv_to_f32(dt, (const uint8_t *)vp + (size_t)i * KVD * esz, vc + (size_t)a * KVD, (size_t)cnt * KVD);
             cb_cpu_rope_apply(kc + (size_t)a * KVD, cnt, b->hp->n_head_kv, b->HD, b->rope_cs + (size_t)a * b->HD);
             i = j;
         }
@@ -450,8 +479,6 @@ static void *loader_main(void *arg) {
     run_t *R = a->R;
     for (int l = 0; l < b->L; l++) {
         pthread_mutex_lock(&b->mu);
-        /* slot l&1 was layer l-2's: wait until the compute finished layer l-2 (ld_done >= l-1) */
-        while (!b->ld_stop && b->ld_done < l - 1) pthread_cond_wait(&b->cv, &b->mu);
         int stop = b->ld_stop;
         pthread_mutex_unlock(&b->mu);
         if (stop) break;
@@ -562,7 +589,6 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
     pthread_t th;
     loader_arg_t la = {b, R};
     b->ld_ready = 0;
-    b->ld_done = 0;
     b->ld_stop = 0;
     b->ld_failed = 0;
     if (threaded && pthread_create(&th, NULL, loader_main, &la) != 0) threaded = false;
@@ -618,10 +644,9 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
                 for (int j = 0; j < n; j++) {
                     int r = rows[j];
                     if (b->cls[r] != CB_ROW_CANDIDATE) continue;
-                    const float *ck, *cv;
-                    cached_rows(b, r, l, &ck, &cv);
-                    b->dev[i0 + j] = R->metric == 'k' ? sqdiff(b->kb + (size_t)j * KVD, ck, KVD)
-                                                      : sqdiff(b->vb + (size_t)j * KVD, cv, KVD);
+                    const int which = R->metric == 'k' ? 0 : 1;
+                    const float *cached = cached_row(b, r, l, which);
+                    b->dev[i0 + j] = sqdiff((which ? b->vb : b->kb) + (size_t)j * KVD, cached, KVD);
                 }
                 t_sel += now_ms() - ts;
             }
@@ -655,12 +680,6 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
         }
         R->t_select += t_sel;
         R->t_compute += now_ms() - tc - t_sel;
-        if (threaded) {
-            pthread_mutex_lock(&b->mu);
-            b->ld_done = l + 1;
-            pthread_cond_broadcast(&b->cv);
-            pthread_mutex_unlock(&b->mu);
-        }
     }
     if (threaded) {
         pthread_mutex_lock(&b->mu);
@@ -1128,6 +1147,10 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
                     s->kind = SRC_FILE;
                     s->file = rs[c].file;
                     rs[c].file = NULL;
+                    s->dtype = cb_kvfile_meta(s->file)->dtype;
+                    s->raw_k = calloc((size_t)b->L, sizeof(void *));
+                    s->raw_v = calloc((size_t)b->L, sizeof(void *));
+                    if (!s->raw_k || !s->raw_v) goto oom;
                     if (b->mem) {
                         s->fill = cb_kvmem_entry_new(b->L, b->hp->n_head_kv, b->HD, s->n);
                         if (!s->fill) goto oom;

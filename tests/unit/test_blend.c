@@ -498,14 +498,15 @@ TEST(test_file_miss_recomputed) {
     free(good), free(lg);
 }
 
-/* the memory tier: files stream into it, the next prefill hits it, results are identical */
+/* the memory tier: files stream into it, the next prefill hits it, results are identical (bf16 files:
+ * the blend's own conversion of streamed rows equals kvfile's decoding into the tier) */
 TEST(test_memory_tier) {
     if (!setup()) SKIP("no model");
     int V = g_hp->n_vocab;
     const char *dir = make_dir();
     CHECK(dir);
     char err[256];
-    cb_blend_t *b0 = cb_blend_new(g_eng, dir, NULL, CB_KV_F16, err, sizeof err);
+    cb_blend_t *b0 = cb_blend_new(g_eng, dir, NULL, CB_KV_BF16, err, sizeof err);
     CHECK(b0);
     CHECK(ensure_all(b0, g_k) == 0);
     float *a = malloc(sizeof(float) * V), *c = malloc(sizeof(float) * V);
@@ -513,7 +514,7 @@ TEST(test_memory_tier) {
     CHECK(run(b0, g_k, &o, a, NULL) == 0);
     cb_blend_destroy(&b0);
     cb_kvmem_t *mem = cb_kvmem_new(64u << 20);
-    cb_blend_t *b = cb_blend_new(g_eng, dir, mem, CB_KV_F16, err, sizeof err);
+    cb_blend_t *b = cb_blend_new(g_eng, dir, mem, CB_KV_BF16, err, sizeof err);
     CHECK(b);
     cb_blend_stats_t st;
     CHECK(run(b, g_k, &o, c, &st) == 0);
