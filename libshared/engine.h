@@ -36,7 +36,8 @@ typedef struct cb_engine cb_engine_t;
 
 /* Creates an engine with a KV cache of max_ctx positions (1..n_ctx_train is sensible; up to 1<<20
  * accepted). Threads: $CB_THREADS if set, else one per online CPU. Memory: 2 * n_layer * max_ctx *
- * n_head_kv * head_dim * 4 bytes of KV plus ~50 MB of scratch for SmolLM2. NULL + err on failure.
+ * n_head_kv * head_dim * 4 bytes of KV (45 KiB per position for SmolLM2: 369 MB at 8192) plus ~15 MB
+ * of scratch and a RoPE table of max_ctx * head_dim floats. NULL + err on failure.
  * Caller owns the result (cb_engine_destroy). */
 cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size_t errlen);
 void cb_engine_destroy(cb_engine_t **self_p);

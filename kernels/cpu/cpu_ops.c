@@ -16,8 +16,10 @@
 #include "log.h"
 #include "quant.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 #define CB_AVX512 1
 #else
 #define CB_AVX512 0
@@ -64,11 +66,17 @@ void *cb_cpu_alloc_huge(size_t bytes, bool zero) {
     const size_t huge = (size_t)2 << 20;
     if (bytes == 0) bytes = 1;
     if (bytes > SIZE_MAX - huge) return NULL;
-    size_t n = (bytes + huge - 1) / huge * huge;
-    void *p = aligned_alloc(huge, n);
-    if (!p) return NULL;
-    madvise(p, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
-    if (zero) memset(p, 0, n);
+    void *p;
+    size_t n;
+    if (bytes < 2 * huge) { /* small: cache-line aligned, no rounding to whole huge pages */
+        n = (bytes + 63) / 64 * 64;
+        p = aligned_alloc(64, n);
+    } else {
+        n = (bytes + huge - 1) / huge * huge;
+        p = aligned_alloc(huge, n);
+        if (p) madvise(p, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
+    }
+    if (p && zero) memset(p, 0, n);
     return p;
 }
 

@@ -22,8 +22,9 @@
  * (we parallelise around it with OpenMP). Returns the OpenBLAS core name in use. */
 const char *cb_cpu_init(void);
 
-/* Large allocation (weights, KV cache, scratch), 2 MiB aligned and advised for transparent huge pages
- * (fewer page faults and TLB misses), zero-filled when zero is true. Free with free(). NULL on failure. */
+/* Buffer allocation for weights, KV cache and scratch: from 4 MiB up 2 MiB aligned and advised for
+ * transparent huge pages (fewer page faults and TLB misses), smaller ones 64-byte aligned; zero-filled
+ * when zero is true. Free with free(). NULL on failure. */
 void *cb_cpu_alloc_huge(size_t bytes, bool zero);
 
 /* y[i][:] = x[i][:] / sqrt(mean(x[i]^2) + eps) * w[:]; x [n][dim], w [dim], y [n][dim] (y may be x). */
