@@ -32,9 +32,9 @@
 #define SPIN_NS 200000 /* a worker spins this long after its last job before sleeping */
 
 typedef struct {
-    cb_pool_fn fn;
-    void *ctx;
-    int n;
+    _Atomic(cb_pool_fn) fn;       /* atomics (relaxed) only so that a stale worker's read of a slot */
+    _Atomic(void *) ctx;          /* being rewritten is not a data race; see the protocol above */
+    atomic_int n;
     atomic_int done;
 } job_t;
 
@@ -68,9 +68,9 @@ static int64_t now_ns(void) {
 /* Claims and runs tasks of job gen until none are left. */
 static void run_tasks(cb_pool_t *p, uint32_t gen, int thread) {
     job_t *j = &p->slot[gen & 1];
-    cb_pool_fn fn = j->fn;
-    void *ctx = j->ctx;
-    uint32_t n = (uint32_t)j->n;
+    cb_pool_fn fn = atomic_load_explicit(&j->fn, memory_order_relaxed);
+    void *ctx = atomic_load_explicit(&j->ctx, memory_order_relaxed);
+    uint32_t n = (uint32_t)atomic_load_explicit(&j->n, memory_order_relaxed);
     uint64_t c = atomic_load_explicit(&p->claim, memory_order_acquire);
     for (;;) {
         if ((uint32_t)(c >> 32) != gen || (uint32_t)c >= n) return;
@@ -123,8 +123,12 @@ cb_pool_t *cb_pool_new(int n_threads) {
     atomic_init(&p->wake, 0);
     atomic_init(&p->sleepers, 0);
     atomic_init(&p->stop, false);
-    atomic_init(&p->slot[0].done, 0);
-    atomic_init(&p->slot[1].done, 0);
+    for (int i = 0; i < 2; i++) {
+        atomic_init(&p->slot[i].fn, NULL);
+        atomic_init(&p->slot[i].ctx, NULL);
+        atomic_init(&p->slot[i].n, 0);
+        atomic_init(&p->slot[i].done, 0);
+    }
     if (n_threads > 1) {
         p->workers = calloc((size_t)n_threads - 1, sizeof *p->workers);
         if (!p->workers) {
@@ -165,9 +169,9 @@ void cb_pool_run(cb_pool_t *p, int n_tasks, cb_pool_fn fn, void *ctx) {
     }
     uint32_t g = p->gen + 1;
     job_t *j = &p->slot[g & 1];
-    j->fn = fn;
-    j->ctx = ctx;
-    j->n = n_tasks;
+    atomic_store_explicit(&j->fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&j->ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&j->n, n_tasks, memory_order_relaxed);
     atomic_store_explicit(&j->done, 0, memory_order_relaxed);
     atomic_store_explicit(&p->claim, (uint64_t)g << 32, memory_order_release);
     atomic_store(&p->wake, g);
