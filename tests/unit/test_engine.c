@@ -352,6 +352,113 @@ TEST(test_loader_rejects) {
     CHECK(cb_model_load("/nonexistent/model.gguf", err, sizeof err) == NULL && strstr(err, "/nonexistent"));
 }
 
+/* ---------------------------------------------------------------- independent reference forward */
+
+/* y[i][o] = x[i] · row o of w, rows dequantized by cb_dequant (the oracle), in double. */
+static void ref_matmul(const cb_weight_t *w, const double *x, int n, double *y) {
+    float *row = malloc(sizeof(float) * (size_t)w->cols);
+    for (int o = 0; o < w->rows; o++) {
+        cb_dequant(w->type, (const uint8_t *)w->q + (size_t)o * w->row_bytes, row, (size_t)w->cols);
+        for (int i = 0; i < n; i++) {
+            double s = 0;
+            for (int j = 0; j < w->cols; j++) s += (double)row[j] * x[(size_t)i * w->cols + j];
+            y[(size_t)i * w->rows + o] = s;
+        }
+    }
+    free(row);
+}
+
+static void ref_rmsnorm(const double *x, const float *w, int n, int E, double eps, double *y) {
+    for (int i = 0; i < n; i++) {
+        double ss = 0;
+        for (int j = 0; j < E; j++) ss += x[(size_t)i * E + j] * x[(size_t)i * E + j];
+        double sc = 1.0 / sqrt(ss / E + eps);
+        for (int j = 0; j < E; j++) y[(size_t)i * E + j] = x[(size_t)i * E + j] * sc * w[j];
+    }
+}
+
+/* NORM RoPE at positions 0..n-1, straight from REFERENCE.md §6. */
+static void ref_rope(double *x, int n, int H, int hd, double base) {
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < H; h++)
+            for (int k = 0; k < hd / 2; k++) {
+                double th = i * pow(base, -2.0 * k / hd), *v = x + ((size_t)i * H + h) * hd + 2 * k;
+                double a = v[0], b = v[1];
+                v[0] = a * cos(th) - b * sin(th);
+                v[1] = a * sin(th) + b * cos(th);
+            }
+}
+
+/* The whole llama forward pass for tok[0..n), causal, in double; logits of the last position. */
+static void ref_forward(const cb_model_t *m, const int32_t *tok, int n, double *logits) {
+    const cb_hparams_t *hp = cb_model_hparams(m);
+    const int E = hp->n_embd, H = hp->n_head, HKV = hp->n_head_kv, hd = hp->head_dim, F = hp->n_ff;
+    const int QD = H * hd, KVD = HKV * hd, G = H / HKV;
+    double *x = calloc((size_t)n * E, 8), *xb = calloc((size_t)n * E, 8), *q = calloc((size_t)n * QD, 8);
+    double *k = calloc((size_t)n * KVD, 8), *v = calloc((size_t)n * KVD, 8), *att = calloc((size_t)n * QD, 8);
+    double *pr = calloc((size_t)n * E, 8), *g = calloc((size_t)n * F, 8), *u = calloc((size_t)n * F, 8);
+    double *s = calloc((size_t)n, 8);
+    float *row = malloc(sizeof(float) * (size_t)E);
+    const cb_weight_t *te = cb_model_tok_embd(m);
+    for (int i = 0; i < n; i++) {
+        cb_dequant(te->type, (const uint8_t *)te->q + (size_t)tok[i] * te->row_bytes, row, (size_t)E);
+        for (int j = 0; j < E; j++) x[(size_t)i * E + j] = row[j];
+    }
+    for (int l = 0; l < hp->n_layer; l++) {
+        const cb_layer_weights_t *L = cb_model_layer(m, l);
+        ref_rmsnorm(x, L->attn_norm, n, E, hp->rms_eps, xb);
+        ref_matmul(&L->wq, xb, n, q);
+        ref_matmul(&L->wk, xb, n, k);
+        ref_matmul(&L->wv, xb, n, v);
+        ref_rope(q, n, H, hd, hp->rope_base);
+        ref_rope(k, n, HKV, hd, hp->rope_base);
+        for (int i = 0; i < n; i++)
+            for (int h = 0; h < H; h++) {
+                double mx = -1e300, sum = 0;
+                for (int j = 0; j <= i; j++) {
+                    double d = 0;
+                    for (int t = 0; t < hd; t++) d += q[(size_t)i * QD + h * hd + t] * k[(size_t)j * KVD + (h / G) * hd + t];
+                    s[j] = d / sqrt((double)hd);
+                    mx = fmax(mx, s[j]);
+                }
+                for (int j = 0; j <= i; j++) sum += (s[j] = exp(s[j] - mx));
+                for (int t = 0; t < hd; t++) {
+                    double o = 0;
+                    for (int j = 0; j <= i; j++) o += s[j] / sum * v[(size_t)j * KVD + (h / G) * hd + t];
+                    att[(size_t)i * QD + h * hd + t] = o;
+                }
+            }
+        ref_matmul(&L->wo, att, n, pr);
+        for (size_t i = 0; i < (size_t)n * E; i++) x[i] += pr[i];
+        ref_rmsnorm(x, L->ffn_norm, n, E, hp->rms_eps, xb);
+        ref_matmul(&L->w_gate, xb, n, g);
+        ref_matmul(&L->w_up, xb, n, u);
+        for (size_t i = 0; i < (size_t)n * F; i++) g[i] = g[i] / (1.0 + exp(-g[i])) * u[i];
+        ref_matmul(&L->w_down, g, n, pr);
+        for (size_t i = 0; i < (size_t)n * E; i++) x[i] += pr[i];
+    }
+    ref_rmsnorm(x + (size_t)(n - 1) * E, cb_model_output_norm(m), 1, E, hp->rms_eps, xb);
+    ref_matmul(cb_model_output(m), xb, 1, logits);
+    free(x); free(xb); free(q); free(k); free(v); free(att); free(pr); free(g); free(u); free(s); free(row);
+}
+
+/* Engine prefill and decode against the double-precision reference: catches errors that prefill and
+ * decode would share (pairing, norms, masks, dequantization). Returns the max |difference|. */
+static double vs_reference(const cb_model_t *m, const int32_t *tok, int n) {
+    char err[256];
+    const int V = cb_model_hparams(m)->n_vocab;
+    cb_engine_t *e = cb_engine_new(m, n + 4, err, sizeof err);
+    float *lg = malloc(sizeof(float) * (size_t)V);
+    double *ref = malloc(sizeof(double) * (size_t)V), d = 0;
+    if (!e || cb_engine_prefill(e, tok, n, 0, lg) != 0) d = 1e30;
+    ref_forward(m, tok, n, ref);
+    for (int i = 0; i < V; i++) d = fmax(d, fabs(lg[i] - ref[i]));
+    cb_engine_destroy(&e);
+    free(lg);
+    free(ref);
+    return d;
+}
+
 /* ---------------------------------------------------------------- engine properties */
 
 /* Prefill n tokens once; decode them one by one in a second engine; split prefill at cut in a third;
@@ -407,6 +514,18 @@ static int engine_properties(const cb_model_t *m, const int32_t *tok, int n, int
     free(l1); free(l2); free(l3); free(l4);
     cb_engine_destroy(&e1); cb_engine_destroy(&e2); cb_engine_destroy(&e3); cb_engine_destroy(&e4);
     return rc;
+}
+
+TEST(test_tiny_vs_reference) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    int32_t tok[70];
+    for (int i = 0; i < 70; i++) tok[i] = (i * 29 + 3) % 80;
+    double d1 = vs_reference(m, tok, 70), d2 = vs_reference(m, tok, 2);
+    fprintf(stderr, "  tiny model: max|engine - f64 reference| %.3g (70 tokens), %.3g (2 tokens)\n", d1, d2);
+    CHECK(d1 < 1e-4 && d2 < 1e-4);
+    cb_model_destroy(&m);
 }
 
 TEST(test_tiny_engine_properties) {
@@ -472,6 +591,10 @@ TEST(test_real_engine_properties) {
     const int n = TEST_SANITIZED ? 6 : (int)(sizeof tok / sizeof tok[0]);
     double dd, ds;
     CHECK(engine_properties(m, tok, n, n / 2 - 1, 1e-3, &dd, &ds) == 0);
+    const int nr = TEST_SANITIZED ? 2 : 6;
+    double d = vs_reference(m, tok, nr);
+    fprintf(stderr, "  SmolLM2: max|engine - f64 reference| over all logits %.3g (%d tokens)\n", d, nr);
+    CHECK(d < 1e-3);
 }
 
 int main(void) {
@@ -485,6 +608,7 @@ int main(void) {
     RUN(test_dequant_and_matvec);
     RUN(test_tiny_model_loads);
     RUN(test_loader_rejects);
+    RUN(test_tiny_vs_reference);
     RUN(test_tiny_engine_properties);
     RUN(test_real_hparams);
     RUN(test_real_engine_properties);
