@@ -8,7 +8,6 @@
 #include "backend.h"
 
 #include <unistd.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
