@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # bench-stack.sh (`make bench-stack`): the same RAG queries through the stack and in process, side by side.
 #
-#   1. Latency before the first token, blend mode. In process: cb-rag (same prompt, config and code path,
-#      chunks already in its memory tier: median of warm runs). Through the stack: cbctl query (client-side
-#      TTFT: send -> first token message), after one warm-up query that computed and stored every chunk,
-#        (a) with cb-blend's memory tier (the chunks stay in RAM): messaging + lookup + queueing;
-#        (b) without it (blend.hot_cache_bytes = 0): every chunk is also loaded from its KV file (page cache).
+#   1. Latency before the first token, blend mode, measured back to back for each repetition (the load of a
+#      shared machine drifts less within a few seconds): in process (cb-rag: same prompt, config and code
+#      path; its warm run, chunks in memory), then through the stack (cbctl query: client-side TTFT, send ->
+#      first token message) with cb-blend's memory tier, then through a second cb-blend over the same
+#      cache without a memory tier (every chunk loaded from its KV file, page cache warm). Every chunk was
+#      computed and stored by one warm-up query first.
 #      The stack's added latency is reported two ways, both as a share of the in-process TTFT (target < 5%):
 #        - measured from its parts (robust on a busy machine): messaging = client TTFT - server TTFT;
 #          service = server TTFT - fused prefill (queueing, cache-index lookup, tokenizing, sampling);
 #          file load on the critical path = resolve + load wait inside the prefill (KV files only);
-#        - side by side: stack TTFT - in-process TTFT (paired per query; noisy when other jobs share the
-#          CPU, since both sides are dominated by the prefill).
+#        - side by side: stack TTFT - in-process TTFT (medians of the paired runs per query; noisy when
+#          other jobs share the CPU, since both sides are dominated by the prefill).
 #      Full-prefill TTFT in process is shown for scale.
 #   2. Throughput with N concurrent clients (N in BENCH_CLIENTS, default "1 4 16"): queries/s and client
 #      TTFT p50/p99 (cb-load), blend mode, memory tier on.
@@ -80,50 +81,53 @@ for k in sys.argv[2].split("."): v=v[int(k)] if isinstance(v,list) else v[k]
 print(v)' "$1" "$2"; }
 
 echo "bench-stack: $NQ queries x $NCTX MuSiQue passages, $MAXTOK tokens, $CB_COMMON_THREADS threads, $REPS runs each"
-echo "== in process (cb-rag)"
-declare -a IN_BLEND IN_FULL NPROMPT
+echo "== in process, full prefill (cb-rag), for scale"
+declare -a IN_BLEND IN_FULL NPROMPT ST_MEM ST_FILE
 for i in $(seq 0 $((NQ - 1))); do
   qargs "$i"
-  js=$(build/bin/cb-rag --mode blend --repeat $((REPS + 1)) --json "${ARGS[@]}" "$QUESTION")
-  IN_BLEND[$i]=$(python3 -c 'import json,sys,statistics; print(statistics.median(json.loads(sys.argv[1])["ttft_ms"][1:]))' "$js")
-  NPROMPT[$i]=$(jfield "$js" n_prompt)
   js=$(build/bin/cb-rag --mode full --repeat 2 --json "${ARGS[@]}" "$QUESTION")
   IN_FULL[$i]=$(python3 -c 'import json,sys; print(min(json.loads(sys.argv[1])["ttft_ms"]))' "$js")
-  printf '  query %d: %4d prompt tokens: in-process TTFT full %7.1f ms, blend %7.1f ms\n' "$i" "${NPROMPT[$i]}" "${IN_FULL[$i]}" "${IN_BLEND[$i]}"
+  NPROMPT[$i]=$(jfield "$js" n_prompt)
+  printf '  query %d: %4d prompt tokens: full-prefill TTFT %7.1f ms\n' "$i" "${NPROMPT[$i]}" "${IN_FULL[$i]}"
 done
 
-# stack_runs TAG I: REPS measured runs of query I through the stack; each run's --json line is appended to
-# $TMP/TAG.jsonl with the query index; prints the median client TTFT.
-stack_runs() {
-  local tag=$1 i=$2 v=() r js
-  for r in $(seq 1 "$REPS"); do
-    js=$(build/bin/cbctl query --json --mode blend "${ARGS[@]}" "$QUESTION" | tail -n 1)
-    printf '{"q":%d,"r":%s}\n' "$i" "$js" >>"$TMP/$tag.jsonl"
-    v+=("$(jfield "$js" client.ttft_ms)")
-  done
-  median "${v[@]}"
+# Two cb-blend instances over the same cache: the stack's (memory tier on) and a second one without a memory
+# tier (every chunk read from its KV file), so that each repetition measures in process, memory tier and
+# files back to back (paired: the machine's load drifts less within a few seconds).
+scripts/stack.sh start >/dev/null
+FILE_EP=tcp://127.0.0.1:$((PORT + 5))
+CB_BLEND_ENDPOINT=$FILE_EP CB_BLEND_HOT_CACHE_BYTES=0 build/bin/cb-blend >"$TMP/blend-files.log" 2>&1 &
+FILE_PID=$!
+trap 'kill -TERM $FILE_PID 2>/dev/null; wait $FILE_PID 2>/dev/null; cleanup' EXIT
+for _ in $(seq 1 600); do
+  build/bin/cbctl "--blend.endpoint=$FILE_EP" stats blend 2>/dev/null | grep -q "worker_ready *true" && break; sleep 0.1
+done
+# one query: in process (warm run of cb-rag), stack with memory tier, stack from files; appends the
+# stack's --json lines to $TMP/mem.jsonl and $TMP/file.jsonl; prints "in mem file"
+one_rep() {
+  local i=$1 js inp m f
+  js=$(build/bin/cb-rag --mode blend --repeat 2 --json "${ARGS[@]}" "$QUESTION")
+  inp=$(jfield "$js" ttft_ms.1)
+  js=$(build/bin/cbctl query --json --mode blend "${ARGS[@]}" "$QUESTION" | tail -n 1)
+  printf '{"q":%d,"r":%s}\n' "$i" "$js" >>"$TMP/mem.jsonl"; m=$(jfield "$js" client.ttft_ms)
+  js=$(build/bin/cbctl "--blend.endpoint=$FILE_EP" query --json --mode blend "${ARGS[@]}" "$QUESTION" | tail -n 1)
+  printf '{"q":%d,"r":%s}\n' "$i" "$js" >>"$TMP/file.jsonl"; f=$(jfield "$js" client.ttft_ms)
+  echo "$inp $m $f"
 }
-
-echo "== through the stack (cbctl query), memory tier on"
-scripts/stack.sh start >/dev/null
-declare -a ST_MEM ST_FILE
+echo "== blend mode: in process (cb-rag, chunks in memory) | stack, memory tier | stack, KV files   (client TTFT, ms)"
 for i in $(seq 0 $((NQ - 1))); do
   qargs "$i"
-  build/bin/cbctl query --json --mode blend "${ARGS[@]}" "$QUESTION" >/dev/null   # computes + stores the chunks
-  ST_MEM[$i]=$(stack_runs mem "$i")
-  printf '  query %d: stack TTFT %7.1f ms (in process %7.1f ms)\n' "$i" "${ST_MEM[$i]}" "${IN_BLEND[$i]}"
+  build/bin/cbctl query --json --mode blend "${ARGS[@]}" "$QUESTION" >/dev/null                      # computes + stores the chunks
+  build/bin/cbctl "--blend.endpoint=$FILE_EP" query --json --mode blend "${ARGS[@]}" "$QUESTION" >/dev/null  # page cache
+  ins=(); mems=(); files=()
+  for r in $(seq 1 "$REPS"); do
+    read -r a b c < <(one_rep "$i")
+    ins+=("$a"); mems+=("$b"); files+=("$c")
+    printf '  query %d run %d: %7.1f | %7.1f | %7.1f\n' "$i" "$r" "$a" "$b" "$c"
+  done
+  IN_BLEND[$i]=$(median "${ins[@]}"); ST_MEM[$i]=$(median "${mems[@]}"); ST_FILE[$i]=$(median "${files[@]}")
 done
-echo "== through the stack, memory tier off (every chunk loaded from its KV file)"
-pid=$(cat "$CB_DATA_DIR/run/blend.pid"); kill -TERM "$pid"; while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-CB_BLEND_HOT_CACHE_BYTES=0 scripts/stack.sh start >/dev/null
-for i in $(seq 0 $((NQ - 1))); do
-  qargs "$i"
-  build/bin/cbctl query --json --mode blend "${ARGS[@]}" "$QUESTION" >/dev/null   # page cache warm
-  ST_FILE[$i]=$(stack_runs file "$i")
-  printf '  query %d: stack TTFT %7.1f ms (in process %7.1f ms)\n' "$i" "${ST_FILE[$i]}" "${IN_BLEND[$i]}"
-done
-pid=$(cat "$CB_DATA_DIR/run/blend.pid"); kill -TERM "$pid"; while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-scripts/stack.sh start >/dev/null
+kill -TERM $FILE_PID; wait $FILE_PID 2>/dev/null || true
 
 echo "== throughput (cb-load, blend mode, memory tier on)"
 LOADJS=()
