@@ -2,7 +2,7 @@
  *
  *   cb-eval [--model PATH] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R] [--metric k|v]
  *           [--check-layer L] [--gradual R1:L] [--lead N] [--no-overlap] [--kv-dir DIR] [--kv-dtype f16|f32|bf16]
- *           [--mem-mb N] [--out DIR] [--threads N] [--max-new N]
+ *           [--mem-mb N] [--out DIR] [--threads N] [--max-new N] [--ref RESULTS.jsonl]
  *
  * For each example: prefix P = ChatML system turn (default system prompt) + user-turn opening + the anchors'
  * instruction ending in "Passages:\n"; the 10 chunks "{title}\n\n{text}\n\n"; suffix S = the anchors' query
@@ -23,6 +23,9 @@
  * ...}}, "config": {...}}, rewritten after every example; with several blend variants also one
  * OUT/summary-<label>.json per variant (the non-blend modes + that variant as "blend", its ratio in config)
  * for scripts/plot-eval. The summary is printed as a table at the end; progress goes to stderr.
+ * --ref takes the full-prefill answers, first tokens and TTFTs of an earlier run's results.jsonl instead of
+ * running full again (when full is not among the modes): a "full" row is then filled from that file, and
+ * agree_f1 / first_token_match / ttft_ratio are against it (TTFTs of two runs: a rougher ratio).
  * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf.
  * Exit: 0 ok, 1 runtime error, 2 bad arguments.
  */
@@ -53,7 +56,7 @@ typedef struct {
     char label[64];
     cb_blend_opts_t o;
     /* sums over examples */
-    int n, n_agree;
+    int n, n_agree, n_ftm;
     double f1, agree, ftm, ttft, ttft_cpu, rfrac, load, wait, sel, comp, resolve;
 } variant_t;
 
@@ -77,6 +80,7 @@ static int usage(const char *why) {
             "  --out DIR          results directory (default results/eval; created)\n"
             "  --threads N        engine threads (default $CB_THREADS or all cores)\n"
             "  --max-new N        new tokens at most (default 32)\n"
+            "  --ref FILE         full-mode answers and TTFTs from an earlier results.jsonl (instead of running full)\n"
             "  --dump-prompt      print the first example's prompt (pieces separated by |) and exit\n"
             "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n",
             (double)CB_BLEND_DEFAULT_RATIO, CB_BLEND_DEFAULT_METRIC, CB_BLEND_DEFAULT_CHECK_LAYER,
@@ -239,7 +243,7 @@ static json_t *summary_mode(const variant_t *v, const variant_t *full) {
     json_object_set_new(m, "n", json_integer(v->n));
     json_object_set_new(m, "f1", json_real(v->f1 / n));
     json_object_set_new(m, "agree_f1", v->n_agree ? json_real(v->agree / v->n_agree) : json_null());
-    json_object_set_new(m, "first_token_match", v->n_agree ? json_real(v->ftm / v->n_agree) : json_null());
+    json_object_set_new(m, "first_token_match", v->n_ftm ? json_real(v->ftm / v->n_ftm) : json_null());
     json_object_set_new(m, "ttft_ms", json_real(v->ttft / n));
     json_object_set_new(m, "ttft_ratio",
                         full && full->n > 0 && full->ttft > 0 ? json_real((v->ttft / n) / (full->ttft / full->n))
@@ -332,7 +336,7 @@ static void print_table(FILE *f, const variant_t *vs, int nv) {
         char ag[16] = "-", ft[16] = "-", tr[16] = "-", cr[16] = "-";
         if (v->n_agree) {
             snprintf(ag, sizeof ag, "%.3f", v->agree / v->n_agree);
-            snprintf(ft, sizeof ft, "%.3f", v->ftm / v->n_agree);
+            if (v->n_ftm) snprintf(ft, sizeof ft, "%.3f", v->ftm / v->n_ftm);
         }
         if (full && full->n > 0 && full->ttft > 0) {
             snprintf(tr, sizeof tr, "%.3f", (v->ttft / n) / (full->ttft / full->n));
@@ -351,6 +355,7 @@ int main(int argc, char **argv) {
     long limit = -1, skip = 0, threads = 0, mem_mb = 0, max_new = 32;
     cb_kv_dtype_t dtype = CB_KV_F16;
     bool dump_prompt = false;
+    const char *ref_path = NULL;
     cb_blend_opts_t base;
     cb_blend_opts_default(&base);
     for (int i = 1; i < argc; i++) {
@@ -387,6 +392,7 @@ int main(int argc, char **argv) {
             else return usage("bad --kv-dtype");
         } else if (!strcmp(a, "--mem-mb")) { if (!parse_long(v, 0, 1 << 20, &mem_mb)) return usage("bad --mem-mb"); }
         else if (!strcmp(a, "--out")) out = v;
+        else if (!strcmp(a, "--ref")) ref_path = v;
         else if (!strcmp(a, "--threads")) { if (!parse_long(v, 1, 256, &threads)) return usage("bad --threads"); }
         else if (!strcmp(a, "--max-new")) { if (!parse_long(v, 1, 4096, &max_new)) return usage("bad --max-new"); }
         else return usage("unknown option");
@@ -411,6 +417,18 @@ int main(int argc, char **argv) {
             nv++;
         }
         if (nv == 0) return usage("no modes");
+        if (ref_path) {
+            bool has_full = false;
+            for (int i = 0; i < nv; i++) has_full |= vs[i].o.mode == CB_BLEND_FULL;
+            if (has_full) return usage("--ref replaces the full mode: do not list full");
+            if (nv == MAX_VARIANTS) return usage("too many modes");
+            memmove(&vs[1], &vs[0], sizeof(variant_t) * (size_t)nv);
+            memset(&vs[0], 0, sizeof vs[0]);
+            snprintf(vs[0].label, sizeof vs[0].label, "full");
+            vs[0].o = base;
+            vs[0].o.mode = CB_BLEND_FULL;
+            nv++;
+        }
         /* full first: the others are scored against its answer */
         for (int i = 1; i < nv; i++)
             if (vs[i].o.mode == CB_BLEND_FULL && vs[0].o.mode != CB_BLEND_FULL) {
@@ -436,6 +454,32 @@ int main(int argc, char **argv) {
     FILE *res = NULL;
     json_t *config = NULL;
 
+    json_t *ref = NULL; /* id -> full line of the reference run */
+    if (ref_path) {
+        FILE *rf = fopen(ref_path, "r");
+        if (!rf) {
+            fprintf(stderr, "cb-eval: %s: %s\n", ref_path, strerror(errno));
+            goto done;
+        }
+        ref = json_object();
+        char *line = NULL;
+        size_t cap = 0;
+        while (getline(&line, &cap, rf) > 0) {
+            json_t *j = json_loads(line, 0, NULL);
+            const char *id = j ? json_string_value(json_object_get(j, "id")) : NULL;
+            const char *md = j ? json_string_value(json_object_get(j, "mode")) : NULL;
+            if (id && md && !strcmp(md, "full") && json_is_string(json_object_get(j, "answer")) &&
+                json_is_number(json_object_get(j, "ttft_ms")))
+                json_object_set(ref, id, j);
+            json_decref(j);
+        }
+        free(line);
+        fclose(rf);
+        if (json_object_size(ref) == 0) {
+            fprintf(stderr, "cb-eval: %s: no full-mode lines\n", ref_path);
+            goto done;
+        }
+    }
     if (!(set = cb_qa_set_load(data, err, sizeof err))) {
         fprintf(stderr, "cb-eval: %s\n", err);
         goto done;
@@ -507,6 +551,7 @@ int main(int argc, char **argv) {
     json_object_set_new(config, "mem_mb", json_integer(mem_mb));
     json_object_set_new(config, "max_new_tokens", json_integer(max_new));
     json_object_set_new(config, "prefix_tokens", json_integer(n_prefix));
+    json_object_set_new(config, "ref", ref_path ? json_string(ref_path) : json_null());
 
     int n_set = cb_qa_set_size(set);
     int first = (int)(skip < n_set ? skip : n_set);
@@ -578,7 +623,26 @@ int main(int argc, char **argv) {
         for (int c = 0; c < nc; c++) chunks[c] = (cb_blend_chunk_t){chunk_tok[c], chunk_n[c]};
         char *full_answer = NULL;
         int32_t full_first = -1;
-        for (int vi = 0; vi < nv; vi++) {
+        if (ref) {
+            json_t *r = json_object_get(ref, ex->id);
+            if (!r) {
+                fprintf(stderr, "cb-eval: %s: not in the reference run; skipped\n", ex->id);
+                goto next;
+            }
+            full_answer = strdup(json_string_value(json_object_get(r, "answer")));
+            json_t *ft = json_object_get(r, "first_token");
+            full_first = json_is_integer(ft) ? (int32_t)json_integer_value(ft) : -2;
+            variant_t *fv = &vs[0];
+            fv->n++;
+            fv->n_agree++;
+            fv->agree += 1.0;
+            if (full_first != -2) fv->n_ftm++, fv->ftm += 1.0;
+            fv->f1 += json_number_value(json_object_get(r, "f1"));
+            fv->ttft += json_number_value(json_object_get(r, "ttft_ms"));
+            fv->ttft_cpu += json_number_value(json_object_get(r, "ttft_cpu_ms"));
+            fv->rfrac += 1.0;
+        }
+        for (int vi = ref ? 1 : 0; vi < nv; vi++) {
             variant_t *v = &vs[vi];
             cb_blend_stats_t bst;
             double t0 = now_ms(), c0 = cpu_ms();
@@ -619,13 +683,16 @@ int main(int argc, char **argv) {
             }
             if (full_answer) {
                 agree = cb_qa_f1(answer, full_answer);
-                ftm = (ng > 0 ? gen[0] : -1) == full_first;
+                ftm = full_first == -2 ? -1 : (ng > 0 ? gen[0] : -1) == full_first;
             }
             v->n++;
             v->f1 += f1;
             if (agree >= 0) {
                 v->n_agree++;
                 v->agree += agree;
+            }
+            if (ftm >= 0) {
+                v->n_ftm++;
                 v->ftm += ftm;
             }
             v->ttft += ttft;
@@ -645,6 +712,7 @@ int main(int argc, char **argv) {
             json_object_set_new(line, "first_token_match", ftm >= 0 ? json_boolean(ftm) : json_null());
             json_object_set_new(line, "ttft_ms", json_real(ttft));
             json_object_set_new(line, "ttft_cpu_ms", json_real(ttft_cpu));
+            json_object_set_new(line, "first_token", json_integer(ng > 0 ? gen[0] : -1));
             json_object_set_new(line, "tokens_reused", json_integer(bst.tokens_reused));
             json_object_set_new(line, "tokens_recomputed", json_integer(bst.tokens_recomputed));
             json_object_set_new(line, "n_tokens", json_integer(bst.n_tokens));
@@ -685,6 +753,7 @@ done:
     if (rc && err[0] == 0) fprintf(stderr, "cb-eval: failed (out of memory?)\n");
     if (res) fclose(res);
     json_decref(config);
+    json_decref(ref);
     for (int c = 0; c < CB_QA_MAX_CTXS; c++) free(chunk_tok[c]);
     free(prefix);
     free(suffix);
