@@ -197,6 +197,7 @@ void cb_cpu_add(float *x, const float *y, size_t n) {
 
 /* ---------------------------------------------------------------- dequantization */
 
+#if CB_AVX512
 static inline float f16f(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -206,6 +207,7 @@ static inline float f16f(const uint8_t *p) {
     return cb_f16_to_f32(h);
 #endif
 }
+#endif
 
 void cb_cpu_dequant_row(const cb_weight_t *w, int row, float *dst) {
     const uint8_t *src = (const uint8_t *)w->q + (size_t)row * w->row_bytes;
