@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "backend_select.h"
 #include "cpu_ops.h"
 #include "log.h"
 
@@ -79,7 +80,7 @@ cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size
     e->KVD = hp->n_head_kv * hp->head_dim;
     e->F = hp->n_ff;
     e->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 1.0f / sqrtf((float)hp->head_dim)};
-    e->be = cb_backend_cpu_new(hp, e->max_rows, max_ctx, e->nt_max, berr, sizeof berr);
+    e->be = cb_backend_select(cb_backend_default_kind(), hp, e->max_rows, max_ctx, e->nt_max, NULL, berr, sizeof berr);
     if (!e->be) {
         snprintf(err, errlen, "engine: %s", berr);
         goto fail;

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend_select.h"
 #include "blend.h"
 #include "bus.h"
 #include "config.h"
@@ -299,7 +300,7 @@ int main(int argc, char **argv) {
     static blendsvc_t b;
     static gen_args_t ga;
     int rc = 1;
-    const char *mode, *metric, *model, *sys;
+    const char *mode, *metric, *model, *sys, *backend;
     int64_t ctx, threads, check, lead, hot, rt, ct;
     bool store;
     if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
@@ -315,6 +316,7 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, 1, &check, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "metric", "k", &metric, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "leading_tokens", 0, 1 << 20, 0, &lead, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
         !cb_config_bool(cfg, SECTION, "store_misses", true, &store, err, sizeof err) ||
@@ -332,6 +334,12 @@ int main(int argc, char **argv) {
         goto out;
     }
     b.def.mode = (cb_blend_mode_t)md;
+    cb_backend_kind_t bk;
+    if (!cb_backend_kind_parse(backend, &bk)) {
+        cb_log(CB_LOG_ERROR, NULL, "config blend.backend = '%s': expected auto, cpu or cuda", backend);
+        goto out;
+    }
+    cb_backend_set_default_kind(bk);
     if (strcmp(metric, "k") != 0 && strcmp(metric, "v") != 0) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected k or v", metric);
         goto out;

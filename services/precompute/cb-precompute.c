@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend_select.h"
 #include "bus.h"
 #include "config.h"
 #include "db.h"
@@ -259,7 +260,7 @@ int main(int argc, char **argv) {
     static pc_worker_args_t wa;
     int rc = 1;
     int64_t chunk_tokens, threads, rt, ct;
-    const char *model, *sys, *pull_ep = NULL, *pull_bind = NULL;
+    const char *model, *sys, *backend, *pull_ep = NULL, *pull_bind = NULL;
     wa.cfg = cfg;
     if (!cb_config_int(cfg, SECTION, "chunk_tokens", 16, 8192, 512, &chunk_tokens, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_doc_bytes", 1, (int64_t)1 << 30, 4 << 20, &p.max_doc_bytes, err, sizeof err) ||
@@ -268,6 +269,7 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "cacheindex_timeout_ms", 1, 3600000, 5000, &ct, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
         !cb_config_str(cfg, "blend", "system_prompt", "", &sys, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
         !cb_config_endpoint(cfg, SECTION, "pull_endpoint", NULL, &pull_ep, err, sizeof err) ||
         !cb_config_endpoint(cfg, SECTION, "pull_bind", NULL, &pull_bind, err, sizeof err) ||
         !cb_config_data_path(cfg, SECTION, "db", "precompute.db", wa.db_path, sizeof wa.db_path, err, sizeof err) ||
@@ -275,6 +277,12 @@ int main(int argc, char **argv) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
+    cb_backend_kind_t bk;
+    if (!cb_backend_kind_parse(backend, &bk)) {
+        cb_log(CB_LOG_ERROR, NULL, "config precompute.backend = '%s': expected auto, cpu or cuda", backend);
+        goto out;
+    }
+    cb_backend_set_default_kind(bk);
     if (p.max_doc_bytes > (int64_t)1 << 30) p.max_doc_bytes = (int64_t)1 << 30;
     wa.chunk_tokens = (int)chunk_tokens;
     wa.threads = (int)threads;

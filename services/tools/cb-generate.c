@@ -28,6 +28,7 @@
 #include <time.h>
 
 #include "chat.h"
+#include "backend_select.h"
 #include "engine.h"
 #include "log.h"
 #include "model.h"
@@ -46,6 +47,7 @@ static int usage(const char *why) {
             "  --top-p P         top-p filter (default 1 = off)\n"
             "  --seed S          sampling seed (default 0)\n"
             "  --threads N       threads (default $CB_THREADS or all cores)\n"
+            "  --backend B       auto|cpu|cuda (default $CB_BACKEND or auto: CUDA when a device is present)\n"
             "  --ctx N           KV cache positions (default prompt + n, capped at the model's)\n"
             "  --json            print one JSON object with text, tokens and timings\n"
             "  --dump-logits K   print the K largest logits of the last prompt position\n"
@@ -180,6 +182,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--top-k")) { if (!parse_long(v, 0, INT_MAX, &top_k)) return usage("bad --top-k"); }
         else if (!strcmp(a, "--seed")) { if (!parse_long(v, 0, LONG_MAX, &seed)) return usage("bad --seed"); }
         else if (!strcmp(a, "--threads")) { if (!parse_long(v, 1, 256, &threads)) return usage("bad --threads"); }
+        else if (!strcmp(a, "--backend")) {
+            cb_backend_kind_t bk;
+            if (!cb_backend_kind_parse(v, &bk)) return usage("bad --backend (auto|cpu|cuda)");
+            cb_backend_set_default_kind(bk);
+        }
         else if (!strcmp(a, "--ctx")) { if (!parse_long(v, 1, 1 << 20, &ctx)) return usage("bad --ctx"); }
         else if (!strcmp(a, "--dump-logits")) { if (!parse_long(v, 1, 1000, &dump)) return usage("bad --dump-logits"); }
         else return usage("unknown option");
