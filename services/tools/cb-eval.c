@@ -56,8 +56,8 @@ typedef struct {
     char label[64];
     cb_blend_opts_t o;
     /* sums over examples */
-    int n, n_agree, n_ftm;
-    double f1, agree, ftm, ttft, ttft_cpu, rfrac, load, wait, sel, comp, resolve;
+    int n, n_agree, n_ftm, n_kl;
+    double f1, agree, ftm, kl, ttft, ttft_cpu, rfrac, load, wait, sel, comp, resolve;
 } variant_t;
 
 static int usage(const char *why) {
@@ -99,6 +99,24 @@ static double cpu_ms(void) {
     struct timespec t;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
     return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
+}
+
+/* log-softmax of logits [n] into out [n] (double). */
+static void log_softmax(const float *l, int n, double *out) {
+    double m = -INFINITY, s = 0.0;
+    for (int i = 0; i < n; i++)
+        if (l[i] > m) m = l[i];
+    for (int i = 0; i < n; i++) s += exp((double)l[i] - m);
+    double lse = m + log(s);
+    for (int i = 0; i < n; i++) out[i] = (double)l[i] - lse;
+}
+
+/* KL(p || q) of two log-distributions [n]. */
+static double kl_div(const double *lp, const double *lq, int n) {
+    double k = 0.0;
+    for (int i = 0; i < n; i++)
+        if (lp[i] > -60.0) k += exp(lp[i]) * (lp[i] - lq[i]);
+    return k < 0.0 ? 0.0 : k;
 }
 
 static bool parse_long(const char *s, long lo, long hi, long *out) {
@@ -244,6 +262,7 @@ static json_t *summary_mode(const variant_t *v, const variant_t *full) {
     json_object_set_new(m, "f1", json_real(v->f1 / n));
     json_object_set_new(m, "agree_f1", v->n_agree ? json_real(v->agree / v->n_agree) : json_null());
     json_object_set_new(m, "first_token_match", v->n_ftm ? json_real(v->ftm / v->n_ftm) : json_null());
+    json_object_set_new(m, "kl_first", v->n_kl ? json_real(v->kl / v->n_kl) : json_null());
     json_object_set_new(m, "ttft_ms", json_real(v->ttft / n));
     json_object_set_new(m, "ttft_ratio",
                         full && full->n > 0 && full->ttft > 0 ? json_real((v->ttft / n) / (full->ttft / full->n))
@@ -328,12 +347,13 @@ static void print_table(FILE *f, const variant_t *vs, int nv) {
             full = &vs[i];
             break;
         }
-    fprintf(f, "%-28s %4s %7s %9s %7s %10s %10s %10s %8s %8s %8s\n", "mode", "n", "f1", "agree_f1", "ftm", "ttft_ms",
-            "ttft_ratio", "cpu_ratio", "recomp", "load_ms", "wait_ms");
+    fprintf(f, "%-28s %4s %7s %9s %7s %8s %10s %10s %10s %8s %8s %8s\n", "mode", "n", "f1", "agree_f1", "ftm", "kl",
+            "ttft_ms", "ttft_ratio", "cpu_ratio", "recomp", "load_ms", "wait_ms");
     for (int i = 0; i < nv; i++) {
         const variant_t *v = &vs[i];
         double n = v->n > 0 ? v->n : 1;
-        char ag[16] = "-", ft[16] = "-", tr[16] = "-", cr[16] = "-";
+        char ag[16] = "-", ft[16] = "-", tr[16] = "-", cr[16] = "-", kl[16] = "-";
+        if (v->n_kl) snprintf(kl, sizeof kl, "%.4f", v->kl / v->n_kl);
         if (v->n_agree) {
             snprintf(ag, sizeof ag, "%.3f", v->agree / v->n_agree);
             if (v->n_ftm) snprintf(ft, sizeof ft, "%.3f", v->ftm / v->n_ftm);
@@ -342,8 +362,8 @@ static void print_table(FILE *f, const variant_t *vs, int nv) {
             snprintf(tr, sizeof tr, "%.3f", (v->ttft / n) / (full->ttft / full->n));
             snprintf(cr, sizeof cr, "%.3f", (v->ttft_cpu / n) / (full->ttft_cpu / full->n));
         }
-        fprintf(f, "%-28s %4d %7.3f %9s %7s %10.1f %10s %10s %8.3f %8.1f %8.1f\n", v->label, v->n, v->f1 / n, ag, ft,
-                v->ttft / n, tr, cr, v->rfrac / n, v->load / n, v->wait / n);
+        fprintf(f, "%-28s %4d %7.3f %9s %7s %8s %10.1f %10s %10s %8.3f %8.1f %8.1f\n", v->label, v->n, v->f1 / n, ag, ft,
+                kl, v->ttft / n, tr, cr, v->rfrac / n, v->load / n, v->wait / n);
     }
 }
 
@@ -447,6 +467,7 @@ int main(int argc, char **argv) {
     cb_blend_t *bl = NULL;
     cb_qa_set_t *set = NULL;
     float *logits = NULL;
+    double *lp_full = NULL, *lp_mode = NULL; /* [n_vocab] first-token log-distributions */
     int32_t *prefix = NULL, *suffix = NULL, *gen = NULL;
     int32_t *chunk_tok[CB_QA_MAX_CTXS];
     int chunk_n[CB_QA_MAX_CTXS];
@@ -507,7 +528,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cb-eval: %s\n", err);
         goto done;
     }
-    if (!(logits = malloc(sizeof(float) * (size_t)hp->n_vocab)) || !(gen = malloc(sizeof(int32_t) * (size_t)max_new)))
+    if (!(logits = malloc(sizeof(float) * (size_t)hp->n_vocab)) || !(gen = malloc(sizeof(int32_t) * (size_t)max_new)) ||
+        !(lp_full = malloc(sizeof(double) * (size_t)hp->n_vocab)) || !(lp_mode = malloc(sizeof(double) * (size_t)hp->n_vocab)))
         goto done;
 
     /* the prefix: ChatML system turn + user opening, then the anchors' instruction */
@@ -623,6 +645,7 @@ int main(int argc, char **argv) {
         for (int c = 0; c < nc; c++) chunks[c] = (cb_blend_chunk_t){chunk_tok[c], chunk_n[c]};
         char *full_answer = NULL;
         int32_t full_first = -1;
+        bool have_full_lp = false;
         if (ref) {
             json_t *r = json_object_get(ref, ex->id);
             if (!r) {
@@ -653,6 +676,16 @@ int main(int argc, char **argv) {
             }
             int32_t t = cb_argmax(logits, hp->n_vocab);
             double ttft = now_ms() - t0, ttft_cpu = cpu_ms() - c0;
+            /* first-token distribution vs full's (same process only) */
+            double kl = -1.0;
+            if (v->o.mode == CB_BLEND_FULL && !have_full_lp) {
+                log_softmax(logits, hp->n_vocab, lp_full);
+                have_full_lp = true;
+            }
+            if (have_full_lp) {
+                log_softmax(logits, hp->n_vocab, lp_mode);
+                kl = kl_div(lp_full, lp_mode, hp->n_vocab);
+            }
             /* greedy decoding: stop at end of generation or a newline after the first line's text */
             int ng = 0;
             char *text = NULL;
@@ -691,6 +724,10 @@ int main(int argc, char **argv) {
                 v->n_agree++;
                 v->agree += agree;
             }
+            if (kl >= 0) {
+                v->n_kl++;
+                v->kl += kl;
+            }
             if (ftm >= 0) {
                 v->n_ftm++;
                 v->ftm += ftm;
@@ -713,6 +750,7 @@ int main(int argc, char **argv) {
             json_object_set_new(line, "ttft_ms", json_real(ttft));
             json_object_set_new(line, "ttft_cpu_ms", json_real(ttft_cpu));
             json_object_set_new(line, "first_token", json_integer(ng > 0 ? gen[0] : -1));
+            json_object_set_new(line, "kl_first", kl >= 0 ? json_real(kl) : json_null());
             json_object_set_new(line, "tokens_reused", json_integer(bst.tokens_reused));
             json_object_set_new(line, "tokens_recomputed", json_integer(bst.tokens_recomputed));
             json_object_set_new(line, "n_tokens", json_integer(bst.n_tokens));
@@ -759,6 +797,8 @@ done:
     free(suffix);
     free(gen);
     free(logits);
+    free(lp_full);
+    free(lp_mode);
     cb_blend_destroy(&bl);
     cb_kvmem_destroy(&mem);
     cb_engine_destroy(&eng);
