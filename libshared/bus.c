@@ -676,3 +676,27 @@ int cb_bus_service_run(cb_bus_service_t *svc) {
     else if (rc != 0) return -1;
     return 0;
 }
+
+cb_config_t *cb_bus_service_config(const char *section, int *argc, char **argv, void (*usage)(FILE *f),
+                                   int *exit_code) {
+    char err[512];
+    *exit_code = 1;
+    for (int i = 1; i < *argc; i++)
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            usage(stdout);
+            *exit_code = 0;
+            return NULL;
+        }
+    cb_config_t *cfg = cb_config_new(section, argc, argv, err, sizeof err);
+    if (!cfg) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        return NULL;
+    }
+    if (*argc > 1) {
+        cb_log(CB_LOG_ERROR, NULL, "unknown argument '%s'", argv[1]);
+        usage(stderr);
+        cb_config_destroy(&cfg);
+        return NULL;
+    }
+    return cfg;
+}

@@ -17,6 +17,7 @@
 
 #include <czmq.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdint.h>
 
 #include "config.h"
@@ -144,5 +145,13 @@ int cb_bus_reply_error(cb_bus_req_t *req, cb_err_t code, const char *fmt, ...) _
  * cb_bus_req_destroy, which logs the request's outcome). Replies go out from the loop's thread. */
 cb_bus_req_t *cb_bus_req_detach(cb_bus_req_t *req);
 void cb_bus_req_destroy(cb_bus_req_t **req_p);
+
+
+/* The start of every service's main(): `--help`/`-h` prints usage(stdout) and returns NULL with
+ * *exit_code = 0; otherwise loads the configuration for `section` (consuming the config flags from argv)
+ * and returns it; a load error or an argument left over is logged (with usage(stderr)) and gives NULL
+ * with *exit_code = 1. Caller owns the result (cb_config_destroy). */
+cb_config_t *cb_bus_service_config(const char *section, int *argc, char **argv, void (*usage)(FILE *f),
+                                   int *exit_code);
 
 #endif

@@ -281,22 +281,9 @@ static void usage(FILE *f) {
 int main(int argc, char **argv) {
     cb_bus_init("cb-blend");
     char err[1024];
-    for (int i = 1; i < argc; i++)
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            usage(stdout);
-            return 0;
-        }
-    cb_config_t *cfg = cb_config_new(SECTION, &argc, argv, err, sizeof err);
-    if (!cfg) {
-        cb_log(CB_LOG_ERROR, NULL, "%s", err);
-        return 1;
-    }
-    if (argc > 1) {
-        cb_log(CB_LOG_ERROR, NULL, "unknown argument '%s'", argv[1]);
-        usage(stderr);
-        cb_config_destroy(&cfg);
-        return 1;
-    }
+    int exit_code;
+    cb_config_t *cfg = cb_bus_service_config(SECTION, &argc, argv, usage, &exit_code);
+    if (!cfg) return exit_code;
     static blendsvc_t b;
     static gen_args_t ga;
     int rc = 1;
