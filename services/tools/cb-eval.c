@@ -40,6 +40,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "backend_select.h"
 #include "blend.h"
 #include "chat.h"
 #include "engine.h"
@@ -79,6 +80,7 @@ static int usage(const char *why) {
             "  --mem-mb N         in-memory KV tier of N MiB (default 0: every mode streams from files)\n"
             "  --out DIR          results directory (default results/eval; created)\n"
             "  --threads N        engine threads (default $CB_THREADS or all cores)\n"
+            "  --backend B        auto|cpu|cuda (default $CB_BACKEND or auto)\n"
             "  --max-new N        new tokens at most (default 32)\n"
             "  --ref FILE         full-mode answers and TTFTs from an earlier results.jsonl (instead of running full)\n"
             "  --dump-prompt      print the first example's prompt (pieces separated by |) and exit\n"
@@ -414,6 +416,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--out")) out = v;
         else if (!strcmp(a, "--ref")) ref_path = v;
         else if (!strcmp(a, "--threads")) { if (!parse_long(v, 1, 256, &threads)) return usage("bad --threads"); }
+        else if (!strcmp(a, "--backend")) {
+            cb_backend_kind_t bk;
+            if (!cb_backend_kind_parse(v, &bk)) return usage("bad --backend (auto|cpu|cuda)");
+            cb_backend_set_default_kind(bk);
+        }
         else if (!strcmp(a, "--max-new")) { if (!parse_long(v, 1, 4096, &max_new)) return usage("bad --max-new"); }
         else return usage("unknown option");
         if (has_v) i++;
