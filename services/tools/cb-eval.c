@@ -40,6 +40,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "args.h"
 #include "backend_select.h"
 #include "blend.h"
 #include "chat.h"
@@ -119,24 +120,6 @@ static double kl_div(const double *lp, const double *lq, int n) {
     for (int i = 0; i < n; i++)
         if (lp[i] > -60.0) k += exp(lp[i]) * (lp[i] - lq[i]);
     return k < 0.0 ? 0.0 : k;
-}
-
-static bool parse_long(const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (!*s || *end || errno || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
-
-static bool parse_float(const char *s, float lo, float hi, float *out) {
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (!*s || *end || errno || !(v >= lo && v <= hi)) return false;
-    *out = v;
-    return true;
 }
 
 /* "R1<sep>L" into ratio and layer. */

@@ -27,6 +27,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "args.h"
 #include "chat.h"
 #include "backend_select.h"
 #include "engine.h"
@@ -59,24 +60,6 @@ static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static bool parse_long(const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (!*s || *end || errno || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
-
-static bool parse_float(const char *s, float lo, float hi, float *out) {
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (!*s || *end || errno || !(v >= lo && v <= hi)) return false;
-    *out = v;
-    return true;
 }
 
 /* "1 2 3" (spaces, tabs, commas, newlines). Returns the count, -1 on a malformed or negative id. */
