@@ -23,6 +23,9 @@
  * ...}}, "config": {...}}, rewritten after every example; with several blend variants also one
  * OUT/summary-<label>.json per variant (the non-blend modes + that variant as "blend", its ratio in config)
  * for scripts/plot-eval. The summary is printed as a table at the end; progress goes to stderr.
+ * cb-eval --summarize [--out DIR] [blend flags] RESULTS.jsonl... recomputes summary.json (and the per-variant
+ * summaries) from results files, e.g. to merge a run resumed with --skip; the mode labels are parsed again
+ * (pass the same blend flags as the runs); of each file only examples with a line for every mode count.
  * --ref takes the full-prefill answers, first tokens and TTFTs of an earlier run's results.jsonl instead of
  * running full again (when full is not among the modes): a "full" row is then filled from that file, and
  * agree_f1 / first_token_match / ttft_ratio are against it (TTFTs of two runs: a rougher ratio).
@@ -84,6 +87,7 @@ static int usage(const char *why) {
             "  --backend B        auto|cpu|cuda (default $CB_BACKEND or auto)\n"
             "  --max-new N        new tokens at most (default 32)\n"
             "  --ref FILE         full-mode answers and TTFTs from an earlier results.jsonl (instead of running full)\n"
+            "  --summarize F...   only rebuild OUT/summary*.json from results.jsonl files (merging runs)\n"
             "  --dump-prompt      print the first example's prompt (pieces separated by |) and exit\n"
             "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n",
             (double)CB_BLEND_DEFAULT_RATIO, CB_BLEND_DEFAULT_METRIC, CB_BLEND_DEFAULT_CHECK_LAYER,
@@ -352,6 +356,108 @@ static void print_table(FILE *f, const variant_t *vs, int nv) {
     }
 }
 
+/* Adds one results line to its variant (created from the label on first sight). 0, or -1 (bad label/line). */
+static int summarize_line(json_t *j, const cb_blend_opts_t *base, variant_t *vs, int *nv) {
+    const char *label = json_string_value(json_object_get(j, "mode"));
+    if (!label) return -1;
+    variant_t *v = NULL;
+    for (int i = 0; i < *nv; i++)
+        if (!strcmp(vs[i].label, label)) v = &vs[i];
+    if (!v) {
+        if (*nv == MAX_VARIANTS) return -1;
+        v = &vs[*nv];
+        memset(v, 0, sizeof *v);
+        if (!parse_variant(label, base, v)) return -1;
+        (*nv)++;
+    }
+    double n_tok = json_number_value(json_object_get(j, "n_tokens"));
+    v->n++;
+    v->f1 += json_number_value(json_object_get(j, "f1"));
+    json_t *a = json_object_get(j, "agree_f1"), *ft = json_object_get(j, "first_token_match"),
+           *kl = json_object_get(j, "kl_first");
+    if (json_is_number(a)) v->n_agree++, v->agree += json_number_value(a);
+    if (json_is_boolean(ft)) v->n_ftm++, v->ftm += json_is_true(ft);
+    if (json_is_number(kl)) v->n_kl++, v->kl += json_number_value(kl);
+    v->ttft += json_number_value(json_object_get(j, "ttft_ms"));
+    v->ttft_cpu += json_number_value(json_object_get(j, "ttft_cpu_ms"));
+    v->rfrac += n_tok > 0 ? json_number_value(json_object_get(j, "tokens_recomputed")) / n_tok : 0.0;
+    v->load += json_number_value(json_object_get(j, "load_ms"));
+    v->wait += json_number_value(json_object_get(j, "load_wait_ms"));
+    v->sel += json_number_value(json_object_get(j, "select_ms"));
+    v->comp += json_number_value(json_object_get(j, "compute_ms"));
+    v->resolve += json_number_value(json_object_get(j, "resolve_ms"));
+    return 0;
+}
+
+/* --summarize: rebuild the summaries from results files. */
+static int summarize(const char *out, const cb_blend_opts_t *base, char **files, int n_files) {
+    static variant_t vs[MAX_VARIANTS];
+    int nv = 0, n_ex = 0;
+    for (int f = 0; f < n_files; f++) {
+        json_t *arr = json_array(), *count = json_object();
+        FILE *fp = fopen(files[f], "r");
+        if (!fp) {
+            fprintf(stderr, "cb-eval: %s: %s\n", files[f], strerror(errno));
+            return 1;
+        }
+        char *line = NULL;
+        size_t cap = 0;
+        int max_per_id = 0;
+        while (getline(&line, &cap, fp) > 0) {
+            json_error_t je;
+            json_t *j = json_loads(line, 0, &je);
+            const char *id = j ? json_string_value(json_object_get(j, "id")) : NULL;
+            if (!id) {
+                fprintf(stderr, "cb-eval: %s: bad line skipped\n", files[f]);
+                json_decref(j);
+                continue;
+            }
+            json_int_t c = json_integer_value(json_object_get(count, id)) + 1;
+            json_object_set_new(count, id, json_integer(c));
+            if (c > max_per_id) max_per_id = (int)c;
+            json_array_append_new(arr, j);
+        }
+        free(line);
+        fclose(fp);
+        size_t i;
+        json_t *j;
+        json_array_foreach(arr, i, j) {
+            const char *id = json_string_value(json_object_get(j, "id"));
+            if (json_integer_value(json_object_get(count, id)) != max_per_id) continue; /* incomplete example */
+            if (summarize_line(j, base, vs, &nv)) {
+                fprintf(stderr, "cb-eval: %s: bad mode label\n", files[f]);
+                return 1;
+            }
+        }
+        const char *k;
+        json_t *c;
+        json_object_foreach(count, k, c) n_ex += json_integer_value(c) == max_per_id;
+        json_decref(arr);
+        json_decref(count);
+    }
+    /* full first, as in a run */
+    for (int i = 1; i < nv; i++)
+        if (vs[i].o.mode == CB_BLEND_FULL && vs[0].o.mode != CB_BLEND_FULL) {
+            variant_t t = vs[0];
+            vs[0] = vs[i];
+            vs[i] = t;
+        }
+    if (mkdir_p(out) != 0) return 1;
+    json_t *config = json_object(), *src = json_array();
+    for (int f = 0; f < n_files; f++) json_array_append_new(src, json_string(files[f]));
+    json_object_set_new(config, "merged_from", src);
+    json_object_set_new(config, "examples", json_integer(n_ex));
+    json_object_set_new(config, "ratio", json_real(base->ratio));
+    int rc = write_summaries(out, vs, nv, config);
+    json_decref(config);
+    if (rc) {
+        fprintf(stderr, "cb-eval: writing the summary failed\n");
+        return 1;
+    }
+    print_table(stdout, vs, nv);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     cb_log_set_component("cb-eval");
     const char *model_path = getenv("CB_MODEL");
@@ -361,6 +467,7 @@ int main(int argc, char **argv) {
     cb_kv_dtype_t dtype = CB_KV_F16;
     bool dump_prompt = false;
     const char *ref_path = NULL;
+    int summarize_from = 0; /* argv index of the first results file */
     cb_blend_opts_t base;
     cb_blend_opts_default(&base);
     for (int i = 1; i < argc; i++) {
@@ -370,6 +477,10 @@ int main(int argc, char **argv) {
         long l;
         if (!strcmp(a, "--no-overlap")) base.no_overlap = true, has_v = false;
         else if (!strcmp(a, "--dump-prompt")) dump_prompt = true, has_v = false;
+        else if (!strcmp(a, "--summarize")) {
+            summarize_from = i + 1;
+            break;
+        }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else if (!v) return usage("missing value after an option");
         else if (!strcmp(a, "--model")) model_path = v;
@@ -407,6 +518,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--max-new")) { if (!parse_long(v, 1, 4096, &max_new)) return usage("bad --max-new"); }
         else return usage("unknown option");
         if (has_v) i++;
+    }
+    if (summarize_from) {
+        if (summarize_from >= argc) return usage("--summarize needs results files");
+        return summarize(out, &base, argv + summarize_from, argc - summarize_from);
     }
     if (!data) return usage("--data is required");
     variant_t vs[MAX_VARIANTS];
