@@ -349,6 +349,7 @@ TEST(test_selection) {
     /* ratio 0: only the forced rows */
     cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
     o.ratio = 0.0f;
+    o.lead_tokens = 0;
     cb_blend_stats_t st;
     CHECK(run(b, g_k, &o, l1, &st) == 0);
     CHECK(st.tokens_recomputed == g_ns);
