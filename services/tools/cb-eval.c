@@ -25,7 +25,8 @@
  * for scripts/plot-eval. The summary is printed as a table at the end; progress goes to stderr.
  * cb-eval --summarize [--out DIR] [blend flags] RESULTS.jsonl... recomputes summary.json (and the per-variant
  * summaries) from results files, e.g. to merge a run resumed with --skip; the mode labels are parsed again
- * (pass the same blend flags as the runs); of each file only examples with a line for every mode count.
+ * (pass the same blend flags as the runs); of each file only examples with a line for every mode count;
+ * --modes (before --summarize) keeps only those labels.
  * --ref takes the full-prefill answers, first tokens and TTFTs of an earlier run's results.jsonl instead of
  * running full again (when full is not among the modes): a "full" row is then filled from that file, and
  * agree_f1 / first_token_match / ttft_ratio are against it (TTFTs of two runs: a rougher ratio).
@@ -357,9 +358,19 @@ static void print_table(FILE *f, const variant_t *vs, int nv) {
 }
 
 /* Adds one results line to its variant (created from the label on first sight). 0, or -1 (bad label/line). */
-static int summarize_line(json_t *j, const cb_blend_opts_t *base, variant_t *vs, int *nv) {
+static int summarize_line(json_t *j, const cb_blend_opts_t *base, const char *only, variant_t *vs, int *nv) {
     const char *label = json_string_value(json_object_get(j, "mode"));
     if (!label) return -1;
+    if (only) { /* comma list of labels to keep */
+        size_t n = strlen(label);
+        const char *p = only;
+        bool found = false;
+        while (!found && (p = strstr(p, label)) != NULL) {
+            found = (p == only || p[-1] == ',') && (p[n] == ',' || p[n] == 0);
+            p += n;
+        }
+        if (!found) return 0;
+    }
     variant_t *v = NULL;
     for (int i = 0; i < *nv; i++)
         if (!strcmp(vs[i].label, label)) v = &vs[i];
@@ -390,7 +401,7 @@ static int summarize_line(json_t *j, const cb_blend_opts_t *base, variant_t *vs,
 }
 
 /* --summarize: rebuild the summaries from results files. */
-static int summarize(const char *out, const cb_blend_opts_t *base, char **files, int n_files) {
+static int summarize(const char *out, const cb_blend_opts_t *base, const char *only, char **files, int n_files) {
     static variant_t vs[MAX_VARIANTS];
     int nv = 0, n_ex = 0;
     for (int f = 0; f < n_files; f++) {
@@ -424,7 +435,7 @@ static int summarize(const char *out, const cb_blend_opts_t *base, char **files,
         json_array_foreach(arr, i, j) {
             const char *id = json_string_value(json_object_get(j, "id"));
             if (json_integer_value(json_object_get(count, id)) != max_per_id) continue; /* incomplete example */
-            if (summarize_line(j, base, vs, &nv)) {
+            if (summarize_line(j, base, only, vs, &nv)) {
                 fprintf(stderr, "cb-eval: %s: bad mode label\n", files[f]);
                 return 1;
             }
@@ -468,6 +479,7 @@ int main(int argc, char **argv) {
     bool dump_prompt = false;
     const char *ref_path = NULL;
     int summarize_from = 0; /* argv index of the first results file */
+    bool modes_given = false;
     cb_blend_opts_t base;
     cb_blend_opts_default(&base);
     for (int i = 1; i < argc; i++) {
@@ -487,7 +499,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--data")) data = v;
         else if (!strcmp(a, "--limit")) { if (!parse_long(v, 0, INT_MAX, &limit)) return usage("bad --limit"); }
         else if (!strcmp(a, "--skip")) { if (!parse_long(v, 0, INT_MAX, &skip)) return usage("bad --skip"); }
-        else if (!strcmp(a, "--modes")) modes_arg = v;
+        else if (!strcmp(a, "--modes")) modes_arg = v, modes_given = true;
         else if (!strcmp(a, "--ratio")) { if (!parse_float(v, 0.0f, 1.0f, &base.ratio)) return usage("bad --ratio"); }
         else if (!strcmp(a, "--metric")) {
             if (strcmp(v, "k") && strcmp(v, "v")) return usage("bad --metric");
@@ -521,7 +533,7 @@ int main(int argc, char **argv) {
     }
     if (summarize_from) {
         if (summarize_from >= argc) return usage("--summarize needs results files");
-        return summarize(out, &base, argv + summarize_from, argc - summarize_from);
+        return summarize(out, &base, modes_given ? modes_arg : NULL, argv + summarize_from, argc - summarize_from);
     }
     if (!data) return usage("--data is required");
     variant_t vs[MAX_VARIANTS];
