@@ -72,6 +72,9 @@ typedef struct {
     float *logits;             /* NULL: skip the LM head (and the last layer's attention/MLP) */
     cb_blend_attn_hook_t hook;
     void *hook_ud;
+    bool preloaded;            /* every LOADED row's K/V is already in the cache rows of every layer */
+    int probe_rows;            /* > 0: a probe pass (metric 'a'); the last probe_rows active rows add their
+                                  attention mass over keys into b->mass at every layer */
     /* out */
     double t_load, t_wait, t_compute, t_select;
     int fail_src;              /* source whose layer failed its checksum (-1 none) */
@@ -102,6 +105,9 @@ struct cb_blend {
     int32_t *order;            /* [max_ctx] scratch for selection */
     uint8_t *keep;             /* [max_ctx] */
     int32_t *ub_pos, *ub_lim, *ub_tok; /* [max_rows] */
+    cb_attn_geom_t geom;
+    float *mass;               /* [max_ctx] attention mass each row receives in a probe pass (metric 'a') */
+    float *mass_scratch;       /* [cb_cpu_attn_mass_scratch(geom, max_ctx)] */
 
     src_t *srcs;               /* [cap_srcs] */
     int n_srcs, cap_srcs;
@@ -171,8 +177,12 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
         set_err(err, errlen, "blend: check layer %d outside [0, %d]", o->check_layer, b->L - 1);
         return -1;
     }
-    if (o->metric != 'k' && o->metric != 'v') {
-        set_err(err, errlen, "blend: metric must be 'k' or 'v'");
+    if (o->metric != 'k' && o->metric != 'v' && o->metric != 'a') {
+        set_err(err, errlen, "blend: metric must be 'k', 'v' or 'a'");
+        return -1;
+    }
+    if (o->metric == 'a' && o->gradual_ratio != 0.0f) {
+        set_err(err, errlen, "blend: gradual filtering needs a deviation metric ('k' or 'v')");
         return -1;
     }
     if (o->gradual_ratio != 0.0f) {
@@ -257,6 +267,10 @@ cb_blend_t *cb_blend_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t *me
     b->ub_pos = malloc(sizeof(int32_t) * R);
     b->ub_lim = malloc(sizeof(int32_t) * R);
     b->ub_tok = malloc(sizeof(int32_t) * R);
+    b->geom = (cb_attn_geom_t){b->hp->n_head, b->hp->n_head_kv, b->HD, 1.0f / sqrtf((float)b->HD)};
+    b->mass = malloc(sizeof(float) * C);
+    b->mass_scratch = malloc(sizeof(float) * cb_cpu_attn_mass_scratch(&b->geom, b->max_ctx));
+    if (!b->mass || !b->mass_scratch) goto oom;
     if (!b->rope_cs || !b->cs_rows || !b->x || !b->q || !b->kb || !b->vb || !b->dev_row || !b->tok || !b->cls || !b->src_of || !b->act || !b->dev || !b->order ||
         !b->keep || !b->ub_pos || !b->ub_lim || !b->ub_tok)
         goto oom;
@@ -307,6 +321,8 @@ void cb_blend_destroy(cb_blend_t **self_p) {
     free(b->ub_pos);
     free(b->ub_lim);
     free(b->ub_tok);
+    free(b->mass);
+    free(b->mass_scratch);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
     free(b);
@@ -550,6 +566,20 @@ static double sqdiff(const float *a, const float *c, int n) {
     return s;
 }
 
+/* Metric 'a': b->order [m] holds the candidate rows (ascending), b->dev [m] their attention mass. Makes
+ * the `target` most attended (ties: lower position first) COMPUTED; the others stay LOADED. */
+static void select_by_mass(cb_blend_t *b, int m, int target) {
+    for (int i = 0; i < m; i++) b->act[i] = b->order[i];
+    for (int i = 0; i < m; i++) b->order[i] = i;
+    sort_ctx_t c = {b->dev, b->act};
+    qsort_r(b->order, (size_t)m, sizeof(int32_t), cmp_dev, &c);
+    for (int j = 0; j < target && j < m; j++) {
+        int r = b->act[b->order[j]];
+        b->cls[r] = CB_ROW_COMPUTED;
+        b->srcs[b->src_of[r]].n_loaded--;
+    }
+}
+
 /* Target count of candidates kept at measuring layer l. */
 static int target_at(const run_t *R, int l) {
     double r = R->ratio;
@@ -584,7 +614,7 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
     }
     R->t_compute += now_ms() - t0;
 
-    bool any_src = b->n_srcs > 0;
+    bool any_src = b->n_srcs > 0 && !R->preloaded;
     bool threaded = R->overlap && any_src;
     pthread_t th;
     loader_arg_t la = {b, R};
@@ -667,6 +697,11 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
         }
         /* 4. attention (exact causal limits) + MLP of the active rows; at the last layer only the last row
          * matters (its residual feeds the logits) */
+        if (R->probe_rows > 0) {
+            int np = R->probe_rows < n_act ? R->probe_rows : n_act;
+            for (int j = 0; j < np; j++) b->ub_lim[j] = b->act[n_act - np + j] + 1;
+            cb_cpu_attn_mass(&b->geom, b->q + (size_t)(n_act - np) * QD, np, kc, b->ub_lim, b->mass, b->mass_scratch);
+        }
         int a0 = 0;
         if (l == L - 1) a0 = R->logits ? n_act - 1 : n_act;
         for (int i0 = a0; i0 < n_act; i0 += MR) {
@@ -695,6 +730,61 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
         R->t_compute += now_ms() - tl;
     }
     *n_act_out = n_act;
+    return 0;
+}
+
+/* Metric 'a' (query-aware selection): every candidate and every cached forced row is LOADED for a probe
+ * pass in which the last suffix rows measure the attention mass each key receives (summed over heads,
+ * rows and layers); the `target` most attended candidates then become COMPUTED (recomputed at every
+ * layer) and the others LOADED at every layer: no check layer, so R->blend is cleared. The probe leaves
+ * every cached row's K/V in the cache, so the main pass loads nothing (R->preloaded). No probe when
+ * the target is 0 or every candidate. Returns run_layers' code (1: a streamed layer failed; R->fail_*
+ * set). */
+static int choose_by_attention(cb_blend_t *b, run_t *R, int N, int n_suffix, cb_blend_stats_t *st, char *err,
+                               size_t errlen) {
+    const int target = target_at(R, R->check_layer);
+    R->blend = false;
+    if (target <= 0 || target >= R->n_cand_total) {
+        for (int i = 0; i < N; i++)
+            if (b->cls[i] == CB_ROW_CANDIDATE) {
+                src_t *s = &b->srcs[b->src_of[i]];
+                s->n_cand--;
+                if (target > 0) b->cls[i] = CB_ROW_COMPUTED;
+                else b->cls[i] = CB_ROW_LOADED, s->n_loaded++;
+            }
+        return 0;
+    }
+    for (int i = 0; i < N; i++) {
+        b->keep[i] = b->cls[i] == CB_ROW_CANDIDATE ? 1 : b->cls[i] == CB_ROW_COMPUTED && b->src_of[i] >= 0 ? 2 : 0;
+        if (b->keep[i]) b->cls[i] = CB_ROW_LOADED, b->srcs[b->src_of[i]].n_loaded++;
+    }
+    for (int i = 0; i < b->n_srcs; i++) b->srcs[i].n_cand = 0;
+    run_t P = *R;
+    P.logits = NULL;
+    P.hook = NULL;
+    P.probe_rows = n_suffix < CB_BLEND_PROBE_ROWS ? n_suffix : CB_BLEND_PROBE_ROWS;
+    memset(b->mass, 0, sizeof(float) * (size_t)N);
+    double tp = now_ms();
+    int n_act = 0, rc = run_layers(b, &P, &n_act, err, errlen);
+    st->t_probe_ms += now_ms() - tp;
+    st->t_load_ms += P.t_load;
+    st->t_load_wait_ms += P.t_wait;
+    st->t_compute_ms += P.t_compute;
+    if (rc) {
+        R->fail_src = P.fail_src;
+        R->fail_why = P.fail_why;
+        return rc;
+    }
+    int m = 0;
+    for (int i = 0; i < N; i++) {
+        if (b->keep[i] == 1) b->order[m++] = i;
+        if (b->keep[i] == 2) b->cls[i] = CB_ROW_COMPUTED, b->srcs[b->src_of[i]].n_loaded--;
+    }
+    for (int i = 0; i < m; i++) b->dev[i] = b->mass[b->order[i]];
+    select_by_mass(b, m, target);
+    /* the probe placed every cached row of every layer in the cache and verified the files: the main
+     * pass only overwrites its computed rows */
+    R->preloaded = true;
     return 0;
 }
 
@@ -1170,7 +1260,7 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
                 }
                 b->tok[r] = chunks[c].tokens[i];
                 b->cls[r] = (uint8_t)cl;
-                b->src_of[r] = cl == CB_ROW_COMPUTED ? -1 : si;
+                b->src_of[r] = si; /* -1 when the chunk has no cached KV */
                 if (si >= 0) {
                     if (cl == CB_ROW_LOADED) b->srcs[si].n_loaded++;
                     if (cl == CB_ROW_CANDIDATE) b->srcs[si].n_cand++, n_cand_total++;
@@ -1199,7 +1289,9 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
         R.logits = logits;
         R.hook = opts->attn_hook;
         R.hook_ud = opts->attn_hook_ud;
-        int rc = run_layers(b, &R, &n_act, err, errlen);
+        int rc = 0;
+        if (R.blend && opts->metric == 'a') rc = choose_by_attention(b, &R, (int)N, n_suffix, &st, err, errlen);
+        if (rc == 0) rc = run_layers(b, &R, &n_act, err, errlen);
         st.t_load_ms += R.t_load;
         st.t_load_wait_ms += R.t_wait;
         st.t_compute_ms += R.t_compute;

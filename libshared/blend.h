@@ -29,6 +29,15 @@
  * shrink linearly to ratio at gradual_end_layer, re-measuring the deviation of the still-selected rows at
  * each layer in between (fresh vs cached at that layer) and dropping the least deviating ones.
  *
+ * Metric 'a' (query-aware selection, our default; docs/eval.md): the KV deviation of SmolLM2 is spread
+ * over many rows and the layer-1 set barely overlaps the deep layers' sets, so instead of a check layer a
+ * probe pass runs first: every candidate (and every cached lead row) LOADED, only the suffix (and any
+ * uncached rows) computed, and the last CB_BLEND_PROBE_ROWS suffix rows sum, at every layer and head, the
+ * attention probability each key receives (cb_cpu_attn_mass). The floor(ratio * #candidates) candidates
+ * with the most mass (ties: lower position first) are then recomputed at every layer, the others LOADED
+ * at every layer. The probe leaves every cached row in the cache, so the main pass loads nothing more.
+ * Costs one pass over the suffix rows; saves the check layer's full recompute.
+ *
  * Per layer: the LOADED rows' K/V are placed in the engine's KV cache rows (by a loader thread that
  * prepares layer l+1 while layer l computes, unless opts.no_overlap); Q/K/V of every active row are
  * computed (ubatches of cb_engine_max_rows) and written to the cache before any attention of the
@@ -73,7 +82,8 @@ typedef struct {
     cb_blend_mode_t mode;       /* default CB_BLEND_BLEND */
     float ratio;                /* recompute ratio of the candidate rows, 0..1 (default CB_BLEND_DEFAULT_RATIO) */
     int check_layer;            /* 0..n_layer-1 (default 1) */
-    char metric;                /* 'v' or 'k' (default CB_BLEND_DEFAULT_METRIC) */
+    char metric;                /* 'v', 'k' (deviation at the check layer) or 'a' (attention from the suffix, in a
+                                   probe pass; no check layer, no gradual filtering); default CB_BLEND_DEFAULT_METRIC */
     float gradual_ratio;        /* 0 = off; else start ratio at the check layer, ratio < it <= 1 */
     int gradual_end_layer;      /* with gradual_ratio: check_layer < it < n_layer, where ratio is reached */
     int lead_tokens;            /* first rows of each chunk always recomputed (blend mode), >= 0 */
@@ -84,7 +94,8 @@ typedef struct {
 
 #define CB_BLEND_DEFAULT_RATIO 0.15f
 #define CB_BLEND_DEFAULT_CHECK_LAYER 1
-#define CB_BLEND_DEFAULT_METRIC 'v' /* 'k' measured no better (docs/eval.md) */
+#define CB_BLEND_DEFAULT_METRIC 'a' /* measured: agree_f1 0.854 vs 0.797 for 'v' on MuSiQue (docs/eval.md) */
+#define CB_BLEND_PROBE_ROWS 16 /* metric 'a': the last suffix rows whose attention is measured */
 #define CB_BLEND_DEFAULT_LEAD 4 /* measured on MuSiQue / SmolLM2-135M: -8 % first-token KL for +0.5 % rows (docs/eval.md) */
 
 /* Fills the defaults above (mode blend). */
@@ -110,6 +121,7 @@ typedef struct {
     double t_load_wait_ms;      /* compute thread blocked on the loader (= t_load_ms when serial) */
     double t_compute_ms;        /* layer compute (QKV, attention, MLP, logits) */
     double t_select_ms;         /* deviations and selection */
+    double t_probe_ms;          /* metric 'a': the probe pass (its load and compute also count above) */
     const int32_t *selected;    /* [tokens_recomputed] positions active at the last layer, ascending;
                                    owned by the blend object, valid until its next call */
 } cb_blend_stats_t;

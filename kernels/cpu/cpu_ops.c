@@ -513,6 +513,36 @@ static float softmax_row(float *s, int lim, int L) {
     return 1.0f / sum;
 }
 
+size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys) {
+    size_t rows = (size_t)CB_CPU_MASS_ROWS * (size_t)(g->n_head / g->n_head_kv);
+    return rows * (size_t)g->head_dim + rows * (size_t)(max_keys > 0 ? max_keys : 1);
+}
+
+void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const int32_t *key_limit,
+                      float *mass, float *scratch) {
+    const int G = g->n_head / g->n_head_kv, hd = g->head_dim, qd = g->n_head * hd, kvd = g->n_head_kv * hd;
+    for (int i0 = 0; i0 < n; i0 += CB_CPU_MASS_ROWS) {
+        int nr = n - i0 < CB_CPU_MASS_ROWS ? n - i0 : CB_CPU_MASS_ROWS, M = G * nr, L = 0;
+        for (int i = 0; i < nr; i++) L = key_limit[i0 + i] > L ? key_limit[i0 + i] : L;
+        float *Q = scratch;                        /* [G*nr][hd] */
+        float *S = Q + (size_t)CB_CPU_MASS_ROWS * G * hd; /* [G*nr][L] */
+        for (int kvh = 0; kvh < g->n_head_kv; kvh++) {
+            for (int hh = 0; hh < G; hh++)
+                for (int i = 0; i < nr; i++)
+                    memcpy(Q + ((size_t)hh * nr + i) * hd, q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
+                           sizeof(float) * (size_t)hd);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, kc + (size_t)kvh * hd, kvd,
+                        0.0f, S, L);
+            for (int r = 0; r < M; r++) {
+                float *s = S + (size_t)r * L;
+                int lim = key_limit[i0 + r % nr];
+                float inv = softmax_row(s, lim, lim);
+                for (int j = 0; j < lim; j++) mass[j] += s[j] * inv;
+            }
+        }
+    }
+}
+
 static void scale_row(float *x, int n, float a) {
     for (int i = 0; i < n; i++) x[i] *= a;
 }

@@ -78,6 +78,18 @@ size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_k
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
                       const int32_t *key_limit, float *out, float *scratch, int max_keys, cb_pool_t *pool);
 
+/* Attention mass, for query-aware selection (blend.h, metric 'a'): for each of the n query rows and each
+ * head, the softmax probabilities over keys [0, key_limit[i]) (as cb_cpu_attention computes them) are
+ * added to mass [key], so every row adds n_head in all.
+ *   q [n][n_head*head_dim] (post-RoPE), kc [>= max key_limit][n_head_kv*head_dim] (post-RoPE),
+ *   key_limit [n], mass [>= max key_limit] (accumulated, not cleared)
+ *   scratch: cb_cpu_attn_mass_scratch(g, max_keys) floats
+ * Rows go CB_CPU_MASS_ROWS at a time as one GEMM per KV head; single-threaded (a few rows only). */
+#define CB_CPU_MASS_ROWS 16
+size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys);
+void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const int32_t *key_limit,
+                      float *mass, float *scratch);
+
 /* Vectorised expf used by the kernels (exposed for tests): dst[i] = exp(src[i]), |rel err| < 2e-7. */
 void cb_cpu_exp(const float *src, float *dst, size_t n);
 #endif

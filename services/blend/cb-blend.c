@@ -302,7 +302,7 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "ctx_size", 64, 1 << 20, 2048, &ctx, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, 1, &check, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "metric", "k", &metric, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "metric", "a", &metric, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "leading_tokens", 0, 1 << 20, 0, &lead, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
@@ -327,8 +327,8 @@ int main(int argc, char **argv) {
         goto out;
     }
     cb_backend_set_default_kind(bk);
-    if (strcmp(metric, "k") != 0 && strcmp(metric, "v") != 0) {
-        cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected k or v", metric);
+    if (strcmp(metric, "a") != 0 && strcmp(metric, "k") != 0 && strcmp(metric, "v") != 0) {
+        cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected a, k or v", metric);
         goto out;
     }
     ga.cfg = cfg;

@@ -78,7 +78,7 @@ typedef struct {
     int ctx_size;
     int threads;
     int check_layer;
-    char metric;                 /* 'k' or 'v' */
+    char metric;                 /* 'a', 'k' or 'v' (blend.h) */
     int lead_tokens;
     bool store_misses;           /* `put` computed chunks into cb-cacheindex */
     int retriever_timeout_ms;

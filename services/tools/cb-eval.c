@@ -1,6 +1,6 @@
 /* cb-eval: quality and speed of the four reuse modes (full, prefix, reuse, blend) on MuSiQue (docs/eval.md).
  *
- *   cb-eval [--model PATH] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R] [--metric k|v]
+ *   cb-eval [--model PATH] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R] [--metric k|v|a]
  *           [--check-layer L] [--gradual R1:L] [--lead N] [--no-overlap] [--kv-dir DIR] [--kv-dtype f16|f32|bf16]
  *           [--mem-mb N] [--out DIR] [--threads N] [--max-new N] [--ref RESULTS.jsonl]
  *
@@ -75,7 +75,7 @@ static int usage(const char *why) {
             "  --modes LIST       comma list (default full,prefix,reuse,blend); a token may carry overrides,\n"
             "                     blend:r=0.05:metric=k:check=1:gradual=0.3/6:lead=4:overlap=0\n"
             "  --ratio R          blend recompute ratio (default %.2f)\n"
-            "  --metric k|v       deviation metric (default %c)\n"
+            "  --metric k|v|a     selection metric: K or V deviation, or attention from the question (default %c)\n"
             "  --check-layer L    check layer (default %d)\n"
             "  --gradual R1:L     gradual filtering from ratio R1 at the check layer to R at layer L\n"
             "  --lead N           leading tokens of each chunk always recomputed (default %d)\n"
@@ -162,7 +162,7 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
         if (!strcmp(k, "r")) {
             if (!parse_float(val, 0.0f, 1.0f, &v->o.ratio)) return false;
         } else if (!strcmp(k, "metric")) {
-            if (strcmp(val, "k") && strcmp(val, "v")) return false;
+            if (strcmp(val, "k") && strcmp(val, "v") && strcmp(val, "a")) return false;
             v->o.metric = val[0];
         } else if (!strcmp(k, "check")) {
             if (!parse_long(val, 0, 4096, &l)) return false;
@@ -502,7 +502,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--modes")) modes_arg = v, modes_given = true;
         else if (!strcmp(a, "--ratio")) { if (!parse_float(v, 0.0f, 1.0f, &base.ratio)) return usage("bad --ratio"); }
         else if (!strcmp(a, "--metric")) {
-            if (strcmp(v, "k") && strcmp(v, "v")) return usage("bad --metric");
+            if (strcmp(v, "k") && strcmp(v, "v") && strcmp(v, "a")) return usage("bad --metric");
             base.metric = v[0];
         } else if (!strcmp(a, "--check-layer")) {
             if (!parse_long(v, 0, 4096, &l)) return usage("bad --check-layer");
@@ -875,6 +875,7 @@ int main(int argc, char **argv) {
             json_object_set_new(line, "load_ms", json_real(bst.t_load_ms));
             json_object_set_new(line, "load_wait_ms", json_real(bst.t_load_wait_ms));
             json_object_set_new(line, "select_ms", json_real(bst.t_select_ms));
+            json_object_set_new(line, "probe_ms", json_real(bst.t_probe_ms));
             json_object_set_new(line, "compute_ms", json_real(bst.t_compute_ms));
             json_object_set_new(line, "resolve_ms", json_real(bst.t_resolve_ms));
             json_object_set_new(line, "restarts", json_integer(bst.restarts));

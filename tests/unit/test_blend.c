@@ -168,6 +168,15 @@ TEST(test_blend_ratio1_equals_full) {
     double d = max_diff(full, bl, V);
     fprintf(stderr, "  blend(1.0) vs full: max |dlogit| = %.3g\n", d);
     CHECK_NEAR(d, 0, LOGIT_TOL);
+    /* the attention metric at ratio 1.0 is exact too (its probe pass only chooses rows) */
+    o.metric = 'a';
+    CHECK(run(b, g_k, &o, bl, &st) == 0);
+    CHECK(st.tokens_recomputed == n_total(g_k) - g_np);
+    CHECK(st.t_probe_ms == 0.0); /* nothing to choose: no probe */
+    d = max_diff(full, bl, V);
+    fprintf(stderr, "  blend(1.0, metric a) vs full: max |dlogit| = %.3g\n", d);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
+    o.metric = 'v';
     /* and with gradual filtering from 1.0 down to 1.0 is not allowed (start must exceed ratio) */
     o.gradual_ratio = 1.0f;
     o.gradual_end_layer = 3;
@@ -318,11 +327,11 @@ TEST(test_selection) {
     CHECK(ensure_all(b, g_k) == 0);
     float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
     int32_t *sel = malloc(sizeof(int32_t) * N);
-    for (int metric = 0; metric < 2; metric++) {
+    for (int metric = 0; metric < 3; metric++) {
         cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
         o.ratio = 0.2f;
         o.lead_tokens = 2;
-        o.metric = metric ? 'k' : 'v';
+        o.metric = "vka"[metric];
         cb_blend_stats_t st;
         CHECK(run(b, g_k, &o, l1, &st) == 0);
         int cand = g_k * (g_nc - 2), forced = g_k * 2 + g_ns;
@@ -335,6 +344,7 @@ TEST(test_selection) {
         for (int c = 0; c < g_k; c++)
             for (int i = 0; i < 2; i++) CHECK(in_list(sel, n_sel, g_np + c * g_nc + i));
         for (int i = 0; i < g_np; i++) CHECK(!in_list(sel, n_sel, i));
+        CHECK((o.metric == 'a') == (st.t_probe_ms > 0.0));
         o.no_overlap = true;
         CHECK(run(b, g_k, &o, l2, &st) == 0);
         CHECK(st.tokens_recomputed == n_sel && !memcmp(st.selected, sel, sizeof(int32_t) * n_sel));
@@ -561,6 +571,13 @@ TEST(test_bad_args) {
     o = opts_mode(CB_BLEND_BLEND);
     o.metric = 'q';
     CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    o = opts_mode(CB_BLEND_BLEND);
+    o.metric = 'a'; /* gradual filtering re-measures a deviation: not with the attention metric */
+    o.ratio = 0.1f;
+    o.gradual_ratio = 0.5f;
+    o.gradual_end_layer = 3;
+    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(strstr(err, "gradual"));
     o = opts_mode(CB_BLEND_BLEND);
     o.mode = (cb_blend_mode_t)9;
     CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);

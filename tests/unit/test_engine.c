@@ -202,6 +202,48 @@ TEST(test_attention_key_limits) {
     CHECK(check_attention(4, 1, 32, 2, 300, 2));    /* head_dim 32: scalar tail of the split kernel */
 }
 
+/* Attention mass (blend metric 'a'): the sum over rows and heads of the softmax probabilities each key
+ * gets, against a double-precision reference; every row contributes n_head in all. */
+static int check_attn_mass(int H, int HKV, int hd, int n, int keys) {
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd)};
+    const int G = H / HKV, kvd = HKV * hd;
+    size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
+    float *q = malloc(qn * 4), *kc = malloc(kn * 4), *mass = calloc((size_t)keys, 4);
+    double *ref = calloc((size_t)keys, sizeof(double)), *s = malloc(sizeof(double) * (size_t)keys);
+    int32_t *lim = malloc(sizeof(int32_t) * (size_t)n);
+    float *scr = malloc(sizeof(float) * cb_cpu_attn_mass_scratch(&g, keys));
+    fill(q, qn, 2.0f);
+    fill(kc, kn, 2.0f);
+    for (int i = 0; i < n; i++) lim[i] = keys - n + i + 1 > 1 ? keys - n + i + 1 : 1;
+    lim[0] = 1;
+    cb_cpu_attn_mass(&g, q, n, kc, lim, mass, scr);
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < H; h++) {
+            double mx = -1e300, sum = 0;
+            for (int j = 0; j < lim[i]; j++) {
+                double d = 0;
+                for (int t = 0; t < hd; t++) d += (double)q[(size_t)i * H * hd + h * hd + t] * kc[(size_t)j * kvd + (h / G) * hd + t];
+                s[j] = d * g.scale;
+                mx = fmax(mx, s[j]);
+            }
+            for (int j = 0; j < lim[i]; j++) sum += (s[j] = exp(s[j] - mx));
+            for (int j = 0; j < lim[i]; j++) ref[j] += s[j] / sum;
+        }
+    double d = 0, tot = 0;
+    for (int j = 0; j < keys; j++) d = fmax(d, fabs(mass[j] - ref[j])), tot += mass[j];
+    int ok = d <= 1e-4 * n && fabs(tot - (double)n * H) <= 1e-3 * n * H;
+    if (!ok) fprintf(stderr, "  attn mass H%d/%d hd%d n%d keys%d: max diff %g, total %g\n", H, HKV, hd, n, keys, d, tot);
+    free(q); free(kc); free(mass); free(ref); free(s); free(lim); free(scr);
+    return ok;
+}
+
+TEST(test_attn_mass) {
+    CHECK(check_attn_mass(4, 2, 16, 1, 30));
+    CHECK(check_attn_mass(9, 3, 64, 16, 500));   /* SmolLM2 geometry, one block */
+    CHECK(check_attn_mass(9, 3, 64, 37, 1300));  /* several blocks, partial last */
+    CHECK(check_attn_mass(4, 1, 32, 5, 5));      /* limits < n */
+}
+
 /* Random Q4_1 / Q8_0 rows: our AVX-512 dequantization is bit-identical to cb_dequant. */
 static void random_weight(cb_weight_t *w, uint32_t type, int rows, int cols, uint8_t **buf) {
     size_t bb = type == CB_TYPE_Q4_1 ? 20 : 34, nb = (size_t)rows * cols / 32;
@@ -605,6 +647,7 @@ int main(void) {
     RUN(test_rope_pairing);
     RUN(test_rope_composition);
     RUN(test_attention_key_limits);
+    RUN(test_attn_mass);
     RUN(test_dequant_and_matvec);
     RUN(test_tiny_model_loads);
     RUN(test_loader_rejects);
