@@ -1,0 +1,254 @@
+/* cb-kvdev: where the reused KV deviates, and which rows each selection metric recomputes. The
+ * diagnostic behind the choice of blend's default metric (docs/eval.md, "Why metric a").
+ *
+ *   cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--kv-dir DIR]
+ *
+ * For each MuSiQue example (prompt as cb-eval and cb-blend build it, ragprompt.h): a full prefill gives
+ * the exact K/V of every row and layer; each chunk's cached K/V (its KV file, computed after the prefix
+ * when missing) is compared with it. Over the candidate rows (chunk
+ * rows after the lead tokens) and per layer it prints the mean squared deviation of V, the share of the
+ * total that the floor(R * candidates) most deviating rows hold ("top share": 1.0 would mean perfectly
+ * concentrated, R when uniform), and the share that falls on the rows blend recomputes with metric v (the
+ * check-layer set) and with metric a (the attention set), both at ratio R. Then the first-token KL
+ * divergence from full of reuse and of blend with each metric. Averages over the examples come last.
+ * Exit: 0 ok, 1 runtime error, 2 usage.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "args.h"
+#include "blend.h"
+#include "engine.h"
+#include "log.h"
+#include "model.h"
+#include "qa.h"
+#include "ragprompt.h"
+#include "tokenizer.h"
+
+#define N_SETS 3 /* top of the layer, metric v's rows, metric a's rows */
+static const char METRICS[] = "va";
+
+static int usage(const char *why) {
+    if (why) fprintf(stderr, "cb-kvdev: %s\n", why);
+    fprintf(stderr, "usage: cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--kv-dir DIR]\n");
+    return 2;
+}
+
+typedef struct {
+    double dev, share[N_SETS];
+} layer_acc_t;
+
+/* KL(p || q) of two logit vectors [n] (softmax of each). */
+static double kl_logits(const float *p, const float *q, int n) {
+    double mp = -INFINITY, mq = -INFINITY, sp = 0, sq = 0, k = 0;
+    for (int i = 0; i < n; i++) mp = fmax(mp, p[i]), mq = fmax(mq, q[i]);
+    for (int i = 0; i < n; i++) sp += exp(p[i] - mp), sq += exp(q[i] - mq);
+    double lp0 = mp + log(sp), lq0 = mq + log(sq);
+    for (int i = 0; i < n; i++) {
+        double lp = p[i] - lp0, lq = q[i] - lq0;
+        if (lp > -60.0) k += exp(lp) * (lp - lq);
+    }
+    return k > 0 ? k : 0;
+}
+
+typedef struct {
+    double v;
+    int r;
+} vr_t;
+
+static int cmp_desc(const void *a, const void *b) {
+    double x = ((const vr_t *)a)->v, y = ((const vr_t *)b)->v;
+    return x > y ? -1 : x < y ? 1 : ((const vr_t *)a)->r - ((const vr_t *)b)->r;
+}
+
+int main(int argc, char **argv) {
+    cb_log_set_component("cb-kvdev");
+    const char *model_path = getenv("CB_MODEL"), *data = NULL, *kv_dir = "var/kv";
+    if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    long skip = 0, limit = 5;
+    float ratio = CB_BLEND_DEFAULT_RATIO;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
+        if (!v) return usage("missing value");
+        if (!strcmp(a, "--model")) model_path = v;
+        else if (!strcmp(a, "--data")) data = v;
+        else if (!strcmp(a, "--kv-dir")) kv_dir = v;
+        else if (!strcmp(a, "--skip")) {
+            if (!parse_long(v, 0, 1000000, &skip)) return usage("bad --skip");
+        } else if (!strcmp(a, "--limit")) {
+            if (!parse_long(v, 1, 1000000, &limit)) return usage("bad --limit");
+        } else if (!strcmp(a, "--ratio")) {
+            if (!parse_float(v, 0.001f, 1.0f, &ratio)) return usage("bad --ratio");
+        } else return usage("unknown option");
+        i++;
+    }
+    if (!data) return usage("--data is required");
+
+    int rc = 1;
+    char err[512] = "";
+    cb_qa_set_t *set = NULL;
+    cb_model_t *model = NULL;
+    cb_tokenizer_t *tok = NULL;
+    cb_engine_t *eng = NULL;
+    cb_blend_t *bl = NULL;
+    cb_ragprompt_t *rp = NULL;
+    float *lfull = NULL, *lmode = NULL, *Vt = NULL;
+    double *dv = NULL;
+    vr_t *order = NULL;
+    uint8_t *cand = NULL, *in_set[N_SETS] = {NULL};
+    int32_t *chunk_tok[CB_QA_MAX_CTXS] = {NULL}, *suffix = NULL;
+    layer_acc_t *acc = NULL;
+    double kl_sum[1 + sizeof METRICS - 1] = {0};
+    int n_done = 0;
+
+    if (!(set = cb_qa_set_load(data, err, sizeof err)) || !(model = cb_model_load(model_path, err, sizeof err)) ||
+        !(tok = cb_tokenizer_new_from_gguf(cb_model_gguf(model), err, sizeof err))) {
+        fprintf(stderr, "cb-kvdev: %s\n", err);
+        goto done;
+    }
+    const cb_hparams_t *hp = cb_model_hparams(model);
+    const int L = hp->n_layer, KVD = hp->n_head_kv * hp->head_dim, V = hp->n_vocab;
+    if (!(eng = cb_engine_new(model, hp->n_ctx_train, err, sizeof err)) ||
+        !(bl = cb_blend_new(eng, kv_dir, NULL, CB_KV_F16, err, sizeof err)) ||
+        !(rp = cb_ragprompt_new(tok, NULL, err, sizeof err))) {
+        fprintf(stderr, "cb-kvdev: %s\n", err);
+        goto done;
+    }
+    const int C = cb_engine_max_ctx(eng);
+    lfull = malloc(sizeof(float) * (size_t)V);
+    lmode = malloc(sizeof(float) * (size_t)V);
+    Vt = malloc(sizeof(float) * (size_t)L * C * KVD); /* [L][N][KVD] exact V of the full prefill */
+    dv = malloc(sizeof(double) * (size_t)L * C);      /* [L][N] squared V deviation */
+    order = malloc(sizeof(vr_t) * (size_t)C);
+    cand = malloc((size_t)C);
+    acc = calloc((size_t)L, sizeof *acc);
+    for (int s = 0; s < N_SETS; s++) in_set[s] = malloc((size_t)C);
+    if (!lfull || !lmode || !Vt || !dv || !order || !cand || !acc || !in_set[0] || !in_set[1] ||
+        !in_set[2]) {
+        fprintf(stderr, "cb-kvdev: out of memory\n");
+        goto done;
+    }
+    int np = 0;
+    const int32_t *prefix = cb_ragprompt_prefix(rp, &np);
+    int n_set = cb_qa_set_size(set);
+    for (int ei = (int)skip; ei < n_set && ei < skip + limit; ei++) {
+        const cb_qa_example_t *ex = cb_qa_set_get(set, ei);
+        cb_blend_chunk_t ch[CB_QA_MAX_CTXS];
+        int nc = ex->n_ctxs, ns = 0, N = np;
+        for (int c = 0; c < nc; c++) {
+            char *t = cb_ragprompt_passage(ex->ctxs[c].title, ex->ctxs[c].text);
+            chunk_tok[c] = t ? cb_ragprompt_chunk(rp, t, strlen(t), &ch[c].n) : NULL;
+            free(t);
+            if (!chunk_tok[c]) goto tok_fail;
+            ch[c].tokens = chunk_tok[c];
+            N += ch[c].n;
+        }
+        if (!(suffix = cb_ragprompt_suffix(rp, ex->question, &ns))) goto tok_fail;
+        N += ns;
+        if (N > C) {
+            fprintf(stderr, "cb-kvdev: %s: %d tokens exceed the context; skipped\n", ex->id, N);
+            goto next;
+        }
+        /* exact KV */
+        cb_blend_opts_t o;
+        cb_blend_opts_default(&o);
+        o.mode = CB_BLEND_FULL;
+        if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, lfull, NULL, err, sizeof err)) goto fail;
+        for (int l = 0; l < L; l++)
+            memcpy(Vt + (size_t)l * N * KVD, cb_engine_vcache(eng, l), sizeof(float) * (size_t)N * KVD);
+        /* deviations of the cached chunk rows; candidates = chunk rows after the lead tokens */
+        memset(cand, 0, (size_t)N);
+        int n_cand = 0, r0 = np;
+        for (int c = 0; c < nc; c++) {
+            cb_kvmem_entry_t *e = cb_blend_load_chunk(bl, prefix, np, ch[c].tokens, ch[c].n, NULL, NULL, err, sizeof err);
+            if (!e) goto fail;
+            for (int l = 0; l < L; l++) {
+                const float *cv = cb_kvmem_entry_v(e, l);
+                for (int i = 0; i < ch[c].n; i++) {
+                    const float *t = Vt + ((size_t)l * N + r0 + i) * KVD, *x = cv + (size_t)i * KVD;
+                    double s = 0;
+                    for (int d = 0; d < KVD; d++) s += ((double)t[d] - x[d]) * ((double)t[d] - x[d]);
+                    dv[(size_t)l * N + r0 + i] = s;
+                }
+            }
+            cb_kvmem_entry_release(&e);
+            for (int i = o.lead_tokens; i < ch[c].n; i++) cand[r0 + i] = 1, n_cand++;
+            r0 += ch[c].n;
+        }
+        int target = (int)floor(ratio * n_cand + 1e-6);
+        if (target < 1 || n_cand == 0) goto next;
+        /* the rows each metric recomputes, and its first-token KL */
+        o.mode = CB_BLEND_REUSE;
+        if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, lmode, NULL, err, sizeof err)) goto fail;
+        double kl[1 + sizeof METRICS - 1];
+        kl[0] = kl_logits(lfull, lmode, V);
+        for (int m = 0; m < (int)sizeof METRICS - 1; m++) {
+            cb_blend_opts_default(&o);
+            o.ratio = ratio;
+            o.metric = METRICS[m];
+            cb_blend_stats_t st;
+            if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, lmode, &st, err, sizeof err)) goto fail;
+            kl[1 + m] = kl_logits(lfull, lmode, V);
+            memset(in_set[1 + m], 0, (size_t)N);
+            for (int i = 0; i < st.tokens_recomputed; i++) in_set[1 + m][st.selected[i]] = 1;
+        }
+        printf("%s: %d tokens, %d candidates, %d recomputed (ratio %.2f); first-token KL: reuse %.4f, blend v %.4f, "
+               "blend a %.4f\n", ex->id, N, n_cand, target, ratio, kl[0], kl[1], kl[2]);
+        printf("  layer  mean dev(V)  top share  v-set share  a-set share\n");
+        for (int l = 0; l < L; l++) {
+            int m = 0;
+            double tot = 0, sh[N_SETS] = {0};
+            for (int r = 0; r < N; r++)
+                if (cand[r]) order[m++] = (vr_t){dv[(size_t)l * N + r], r}, tot += dv[(size_t)l * N + r];
+            qsort(order, (size_t)m, sizeof *order, cmp_desc);
+            memset(in_set[0], 0, (size_t)N);
+            for (int j = 0; j < target; j++) in_set[0][order[j].r] = 1;
+            for (int j = 0; j < m; j++)
+                for (int s = 0; s < N_SETS; s++)
+                    if (in_set[s][order[j].r]) sh[s] += order[j].v;
+            for (int s = 0; s < N_SETS; s++) sh[s] = tot > 0 ? sh[s] / tot : 0;
+            acc[l].dev += tot / m;
+            for (int s = 0; s < N_SETS; s++) acc[l].share[s] += sh[s];
+            if (l % 4 == 1 || l == L - 1)
+                printf("  %5d  %11.4g  %9.3f  %11.3f  %11.3f\n", l, tot / m, sh[0], sh[1], sh[2]);
+        }
+        for (int k = 0; k < 3; k++) kl_sum[k] += kl[k];
+        n_done++;
+        fflush(stdout);
+    next:
+        for (int c = 0; c < nc; c++) free(chunk_tok[c]), chunk_tok[c] = NULL;
+        free(suffix);
+        suffix = NULL;
+        continue;
+    tok_fail:
+        fprintf(stderr, "cb-kvdev: %s: tokenization failed\n", ex->id);
+        goto done;
+    }
+    if (n_done > 0) {
+        printf("mean over %d examples (ratio %.2f): first-token KL reuse %.4f, blend v %.4f, blend a %.4f\n", n_done,
+               (double)ratio, kl_sum[0] / n_done, kl_sum[1] / n_done, kl_sum[2] / n_done);
+        printf("  layer  mean dev(V)  top share  v-set share  a-set share\n");
+        for (int l = 0; l < L; l++)
+            printf("  %5d  %11.4g  %9.3f  %11.3f  %11.3f\n", l, acc[l].dev / n_done, acc[l].share[0] / n_done,
+                   acc[l].share[1] / n_done, acc[l].share[2] / n_done);
+    }
+    rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "cb-kvdev: %s\n", err);
+done:
+    for (int c = 0; c < CB_QA_MAX_CTXS; c++) free(chunk_tok[c]);
+    free(suffix);
+    for (int s = 0; s < N_SETS; s++) free(in_set[s]);
+    free(lfull), free(lmode), free(Vt), free(dv), free(order), free(cand), free(acc);
+    cb_ragprompt_destroy(&rp);
+    cb_blend_destroy(&bl);
+    cb_engine_destroy(&eng);
+    cb_tokenizer_destroy(&tok);
+    cb_model_destroy(&model);
+    cb_qa_set_destroy(&set);
+    return rc;
+}
