@@ -761,7 +761,6 @@ static int choose_by_attention(cb_blend_t *b, run_t *R, int N, int n_suffix, cb_
     for (int i = 0; i < b->n_srcs; i++) b->srcs[i].n_cand = 0;
     run_t P = *R;
     P.logits = NULL;
-    P.hook = NULL;
     P.probe_rows = n_suffix < CB_BLEND_PROBE_ROWS ? n_suffix : CB_BLEND_PROBE_ROWS;
     memset(b->mass, 0, sizeof(float) * (size_t)N);
     double tp = now_ms();

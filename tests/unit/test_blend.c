@@ -363,7 +363,8 @@ TEST(test_selection) {
     cb_blend_stats_t st;
     CHECK(run(b, g_k, &o, l1, &st) == 0);
     CHECK(st.tokens_recomputed == g_ns);
-    /* gradual filtering ends at the same count */
+    /* gradual filtering (a deviation metric) ends at the same count */
+    o.metric = 'v';
     o.ratio = 0.1f;
     o.gradual_ratio = 0.5f;
     o.gradual_end_layer = 5;
@@ -406,6 +407,13 @@ TEST(test_causal_limits) {
     o.attn_hook = key_hook;
     o.attn_hook_ud = &h;
     cb_blend_stats_t st;
+    /* metric a: probe pass and main pass both use exact limits */
+    o.metric = 'a';
+    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(h.calls >= 2 * L - 1 && h.bad == 0); /* the probe skips the last layer's attention */
+    /* a deviation metric chooses rows from earlier rows only, so the suffix cannot change them */
+    o.metric = 'v';
+    h = (hook_state_t){0, 0, 0};
     CHECK(run(b, g_k, &o, lg, &st) == 0);
     CHECK(h.calls >= L && h.bad == 0);
     int m = N - g_ns; /* rows before the suffix */
