@@ -484,7 +484,10 @@ static float softmax_row(float *s, int lim, int L) {
 #if CB_AVX512
     __m512 vmx = _mm512_set1_ps(-INFINITY);
     for (; j + 16 <= lim; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + j));
-    if (j < lim) vmx = _mm512_mask_max_ps(vmx, (__mmask16)((1u << (lim - j)) - 1u), vmx, _mm512_loadu_ps(s + j));
+    if (j < lim) { /* masked load: nothing is read past lim */
+        __mmask16 k = (__mmask16)((1u << (lim - j)) - 1u);
+        vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, s + j));
+    }
     mx = _mm512_reduce_max_ps(vmx);
     vmx = _mm512_set1_ps(mx);
     __m512 vsum = _mm512_setzero_ps();
@@ -597,7 +600,10 @@ static float online_softmax(float *s, int lim, int w, float *m, float *l) {
 #if CB_AVX512
     __m512 vmx = _mm512_set1_ps(-INFINITY);
     for (; j + 16 <= lim; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + j));
-    if (j < lim) vmx = _mm512_mask_max_ps(vmx, (__mmask16)((1u << (lim - j)) - 1u), vmx, _mm512_loadu_ps(s + j));
+    if (j < lim) { /* masked load: nothing is read past lim */
+        __mmask16 k = (__mmask16)((1u << (lim - j)) - 1u);
+        vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, s + j));
+    }
     mx = _mm512_reduce_max_ps(vmx);
 #else
     for (; j < lim; j++) mx = s[j] > mx ? s[j] : mx;
