@@ -164,6 +164,10 @@ int cb_blend_mode_parse(const char *s) {
     return -1;
 }
 
+char cb_blend_metric_parse(const char *s) {
+    return s && s[0] && !s[1] && strchr("akv", s[0]) ? s[0] : 0;
+}
+
 static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, size_t errlen) {
     if ((int)o->mode < 0 || o->mode >= CB_BLEND_MODE_COUNT_) {
         set_err(err, errlen, "blend: unknown mode %d", (int)o->mode);

@@ -104,6 +104,8 @@ void cb_blend_opts_default(cb_blend_opts_t *o);
 const char *cb_blend_mode_str(cb_blend_mode_t m);
 /* Parses a mode name; -1 when unknown. */
 int cb_blend_mode_parse(const char *s);
+/* Parses a metric name ("a", "k" or "v"); the metric character, or 0 when unknown. */
+char cb_blend_metric_parse(const char *s);
 
 typedef struct {
     int n_tokens;               /* N */

@@ -327,7 +327,7 @@ int main(int argc, char **argv) {
         goto out;
     }
     cb_backend_set_default_kind(bk);
-    if (strcmp(metric, "a") != 0 && strcmp(metric, "k") != 0 && strcmp(metric, "v") != 0) {
+    if (!cb_blend_metric_parse(metric)) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected a, k or v", metric);
         goto out;
     }

@@ -162,7 +162,7 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
         if (!strcmp(k, "r")) {
             if (!parse_float(val, 0.0f, 1.0f, &v->o.ratio)) return false;
         } else if (!strcmp(k, "metric")) {
-            if (strcmp(val, "k") && strcmp(val, "v") && strcmp(val, "a")) return false;
+            if (!cb_blend_metric_parse(val)) return false;
             v->o.metric = val[0];
         } else if (!strcmp(k, "check")) {
             if (!parse_long(val, 0, 4096, &l)) return false;
@@ -502,7 +502,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--modes")) modes_arg = v, modes_given = true;
         else if (!strcmp(a, "--ratio")) { if (!parse_float(v, 0.0f, 1.0f, &base.ratio)) return usage("bad --ratio"); }
         else if (!strcmp(a, "--metric")) {
-            if (strcmp(v, "k") && strcmp(v, "v") && strcmp(v, "a")) return usage("bad --metric");
+            if (!cb_blend_metric_parse(v)) return usage("bad --metric");
             base.metric = v[0];
         } else if (!strcmp(a, "--check-layer")) {
             if (!parse_long(v, 0, 4096, &l)) return usage("bad --check-layer");

@@ -95,7 +95,7 @@ int main(int argc, char **argv) {
         !cb_config_double(cfg, "blend", "top_p", 1e-9, 1, 1, &top_p, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "seed", 0, INT64_MAX, 0, &seed, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "check_layer", 0, 1024, 1, &check, err, sizeof err) ||
-        !cb_config_str(cfg, "blend", "metric", "k", &metric, err, sizeof err) ||
+        !cb_config_str(cfg, "blend", "metric", "a", &metric, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "leading_tokens", 0, 1 << 20, 0, &lead, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "ctx_size", 64, 1 << 20, 2048, &ctx_size, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
@@ -107,9 +107,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     int mode = cb_blend_mode_parse(mode_s);
-    if (mode < 0 || (metric[0] != 'k' && metric[0] != 'v')) {
+    if (mode < 0 || !cb_blend_metric_parse(metric)) {
         cb_config_destroy(&cfg);
-        return usage("blend.mode must be full|prefix|reuse|blend and blend.metric k|v");
+        return usage("blend.mode must be full|prefix|reuse|blend and blend.metric a|k|v");
     }
     int rc = 1;
     cb_model_t *model = NULL;

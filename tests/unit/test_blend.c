@@ -591,6 +591,8 @@ TEST(test_bad_args) {
     CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
     CHECK(cb_blend_precompute_chunk(b, g_prefix, g_np, bad, 2, false, err, sizeof err) == NULL);
     CHECK(cb_blend_mode_parse("blend") == CB_BLEND_BLEND && cb_blend_mode_parse("x") == -1);
+    CHECK(cb_blend_metric_parse("a") == 'a' && cb_blend_metric_parse("v") == 'v' && cb_blend_metric_parse("k") == 'k');
+    CHECK(!cb_blend_metric_parse("q") && !cb_blend_metric_parse("") && !cb_blend_metric_parse("kv") && !cb_blend_metric_parse(NULL));
     CHECK(!strcmp(cb_blend_mode_str(CB_BLEND_REUSE), "reuse"));
     /* no chunks at all: prefix + suffix works in every mode */
     o = opts_mode(CB_BLEND_BLEND);
