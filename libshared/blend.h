@@ -54,7 +54,8 @@
  * Ownership: the engine, the memory tier (may be NULL) and kv_dir (may be NULL: no files) are borrowed
  * and must outlive the blend object. One blend object per engine, used by one thread at a time; it
  * overwrites the engine's KV cache. Memory: about (n_embd + n_head*head_dim + head_dim) * 4 + 30 bytes
- * per max_ctx position, plus the cached prefix KV.
+ * per max_ctx position, plus 4 * (1 + CB_CPU_MASS_ROWS * n_head/n_head_kv) bytes per position for metric
+ * a's probe (mass and score rows; 196 for SmolLM2), plus the cached prefix KV.
  */
 #ifndef CB_BLEND_H
 #define CB_BLEND_H

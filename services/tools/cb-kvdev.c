@@ -10,7 +10,8 @@
  * total that the floor(R * candidates) most deviating rows hold ("top share": 1.0 would mean perfectly
  * concentrated, R when uniform), and the share that falls on the rows blend recomputes with metric v (the
  * check-layer set) and with metric a (the attention set), both at ratio R. Then the first-token KL
- * divergence from full of reuse and of blend with each metric. Averages over the examples come last.
+ * divergence from full of reuse and of blend with each metric, and the mean position of each metric's
+ * recomputed rows (attention cost grows with it). Averages over the examples come last.
  * Exit: 0 ok, 1 runtime error, 2 usage.
  */
 #include <math.h>
@@ -183,7 +184,7 @@ int main(int argc, char **argv) {
         /* the rows each metric recomputes, and its first-token KL */
         o.mode = CB_BLEND_REUSE;
         if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, lmode, NULL, err, sizeof err)) goto fail;
-        double kl[1 + sizeof METRICS - 1];
+        double kl[1 + sizeof METRICS - 1], mean_pos[sizeof METRICS - 1];
         kl[0] = kl_logits(lfull, lmode, V);
         for (int m = 0; m < (int)sizeof METRICS - 1; m++) {
             cb_blend_opts_default(&o);
@@ -193,10 +194,13 @@ int main(int argc, char **argv) {
             if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, lmode, &st, err, sizeof err)) goto fail;
             kl[1 + m] = kl_logits(lfull, lmode, V);
             memset(in_set[1 + m], 0, (size_t)N);
-            for (int i = 0; i < st.tokens_recomputed; i++) in_set[1 + m][st.selected[i]] = 1;
+            double sp = 0;
+            for (int i = 0; i < st.tokens_recomputed; i++) in_set[1 + m][st.selected[i]] = 1, sp += st.selected[i];
+            mean_pos[m] = sp / st.tokens_recomputed;
         }
         printf("%s: %d tokens, %d candidates, %d recomputed (ratio %.2f); first-token KL: reuse %.4f, blend v %.4f, "
-               "blend a %.4f\n", ex->id, N, n_cand, target, ratio, kl[0], kl[1], kl[2]);
+               "blend a %.4f; mean position of the recomputed rows: v %.0f, a %.0f\n", ex->id, N, n_cand, target,
+               (double)ratio, kl[0], kl[1], kl[2], mean_pos[0], mean_pos[1]);
         printf("  layer  mean dev(V)  top share  v-set share  a-set share\n");
         for (int l = 0; l < L; l++) {
             int m = 0;
