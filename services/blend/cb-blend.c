@@ -304,7 +304,7 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, 1, &check, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "metric", "a", &metric, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "leading_tokens", 0, 1 << 20, 0, &lead, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "leading_tokens", 0, 1 << 20, CB_BLEND_DEFAULT_LEAD, &lead, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
         !cb_config_bool(cfg, SECTION, "store_misses", true, &store, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "system_prompt", "", &sys, err, sizeof err) ||
