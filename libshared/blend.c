@@ -181,7 +181,7 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
         set_err(err, errlen, "blend: check layer %d outside [0, %d]", o->check_layer, b->L - 1);
         return -1;
     }
-    if (o->metric != 'k' && o->metric != 'v' && o->metric != 'a') {
+    if (!cb_blend_metric_parse((const char[]){o->metric, 0})) {
         set_err(err, errlen, "blend: metric must be 'k', 'v' or 'a'");
         return -1;
     }
@@ -758,6 +758,7 @@ static int choose_by_attention(cb_blend_t *b, run_t *R, int N, int n_suffix, cb_
             }
         return 0;
     }
+    /* keep: 1 = candidate, 2 = forced row with cached KV (both LOADED during the probe), 0 = unchanged */
     for (int i = 0; i < N; i++) {
         b->keep[i] = b->cls[i] == CB_ROW_CANDIDATE ? 1 : b->cls[i] == CB_ROW_COMPUTED && b->src_of[i] >= 0 ? 2 : 0;
         if (b->keep[i]) b->cls[i] = CB_ROW_LOADED, b->srcs[b->src_of[i]].n_loaded++;

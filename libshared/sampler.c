@@ -67,6 +67,22 @@ int32_t cb_argmax(const float *x, int n) {
     return best < 0 ? 0 : best;
 }
 
+void cb_log_softmax(const float *l, int n, double *out) {
+    double m = -INFINITY, s = 0.0;
+    for (int i = 0; i < n; i++)
+        if (l[i] > m) m = l[i];
+    for (int i = 0; i < n; i++) s += exp((double)l[i] - m);
+    double lse = m + log(s);
+    for (int i = 0; i < n; i++) out[i] = (double)l[i] - lse;
+}
+
+double cb_kl_div(const double *lp, const double *lq, int n) {
+    double k = 0.0;
+    for (int i = 0; i < n; i++)
+        if (lp[i] > -60.0) k += exp(lp[i]) * (lp[i] - lq[i]);
+    return k < 0.0 ? 0.0 : k;
+}
+
 /* Descending logit, then ascending id: a total order, so results do not depend on qsort's internals. */
 static int cand_cmp(const void *a, const void *b) {
     const cand_t *x = a, *y = b;

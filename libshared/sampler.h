@@ -30,4 +30,8 @@ int32_t cb_sampler_sample(cb_sampler_t *self, const float *logits);
 
 /* Index of the largest of x[0..n) (lowest index on ties; NaNs ignored; 0 if all NaN). */
 int32_t cb_argmax(const float *x, int n);
+/* out [n] = log softmax of logits [n], in double. */
+void cb_log_softmax(const float *logits, int n, double *out);
+/* KL(p || q) of two log-distributions lp, lq [n] (terms with p below e^-60 skipped; never negative). */
+double cb_kl_div(const double *lp, const double *lq, int n);
 #endif

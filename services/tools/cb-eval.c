@@ -109,24 +109,6 @@ static double cpu_ms(void) {
     return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
 }
 
-/* log-softmax of logits [n] into out [n] (double). */
-static void log_softmax(const float *l, int n, double *out) {
-    double m = -INFINITY, s = 0.0;
-    for (int i = 0; i < n; i++)
-        if (l[i] > m) m = l[i];
-    for (int i = 0; i < n; i++) s += exp((double)l[i] - m);
-    double lse = m + log(s);
-    for (int i = 0; i < n; i++) out[i] = (double)l[i] - lse;
-}
-
-/* KL(p || q) of two log-distributions [n]. */
-static double kl_div(const double *lp, const double *lq, int n) {
-    double k = 0.0;
-    for (int i = 0; i < n; i++)
-        if (lp[i] > -60.0) k += exp(lp[i]) * (lp[i] - lq[i]);
-    return k < 0.0 ? 0.0 : k;
-}
-
 /* "R1<sep>L" into ratio and layer. */
 static bool parse_gradual(const char *s, char sep, float *r1, int *layer) {
     const char *p = strchr(s, sep);
@@ -796,12 +778,12 @@ int main(int argc, char **argv) {
             /* first-token distribution vs full's (same process only) */
             double kl = -1.0;
             if (v->o.mode == CB_BLEND_FULL && !have_full_lp) {
-                log_softmax(logits, hp->n_vocab, lp_full);
+                cb_log_softmax(logits, hp->n_vocab, lp_full);
                 have_full_lp = true;
             }
             if (have_full_lp) {
-                log_softmax(logits, hp->n_vocab, lp_mode);
-                kl = kl_div(lp_full, lp_mode, hp->n_vocab);
+                cb_log_softmax(logits, hp->n_vocab, lp_mode);
+                kl = cb_kl_div(lp_full, lp_mode, hp->n_vocab);
             }
             /* greedy decoding: stop at end of generation or a newline after the first line's text */
             int ng = 0;

@@ -26,6 +26,7 @@
 #include "model.h"
 #include "qa.h"
 #include "ragprompt.h"
+#include "sampler.h"
 #include "tokenizer.h"
 
 #define N_SETS 3 /* top of the layer, metric v's rows, metric a's rows */
@@ -40,19 +41,6 @@ static int usage(const char *why) {
 typedef struct {
     double dev, share[N_SETS];
 } layer_acc_t;
-
-/* KL(p || q) of two logit vectors [n] (softmax of each). */
-static double kl_logits(const float *p, const float *q, int n) {
-    double mp = -INFINITY, mq = -INFINITY, sp = 0, sq = 0, k = 0;
-    for (int i = 0; i < n; i++) mp = fmax(mp, p[i]), mq = fmax(mq, q[i]);
-    for (int i = 0; i < n; i++) sp += exp(p[i] - mp), sq += exp(q[i] - mq);
-    double lp0 = mp + log(sp), lq0 = mq + log(sq);
-    for (int i = 0; i < n; i++) {
-        double lp = p[i] - lp0, lq = q[i] - lq0;
-        if (lp > -60.0) k += exp(lp) * (lp - lq);
-    }
-    return k > 0 ? k : 0;
-}
 
 typedef struct {
     double v;
@@ -96,8 +84,8 @@ int main(int argc, char **argv) {
     cb_engine_t *eng = NULL;
     cb_blend_t *bl = NULL;
     cb_ragprompt_t *rp = NULL;
-    float *lfull = NULL, *lmode = NULL, *Vt = NULL;
-    double *dv = NULL;
+    float *logits = NULL, *Vt = NULL;
+    double *lp_full = NULL, *lp_mode = NULL, *dv = NULL; /* [n_vocab] first-token log-distributions */
     vr_t *order = NULL;
     uint8_t *cand = NULL, *in_set[N_SETS] = {NULL};
     int32_t *chunk_tok[CB_QA_MAX_CTXS] = {NULL}, *suffix = NULL;
@@ -119,15 +107,16 @@ int main(int argc, char **argv) {
         goto done;
     }
     const int C = cb_engine_max_ctx(eng);
-    lfull = malloc(sizeof(float) * (size_t)V);
-    lmode = malloc(sizeof(float) * (size_t)V);
+    logits = malloc(sizeof(float) * (size_t)V);
+    lp_full = malloc(sizeof(double) * (size_t)V);
+    lp_mode = malloc(sizeof(double) * (size_t)V);
     Vt = malloc(sizeof(float) * (size_t)L * C * KVD); /* [L][N][KVD] exact V of the full prefill */
     dv = malloc(sizeof(double) * (size_t)L * C);      /* [L][N] squared V deviation */
     order = malloc(sizeof(vr_t) * (size_t)C);
     cand = malloc((size_t)C);
     acc = calloc((size_t)L, sizeof *acc);
     for (int s = 0; s < N_SETS; s++) in_set[s] = malloc((size_t)C);
-    if (!lfull || !lmode || !Vt || !dv || !order || !cand || !acc || !in_set[0] || !in_set[1] ||
+    if (!logits || !lp_full || !lp_mode || !Vt || !dv || !order || !cand || !acc || !in_set[0] || !in_set[1] ||
         !in_set[2]) {
         fprintf(stderr, "cb-kvdev: out of memory\n");
         goto done;
@@ -157,7 +146,8 @@ int main(int argc, char **argv) {
         cb_blend_opts_t o;
         cb_blend_opts_default(&o);
         o.mode = CB_BLEND_FULL;
-        if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, lfull, NULL, err, sizeof err)) goto fail;
+        if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, logits, NULL, err, sizeof err)) goto fail;
+        cb_log_softmax(logits, V, lp_full);
         for (int l = 0; l < L; l++)
             memcpy(Vt + (size_t)l * N * KVD, cb_engine_vcache(eng, l), sizeof(float) * (size_t)N * KVD);
         /* deviations of the cached chunk rows; candidates = chunk rows after the lead tokens */
@@ -183,16 +173,18 @@ int main(int argc, char **argv) {
         if (target < 1 || n_cand == 0) goto next;
         /* the rows each metric recomputes, and its first-token KL */
         o.mode = CB_BLEND_REUSE;
-        if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, lmode, NULL, err, sizeof err)) goto fail;
+        if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, logits, NULL, err, sizeof err)) goto fail;
+        cb_log_softmax(logits, V, lp_mode);
         double kl[1 + sizeof METRICS - 1], mean_pos[sizeof METRICS - 1];
-        kl[0] = kl_logits(lfull, lmode, V);
+        kl[0] = cb_kl_div(lp_full, lp_mode, V);
         for (int m = 0; m < (int)sizeof METRICS - 1; m++) {
             cb_blend_opts_default(&o);
             o.ratio = ratio;
             o.metric = METRICS[m];
             cb_blend_stats_t st;
-            if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, lmode, &st, err, sizeof err)) goto fail;
-            kl[1 + m] = kl_logits(lfull, lmode, V);
+            if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, logits, &st, err, sizeof err)) goto fail;
+            cb_log_softmax(logits, V, lp_mode);
+            kl[1 + m] = cb_kl_div(lp_full, lp_mode, V);
             memset(in_set[1 + m], 0, (size_t)N);
             double sp = 0;
             for (int i = 0; i < st.tokens_recomputed; i++) in_set[1 + m][st.selected[i]] = 1, sp += st.selected[i];
@@ -247,7 +239,7 @@ done:
     for (int c = 0; c < CB_QA_MAX_CTXS; c++) free(chunk_tok[c]);
     free(suffix);
     for (int s = 0; s < N_SETS; s++) free(in_set[s]);
-    free(lfull), free(lmode), free(Vt), free(dv), free(order), free(cand), free(acc);
+    free(logits), free(lp_full), free(lp_mode), free(Vt), free(dv), free(order), free(cand), free(acc);
     cb_ragprompt_destroy(&rp);
     cb_blend_destroy(&bl);
     cb_engine_destroy(&eng);

@@ -7,6 +7,27 @@
 #include "sampler.h"
 #include "test.h"
 
+/* log-softmax and KL: KL(p||p) = 0; a two-point case against its closed form; shift invariance */
+TEST(test_kl) {
+    float a[3] = {1.0f, 2.0f, 3.0f}, b[3] = {3.0f, 2.0f, 1.0f}, c[3] = {11.0f, 12.0f, 13.0f};
+    double la[3], lb[3], lc[3];
+    cb_log_softmax(a, 3, la);
+    cb_log_softmax(b, 3, lb);
+    cb_log_softmax(c, 3, lc);
+    double s = exp(la[0]) + exp(la[1]) + exp(la[2]);
+    CHECK(fabs(s - 1.0) < 1e-12);
+    CHECK(cb_kl_div(la, la, 3) == 0.0);
+    CHECK(cb_kl_div(la, lc, 3) < 1e-12);
+    double ref = 0.0;
+    for (int i = 0; i < 3; i++) ref += exp(la[i]) * (la[i] - lb[i]);
+    CHECK(fabs(cb_kl_div(la, lb, 3) - ref) < 1e-12 && ref > 1.0);
+    float p[2] = {0.0f, 0.0f}, q[2] = {0.0f, (float)log(3.0)}; /* (1/2, 1/2) vs (1/4, 3/4) */
+    double lp[2], lq[2];
+    cb_log_softmax(p, 2, lp);
+    cb_log_softmax(q, 2, lq);
+    CHECK(fabs(cb_kl_div(lp, lq, 2) - (0.5 * log(2.0) + 0.5 * log(2.0 / 3.0))) < 1e-7);
+}
+
 TEST(test_greedy) {
     float l[6] = {0.5f, 2.0f, -1.0f, 2.0f, NAN, 1.0f};
     CHECK(cb_argmax(l, 6) == 1); /* tie: lowest id; NaN ignored */
@@ -93,6 +114,7 @@ TEST(test_distributions) {
 
 int main(void) {
     RUN(test_greedy);
+    RUN(test_kl);
     RUN(test_determinism);
     RUN(test_distributions);
     return test_summary();
