@@ -75,6 +75,8 @@ typedef struct {
     bool preloaded;            /* every LOADED row's K/V is already in the cache rows of every layer */
     int probe_rows;            /* > 0: a probe pass (metric 'a'); the last probe_rows active rows add their
                                   attention mass over keys into b->mass at every layer */
+    int compute_layers;        /* > 0: layers [compute_layers, L) only place their cached rows (a probe that
+                                  stops early; needs logits == NULL); 0 = every layer computes */
     /* out */
     double t_load, t_wait, t_compute, t_select;
     int fail_src;              /* source whose layer failed its checksum (-1 none) */
@@ -149,6 +151,7 @@ void cb_blend_opts_default(cb_blend_opts_t *o) {
     o->check_layer = CB_BLEND_DEFAULT_CHECK_LAYER;
     o->metric = CB_BLEND_DEFAULT_METRIC;
     o->lead_tokens = CB_BLEND_DEFAULT_LEAD;
+    o->probe_layers = CB_BLEND_DEFAULT_PROBE_LAYERS;
 }
 
 static const char *const MODE_NAMES[CB_BLEND_MODE_COUNT_] = {"full", "prefix", "reuse", "blend"};
@@ -203,6 +206,10 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
     }
     if (o->lead_tokens < 0) {
         set_err(err, errlen, "blend: lead tokens %d < 0", o->lead_tokens);
+        return -1;
+    }
+    if (o->probe_layers < 0 || o->probe_layers > b->L) {
+        set_err(err, errlen, "blend: probe layers %d outside [0, %d] (0 = all)", o->probe_layers, b->L);
         return -1;
     }
     return 0;
@@ -601,6 +608,8 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
     cb_engine_t *e = b->e;
     const int L = b->L, E = b->E, QD = b->QD, KVD = b->KVD, HD = b->HD, MR = b->max_rows;
     const int nh = b->hp->n_head, nkv = b->hp->n_head_kv;
+    const int CL = R->compute_layers > 0 ? R->compute_layers : L; /* layers that compute */
+    assert(CL <= L && (CL == L || !R->logits));
     int n_act = 0;
     for (int r = 0; r < R->n; r++)
         if (b->cls[r] != CB_ROW_LOADED) b->act[n_act++] = r;
@@ -653,6 +662,7 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
                 }
             }
         }
+        if (l >= CL) continue;
         double tc = now_ms();
         float *kc = cb_engine_kcache(e, l), *vc = cb_engine_vcache(e, l);
         const bool meas = measuring(R, l);
@@ -707,7 +717,7 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
             cb_cpu_attn_mass(&b->geom, b->q + (size_t)(n_act - np) * QD, np, kc, b->ub_lim, b->mass, b->mass_scratch);
         }
         int a0 = 0;
-        if (l == L - 1) a0 = R->logits ? n_act - 1 : n_act;
+        if (l == CL - 1) a0 = R->logits ? n_act - 1 : n_act;
         for (int i0 = a0; i0 < n_act; i0 += MR) {
             int n = n_act - i0 < MR ? n_act - i0 : MR;
             for (int j = 0; j < n; j++) {
@@ -744,8 +754,8 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
  * every cached row's K/V in the cache, so the main pass loads nothing (R->preloaded). No probe when
  * the target is 0 or every candidate. Returns run_layers' code (1: a streamed layer failed; R->fail_*
  * set). */
-static int choose_by_attention(cb_blend_t *b, run_t *R, int N, int n_suffix, cb_blend_stats_t *st, char *err,
-                               size_t errlen) {
+static int choose_by_attention(cb_blend_t *b, run_t *R, int N, int n_suffix, int probe_layers, cb_blend_stats_t *st,
+                               char *err, size_t errlen) {
     const int target = target_at(R, R->check_layer);
     R->blend = false;
     if (target <= 0 || target >= R->n_cand_total) {
@@ -767,6 +777,7 @@ static int choose_by_attention(cb_blend_t *b, run_t *R, int N, int n_suffix, cb_
     run_t P = *R;
     P.logits = NULL;
     P.probe_rows = n_suffix < CB_BLEND_PROBE_ROWS ? n_suffix : CB_BLEND_PROBE_ROWS;
+    if (probe_layers > 0) P.compute_layers = probe_layers;
     memset(b->mass, 0, sizeof(float) * (size_t)N);
     double tp = now_ms();
     int n_act = 0, rc = run_layers(b, &P, &n_act, err, errlen);
@@ -1294,7 +1305,7 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
         R.hook = opts->attn_hook;
         R.hook_ud = opts->attn_hook_ud;
         int rc = 0;
-        if (R.blend && opts->metric == 'a') rc = choose_by_attention(b, &R, (int)N, n_suffix, &st, err, errlen);
+        if (R.blend && opts->metric == 'a') rc = choose_by_attention(b, &R, (int)N, n_suffix, opts->probe_layers, &st, err, errlen);
         if (rc == 0) rc = run_layers(b, &R, &n_act, err, errlen);
         st.t_load_ms += R.t_load;
         st.t_load_wait_ms += R.t_wait;

@@ -36,7 +36,9 @@
  * attention probability each key receives (cb_cpu_attn_mass). The floor(ratio * #candidates) candidates
  * with the most mass (ties: lower position first) are then recomputed at every layer, the others LOADED
  * at every layer. The probe leaves every cached row in the cache, so the main pass loads nothing more.
- * Costs one pass over the suffix rows; saves the check layer's full recompute.
+ * Costs one pass over the suffix rows; saves the check layer's full recompute. opts.probe_layers > 0
+ * stops the probe's compute (and its measurement) after that many layers; it still places every layer's
+ * cached rows.
  *
  * Per layer: the LOADED rows' K/V are placed in the engine's KV cache rows (by a loader thread that
  * prepares layer l+1 while layer l computes, unless opts.no_overlap); Q/K/V of every active row are
@@ -88,6 +90,8 @@ typedef struct {
     float gradual_ratio;        /* 0 = off; else start ratio at the check layer, ratio < it <= 1 */
     int gradual_end_layer;      /* with gradual_ratio: check_layer < it < n_layer, where ratio is reached */
     int lead_tokens;            /* first rows of each chunk always recomputed (blend mode), >= 0 */
+    int probe_layers;           /* metric 'a': the probe measures attention in layers [0, probe_layers) and
+                                   computes nothing above them; 0 = every layer (default CB_BLEND_DEFAULT_PROBE_LAYERS) */
     bool no_overlap;            /* load each layer in the compute thread (serial), for comparison */
     cb_blend_attn_hook_t attn_hook; /* NULL = none */
     void *attn_hook_ud;
@@ -97,6 +101,7 @@ typedef struct {
 #define CB_BLEND_DEFAULT_CHECK_LAYER 1
 #define CB_BLEND_DEFAULT_METRIC 'a' /* measured: agree_f1 0.854 vs 0.797 for 'v' on MuSiQue (docs/eval.md) */
 #define CB_BLEND_PROBE_ROWS 16 /* metric 'a': the last suffix rows whose attention is measured */
+#define CB_BLEND_DEFAULT_PROBE_LAYERS 0 /* 0 = all layers */
 #define CB_BLEND_DEFAULT_LEAD 4 /* measured on MuSiQue / SmolLM2-135M: -8 % first-token KL for +0.5 % rows (docs/eval.md) */
 
 /* Fills the defaults above (mode blend). */

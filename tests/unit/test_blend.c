@@ -210,6 +210,26 @@ TEST(test_reuse_single_chunk_equals_full) {
     d = max_diff(full, re, V);
     fprintf(stderr, "  reuse(1 chunk, from file) vs full: %.3g\n", d);
     CHECK_NEAR(d, 0, LOGIT_TOL);
+    /* so is blend with the attention metric whatever it selects, also when its probe stops after the
+     * first layer: the probe must still place every layer's cached rows, or the main pass reads what the
+     * previous prompt left there */
+    int L = g_hp->n_layer;
+    for (int pl = 0; pl <= L; pl += L > 1 ? L - 1 : 1) {
+        for (int pl2 = pl; pl2 <= pl + 1 && pl2 <= L; pl2++) {
+            o = opts_mode(CB_BLEND_FULL); /* other tokens into the cache rows the chunk will occupy */
+            CHECK(cb_blend_prefill(b, g_prefix, g_np, g_ch + 1, 1, g_suffix, g_ns, &o, re, NULL, err, sizeof err) == 0);
+            o = opts_mode(CB_BLEND_BLEND);
+            o.metric = 'a';
+            o.ratio = 0.3f;
+            o.probe_layers = pl2;
+            o.no_overlap = pl2 % 2; /* the loader thread and the serial loads */
+            CHECK(run(b, 1, &o, re, &st) == 0);
+            CHECK(st.t_probe_ms > 0.0 && st.tokens_recomputed > g_ns && st.tokens_reused > 0);
+            d = max_diff(full, re, V);
+            fprintf(stderr, "  blend(1 chunk, metric a, probe layers %d) vs full: %.3g\n", pl2, d);
+            CHECK_NEAR(d, 0, LOGIT_TOL);
+        }
+    }
     /* with several chunks reuse is not exact (each chunk saw only the prefix) */
     CHECK(ensure_all(b, g_k) == 0);
     float *full3 = malloc(sizeof(float) * V);
@@ -586,6 +606,12 @@ TEST(test_bad_args) {
     o.gradual_end_layer = 3;
     CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
     CHECK(strstr(err, "gradual"));
+    o = opts_mode(CB_BLEND_BLEND);
+    o.probe_layers = g_hp->n_layer + 1;
+    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(strstr(err, "probe layers"));
+    o.probe_layers = -1;
+    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
     o = opts_mode(CB_BLEND_BLEND);
     o.mode = (cb_blend_mode_t)9;
     CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
