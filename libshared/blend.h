@@ -102,7 +102,8 @@ typedef struct {
 #define CB_BLEND_DEFAULT_METRIC 'a' /* measured: agree_f1 0.854 vs 0.797 for 'v' on MuSiQue (docs/eval.md) */
 #define CB_BLEND_PROBE_ROWS 16 /* metric 'a': the last suffix rows whose attention is measured */
 #define CB_BLEND_DEFAULT_PROBE_LAYERS 0 /* 0 = all layers */
-#define CB_BLEND_DEFAULT_LEAD 4 /* measured on MuSiQue / SmolLM2-135M: -8 % first-token KL for +0.5 % rows (docs/eval.md) */
+#define CB_BLEND_DEFAULT_LEAD 0 /* measured on MuSiQue / SmolLM2-135M with metric a: 4 lead tokens gave the same first-token
+                                   KL for +0.5 % rows (with metric v they cut it by 2.5 %; docs/eval.md) */
 
 /* Fills the defaults above (mode blend). */
 void cb_blend_opts_default(cb_blend_opts_t *o);

@@ -1,7 +1,7 @@
 /* cb-kvdev: where the reused KV deviates, and which rows each selection metric recomputes. The
  * diagnostic behind the choice of blend's default metric (docs/eval.md, "Why metric a").
  *
- *   cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--kv-dir DIR]
+ *   cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--lead N] [--kv-dir DIR]
  *
  * For each MuSiQue example (prompt as cb-eval and cb-blend build it, ragprompt.h): a full prefill gives
  * the exact K/V of every row and layer; each chunk's cached K/V (its KV file, computed after the prefix
@@ -34,7 +34,7 @@ static const char METRICS[] = "va";
 
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-kvdev: %s\n", why);
-    fprintf(stderr, "usage: cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--kv-dir DIR]\n");
+    fprintf(stderr, "usage: cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--lead N] [--kv-dir DIR]\n");
     return 2;
 }
 
@@ -56,7 +56,7 @@ int main(int argc, char **argv) {
     cb_log_set_component("cb-kvdev");
     const char *model_path = getenv("CB_MODEL"), *data = NULL, *kv_dir = "var/kv";
     if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    long skip = 0, limit = 5;
+    long skip = 0, limit = 5, lead = CB_BLEND_DEFAULT_LEAD;
     float ratio = CB_BLEND_DEFAULT_RATIO;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -69,6 +69,8 @@ int main(int argc, char **argv) {
             if (!parse_long(v, 0, 1000000, &skip)) return usage("bad --skip");
         } else if (!strcmp(a, "--limit")) {
             if (!parse_long(v, 1, 1000000, &limit)) return usage("bad --limit");
+        } else if (!strcmp(a, "--lead")) {
+            if (!parse_long(v, 0, 1 << 20, &lead)) return usage("bad --lead");
         } else if (!strcmp(a, "--ratio")) {
             if (!parse_float(v, 0.001f, 1.0f, &ratio)) return usage("bad --ratio");
         } else return usage("unknown option");
@@ -146,6 +148,7 @@ int main(int argc, char **argv) {
         cb_blend_opts_t o;
         cb_blend_opts_default(&o);
         o.mode = CB_BLEND_FULL;
+        o.lead_tokens = (int)lead;
         if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, logits, NULL, err, sizeof err)) goto fail;
         cb_log_softmax(logits, V, lp_full);
         for (int l = 0; l < L; l++)
@@ -179,6 +182,7 @@ int main(int argc, char **argv) {
         kl[0] = cb_kl_div(lp_full, lp_mode, V);
         for (int m = 0; m < (int)sizeof METRICS - 1; m++) {
             cb_blend_opts_default(&o);
+            o.lead_tokens = (int)lead;
             o.ratio = ratio;
             o.metric = METRICS[m];
             cb_blend_stats_t st;
