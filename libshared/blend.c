@@ -1305,7 +1305,8 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
         R.hook = opts->attn_hook;
         R.hook_ud = opts->attn_hook_ud;
         int rc = 0;
-        if (R.blend && opts->metric == 'a') rc = choose_by_attention(b, &R, (int)N, n_suffix, opts->probe_layers, &st, err, errlen);
+        if (R.blend && opts->metric == 'a')
+            rc = choose_by_attention(b, &R, (int)N, n_suffix, opts->probe_layers, &st, err, errlen);
         if (rc == 0) rc = run_layers(b, &R, &n_act, err, errlen);
         st.t_load_ms += R.t_load;
         st.t_load_wait_ms += R.t_wait;
