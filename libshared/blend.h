@@ -99,8 +99,9 @@ typedef struct {
 
 #define CB_BLEND_DEFAULT_RATIO 0.15f
 #define CB_BLEND_DEFAULT_CHECK_LAYER 1
-#define CB_BLEND_DEFAULT_METRIC 'a' /* measured on 100 MuSiQue examples: agree_f1 0.783 vs 0.746 for 'v', first-token
-                                       KL 0.026 vs 0.058 (docs/eval.md) */
+#define CB_BLEND_DEFAULT_METRIC_NAME "a" /* measured on 100 MuSiQue examples: agree_f1 0.783 vs 0.746 for 'v',
+                                            first-token KL 0.026 vs 0.058 (docs/eval.md) */
+#define CB_BLEND_DEFAULT_METRIC (CB_BLEND_DEFAULT_METRIC_NAME[0]) /* the same, as a character */
 #define CB_BLEND_PROBE_ROWS 16 /* metric 'a': the last suffix rows whose attention is measured */
 #define CB_BLEND_DEFAULT_PROBE_LAYERS 0 /* 0 = all layers */
 #define CB_BLEND_DEFAULT_LEAD 0 /* measured with metric a: 4 lead tokens per chunk gave the same first-token KL

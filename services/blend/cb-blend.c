@@ -301,8 +301,8 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "heartbeat_ms", 50, 600000, 1000, &b.heartbeat_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "ctx_size", 64, 1 << 20, 2048, &ctx, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, 1, &check, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "metric", "a", &metric, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, CB_BLEND_DEFAULT_CHECK_LAYER, &check, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "metric", CB_BLEND_DEFAULT_METRIC_NAME, &metric, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "leading_tokens", 0, 1 << 20, CB_BLEND_DEFAULT_LEAD, &lead, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||

@@ -94,8 +94,8 @@ int main(int argc, char **argv) {
         !cb_config_double(cfg, "blend", "temperature", 0, 5, 0, &temp, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "top_p", 1e-9, 1, 1, &top_p, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "seed", 0, INT64_MAX, 0, &seed, err, sizeof err) ||
-        !cb_config_int(cfg, "blend", "check_layer", 0, 1024, 1, &check, err, sizeof err) ||
-        !cb_config_str(cfg, "blend", "metric", "a", &metric, err, sizeof err) ||
+        !cb_config_int(cfg, "blend", "check_layer", 0, 1024, CB_BLEND_DEFAULT_CHECK_LAYER, &check, err, sizeof err) ||
+        !cb_config_str(cfg, "blend", "metric", CB_BLEND_DEFAULT_METRIC_NAME, &metric, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "leading_tokens", 0, 1 << 20, CB_BLEND_DEFAULT_LEAD, &lead, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "ctx_size", 64, 1 << 20, 2048, &ctx_size, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
