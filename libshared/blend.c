@@ -152,6 +152,7 @@ void cb_blend_opts_default(cb_blend_opts_t *o) {
     o->metric = CB_BLEND_DEFAULT_METRIC;
     o->lead_tokens = CB_BLEND_DEFAULT_LEAD;
     o->probe_layers = CB_BLEND_DEFAULT_PROBE_LAYERS;
+    o->probe_suffix = CB_BLEND_DEFAULT_PROBE_SUFFIX;
 }
 
 static const char *const MODE_NAMES[CB_BLEND_MODE_COUNT_] = {"full", "prefix", "reuse", "blend"};
@@ -210,6 +211,10 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
     }
     if (o->probe_layers < 0 || o->probe_layers > b->L) {
         set_err(err, errlen, "blend: probe layers %d outside [0, %d] (0 = all)", o->probe_layers, b->L);
+        return -1;
+    }
+    if (o->probe_suffix < 0) {
+        set_err(err, errlen, "blend: probe suffix rows %d < 0 (0 = all)", o->probe_suffix);
         return -1;
     }
     return 0;
@@ -754,7 +759,8 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
  * every cached row's K/V in the cache, so the main pass loads nothing (R->preloaded). No probe when
  * the target is 0 or every candidate. Returns run_layers' code (1: a streamed layer failed; R->fail_*
  * set). */
-static int choose_by_attention(cb_blend_t *b, run_t *R, int N, int n_suffix, int probe_layers, cb_blend_stats_t *st,
+static int choose_by_attention(cb_blend_t *b, run_t *R, int N, const int32_t *suffix, int n_suffix,
+                               const cb_blend_opts_t *opts, cb_blend_stats_t *st,
                                char *err, size_t errlen) {
     const int target = target_at(R, R->check_layer);
     R->blend = false;
@@ -777,10 +783,20 @@ static int choose_by_attention(cb_blend_t *b, run_t *R, int N, int n_suffix, int
     run_t P = *R;
     P.logits = NULL;
     P.probe_rows = n_suffix < CB_BLEND_PROBE_ROWS ? n_suffix : CB_BLEND_PROBE_ROWS;
-    if (probe_layers > 0) P.compute_layers = probe_layers;
+    if (opts->probe_layers > 0) P.compute_layers = opts->probe_layers;
+    /* a short probe runs only the last probe_suffix suffix rows, moved to the rows right after the chunks
+     * (their positions shift down by the rows left out; the main pass recomputes the whole suffix) */
+    const int s0 = N - n_suffix;
+    const int n_probe = opts->probe_suffix > 0 && opts->probe_suffix < n_suffix ? opts->probe_suffix : n_suffix;
+    if (n_probe < n_suffix) {
+        memmove(b->tok + s0, b->tok + N - n_probe, sizeof(int32_t) * (size_t)n_probe);
+        P.n = s0 + n_probe;
+        P.probe_rows = n_probe < CB_BLEND_PROBE_ROWS ? n_probe : CB_BLEND_PROBE_ROWS;
+    }
     memset(b->mass, 0, sizeof(float) * (size_t)N);
     double tp = now_ms();
     int n_act = 0, rc = run_layers(b, &P, &n_act, err, errlen);
+    if (n_probe < n_suffix) memcpy(b->tok + s0, suffix, sizeof(int32_t) * (size_t)n_suffix);
     st->t_probe_ms += now_ms() - tp;
     st->t_load_ms += P.t_load;
     st->t_load_wait_ms += P.t_wait;
@@ -1306,7 +1322,7 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
         R.hook_ud = opts->attn_hook_ud;
         int rc = 0;
         if (R.blend && opts->metric == 'a')
-            rc = choose_by_attention(b, &R, (int)N, n_suffix, opts->probe_layers, &st, err, errlen);
+            rc = choose_by_attention(b, &R, (int)N, suffix, n_suffix, opts, &st, err, errlen);
         if (rc == 0) rc = run_layers(b, &R, &n_act, err, errlen);
         st.t_load_ms += R.t_load;
         st.t_load_wait_ms += R.t_wait;

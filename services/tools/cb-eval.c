@@ -1,8 +1,9 @@
 /* cb-eval: quality and speed of the four reuse modes (full, prefix, reuse, blend) on MuSiQue (docs/eval.md).
  *
  *   cb-eval [--model PATH] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R] [--metric k|v|a]
- *           [--check-layer L] [--gradual R1:L] [--lead N] [--probe-layers N] [--no-overlap] [--kv-dir DIR] [--kv-dtype f16|f32|bf16]
- *           [--mem-mb N] [--out DIR] [--threads N] [--max-new N] [--ref RESULTS.jsonl]
+ *           [--check-layer L] [--gradual R1:L] [--lead N] [--probe-layers N] [--probe-suffix N] [--no-overlap]
+ *           [--kv-dir DIR] [--kv-dtype f16|f32|bf16] [--mem-mb N] [--out DIR] [--threads N] [--max-new N]
+ *           [--ref RESULTS.jsonl]
  *
  * For each example: prefix P = ChatML system turn (default system prompt) + user-turn opening + the anchors'
  * instruction ending in "Passages:\n"; the 10 chunks "{title}\n\n{text}\n\n"; suffix S = the anchors' query
@@ -14,8 +15,9 @@
  *
  * --modes is a comma list of mode names, each optionally with overrides, e.g.
  *   full,prefix,reuse,blend,blend:r=0.05,blend:metric=k,blend:gradual=0.3/6,blend:lead=4,blend:overlap=0
- * (keys: r, metric, check, gradual R1/L, lead, probe (layers), overlap 0|1); the token is the mode's label.
- * Plain `blend` takes --ratio, --metric, --check-layer, --gradual, --lead, --probe-layers, --no-overlap.
+ * (keys: r, metric, check, gradual R1/L, lead, probe (layers), psuf (probe suffix rows), overlap 0|1); the token
+ * is the mode's label. Plain `blend` takes --ratio, --metric, --check-layer, --gradual, --lead, --probe-layers,
+ * --probe-suffix, --no-overlap.
  *
  * Output: OUT/results.jsonl (one line per example and mode: id, mode, answer, f1, agree_f1,
  * first_token_match, ttft_ms, tokens_reused, tokens_recomputed, plus n_tokens, output, timings) and
@@ -73,13 +75,14 @@ static int usage(const char *why) {
             "  --limit N          first N examples (after --skip; default all)\n"
             "  --skip N           skip the first N examples\n"
             "  --modes LIST       comma list (default full,prefix,reuse,blend); a token may carry overrides,\n"
-            "                     blend:r=0.05:metric=k:check=1:gradual=0.3/6:lead=4:probe=15:overlap=0\n"
+            "                     blend:r=0.05:metric=k:check=1:gradual=0.3/6:lead=4:probe=15:psuf=16:overlap=0\n"
             "  --ratio R          blend recompute ratio (default %.2f)\n"
             "  --metric k|v|a     selection metric: K or V deviation, or attention from the question (default %c)\n"
             "  --check-layer L    check layer (default %d)\n"
             "  --gradual R1:L     gradual filtering from ratio R1 at the check layer to R at layer L\n"
             "  --lead N           leading tokens of each chunk always recomputed (default %d)\n"
             "  --probe-layers N   metric a: layers the probe pass measures (default %d; 0 = all)\n"
+            "  --probe-suffix N   metric a: last suffix rows the probe pass computes (default %d; 0 = all)\n"
             "  --no-overlap       load each layer's KV serially (no loader thread)\n"
             "  --kv-dir DIR       chunk KV files (default var/kv; created)\n"
             "  --kv-dtype T       f16 (default), bf16 or f32 for new files\n"
@@ -93,7 +96,7 @@ static int usage(const char *why) {
             "  --dump-prompt      print the first example's prompt (pieces separated by |) and exit\n"
             "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n",
             (double)CB_BLEND_DEFAULT_RATIO, CB_BLEND_DEFAULT_METRIC, CB_BLEND_DEFAULT_CHECK_LAYER,
-            CB_BLEND_DEFAULT_LEAD, CB_BLEND_DEFAULT_PROBE_LAYERS);
+            CB_BLEND_DEFAULT_LEAD, CB_BLEND_DEFAULT_PROBE_LAYERS, CB_BLEND_DEFAULT_PROBE_SUFFIX);
     return 2;
 }
 
@@ -159,6 +162,9 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
         } else if (!strcmp(k, "probe")) {
             if (!parse_long(val, 0, 4096, &l)) return false;
             v->o.probe_layers = (int)l;
+        } else if (!strcmp(k, "psuf")) {
+            if (!parse_long(val, 0, 4096, &l)) return false;
+            v->o.probe_suffix = (int)l;
         } else if (!strcmp(k, "overlap")) {
             if (strcmp(val, "0") && strcmp(val, "1")) return false;
             v->o.no_overlap = val[0] == '0';
@@ -264,6 +270,7 @@ static json_t *summary_mode(const variant_t *v, const variant_t *full) {
         json_object_set_new(c, "gradual_end_layer", json_integer(v->o.gradual_ratio != 0.0f ? v->o.gradual_end_layer : 0));
         json_object_set_new(c, "lead_tokens", json_integer(v->o.lead_tokens));
         json_object_set_new(c, "probe_layers", json_integer(v->o.probe_layers));
+        json_object_set_new(c, "probe_suffix", json_integer(v->o.probe_suffix));
     }
     json_object_set_new(c, "overlap", json_boolean(!v->o.no_overlap));
     json_object_set_new(m, "config", c);
@@ -502,6 +509,9 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--probe-layers")) {
             if (!parse_long(v, 0, 4096, &l)) return usage("bad --probe-layers");
             base.probe_layers = (int)l;
+        } else if (!strcmp(a, "--probe-suffix")) {
+            if (!parse_long(v, 0, 4096, &l)) return usage("bad --probe-suffix");
+            base.probe_suffix = (int)l;
         } else if (!strcmp(a, "--kv-dir")) kv_dir = v;
         else if (!strcmp(a, "--kv-dtype")) {
             if (!strcmp(v, "f16")) dtype = CB_KV_F16;
@@ -675,6 +685,7 @@ int main(int argc, char **argv) {
     json_object_set_new(config, "gradual_end_layer", json_integer(base.gradual_ratio != 0.0f ? base.gradual_end_layer : 0));
     json_object_set_new(config, "lead_tokens", json_integer(base.lead_tokens));
     json_object_set_new(config, "probe_layers", json_integer(base.probe_layers));
+    json_object_set_new(config, "probe_suffix", json_integer(base.probe_suffix));
     json_object_set_new(config, "overlap", json_boolean(!base.no_overlap));
     json_object_set_new(config, "threads", json_integer(cb_engine_threads(eng)));
     json_object_set_new(config, "kv_dtype", json_string(dtype == CB_KV_F16 ? "f16" : dtype == CB_KV_F32 ? "f32" : "bf16"));

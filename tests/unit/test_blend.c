@@ -230,6 +230,22 @@ TEST(test_reuse_single_chunk_equals_full) {
             CHECK_NEAR(d, 0, LOGIT_TOL);
         }
     }
+    /* and when the probe runs only the last suffix rows (moved up to follow the chunk): the main pass must
+     * still compute the whole suffix at its own positions */
+    const int psufs[3] = {1, g_ns - 1, g_ns + 3};
+    for (int i = 0; i < 3; i++) {
+        o = opts_mode(CB_BLEND_FULL);
+        CHECK(cb_blend_prefill(b, g_prefix, g_np, g_ch + 1, 1, g_suffix, g_ns, &o, re, NULL, err, sizeof err) == 0);
+        o = opts_mode(CB_BLEND_BLEND);
+        o.metric = 'a';
+        o.ratio = 0.3f;
+        o.probe_suffix = psufs[i];
+        CHECK(run(b, 1, &o, re, &st) == 0);
+        CHECK(st.t_probe_ms > 0.0 && st.tokens_recomputed > g_ns && st.tokens_reused > 0);
+        d = max_diff(full, re, V);
+        fprintf(stderr, "  blend(1 chunk, metric a, probe suffix %d) vs full: %.3g\n", psufs[i], d);
+        CHECK_NEAR(d, 0, LOGIT_TOL);
+    }
     /* with several chunks reuse is not exact (each chunk saw only the prefix) */
     CHECK(ensure_all(b, g_k) == 0);
     float *full3 = malloc(sizeof(float) * V);
@@ -429,8 +445,19 @@ TEST(test_causal_limits) {
     cb_blend_stats_t st;
     /* metric a: probe pass and main pass both use exact limits */
     o.metric = 'a';
+    o.probe_suffix = 0; /* the whole suffix */
     CHECK(run(b, g_k, &o, lg, &st) == 0);
     CHECK(h.calls >= 2 * L - 1 && h.bad == 0); /* the probe skips the last layer's attention */
+    /* a probe of the last 2 suffix rows computes g_ns - 2 rows fewer in each of its L - 1 layers, with exact
+     * limits at their moved-up positions */
+    int rows_all = h.rows;
+    o.probe_suffix = 2;
+    h = (hook_state_t){0, 0, 0};
+    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(h.bad == 0);
+    CHECK_MSG(rows_all - h.rows == (g_ns - 2) * (L - 1), "probe rows: %d with the whole suffix, %d with 2 of %d",
+              rows_all, h.rows, g_ns);
+    o.probe_suffix = 0;
     /* a deviation metric chooses rows from earlier rows only, so the suffix cannot change them */
     o.metric = 'v';
     h = (hook_state_t){0, 0, 0};
@@ -612,6 +639,10 @@ TEST(test_bad_args) {
     CHECK(strstr(err, "probe layers"));
     o.probe_layers = -1;
     CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    o = opts_mode(CB_BLEND_BLEND);
+    o.probe_suffix = -1;
+    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(strstr(err, "probe suffix"));
     o = opts_mode(CB_BLEND_BLEND);
     o.mode = (cb_blend_mode_t)9;
     CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
