@@ -457,7 +457,6 @@ TEST(test_causal_limits) {
     CHECK(h.bad == 0);
     CHECK_MSG(rows_all - h.rows == (g_ns - 2) * (L - 1), "probe rows: %d with the whole suffix, %d with 2 of %d",
               rows_all, h.rows, g_ns);
-    o.probe_suffix = 0;
     /* a deviation metric chooses rows from earlier rows only, so the suffix cannot change them */
     o.metric = 'v';
     h = (hook_state_t){0, 0, 0};
