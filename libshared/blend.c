@@ -780,23 +780,21 @@ static int choose_by_attention(cb_blend_t *b, run_t *R, int N, const int32_t *su
         if (b->keep[i]) b->cls[i] = CB_ROW_LOADED, b->srcs[b->src_of[i]].n_loaded++;
     }
     for (int i = 0; i < b->n_srcs; i++) b->srcs[i].n_cand = 0;
-    run_t P = *R;
-    P.logits = NULL;
-    P.probe_rows = n_suffix < CB_BLEND_PROBE_ROWS ? n_suffix : CB_BLEND_PROBE_ROWS;
-    if (opts->probe_layers > 0) P.compute_layers = opts->probe_layers;
     /* a short probe runs only the last probe_suffix suffix rows, moved to the rows right after the chunks
      * (their positions shift down by the rows left out; the main pass recomputes the whole suffix) */
     const int s0 = N - n_suffix;
     const int n_probe = opts->probe_suffix > 0 && opts->probe_suffix < n_suffix ? opts->probe_suffix : n_suffix;
-    if (n_probe < n_suffix) {
-        memmove(b->tok + s0, b->tok + N - n_probe, sizeof(int32_t) * (size_t)n_probe);
-        P.n = s0 + n_probe;
-        P.probe_rows = n_probe < CB_BLEND_PROBE_ROWS ? n_probe : CB_BLEND_PROBE_ROWS;
-    }
+    const bool moved = n_probe < n_suffix;
+    run_t P = *R;
+    P.n = s0 + n_probe;
+    P.logits = NULL;
+    P.probe_rows = n_probe < CB_BLEND_PROBE_ROWS ? n_probe : CB_BLEND_PROBE_ROWS;
+    if (opts->probe_layers > 0) P.compute_layers = opts->probe_layers;
+    if (moved) memmove(b->tok + s0, b->tok + N - n_probe, sizeof(int32_t) * (size_t)n_probe);
     memset(b->mass, 0, sizeof(float) * (size_t)N);
     double tp = now_ms();
     int n_act = 0, rc = run_layers(b, &P, &n_act, err, errlen);
-    if (n_probe < n_suffix) memcpy(b->tok + s0, suffix, sizeof(int32_t) * (size_t)n_suffix);
+    if (moved) memcpy(b->tok + s0, suffix, sizeof(int32_t) * (size_t)n_probe); /* the rows the move overwrote */
     st->t_probe_ms += now_ms() - tp;
     st->t_load_ms += P.t_load;
     st->t_load_wait_ms += P.t_wait;
