@@ -1,7 +1,7 @@
 # cacheblend: one entry point.  make | make test | make demo | make bench | make cuda
 #
 # Layout conventions (so new files need no Makefile edit):
-#   libshared/*.c, kernels/cpu/*.c       -> build/lib/libshared.a
+#   libshared/<layer>/*.c, kernels/cpu/*.c -> build/lib/libshared.a (layers: scripts/check-layers)
 #   services/<dir>/cb*.c                 -> one program each, build/bin/<file stem>;
 #                                           the other .c files of <dir> link into each of them
 #   tests/unit/test_*.c                  -> build/tests/<stem> (and build/asan/tests/<stem>)
@@ -16,12 +16,13 @@ PKGS    := libczmq libzmq msgpack sqlite3 openblas libpcre2-8 libsodium libxxhas
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CFLAGS  ?= -O2 -g
-ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) $(ARCHFLAGS) -fopenmp -Ilibshared -Ikernels/cpu -Ikernels/cuda $(PKG_CFLAGS)
+ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) $(ARCHFLAGS) -fopenmp -Ilibshared -Ikernels $(PKG_CFLAGS)
 LDLIBS  := $(PKG_LIBS) -lm -lpthread -fopenmp
 
 SAN_FLAGS := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
-LIB_SRC  := $(wildcard libshared/*.c kernels/cpu/*.c)
+LIB_SRC  := $(wildcard libshared/*/*.c kernels/cpu/*.c)
+LIB_HDR  := $(wildcard libshared/*/*.h kernels/cpu/*.h kernels/cuda/*.h)
 SVC_DIRS := $(wildcard services/*)
 PROG_SRC := $(foreach d,$(SVC_DIRS),$(wildcard $(d)/cb*.c))
 PROGS    := $(foreach s,$(PROG_SRC),build/bin/$(basename $(notdir $(s))))
@@ -34,7 +35,7 @@ FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 NVCC    ?= nvcc
 CB_CUDA ?= $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
 CU_SRC  := $(wildcard kernels/cuda/*.cu)
-NVFLAGS ?= -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 -Ilibshared -Ikernels/cuda -Xcompiler -fPIC
+NVFLAGS ?= -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 -Ilibshared -Ikernels -Xcompiler -fPIC
 ifeq ($(CB_CUDA),1)
 ifneq ($(CU_SRC),)
 CUDA_LIB := build/lib/libcbcuda.a
@@ -47,15 +48,15 @@ endif
 .PHONY: all test test-unit test-gpu demo bench bench-engine bench-stack cuda fuzz clean model eval
 all: build/lib/libshared.a $(CUDA_LIB) $(PROGS)
 
-build/obj/%.o: %.c $(wildcard libshared/*.h kernels/cpu/*.h kernels/cuda/*.h)
+build/obj/%.o: %.c $(LIB_HDR)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
-build/asan/obj/%.o: %.c $(wildcard libshared/*.h kernels/cpu/*.h kernels/cuda/*.h)
+build/asan/obj/%.o: %.c $(LIB_HDR)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) $(SAN_FLAGS) -c $< -o $@
 
-build/obj/%.cu.o: %.cu $(wildcard kernels/cuda/*.h libshared/*.h)
+build/obj/%.cu.o: %.cu $(LIB_HDR)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
@@ -102,7 +103,7 @@ test-gpu: all gpu-tests
 fuzz: build/lib/libshared.a
 	@mkdir -p build/fuzz
 	@for f in $(FUZZ_SRC); do n=$$(basename $$f .c); \
-	  clang $(CSTD) $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -Ilibshared -Ikernels/cpu $(PKG_CFLAGS) $$f $(LIB_SRC) $(PKG_LIBS) -lm -lpthread -o build/fuzz/$$n || exit 1; done
+	  clang $(CSTD) $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -Ilibshared -Ikernels $(PKG_CFLAGS) $$f $(LIB_SRC) $(PKG_LIBS) -lm -lpthread -o build/fuzz/$$n || exit 1; done
 
 cuda:
 	$(MAKE) CB_CUDA=1 all

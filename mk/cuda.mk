@@ -8,7 +8,7 @@ CB_CUDA_MK_INCLUDED := 1
 GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
 GPU_TESTS    := $(patsubst tests/gpu/%.c,build/gpu/%,$(GPU_TEST_SRC))
 
-build/gpu/%: tests/gpu/%.c tests/test.h build/lib/libshared.a $(CUDA_LIB) $(wildcard kernels/cuda/*.h libshared/*.h)
+build/gpu/%: tests/gpu/%.c tests/test.h build/lib/libshared.a $(CUDA_LIB) $(LIB_HDR)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -Itests $< build/lib/libshared.a $(CUDA_LIB) $(LDLIBS) -o $@
 

@@ -17,9 +17,9 @@ B=build/gpu-bundle
 rm -rf "$B"
 mkdir -p "$B/obj" "$B/bin" "$B/lib"
 PKGS="libczmq libzmq msgpack sqlite3 openblas libpcre2-8 libsodium libxxhash jansson"
-CF="-std=c11 -D_GNU_SOURCE -O2 -g0 -march=x86-64-v3 -fopenmp -Ilibshared -Ikernels/cpu -Ikernels/cuda $(pkg-config --cflags $PKGS) -DCB_HAVE_CUDA=1 -I$CUDA_HOME/include"
+CF="-std=c11 -D_GNU_SOURCE -O2 -g0 -march=x86-64-v3 -fopenmp -Ilibshared -Ikernels $(pkg-config --cflags $PKGS) -DCB_HAVE_CUDA=1 -I$CUDA_HOME/include"
 echo "gpu-bundle: compiling libshared (x86-64-v3)" >&2
-ls libshared/*.c kernels/cpu/*.c | xargs -P "$(nproc 2>/dev/null || echo 2)" -I{} sh -c \
+ls libshared/*/*.c kernels/cpu/*.c | xargs -P "$(nproc 2>/dev/null || echo 2)" -I{} sh -c \
   'cc '"$CF"' -c "$1" -o "'"$B"'/obj/$(echo "$1" | tr / _).o"' _ {}
 ar rcs "$B/libshared.a" "$B"/obj/*.o
 echo "gpu-bundle: building the CUDA library" >&2

@@ -2,7 +2,7 @@
  * in-register dequantization, OpenBLAS GEMM, blocked attention with per-row key limits, vector exp.
  * Terse by design; the shapes live in cpu_ops.h.
  */
-#include "cpu_ops.h"
+#include "cpu/cpu_ops.h"
 
 #include <assert.h>
 #include <cblas.h>
@@ -12,9 +12,9 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "gguf.h"
-#include "log.h"
-#include "quant.h"
+#include "format/gguf.h"
+#include "base/log.h"
+#include "format/quant.h"
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>

@@ -12,9 +12,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "backend.h"
-#include "cpu_pool.h"
-#include "model.h"
+#include "engine/backend.h"
+#include "cpu/cpu_pool.h"
+#include "model/model.h"
 
 /* One-time process setup, idempotent and thread-safe: picks an AVX-512/AVX2 OpenBLAS kernel set when
  * OpenBLAS's runtime detection does not know this CPU (0.3.21 falls back to Prescott kernels on

@@ -8,7 +8,7 @@
  * Workers spin (pause, sched_yield) for a short while after a job, then sleep on the futex word
  * `wake` (Dekker-style with `sleepers`, all seq_cst, so no wake-up is lost).
  */
-#include "cpu_pool.h"
+#include "cpu/cpu_pool.h"
 
 #include <limits.h>
 #include <linux/futex.h>

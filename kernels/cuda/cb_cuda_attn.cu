@@ -13,7 +13,7 @@
  */
 #include <math.h>
 
-#include "cb_cuda_impl.h"
+#include "cuda/cb_cuda_impl.h"
 
 #define CB_LOG2E 1.4426950408889634f
 

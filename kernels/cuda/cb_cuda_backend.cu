@@ -8,8 +8,8 @@
 
 #include <unordered_map>
 
-#include "cb_cuda.h"
-#include "cb_cuda_backend.h"
+#include "cuda/cb_cuda.h"
+#include "cuda/cb_cuda_backend.h"
 
 namespace {
 

@@ -19,7 +19,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "backend.h"
+#include "engine/backend.h"
 
 #ifdef __cplusplus
 extern "C" {

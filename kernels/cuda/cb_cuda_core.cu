@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cb_cuda_impl.h"
+#include "cuda/cb_cuda_impl.h"
 
 /* ------------------------------------------------------------------ errors */
 

@@ -12,7 +12,7 @@
 
 #include <unordered_map>
 
-#include "cb_cuda.h"
+#include "cuda/cb_cuda.h"
 
 #define CB_STAGE_N 4                          /* pinned staging ring: slots */
 #define CB_STAGE_BYTES ((size_t)8 << 20)      /* bytes per staging slot */

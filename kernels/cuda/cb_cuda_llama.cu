@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cb_cuda_llama.h"
+#include "cuda/cb_cuda_llama.h"
 
 #define CL_LOOKAHEAD 2 /* layers of cached KV enqueued ahead of the compute */
 

@@ -20,7 +20,7 @@
 #ifndef CB_CUDA_LLAMA_H
 #define CB_CUDA_LLAMA_H
 
-#include "cb_cuda.h"
+#include "cuda/cb_cuda.h"
 
 #ifdef __cplusplus
 extern "C" {

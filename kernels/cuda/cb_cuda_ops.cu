@@ -4,7 +4,7 @@
  * sampling. All launches go to the compute stream; every launch is checked. */
 #include <math.h>
 
-#include "cb_cuda_impl.h"
+#include "cuda/cb_cuda_impl.h"
 
 #define CB_FULL 0xffffffffu
 

@@ -15,15 +15,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend_select.h"
-#include "blend.h"
-#include "bus.h"
-#include "config.h"
-#include "db.h"
+#include "engine/backend_select.h"
+#include "blend/blend.h"
+#include "wire/bus.h"
+#include "wire/config.h"
+#include "wire/db.h"
 #include "gen.h"
-#include "kvmem.h"
-#include "log.h"
-#include "msg.h"
+#include "kv/kvmem.h"
+#include "base/log.h"
+#include "wire/msg.h"
 
 #define SECTION "blend"
 #define MAX_QUESTION 8192

@@ -7,14 +7,14 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "engine.h"
-#include "kvfile.h"
-#include "log.h"
-#include "model.h"
-#include "msg.h"
-#include "ragprompt.h"
-#include "sampler.h"
-#include "tokenizer.h"
+#include "engine/engine.h"
+#include "format/kvfile.h"
+#include "base/log.h"
+#include "model/model.h"
+#include "wire/msg.h"
+#include "rag/ragprompt.h"
+#include "engine/sampler.h"
+#include "model/tokenizer.h"
 
 #define MAX_CONTEXT_BYTES 262144
 

@@ -29,10 +29,10 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "blend.h"
-#include "bus.h"
-#include "config.h"
-#include "kvmem.h"
+#include "blend/blend.h"
+#include "wire/bus.h"
+#include "wire/config.h"
+#include "kv/kvmem.h"
 
 #define GEN_MAX_CONTEXTS 32
 

@@ -16,13 +16,13 @@
 #include <string.h>
 #include <time.h>
 
-#include "bus.h"
-#include "config.h"
-#include "db.h"
+#include "wire/bus.h"
+#include "wire/config.h"
+#include "wire/db.h"
 #include "kvdir.h"
-#include "kvfile.h"
-#include "log.h"
-#include "msg.h"
+#include "format/kvfile.h"
+#include "base/log.h"
+#include "wire/msg.h"
 
 #define SECTION "cacheindex"
 #define KEY_MIN 16

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "db.h"
+#include "wire/db.h"
 
 struct kvdir_s {
     int fd; /* O_DIRECTORY descriptor of kv_dir */

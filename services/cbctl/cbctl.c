@@ -10,9 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bus.h"
+#include "wire/bus.h"
 #include "client.h"
-#include "log.h"
+#include "base/log.h"
 
 #define MAX_COMMANDS 32
 

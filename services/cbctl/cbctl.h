@@ -18,7 +18,7 @@
 
 #include <stdbool.h>
 
-#include "config.h"
+#include "wire/config.h"
 
 /* Exit codes (documented in `cbctl help`). */
 enum {

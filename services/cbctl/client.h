@@ -7,9 +7,9 @@
 
 #include <stdio.h>
 
-#include "bus.h"
+#include "wire/bus.h"
 #include "cbctl.h"
-#include "msg.h"
+#include "wire/msg.h"
 
 /* The four services of the stack, in display order. */
 typedef struct {

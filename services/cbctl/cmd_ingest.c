@@ -28,7 +28,7 @@
 
 #include "cbctl.h"
 #include "client.h"
-#include "ragprompt.h"
+#include "rag/ragprompt.h"
 
 #define MAX_FILE_BYTES ((size_t)256 << 20)
 

@@ -15,13 +15,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend_select.h"
-#include "bus.h"
-#include "config.h"
-#include "db.h"
+#include "engine/backend_select.h"
+#include "wire/bus.h"
+#include "wire/config.h"
+#include "wire/db.h"
 #include "jobs.h"
-#include "log.h"
-#include "msg.h"
+#include "base/log.h"
+#include "wire/msg.h"
 #include "worker.h"
 
 #define SECTION "precompute"

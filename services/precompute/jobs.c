@@ -7,7 +7,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "db.h"
+#include "wire/db.h"
 
 static const char SCHEMA[] =
     "CREATE TABLE IF NOT EXISTS jobs("

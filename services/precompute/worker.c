@@ -8,17 +8,17 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "blend.h"
-#include "bus.h"
-#include "chunker.h"
-#include "engine.h"
+#include "blend/blend.h"
+#include "wire/bus.h"
+#include "rag/chunker.h"
+#include "engine/engine.h"
 #include "jobs.h"
-#include "kvfile.h"
-#include "log.h"
-#include "model.h"
-#include "msg.h"
-#include "ragprompt.h"
-#include "tokenizer.h"
+#include "format/kvfile.h"
+#include "base/log.h"
+#include "model/model.h"
+#include "wire/msg.h"
+#include "rag/ragprompt.h"
+#include "model/tokenizer.h"
 
 #define BACKOFF_MIN_MS 1000
 #define BACKOFF_MAX_MS 30000

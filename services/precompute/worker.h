@@ -18,7 +18,7 @@
 
 #include <czmq.h>
 
-#include "config.h"
+#include "wire/config.h"
 
 typedef struct {
     const cb_config_t *cfg;      /* borrowed (read-only lookups are thread-safe); outlives the actor */

@@ -10,11 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bus.h"
-#include "config.h"
-#include "db.h"
-#include "log.h"
-#include "msg.h"
+#include "wire/bus.h"
+#include "wire/config.h"
+#include "wire/db.h"
+#include "base/log.h"
+#include "wire/msg.h"
 
 #define SECTION "retriever"
 #define MAX_QUERY_WORDS 64

@@ -20,7 +20,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "synth.h"
+#include "model/synth.h"
 
 #if !CB_HAVE_CUDA
 int main(void) {
@@ -28,8 +28,8 @@ int main(void) {
     return 0;
 }
 #else
-#include "cb_cuda.h"
-#include "cb_cuda_llama.h"
+#include "cuda/cb_cuda.h"
+#include "cuda/cb_cuda_llama.h"
 
 static cb_cuda_t *cu;
 

@@ -18,10 +18,10 @@
 #include <sys/resource.h>
 #include <time.h>
 
-#include "engine.h"
-#include "log.h"
-#include "model.h"
-#include "sampler.h"
+#include "engine/engine.h"
+#include "base/log.h"
+#include "model/model.h"
+#include "engine/sampler.h"
 
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-bench: %s\n", why);

@@ -47,16 +47,16 @@
 #include <time.h>
 
 #include "args.h"
-#include "backend_select.h"
-#include "blend.h"
-#include "chat.h"
-#include "engine.h"
-#include "kvmem.h"
-#include "log.h"
-#include "model.h"
-#include "qa.h"
-#include "sampler.h"
-#include "tokenizer.h"
+#include "engine/backend_select.h"
+#include "blend/blend.h"
+#include "model/chat.h"
+#include "engine/engine.h"
+#include "kv/kvmem.h"
+#include "base/log.h"
+#include "model/model.h"
+#include "rag/qa.h"
+#include "engine/sampler.h"
+#include "model/tokenizer.h"
 
 #define MAX_VARIANTS 32
 

@@ -28,13 +28,13 @@
 #include <time.h>
 
 #include "args.h"
-#include "chat.h"
-#include "backend_select.h"
-#include "engine.h"
-#include "log.h"
-#include "model.h"
-#include "sampler.h"
-#include "tokenizer.h"
+#include "model/chat.h"
+#include "engine/backend_select.h"
+#include "engine/engine.h"
+#include "base/log.h"
+#include "model/model.h"
+#include "engine/sampler.h"
+#include "model/tokenizer.h"
 
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-generate: %s\n", why);

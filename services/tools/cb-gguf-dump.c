@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "gguf.h"
+#include "format/gguf.h"
 
 /* Prints at most max bytes of s, escaping non-printable bytes. */
 static void print_str(const char *s, size_t len, size_t max) {

@@ -20,14 +20,14 @@
 #include <string.h>
 
 #include "args.h"
-#include "blend.h"
-#include "engine.h"
-#include "log.h"
-#include "model.h"
-#include "qa.h"
-#include "ragprompt.h"
-#include "sampler.h"
-#include "tokenizer.h"
+#include "blend/blend.h"
+#include "engine/engine.h"
+#include "base/log.h"
+#include "model/model.h"
+#include "rag/qa.h"
+#include "rag/ragprompt.h"
+#include "engine/sampler.h"
+#include "model/tokenizer.h"
 
 #define N_SETS 3 /* top of the layer, metric v's rows, metric a's rows */
 static const char METRICS[] = "va";

@@ -18,9 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bus.h"
-#include "log.h"
-#include "msg.h"
+#include "wire/bus.h"
+#include "base/log.h"
+#include "wire/msg.h"
 
 #define MAX_CLIENTS 256
 

@@ -12,9 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bus.h"
-#include "log.h"
-#include "msg.h"
+#include "wire/bus.h"
+#include "base/log.h"
+#include "wire/msg.h"
 
 static int hexval(char c) {
     if (c >= '0' && c <= '9') return c - '0';

@@ -21,16 +21,16 @@
 #include <string.h>
 #include <time.h>
 
-#include "blend.h"
-#include "config.h"
-#include "db.h"
-#include "engine.h"
-#include "kvmem.h"
-#include "log.h"
-#include "model.h"
-#include "ragprompt.h"
-#include "sampler.h"
-#include "tokenizer.h"
+#include "blend/blend.h"
+#include "wire/config.h"
+#include "wire/db.h"
+#include "engine/engine.h"
+#include "kv/kvmem.h"
+#include "base/log.h"
+#include "model/model.h"
+#include "rag/ragprompt.h"
+#include "engine/sampler.h"
+#include "model/tokenizer.h"
 
 #define MAX_CTX 32
 #define MAX_RUNS 1000

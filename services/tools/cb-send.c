@@ -21,9 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bus.h"
-#include "log.h"
-#include "msg.h"
+#include "wire/bus.h"
+#include "base/log.h"
+#include "wire/msg.h"
 
 #define CBSEND_MAX_INPUT (256u << 20)
 

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "synth.h"
+#include "model/synth.h"
 
 static int usage(void) {
     fprintf(stderr,

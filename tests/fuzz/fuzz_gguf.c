@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "gguf.h"
+#include "format/gguf.h"
 
 static volatile uint64_t sink;
 

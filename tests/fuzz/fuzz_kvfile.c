@@ -6,7 +6,7 @@
  * expectation (SmolLM2-like geometry, zero fingerprints) instead of integrity-only opening.
  * Whatever the bytes, nothing may crash, leak or read out of bounds.
  */
-#include "kvfile.h"
+#include "format/kvfile.h"
 
 #include <stdint.h>
 #include <stdlib.h>

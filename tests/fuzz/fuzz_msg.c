@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "msg.h"
+#include "wire/msg.h"
 
 static const char *const s_keys[] = {"v", "type", "id", "ok", "error", "k", "query", "text", "keys", "hits",
                                      "contexts", "metrics", "chunk_id", "doc_id", "x", "a", ""};

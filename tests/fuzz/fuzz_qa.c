@@ -1,7 +1,7 @@
 /* fuzz_qa: libFuzzer target for the MuSiQue line parser and the answer normalization / F1.
  * The input is parsed as one jsonl line; it is also split at its first NUL-free half into a
  * "generation" and an "answer" that are scored. Nothing may crash, leak or read out of bounds. */
-#include "qa.h"
+#include "rag/qa.h"
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -32,14 +32,15 @@ int main(void) {
 }
 #else
 
-#include "backend.h"
-#include "cb_cuda.h"
-#include "cb_cuda_backend.h"
-#include "cb_cuda_llama.h"
-#include "engine.h"
-#include "model.h"
-#include "quant.h"
-#include "synth.h"
+#include "engine/backend.h"
+#include "cuda/cb_cuda.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/cb_cuda_backend.h"
+#include "cuda/cb_cuda_llama.h"
+#include "engine/engine.h"
+#include "model/model.h"
+#include "format/quant.h"
+#include "model/synth.h"
 #include "test.h"
 
 static cb_cuda_t *cu;

@@ -1,5 +1,5 @@
-#include "backend_select.h"
-#include "model.h"
+#include "engine/backend_select.h"
+#include "model/model.h"
 #include "test.h"
 
 TEST(test_parse) {

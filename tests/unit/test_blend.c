@@ -9,11 +9,11 @@
  * layer; we require max |logit diff| <= LOGIT_TOL (logits are O(10)). Runs that must be identical
  * (same inputs, overlap on/off, repeated runs) are compared bit for bit.
  */
-#include "blend.h"
-#include "engine.h"
-#include "kvfile.h"
-#include "kvmem.h"
-#include "model.h"
+#include "blend/blend.h"
+#include "engine/engine.h"
+#include "format/kvfile.h"
+#include "kv/kvmem.h"
+#include "model/model.h"
 #include "test.h"
 
 #include <dirent.h>

@@ -7,7 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "bus.h"
+#include "wire/bus.h"
 #include "test.h"
 
 static void h_echo(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {

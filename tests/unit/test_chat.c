@@ -3,10 +3,10 @@
  * prompt-injection safety and the RAG prefix/suffix pieces. */
 #include <jansson.h>
 
-#include "chat.h"
-#include "gguf.h"
+#include "model/chat.h"
+#include "format/gguf.h"
 #include "test.h"
-#include "tokenizer.h"
+#include "model/tokenizer.h"
 
 #define FIXTURE "tests/fixtures/chat.jsonl"
 

@@ -5,12 +5,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "chunker.h"
-#include "gguf.h"
-#include "qa.h"
-#include "ragprompt.h"
+#include "rag/chunker.h"
+#include "format/gguf.h"
+#include "rag/qa.h"
+#include "rag/ragprompt.h"
 #include "test.h"
-#include "tokenizer.h"
+#include "model/tokenizer.h"
 
 static cb_gguf_t *g_gguf;
 static cb_tokenizer_t *g_tok;

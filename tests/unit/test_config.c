@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "config.h"
+#include "wire/config.h"
 #include "test.h"
 
 static char s_path[64];

@@ -9,11 +9,12 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "backend.h"
-#include "cpu_ops.h"
-#include "engine.h"
-#include "model.h"
-#include "quant.h"
+#include "engine/backend.h"
+#include "cpu/cpu_backend.h"
+#include "cpu/cpu_ops.h"
+#include "engine/engine.h"
+#include "model/model.h"
+#include "format/quant.h"
 #include "test.h"
 #include "tiny_model.h"
 

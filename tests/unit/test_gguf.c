@@ -6,7 +6,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "gguf.h"
+#include "format/gguf.h"
 #include "test.h"
 
 /* ---------------------------------------------------------------- tiny writer */

@@ -26,9 +26,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h"
-#include "model.h"
-#include "sampler.h"
+#include "engine/engine.h"
+#include "model/model.h"
+#include "engine/sampler.h"
 #include "test.h"
 
 #define GOLDEN_LOGIT_TOL 1.0

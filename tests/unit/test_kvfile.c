@@ -1,6 +1,6 @@
 /* test_kvfile: chunk KV files: keys, round trips per dtype, every corruption and truncation a miss
  * with the right reason, identity mismatches, interrupted writes, and the temp-file sweep. */
-#include "kvfile.h"
+#include "format/kvfile.h"
 #include "test.h"
 
 #include <dirent.h>

@@ -1,7 +1,7 @@
 /* test_kvmem: the in-memory KV tier: entries, LRU order under a byte budget, counters, references
  * that outlive eviction, decoding from a kv file, and many threads at once. */
-#include "kvfile.h"
-#include "kvmem.h"
+#include "format/kvfile.h"
+#include "kv/kvmem.h"
 #include "test.h"
 
 #include <pthread.h>

@@ -5,7 +5,7 @@
 #include <msgpack.h>
 #include <stdint.h>
 
-#include "msg.h"
+#include "wire/msg.h"
 #include "test.h"
 
 /* A byte buffer built by hand for malformed inputs. */

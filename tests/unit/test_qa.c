@@ -1,7 +1,7 @@
 /* test_qa: MuSiQue helpers: normalization and F1 against values computed with the anchors' Python
  * normalize_answer (tests list them), answer extraction, prompt strings, jsonl validation, and the
  * real data file (100 examples x 10 passages). */
-#include "qa.h"
+#include "rag/qa.h"
 #include "test.h"
 
 #include <unistd.h>

@@ -4,7 +4,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "sampler.h"
+#include "engine/sampler.h"
 #include "test.h"
 
 /* log-softmax and KL: KL(p||p) = 0; a two-point case against its closed form; shift invariance */

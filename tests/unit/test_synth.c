@@ -8,13 +8,13 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine.h"
-#include "gguf.h"
-#include "model.h"
-#include "quant.h"
-#include "synth.h"
+#include "engine/engine.h"
+#include "format/gguf.h"
+#include "model/model.h"
+#include "format/quant.h"
+#include "model/synth.h"
 #include "test.h"
-#include "tokenizer.h"
+#include "model/tokenizer.h"
 
 static cb_synth_shape_t tiny(void) {
     cb_synth_shape_t s;

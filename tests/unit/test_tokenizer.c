@@ -5,9 +5,9 @@
 #include <stdint.h>
 #include <time.h>
 
-#include "gguf.h"
+#include "format/gguf.h"
 #include "test.h"
-#include "tokenizer.h"
+#include "model/tokenizer.h"
 
 #define FIXTURE "tests/fixtures/tokenizer.jsonl"
 

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant.h"
+#include "format/quant.h"
 
 typedef struct {
     const char *arch;          /* default "llama" */

@@ -1,0 +1,200 @@
+/* blend: CacheBlend in the engine: a prompt assembled from a prefix, precomputed chunks and a suffix is
+ * prefilled by fusing the chunks' cached KV with a selective recompute (ALGORITHM.md §1, DESIGN.md §7).
+ *
+ * Prompt = prefix P (chat scaffolding + instruction + "Passages:") + chunks C1..Ck + suffix S (question +
+ * assistant opening), the concatenation of the pieces' token arrays; fused positions 0..N-1.
+ *
+ * A chunk is precomputed after the fixed precompute context P (positions |P|..|P|+n-1): per layer its
+ * pre-RoPE K and its V, stored as a KV file (kvfile.h) keyed by
+ *     cb_kvfile_key(model fingerprint, cb_kvfile_ctx_fp(model fingerprint, P), chunk tokens)
+ * and/or in the memory tier (kvmem.h) under the same key. P's own KV is exact (nothing precedes it); the
+ * blend object computes it once per distinct prefix and keeps it.
+ *
+ * Each row of the fused prompt has a class; the four modes differ only in the class assignment:
+ *   LOADED     KV from the cache (pre-RoPE K rotated to the row's fused position, V as is), never computed;
+ *   COMPUTED   recomputed at every layer;
+ *   CANDIDATE  recomputed at layers 0..check_layer; at check_layer the deviation between fresh and cached
+ *              KV (metric 'v': sum over kv_dim of (v - v_cached)^2; 'k': the same on pre-RoPE K) keeps
+ *              the floor(ratio * #candidates) most deviating rows (ties: lower position first) recomputed
+ *              at later layers; the others are LOADED from check_layer + 1 on. At the check layer itself
+ *              the fresh K/V of every candidate stay in the cache (they were computed anyway).
+ *   mode      P          chunk rows                                  S
+ *   full      COMPUTED   COMPUTED                                    COMPUTED
+ *   prefix    LOADED     C1 LOADED (it was computed right after P:   COMPUTED
+ *                        exact), later chunks COMPUTED
+ *   reuse     LOADED     LOADED                                      COMPUTED
+ *   blend     LOADED     CANDIDATE; the first lead_tokens rows of    COMPUTED
+ *                        each chunk COMPUTED
+ * Gradual filtering (paper §4.3, optional): start with gradual_ratio > ratio at the check layer and
+ * shrink linearly to ratio at gradual_end_layer, re-measuring the deviation of the still-selected rows at
+ * each layer in between (fresh vs cached at that layer) and dropping the least deviating ones.
+ *
+ * Metric 'a' (query-aware selection, our default; docs/eval.md): the KV deviation of SmolLM2 is spread
+ * over many rows and the layer-1 set barely overlaps the deep layers' sets, so instead of a check layer a
+ * probe pass runs first: every candidate (and every cached lead row) LOADED, only the suffix (and any
+ * uncached rows) computed, and the last CB_BLEND_PROBE_ROWS suffix rows sum, at every layer and head, the
+ * attention probability each key receives (cb_cpu_attn_mass). The floor(ratio * #candidates) candidates
+ * with the most mass (ties: lower position first) are then recomputed at every layer, the others LOADED
+ * at every layer. The probe leaves every cached row in the cache, so the main pass loads nothing more.
+ * Costs one pass over the suffix rows; saves the check layer's full recompute. opts.probe_layers > 0
+ * stops the probe's compute (and its measurement) after that many layers; it still places every layer's
+ * cached rows. opts.probe_suffix > 0 computes only the last probe_suffix suffix rows in the probe, moved
+ * to the rows right after the chunks (the suffix rows before them are absent from the probe's keys); the
+ * main pass always computes the whole suffix at its own positions.
+ *
+ * Per layer: the LOADED rows' K/V are placed in the engine's KV cache rows (by a loader thread that
+ * prepares layer l+1 while layer l computes, unless opts.no_overlap); Q/K/V of every active row are
+ * computed (ubatches of cb_engine_max_rows) and written to the cache before any attention of the
+ * layer; then attention + MLP for the active rows only, each with key limit pos + 1 (exact causal,
+ * never a bottom-right mask). MLP and residual run for the active rows only. After a successful
+ * cb_blend_prefill the engine's KV cache holds the fused KV for positions [0, N) and decoding goes on
+ * with cb_engine_decode(engine, token, N, ...): blending is confined to prefill.
+ *
+ * Chunk lookup (the mode needs a chunk's KV): memory tier, then the KV file (header validated at open,
+ * each layer's checksum verified as it streams); any miss (kvfile.h reasons, including a payload checksum
+ * failure found mid-stream, which restarts the prefill) makes the chunk be computed after P, stored (file
+ * + memory tier, when configured) and then used. Chunks loaded from files are added to the memory tier.
+ *
+ * Ownership: the engine, the memory tier (may be NULL) and kv_dir (may be NULL: no files) are borrowed
+ * and must outlive the blend object. One blend object per engine, used by one thread at a time; it
+ * overwrites the engine's KV cache. Memory: about (n_embd + n_head*head_dim + head_dim) * 4 + 30 bytes
+ * per max_ctx position, plus 4 * (1 + CB_CPU_MASS_ROWS * n_head/n_head_kv) bytes per position for metric
+ * a's probe (mass and score rows; 196 for SmolLM2), plus the cached prefix KV.
+ */
+#ifndef CB_BLEND_H
+#define CB_BLEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/engine.h"
+#include "format/kvfile.h"
+#include "kv/kvmem.h"
+
+typedef struct cb_blend cb_blend_t;
+
+typedef enum { CB_BLEND_FULL = 0, CB_BLEND_PREFIX, CB_BLEND_REUSE, CB_BLEND_BLEND, CB_BLEND_MODE_COUNT_ } cb_blend_mode_t;
+
+/* Row classes (see above). */
+enum { CB_ROW_LOADED = 0, CB_ROW_COMPUTED = 1, CB_ROW_CANDIDATE = 2 };
+
+/* Called before every attention call of a prefill (tests): n rows at positions pos [n] with key
+ * limits key_limit [n] (arrays valid during the call only). */
+typedef void (*cb_blend_attn_hook_t)(void *ud, int layer, int n, const int32_t *pos, const int32_t *key_limit);
+
+typedef struct {
+    cb_blend_mode_t mode;       /* default CB_BLEND_BLEND */
+    float ratio;                /* recompute ratio of the candidate rows, 0..1 (default CB_BLEND_DEFAULT_RATIO) */
+    int check_layer;            /* 0..n_layer-1 (default 1) */
+    char metric;                /* 'v', 'k' (deviation at the check layer) or 'a' (attention from the suffix, in a
+                                   probe pass; no check layer, no gradual filtering); default CB_BLEND_DEFAULT_METRIC */
+    float gradual_ratio;        /* 0 = off; else start ratio at the check layer, ratio < it <= 1 */
+    int gradual_end_layer;      /* with gradual_ratio: check_layer < it < n_layer, where ratio is reached */
+    int lead_tokens;            /* first rows of each chunk always recomputed (blend mode), >= 0 */
+    int probe_layers;           /* metric 'a': the probe measures attention in layers [0, probe_layers) and
+                                   computes nothing above them; 0 = every layer (the default) */
+    int probe_suffix;           /* metric 'a': the probe computes only the last probe_suffix rows of the suffix,
+                                   moved up to follow the chunks; 0 = the whole suffix */
+    bool no_overlap;            /* load each layer in the compute thread (serial), for comparison */
+    cb_blend_attn_hook_t attn_hook; /* NULL = none */
+    void *attn_hook_ud;
+} cb_blend_opts_t;
+
+#define CB_BLEND_DEFAULT_RATIO 0.15f
+#define CB_BLEND_DEFAULT_CHECK_LAYER 1
+#define CB_BLEND_DEFAULT_METRIC_NAME "a" /* measured on 100 MuSiQue examples: agree_f1 0.783 vs 0.746 for 'v',
+                                            first-token KL 0.026 vs 0.058 (docs/eval.md) */
+#define CB_BLEND_DEFAULT_METRIC (CB_BLEND_DEFAULT_METRIC_NAME[0]) /* the same, as a character */
+#define CB_BLEND_PROBE_ROWS 16 /* metric 'a': the last suffix rows whose attention is measured */
+#define CB_BLEND_DEFAULT_PROBE_LAYERS 0 /* 0 = all layers */
+#define CB_BLEND_DEFAULT_PROBE_SUFFIX 16 /* measured on 100 MuSiQue examples against the whole suffix: the same
+                                           first-token KL (0.0254 vs 0.0255), agree_f1 0.801 vs 0.805, TTFT
+                                           ratio 0.236 vs 0.245 (docs/eval.md) */
+#define CB_BLEND_DEFAULT_LEAD 0 /* measured with metric a: 4 lead tokens per chunk gave the same first-token KL
+                                   for 3 % more recomputed rows (with metric v, -2.5 % KL; docs/eval.md) */
+
+/* Fills the defaults above (mode blend). */
+void cb_blend_opts_default(cb_blend_opts_t *o);
+/* "full" | "prefix" | "reuse" | "blend"; "?" when out of range. */
+const char *cb_blend_mode_str(cb_blend_mode_t m);
+/* Parses a mode name; -1 when unknown. */
+int cb_blend_mode_parse(const char *s);
+/* Parses a metric name ("a", "k" or "v"); the metric character, or 0 when unknown. */
+char cb_blend_metric_parse(const char *s);
+
+typedef struct {
+    int n_tokens;               /* N */
+    int tokens_reused;          /* N - tokens_recomputed */
+    int tokens_recomputed;      /* rows active at the last layer */
+    int n_candidates;           /* CANDIDATE rows */
+    int n_forced;               /* COMPUTED rows (suffix, lead tokens, chunks without KV, ...) */
+    int chunks_mem;             /* chunks whose KV came from the memory tier */
+    int chunks_file;            /* ... streamed from a KV file */
+    int chunks_computed;        /* ... computed now (misses), then stored */
+    int restarts;               /* prefills restarted after a payload checksum failure */
+    double t_total_ms;          /* the whole call */
+    double t_resolve_ms;        /* chunk lookups (memory tier, file opens) and miss computation */
+    double t_load_ms;           /* loader work (decode, rotate, copy into the cache), on whichever thread */
+    double t_load_wait_ms;      /* compute thread blocked on the loader (= t_load_ms when serial) */
+    double t_compute_ms;        /* layer compute (QKV, attention, MLP, logits) */
+    double t_select_ms;         /* deviations and selection */
+    double t_probe_ms;          /* metric 'a': the probe pass (its load and compute also count above) */
+    const int32_t *selected;    /* [tokens_recomputed] positions active at the last layer, ascending;
+                                   owned by the blend object, valid until its next call */
+} cb_blend_stats_t;
+
+/* A chunk of the prompt: token ids [n] (borrowed). */
+typedef struct {
+    const int32_t *tokens;
+    int n;
+} cb_blend_chunk_t;
+
+/* Creates a blend over engine (borrowed). kv_dir: directory of chunk KV files (must exist; NULL = no
+ * file tier). mem: memory tier (borrowed; NULL = none). KV files are written with dtype (CB_KV_F16 is
+ * the default choice). NULL + err on failure. Caller owns the result (cb_blend_destroy). */
+cb_blend_t *cb_blend_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t *mem, cb_kv_dtype_t dtype, char *err,
+                         size_t errlen);
+void cb_blend_destroy(cb_blend_t **self_p);
+
+/* The fused prefill of prefix [n_prefix] + chunks [n_chunks] + suffix [n_suffix] under opts (NULL =
+ * defaults). n_prefix >= 1 (the precompute context), n_suffix >= 1, chunks may be empty (n_chunks 0)
+ * but not of length 0; N = total <= cb_engine_max_ctx. logits [n_vocab] gets the last row's logits
+ * (NULL: skipped). stats (may be NULL) is filled. Returns 0, or -1 with err (bad arguments: sizes,
+ * token ids out of the vocabulary, options out of range; out of memory; unrecoverable store failure).
+ * A missing chunk is computed and stored first, which counts in the call's time. */
+int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, const cb_blend_chunk_t *chunks,
+                     int n_chunks, const int32_t *suffix, int n_suffix, const cb_blend_opts_t *opts, float *logits,
+                     cb_blend_stats_t *stats, char *err, size_t errlen);
+
+/* Computes chunk tokens [n] after the context ctx [n_ctx] (positions n_ctx..n_ctx+n-1; n_ctx >= 1),
+ * capturing per layer its pre-RoPE K and V into a new entry (one reference, caller releases). When store
+ * is true the entry is also written as a KV file (if the blend has a kv_dir) and put in the memory tier
+ * (if it has one). Uses (overwrites) the engine's KV cache. NULL + err on failure (bad arguments, out of
+ * memory, a failed file write when store is true). */
+cb_kvmem_entry_t *cb_blend_precompute_chunk(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens,
+                                            int n, bool store, char *err, size_t errlen);
+
+/* Where cb_blend_ensure_chunk / cb_blend_load_chunk found a chunk. */
+typedef enum { CB_BLEND_SRC_MEM = 0, CB_BLEND_SRC_FILE, CB_BLEND_SRC_COMPUTED } cb_blend_src_t;
+
+/* Makes sure the KV of chunk tokens [n] after ctx [n_ctx] is available: memory tier hit, or a KV file
+ * that opens and verifies (every checksum) against this model, context and tokens; otherwise (any miss
+ * reason, reported in *why when why is not NULL) computes it and stores it (file and/or memory tier).
+ * *src (may be NULL) says which. Returns 0, or -1 with err. */
+int cb_blend_ensure_chunk(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
+                          cb_blend_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen);
+
+/* Same, returning the chunk's decoded KV (a new reference the caller releases): from the memory tier, or
+ * decoded from its file (then put in the memory tier), or computed and stored. NULL + err on failure. */
+cb_kvmem_entry_t *cb_blend_load_chunk(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens,
+                                      int n, cb_blend_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen);
+
+/* The chunk key for tokens [n] after ctx [n_ctx] under the engine's model (see above). */
+void cb_blend_chunk_key(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
+                        uint8_t key[32]);
+
+/* Rotates pre-RoPE K rows k [n][n_head_kv*head_dim] in place to positions pos [n] with the engine's
+ * RoPE (bit-identical to the engine's own rotation; positions >= 0). */
+void cb_blend_rotate_k(cb_blend_t *self, float *k, int n, const int32_t *pos);
+#endif

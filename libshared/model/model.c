@@ -1,0 +1,582 @@
+/* model.c: loads a llama-architecture GGUF into cb_model_t (see model.h).
+ *
+ * Owns: the GGUF reader (and so the mapping), one huge-page-advised arena holding the f32 copies of the
+ * block weight matrices, f32 copies of norm vectors that are not stored as F32, and the fingerprint.
+ * Fails (NULL + message) on anything it does not understand; never asserts on file content.
+ */
+#include "model/model.h"
+
+#include <sodium.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/cpu_ops.h"
+#include "base/log.h"
+#include "format/quant.h"
+
+#define MAX_LAYERS 1024
+#define MAX_DIM    (1 << 20)
+
+struct cb_model {
+    cb_gguf_t *gguf;
+    cb_hparams_t hp;
+    cb_layer_weights_t *layers;  /* [n_layer] */
+    cb_weight_t tok_embd;        /* [n_vocab][n_embd] */
+    cb_weight_t output;          /* [n_vocab][n_embd]; a copy of tok_embd's view when tied */
+    const float *output_norm;    /* [n_embd] */
+    float *arena;                /* f32 weight copies, huge-page advised */
+    float *scales;               /* f32 block scales/mins of Q4_1 and Q8_0 matrices */
+    size_t arena_floats;
+    float **norm_copies;         /* norm vectors converted from F16/BF16 */
+    int n_norm_copies;
+    uint8_t fingerprint[32];
+};
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || !errlen) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+/* ---------------------------------------------------------------- metadata */
+
+/* Reads "<arch>.<suffix>" as a positive int bounded by max. Returns 1 found, 0 absent, -1 bad. */
+static int get_dim(const cb_gguf_t *g, const char *arch, const char *suffix, int max, int *out,
+                   char *err, size_t errlen) {
+    char key[160];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    if (!cb_gguf_has(g, key)) return 0;
+    int64_t v;
+    if (!cb_gguf_get_i64(g, key, &v) || v < 1 || v > max) {
+        set_err(err, errlen, "metadata %s: not an integer in 1..%d", key, max);
+        return -1;
+    }
+    *out = (int)v;
+    return 1;
+}
+
+static bool need_dim(const cb_gguf_t *g, const char *arch, const char *suffix, int max, int *out,
+                     char *err, size_t errlen) {
+    int r = get_dim(g, arch, suffix, max, out, err, errlen);
+    if (r == 0) set_err(err, errlen, "metadata %s.%s is missing", arch, suffix);
+    return r == 1;
+}
+
+static int32_t opt_token_id(const cb_gguf_t *g, const char *key, int n_vocab) {
+    int64_t v;
+    if (!cb_gguf_get_i64(g, key, &v) || v < 0 || v >= n_vocab) return -1;
+    return (int32_t)v;
+}
+
+static void add_eog(cb_hparams_t *hp, int32_t id) {
+    if (id < 0) return;
+    for (int i = 0; i < hp->n_eog; i++)
+        if (hp->eog_ids[i] == id) return;
+    if (hp->n_eog < CB_MAX_EOG) hp->eog_ids[hp->n_eog++] = id;
+}
+
+/* End-of-generation ids: eos, eot, and control tokens whose text names an end of turn or text. */
+static void find_eog(const cb_gguf_t *g, cb_hparams_t *hp) {
+    add_eog(hp, hp->eos_id);
+    add_eog(hp, hp->eot_id);
+    static const char *names[] = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>",
+                                  "<|end|>", "<end_of_turn>", "</s>"};
+    cb_gguf_vtype_t et;
+    size_t count;
+    const int32_t *types = NULL;
+    if (cb_gguf_get_arr(g, "tokenizer.ggml.token_type", &et, &count) && et == CB_GGUF_I32 &&
+        count == (size_t)hp->n_vocab)
+        types = cb_gguf_arr_data(g, "tokenizer.ggml.token_type");
+    for (int id = 0; id < hp->n_vocab; id++) {
+        int32_t t = 3;
+        if (types) memcpy(&t, (const uint8_t *)types + 4 * (size_t)id, 4);
+        if (t != 3) continue; /* control tokens only */
+        const char *s;
+        size_t len;
+        if (!cb_gguf_arr_str(g, "tokenizer.ggml.tokens", (size_t)id, &s, &len)) continue;
+        for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+            if (len == strlen(names[k]) && memcmp(s, names[k], len) == 0) add_eog(hp, id);
+    }
+}
+
+static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t errlen) {
+    memset(hp, 0, sizeof *hp);
+    const char *s;
+    size_t len;
+    if (!cb_gguf_get_str(g, "general.architecture", &s, &len)) {
+        set_err(err, errlen, "metadata general.architecture is missing");
+        return false;
+    }
+    if (len != 5 || memcmp(s, "llama", 5) != 0) {
+        set_err(err, errlen, "unsupported architecture '%.*s' (only 'llama' is implemented)",
+                (int)(len < 64 ? len : 64), s);
+        return false;
+    }
+    memcpy(hp->arch, "llama", 6);
+    const char *a = hp->arch;
+    if (!need_dim(g, a, "block_count", MAX_LAYERS, &hp->n_layer, err, errlen) ||
+        !need_dim(g, a, "embedding_length", MAX_DIM, &hp->n_embd, err, errlen) ||
+        !need_dim(g, a, "feed_forward_length", MAX_DIM, &hp->n_ff, err, errlen) ||
+        !need_dim(g, a, "attention.head_count", MAX_DIM, &hp->n_head, err, errlen) ||
+        !need_dim(g, a, "context_length", 1 << 24, &hp->n_ctx_train, err, errlen))
+        return false;
+    char key[160];
+    snprintf(key, sizeof key, "%s.attention.head_count_kv", a);
+    if (cb_gguf_has(g, key) && !cb_gguf_get_i64(g, key, &(int64_t){0})) {
+        set_err(err, errlen, "metadata %s: must be one integer (per-layer arrays are not supported)", key);
+        return false;
+    }
+    int r = get_dim(g, a, "attention.head_count_kv", MAX_DIM, &hp->n_head_kv, err, errlen);
+    if (r < 0) return false;
+    if (r == 0) hp->n_head_kv = hp->n_head;
+    if (hp->n_embd % hp->n_head != 0) {
+        set_err(err, errlen, "n_embd %d is not a multiple of head_count %d", hp->n_embd, hp->n_head);
+        return false;
+    }
+    hp->head_dim = hp->n_embd / hp->n_head;
+    int kl = hp->head_dim, vl = hp->head_dim;
+    if (get_dim(g, a, "attention.key_length", MAX_DIM, &kl, err, errlen) < 0 ||
+        get_dim(g, a, "attention.value_length", MAX_DIM, &vl, err, errlen) < 0)
+        return false;
+    if (kl != vl) {
+        set_err(err, errlen, "attention.key_length %d != value_length %d: not supported", kl, vl);
+        return false;
+    }
+    hp->head_dim = kl;
+    if (hp->head_dim % 2 != 0 || hp->head_dim > 1024) {
+        set_err(err, errlen, "head_dim %d is not supported (must be even and at most 1024)", hp->head_dim);
+        return false;
+    }
+    if (hp->n_head % hp->n_head_kv != 0) {
+        set_err(err, errlen, "head_count %d is not a multiple of head_count_kv %d", hp->n_head, hp->n_head_kv);
+        return false;
+    }
+    hp->n_rot = hp->head_dim;
+    r = get_dim(g, a, "rope.dimension_count", MAX_DIM, &hp->n_rot, err, errlen);
+    if (r < 0) return false;
+    if (hp->n_rot != hp->head_dim) {
+        set_err(err, errlen, "rope.dimension_count %d != head_dim %d: partial rotary is not supported",
+                hp->n_rot, hp->head_dim);
+        return false;
+    }
+    hp->rope_base = 10000.0f;
+    snprintf(key, sizeof key, "%s.rope.freq_base", a);
+    if (cb_gguf_has(g, key) && (!cb_gguf_get_f32(g, key, &hp->rope_base) || !(hp->rope_base > 1.0f))) {
+        set_err(err, errlen, "metadata %s: must be a float > 1", key);
+        return false;
+    }
+    snprintf(key, sizeof key, "%s.rope.scaling.type", a);
+    if (cb_gguf_get_str(g, key, &s, &len) && !(len == 4 && memcmp(s, "none", 4) == 0)) {
+        float factor = 1.0f;
+        snprintf(key, sizeof key, "%s.rope.scaling.factor", a);
+        if (!cb_gguf_get_f32(g, key, &factor) || factor != 1.0f) {
+            set_err(err, errlen, "RoPE scaling '%.*s' is not supported", (int)(len < 32 ? len : 32), s);
+            return false;
+        }
+    }
+    snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", a);
+    if (!cb_gguf_get_f32(g, key, &hp->rms_eps) || !(hp->rms_eps > 0.0f) || hp->rms_eps > 1.0f) {
+        set_err(err, errlen, "metadata %s is missing or not a float in (0, 1]", key);
+        return false;
+    }
+    hp->rope_type = CB_ROPE_NORM; /* llama GGUF: adjacent pairs (the converter permuted Q and K) */
+
+    cb_gguf_vtype_t et;
+    size_t count;
+    if (!cb_gguf_get_arr(g, "tokenizer.ggml.tokens", &et, &count) || et != CB_GGUF_STRING || count == 0 ||
+        count > (size_t)MAX_DIM * 4) {
+        set_err(err, errlen, "metadata tokenizer.ggml.tokens is missing or not a non-empty string array");
+        return false;
+    }
+    hp->n_vocab = (int)count;
+    int vs;
+    r = get_dim(g, a, "vocab_size", 1 << 24, &vs, err, errlen);
+    if (r < 0) return false;
+    if (r == 1 && vs != hp->n_vocab) {
+        set_err(err, errlen, "%s.vocab_size %d != %d tokens in tokenizer.ggml.tokens", a, vs, hp->n_vocab);
+        return false;
+    }
+    hp->bos_id = opt_token_id(g, "tokenizer.ggml.bos_token_id", hp->n_vocab);
+    hp->eos_id = opt_token_id(g, "tokenizer.ggml.eos_token_id", hp->n_vocab);
+    hp->eot_id = opt_token_id(g, "tokenizer.ggml.eot_token_id", hp->n_vocab);
+    find_eog(g, hp);
+    return true;
+}
+
+/* ---------------------------------------------------------------- tensors */
+
+static bool is_norm_type(uint32_t t) { return t == CB_TYPE_F32 || t == CB_TYPE_F16 || t == CB_TYPE_BF16; }
+
+static const cb_gguf_tensor_t *need_tensor(const cb_gguf_t *g, const char *name, int64_t ne0, int64_t ne1,
+                                           char *err, size_t errlen) {
+    const cb_gguf_tensor_t *t = cb_gguf_find_tensor(g, name);
+    if (!t) {
+        set_err(err, errlen, "tensor %s is missing", name);
+        return NULL;
+    }
+    uint32_t want_dims = ne1 ? 2 : 1;
+    bool ok = t->n_dims == want_dims && t->ne[0] == ne0 && t->ne[1] == (ne1 ? ne1 : 1) && t->ne[2] == 1 &&
+              t->ne[3] == 1;
+    if (!ok) {
+        char want[64];
+        if (ne1) snprintf(want, sizeof want, "[%lld, %lld]", (long long)ne0, (long long)ne1);
+        else snprintf(want, sizeof want, "[%lld]", (long long)ne0);
+        set_err(err, errlen, "tensor %s has shape [%lld, %lld, %lld, %lld] (%u dims), expected %s", name,
+                (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3], t->n_dims,
+                want);
+        return NULL;
+    }
+    if (ne1 == 0 && !is_norm_type(t->type)) {
+        set_err(err, errlen, "tensor %s has type %s; a norm vector must be F32, F16 or BF16", name,
+                cb_type_name(t->type));
+        return NULL;
+    }
+    size_t be = cb_type_block_elems(t->type);
+    if (be == 0 || ne0 % (int64_t)be != 0) {
+        set_err(err, errlen, "tensor %s: type %s not supported for a row of %lld elements", name,
+                cb_type_name(t->type), (long long)ne0);
+        return NULL;
+    }
+    return t;
+}
+
+static bool load_norm(cb_model_t *m, const cb_gguf_t *g, const char *name, const float **out, char *err,
+                      size_t errlen) {
+    const cb_gguf_tensor_t *t = need_tensor(g, name, m->hp.n_embd, 0, err, errlen);
+    if (!t) return false;
+    if (t->type == CB_TYPE_F32 && ((uintptr_t)t->data % sizeof(float)) == 0) {
+        *out = t->data;
+        return true;
+    }
+    float *c = malloc(sizeof(float) * (size_t)m->hp.n_embd);
+    if (!c) {
+        set_err(err, errlen, "out of memory");
+        return false;
+    }
+    m->norm_copies[m->n_norm_copies++] = c;
+    if (!cb_dequant(t->type, t->data, c, (size_t)m->hp.n_embd)) {
+        set_err(err, errlen, "tensor %s: cannot convert type %s", name, cb_type_name(t->type));
+        return false;
+    }
+    *out = c;
+    return true;
+}
+
+static bool set_weight(cb_weight_t *w, const cb_gguf_t *g, const char *name, int rows, int cols, char *err,
+                       size_t errlen) {
+    const cb_gguf_tensor_t *t = need_tensor(g, name, cols, rows, err, errlen);
+    if (!t) return false;
+    w->name = t->name;
+    w->type = t->type;
+    w->q = t->data;
+    w->rows = rows;
+    w->cols = cols;
+    w->row_bytes = (size_t)cols / cb_type_block_elems(t->type) * cb_type_block_bytes(t->type);
+    w->f32 = NULL;
+    if (w->row_bytes * (size_t)rows != t->nbytes) {
+        set_err(err, errlen, "tensor %s: %zu data bytes, expected %zu", name, t->nbytes, w->row_bytes * (size_t)rows);
+        return false;
+    }
+    return true;
+}
+
+/* Every tensor in the file must be one we use: anything else (biases, rope_freqs, ...) would change the
+ * computation in a way this engine does not implement. */
+static bool check_known_tensors(const cb_gguf_t *g, int n_layer, char *err, size_t errlen) {
+    static const char *per_layer[] = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                      "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"};
+    for (size_t i = 0; i < cb_gguf_n_tensors(g); i++) {
+        const char *name = cb_gguf_tensor(g, i)->name;
+        if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output_norm.weight") ||
+            !strcmp(name, "output.weight"))
+            continue;
+        int l, off = 0;
+        bool ok = false;
+        if (sscanf(name, "blk.%d.%n", &l, &off) == 1 && off > 0 && l >= 0 && l < n_layer) {
+            for (size_t k = 0; k < sizeof per_layer / sizeof per_layer[0]; k++) {
+                size_t n = strlen(per_layer[k]);
+                if (!strncmp(name + off, per_layer[k], n) && !strcmp(name + off + n, ".weight")) ok = true;
+            }
+        }
+        if (!ok) {
+            set_err(err, errlen, "unsupported tensor %s (this engine implements the plain llama graph: no biases, "
+                    "no rope_freqs, no extra layers)", name);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* ---------------------------------------------------------------- fingerprint */
+
+static void h_u32(crypto_generichash_state *st, uint32_t v) {
+    uint8_t b[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+    crypto_generichash_update(st, b, 4);
+}
+static void h_u64(crypto_generichash_state *st, uint64_t v) {
+    h_u32(st, (uint32_t)v);
+    h_u32(st, (uint32_t)(v >> 32));
+}
+static void h_f32(crypto_generichash_state *st, float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    h_u32(st, u);
+}
+static void h_bytes(crypto_generichash_state *st, const void *p, size_t n) {
+    h_u64(st, n);
+    crypto_generichash_update(st, p, n);
+}
+static void h_str_key(crypto_generichash_state *st, const cb_gguf_t *g, const char *key) {
+    const char *s = "";
+    size_t len = 0;
+    if (!cb_gguf_get_str(g, key, &s, &len)) s = "", len = 0;
+    h_bytes(st, s, len);
+}
+static void h_str_arr(crypto_generichash_state *st, const cb_gguf_t *g, const char *key) {
+    cb_gguf_vtype_t et;
+    size_t count = 0;
+    if (!cb_gguf_get_arr(g, key, &et, &count) || et != CB_GGUF_STRING) count = 0;
+    h_u64(st, count);
+    for (size_t i = 0; i < count; i++) {
+        const char *s;
+        size_t len;
+        if (!cb_gguf_arr_str(g, key, i, &s, &len)) s = "", len = 0;
+        h_bytes(st, s, len);
+    }
+}
+
+static int compute_fingerprint(cb_model_t *m) {
+    if (sodium_init() < 0) return -1;
+    const cb_gguf_t *g = m->gguf;
+    const cb_hparams_t *hp = &m->hp;
+    crypto_generichash_state st;
+    crypto_generichash_init(&st, NULL, 0, 32);
+    static const char tag[] = "cacheblend-model-fingerprint-v1";
+    h_bytes(&st, tag, sizeof tag - 1);
+    h_bytes(&st, hp->arch, strlen(hp->arch));
+    h_u32(&st, (uint32_t)hp->n_layer);
+    h_u32(&st, (uint32_t)hp->n_embd);
+    h_u32(&st, (uint32_t)hp->n_head);
+    h_u32(&st, (uint32_t)hp->n_head_kv);
+    h_u32(&st, (uint32_t)hp->head_dim);
+    h_u32(&st, (uint32_t)hp->n_ff);
+    h_u32(&st, (uint32_t)hp->n_vocab);
+    h_u32(&st, (uint32_t)hp->n_rot);
+    h_u32(&st, (uint32_t)hp->rope_type);
+    h_f32(&st, hp->rope_base);
+    h_f32(&st, hp->rms_eps);
+    h_u32(&st, hp->tied_output ? 1u : 0u);
+    h_str_key(&st, g, "tokenizer.ggml.model");
+    h_str_key(&st, g, "tokenizer.ggml.pre");
+    h_str_arr(&st, g, "tokenizer.ggml.tokens");
+    h_str_arr(&st, g, "tokenizer.ggml.merges");
+    for (size_t i = 0; i < cb_gguf_n_tensors(g); i++) {
+        const cb_gguf_tensor_t *t = cb_gguf_tensor(g, i);
+        h_bytes(&st, t->name, strlen(t->name));
+        h_u32(&st, t->type);
+        for (int d = 0; d < 4; d++) h_u64(&st, (uint64_t)t->ne[d]);
+        h_bytes(&st, t->data, t->nbytes);
+    }
+    crypto_generichash_final(&st, m->fingerprint, 32);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- block scales */
+
+/* Floats of scale copies a weight needs (0 for types without). */
+static size_t scale_floats(const cb_weight_t *w) {
+    size_t nb = (size_t)w->rows * (size_t)(w->cols / 32);
+    return w->type == CB_TYPE_Q4_1 ? 2 * nb : w->type == CB_TYPE_Q8_0 ? nb : 0;
+}
+
+static void fill_scales(cb_weight_t *w, float *dst) {
+    const int nb = w->cols / 32;
+    const size_t bb = w->type == CB_TYPE_Q4_1 ? 20 : 34;
+    float *d = dst, *mn = w->type == CB_TYPE_Q4_1 ? dst + (size_t)w->rows * nb : NULL;
+    for (int r = 0; r < w->rows; r++) {
+        const uint8_t *src = (const uint8_t *)w->q + (size_t)r * w->row_bytes;
+        for (int b = 0; b < nb; b++, src += bb) {
+            uint16_t h;
+            memcpy(&h, src, 2);
+            d[(size_t)r * nb + b] = cb_f16_to_f32(h);
+            if (mn) {
+                memcpy(&h, src + 2, 2);
+                mn[(size_t)r * nb + b] = cb_f16_to_f32(h);
+            }
+        }
+    }
+    w->scale = d;
+    w->min = mn;
+}
+
+/* f32 copies of the per-block scales of every Q4_1 / Q8_0 matrix the engine reads by matvec. */
+static bool build_scales(cb_model_t *m) {
+    cb_weight_t *ws[7 * MAX_LAYERS + 2];
+    int n = 0;
+    ws[n++] = &m->tok_embd;
+    if (!m->hp.tied_output) ws[n++] = &m->output;
+    for (int l = 0; l < m->hp.n_layer; l++) {
+        cb_layer_weights_t *L = &m->layers[l];
+        cb_weight_t *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (int k = 0; k < 7; k++) ws[n++] = lw[k];
+    }
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += scale_floats(ws[i]);
+    if (total == 0) return true;
+    m->scales = malloc(sizeof(float) * total);
+    if (!m->scales) return false;
+    float *p = m->scales;
+    for (int i = 0; i < n; i++) {
+        if (!scale_floats(ws[i])) continue;
+        fill_scales(ws[i], p);
+        p += scale_floats(ws[i]);
+    }
+    if (m->hp.tied_output) m->output = m->tok_embd;
+    return true;
+}
+
+/* ---------------------------------------------------------------- load */
+
+static bool dequant_weight(cb_weight_t *w, float *dst, char *err, size_t errlen) {
+    bool ok = true;
+    /* row-parallel: each row is a whole number of blocks */
+    /* cb_cpu_dequant_row is bit-identical to cb_dequant (tested), and what decode uses in registers */
+    if (cb_type_block_elems(w->type) == 0) ok = false;
+    else {
+        #pragma omp parallel for schedule(static)
+        for (int r = 0; r < w->rows; r++) cb_cpu_dequant_row(w, r, dst + (size_t)r * w->cols);
+    }
+    if (!ok) {
+        set_err(err, errlen, "tensor %s: cannot dequantize type %s", w->name, cb_type_name(w->type));
+        return false;
+    }
+    w->f32 = dst;
+    return true;
+}
+
+cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
+    char gerr[256] = "";
+    cb_model_t *m = calloc(1, sizeof *m);
+    if (!m) {
+        set_err(err, errlen, "out of memory");
+        return NULL;
+    }
+    m->gguf = cb_gguf_open(path, gerr, sizeof gerr);
+    if (!m->gguf) {
+        set_err(err, errlen, "%s: %s", path, gerr);
+        goto fail;
+    }
+    const cb_gguf_t *g = m->gguf;
+    cb_hparams_t *hp = &m->hp;
+    if (!read_hparams(g, hp, err, errlen)) goto fail;
+    if (!check_known_tensors(g, hp->n_layer, err, errlen)) goto fail;
+
+    const int E = hp->n_embd, QD = hp->n_head * hp->head_dim, KVD = hp->n_head_kv * hp->head_dim, F = hp->n_ff;
+    m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
+    m->norm_copies = calloc((size_t)hp->n_layer * 2 + 1, sizeof *m->norm_copies);
+    if (!m->layers || !m->norm_copies) {
+        set_err(err, errlen, "out of memory");
+        goto fail;
+    }
+    if (!set_weight(&m->tok_embd, g, "token_embd.weight", hp->n_vocab, E, err, errlen)) goto fail;
+    if (!load_norm(m, g, "output_norm.weight", &m->output_norm, err, errlen)) goto fail;
+    if (cb_gguf_find_tensor(g, "output.weight")) {
+        if (!set_weight(&m->output, g, "output.weight", hp->n_vocab, E, err, errlen)) goto fail;
+    } else {
+        hp->tied_output = true;
+        m->output = m->tok_embd;
+    }
+    char name[96];
+    for (int l = 0; l < hp->n_layer; l++) {
+        cb_layer_weights_t *L = &m->layers[l];
+#define W(field, suffix, rows, cols)                                                         \
+        snprintf(name, sizeof name, "blk.%d." suffix ".weight", l);                          \
+        if (!set_weight(&L->field, g, name, rows, cols, err, errlen)) goto fail;
+        W(wq, "attn_q", QD, E)
+        W(wk, "attn_k", KVD, E)
+        W(wv, "attn_v", KVD, E)
+        W(wo, "attn_output", E, QD)
+        W(w_gate, "ffn_gate", F, E)
+        W(w_up, "ffn_up", F, E)
+        W(w_down, "ffn_down", E, F)
+#undef W
+        snprintf(name, sizeof name, "blk.%d.attn_norm.weight", l);
+        if (!load_norm(m, g, name, &L->attn_norm, err, errlen)) goto fail;
+        snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
+        if (!load_norm(m, g, name, &L->ffn_norm, err, errlen)) goto fail;
+    }
+
+    /* f32 copies of the block matrices, one arena, in layer order. */
+    size_t per_layer = (size_t)E * (QD + 2 * KVD) + (size_t)QD * E + (size_t)E * F * 3;
+    m->arena_floats = per_layer * (size_t)hp->n_layer;
+    if (m->arena_floats > ((size_t)1 << 40) / sizeof(float)) {
+        set_err(err, errlen, "model too large");
+        goto fail;
+    }
+    m->arena = cb_cpu_alloc_huge(m->arena_floats * sizeof(float), false);
+    if (!m->arena) {
+        set_err(err, errlen, "out of memory for %zu MB of f32 weights", m->arena_floats * 4 >> 20);
+        goto fail;
+    }
+    float *p = m->arena;
+    for (int l = 0; l < hp->n_layer; l++) {
+        cb_layer_weights_t *L = &m->layers[l];
+        cb_weight_t *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) {
+            if (!dequant_weight(ws[k], p, err, errlen)) goto fail;
+            p += (size_t)ws[k]->rows * ws[k]->cols;
+        }
+    }
+    if (!build_scales(m)) {
+        set_err(err, errlen, "out of memory for block scales");
+        goto fail;
+    }
+    if (compute_fingerprint(m) != 0) {
+        set_err(err, errlen, "libsodium initialisation failed");
+        goto fail;
+    }
+    CB_DEBUG("model %s: %d layers, n_embd %d, %d/%d heads, head_dim %d, n_ff %d, vocab %d, rope base %g, "
+             "eps %g, %s output, f32 weights %zu MB", path, hp->n_layer, hp->n_embd, hp->n_head, hp->n_head_kv,
+             hp->head_dim, hp->n_ff, hp->n_vocab, (double)hp->rope_base, (double)hp->rms_eps,
+             hp->tied_output ? "tied" : "separate", m->arena_floats * 4 >> 20);
+    return m;
+fail:
+    cb_model_destroy(&m);
+    return NULL;
+}
+
+void cb_model_destroy(cb_model_t **self_p) {
+    if (!self_p || !*self_p) return;
+    cb_model_t *m = *self_p;
+    for (int i = 0; i < m->n_norm_copies; i++) free(m->norm_copies[i]);
+    free(m->norm_copies);
+    free(m->arena);
+    free(m->scales);
+    free(m->layers);
+    cb_gguf_destroy(&m->gguf);
+    free(m);
+    *self_p = NULL;
+}
+
+const cb_hparams_t *cb_model_hparams(const cb_model_t *self) { return &self->hp; }
+const cb_gguf_t *cb_model_gguf(const cb_model_t *self) { return self->gguf; }
+const cb_layer_weights_t *cb_model_layer(const cb_model_t *self, int layer) {
+    return (layer >= 0 && layer < self->hp.n_layer) ? &self->layers[layer] : NULL;
+}
+const cb_weight_t *cb_model_tok_embd(const cb_model_t *self) { return &self->tok_embd; }
+const cb_weight_t *cb_model_output(const cb_model_t *self) { return &self->output; }
+const float *cb_model_output_norm(const cb_model_t *self) { return self->output_norm; }
+size_t cb_model_f32_bytes(const cb_model_t *self) { return self->arena_floats * sizeof(float); }
+
+bool cb_model_is_eog(const cb_model_t *self, int32_t id) {
+    for (int i = 0; i < self->hp.n_eog; i++)
+        if (self->hp.eog_ids[i] == id) return true;
+    return false;
+}
+
+void cb_model_fingerprint(const cb_model_t *self, uint8_t out[32]) { memcpy(out, self->fingerprint, 32); }

@@ -1,0 +1,118 @@
+/* model: a llama-architecture transformer loaded from a GGUF file (REFERENCE.md §4-§9).
+ *
+ * cb_model_load opens the file (mmap, via gguf.h), reads every hyperparameter from the metadata (never
+ * hard-coded), checks that every tensor the forward pass needs is present with the right type and
+ * shape, and prepares two views of each block weight matrix:
+ *   - the stored (usually quantized) rows, pointing into the mapping: decode GEMVs read these and
+ *     dequantize in registers (kernels/cpu/cpu_ops.c);
+ *   - an f32 copy, dequantized once at load with cb_dequant: prefill GEMMs (OpenBLAS sgemm) read these.
+ * token_embd (and output, when the file has one) is kept only in its stored form: the embedding gather
+ * and the one-row LM head dequantize on the fly. Q4_1 and Q8_0 matrices also get f32 copies of their
+ * per-block scales (and mins), which the decode kernels read instead of converting f16 per block.
+ *
+ * Anything we cannot run faithfully is rejected with a clear error instead of being run wrongly:
+ * another architecture, NEOX RoPE, partial rotary, RoPE scaling, biases, rope_freqs, unknown tensors.
+ *
+ * The model is immutable after load, so one model may be shared (read-only) by several engines and
+ * threads. Memory: the mapping (file size) plus 4 bytes per block-weight parameter (plus 8 bytes per
+ * 32 Q4_1 weights and 4 per 32 Q8_0 weights of scale copies).
+ */
+#ifndef CB_MODEL_H
+#define CB_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "format/gguf.h"
+
+typedef struct cb_model cb_model_t;
+
+/* RoPE pairing. Only NORM (adjacent pairs (x[2i], x[2i+1]), the llama GGUF convention, REFERENCE §6)
+ * is implemented; a model that would need NEOX pairing is rejected at load. */
+typedef enum { CB_ROPE_NORM = 0, CB_ROPE_NEOX = 2 } cb_rope_type_t;
+
+#define CB_MAX_EOG 8 /* end-of-generation ids kept per model */
+
+typedef struct {
+    char arch[32];           /* general.architecture ("llama") */
+    int n_layer;             /* <arch>.block_count */
+    int n_embd;              /* <arch>.embedding_length */
+    int n_head;              /* <arch>.attention.head_count */
+    int n_head_kv;           /* <arch>.attention.head_count_kv (default n_head) */
+    int head_dim;            /* <arch>.attention.key_length (default n_embd / n_head) */
+    int n_ff;                /* <arch>.feed_forward_length */
+    int n_vocab;             /* length of tokenizer.ggml.tokens (= token_embd rows) */
+    int n_ctx_train;         /* <arch>.context_length */
+    int n_rot;               /* <arch>.rope.dimension_count; = head_dim (partial rotary rejected) */
+    float rope_base;         /* <arch>.rope.freq_base (default 10000) */
+    float rms_eps;           /* <arch>.attention.layer_norm_rms_epsilon */
+    cb_rope_type_t rope_type;
+    bool tied_output;        /* no output.weight: the LM head is token_embd */
+    int32_t bos_id;          /* tokenizer.ggml.bos_token_id, -1 if absent */
+    int32_t eos_id;          /* tokenizer.ggml.eos_token_id, -1 if absent */
+    int32_t eot_id;          /* tokenizer.ggml.eot_token_id, -1 if absent */
+    int n_eog;               /* end-of-generation ids: eos, eot and control tokens named like
+                                <|endoftext|>, <|im_end|>, <|eot_id|> (llama.cpp's auto-detection) */
+    int32_t eog_ids[CB_MAX_EOG];
+} cb_hparams_t;
+
+/* One weight matrix, row-major [rows = out][cols = in] (GGUF {ne0 = in, ne1 = out}). Borrowed from
+ * the model; valid until cb_model_destroy. */
+typedef struct {
+    const char *name;        /* GGUF tensor name */
+    uint32_t type;           /* storage type of q (cb_type_t) */
+    const void *q;           /* [rows] stored rows of row_bytes each (in the mapping) */
+    size_t row_bytes;        /* bytes of one stored row */
+    int rows, cols;          /* out, in */
+    const float *f32;        /* [rows][cols] dequantized copy (prefill GEMMs), or NULL when not kept */
+    const float *scale;      /* [rows][cols/32] f32 copies of the Q4_1/Q8_0 block scales d, or NULL */
+    const float *min;        /* [rows][cols/32] f32 copies of the Q4_1 block mins m, or NULL */
+} cb_weight_t;
+
+typedef struct {
+    const float *attn_norm;  /* [n_embd] */
+    cb_weight_t wq;          /* [n_head*head_dim][n_embd]   (rows permuted for NORM RoPE by the converter) */
+    cb_weight_t wk;          /* [n_head_kv*head_dim][n_embd] */
+    cb_weight_t wv;          /* [n_head_kv*head_dim][n_embd] */
+    cb_weight_t wo;          /* [n_embd][n_head*head_dim] */
+    const float *ffn_norm;   /* [n_embd] */
+    cb_weight_t w_gate;      /* [n_ff][n_embd] */
+    cb_weight_t w_up;        /* [n_ff][n_embd] */
+    cb_weight_t w_down;      /* [n_embd][n_ff] */
+} cb_layer_weights_t;
+
+/* Loads path. Returns NULL on failure with a message in err (errlen bytes) naming the problem
+ * (missing key, unsupported architecture or RoPE, missing tensor, wrong type or shape, out of memory).
+ * Caller owns the result; free with cb_model_destroy. */
+cb_model_t *cb_model_load(const char *path, char *err, size_t errlen);
+/* Frees the model and nulls *self_p; NULL-safe. No engine may still use it. */
+void cb_model_destroy(cb_model_t **self_p);
+
+const cb_hparams_t *cb_model_hparams(const cb_model_t *self);
+/* The underlying GGUF reader (borrowed; lives as long as the model), e.g. to build the tokenizer. */
+const cb_gguf_t *cb_model_gguf(const cb_model_t *self);
+const cb_layer_weights_t *cb_model_layer(const cb_model_t *self, int layer);
+const cb_weight_t *cb_model_tok_embd(const cb_model_t *self);  /* [n_vocab][n_embd], stored form only */
+const cb_weight_t *cb_model_output(const cb_model_t *self);    /* [n_vocab][n_embd]; = tok_embd when tied */
+const float *cb_model_output_norm(const cb_model_t *self);     /* [n_embd] */
+/* True when id ends generation (one of hparams.eog_ids). */
+bool cb_model_is_eog(const cb_model_t *self, int32_t id);
+
+/* Model fingerprint, computed once at load: BLAKE2b-256 (libsodium crypto_generichash) over, in order,
+ *   the tag "cacheblend-model-fingerprint-v1";
+ *   general.architecture;
+ *   the hyperparameters that change KV values or logits, each as a little-endian u32 (floats by their
+ *   bit pattern): n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_rot, rope_type,
+ *   rope_base, rms_eps, tied_output;
+ *   tokenizer.ggml.model, tokenizer.ggml.pre (empty if absent), then every string of
+ *   tokenizer.ggml.tokens and tokenizer.ggml.merges as stored (each prefixed by its u64 length, each
+ *   array by its u64 count);
+ *   for every tensor in file order: name, type, the four ne as u64, then its data bytes.
+ * Two files that differ in any of these get different fingerprints; metadata that cannot change a
+ * computed value (general.name, license, chat template) does not count. */
+void cb_model_fingerprint(const cb_model_t *self, uint8_t out[32]);
+
+/* Bytes of f32 copies held by the model (for memory accounting). */
+size_t cb_model_f32_bytes(const cb_model_t *self);
+#endif

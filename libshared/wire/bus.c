@@ -1,0 +1,702 @@
+/* bus: ZeroMQ socket helpers, Lazy Pirate client, ROUTER service loop. See bus.h. */
+#include "wire/bus.h"
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/log.h"
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Options, setup, sockets                                                                         */
+
+void cb_bus_opts_default(cb_bus_opts_t *o) {
+    o->max_msg_bytes = CB_MSG_DEFAULT_MAX_BYTES;
+    o->linger_ms = 1000;
+    o->sndhwm = 1000;
+    o->rcvhwm = 1000;
+    o->send_timeout_ms = 1000;
+    o->request_timeout_ms = 2500;
+    o->request_retries = 2;
+}
+
+bool cb_bus_opts_from_config(const cb_config_t *cfg, const char *section, cb_bus_opts_t *o, char *err,
+                             size_t errlen) {
+    cb_bus_opts_default(o);
+    int64_t v;
+    if (!cb_config_int(cfg, section, "max_msg_bytes", 256, (int64_t)1 << 31, o->max_msg_bytes, &v, err, errlen))
+        return false;
+    o->max_msg_bytes = v;
+#define GETI(name, min, max)                                                                   \
+    do {                                                                                       \
+        if (!cb_config_int(cfg, section, #name, min, max, o->name, &v, err, errlen)) return false; \
+        o->name = (int)v;                                                                      \
+    } while (0)
+    GETI(linger_ms, 0, 600000);
+    GETI(sndhwm, 0, 10000000);
+    GETI(rcvhwm, 0, 10000000);
+    GETI(send_timeout_ms, 1, 600000);
+    GETI(request_timeout_ms, 1, 3600000);
+    GETI(request_retries, 0, 100);
+#undef GETI
+    return true;
+}
+
+void cb_bus_init(const char *program_name) {
+    cb_log_set_component(program_name);
+    zsys_init(); /* installs the SIGINT/SIGTERM handler that sets zsys_interrupted */
+    zsys_set_logident(program_name);
+}
+
+static int set_int(void *h, int opt, int v) { return zmq_setsockopt(h, opt, &v, sizeof v); }
+
+zsock_t *cb_bus_socket(int type, const char *endpoint, bool bind, const cb_bus_opts_t *o, char *err,
+                       size_t errlen) {
+    cb_bus_opts_t def;
+    if (!o) {
+        cb_bus_opts_default(&def);
+        o = &def;
+    }
+    zsock_t *s = zsock_new(type);
+    if (!s) {
+        snprintf(err, errlen, "cannot create a ZeroMQ socket: %s", zmq_strerror(zmq_errno()));
+        return NULL;
+    }
+    void *h = zsock_resolve(s);
+    int64_t maxmsg = o->max_msg_bytes;
+    int rc = zmq_setsockopt(h, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+    rc |= set_int(h, ZMQ_LINGER, o->linger_ms);
+    rc |= set_int(h, ZMQ_SNDHWM, o->sndhwm);
+    rc |= set_int(h, ZMQ_RCVHWM, o->rcvhwm);
+    rc |= set_int(h, ZMQ_SNDTIMEO, o->send_timeout_ms);
+    if (type == ZMQ_ROUTER) rc |= set_int(h, ZMQ_ROUTER_MANDATORY, 1);
+    if (type == ZMQ_DEALER || type == ZMQ_PUSH || type == ZMQ_REQ) rc |= set_int(h, ZMQ_IMMEDIATE, 1);
+    if (rc != 0) {
+        snprintf(err, errlen, "cannot set socket options: %s", zmq_strerror(zmq_errno()));
+        zsock_destroy(&s);
+        return NULL;
+    }
+    if (endpoint) {
+        if (!cb_config_endpoint_valid(endpoint)) {
+            snprintf(err, errlen, "invalid endpoint '%s'", endpoint);
+            zsock_destroy(&s);
+            return NULL;
+        }
+        rc = bind ? zsock_bind(s, "%s", endpoint) : zsock_connect(s, "%s", endpoint);
+        if (rc < 0) {
+            snprintf(err, errlen, "cannot %s %s: %s", bind ? "bind" : "connect to", endpoint,
+                     zmq_strerror(zmq_errno()));
+            zsock_destroy(&s);
+            return NULL;
+        }
+    }
+    return s;
+}
+
+const char *cb_bus_new_id(char *buf, size_t size) {
+    static atomic_uint_fast64_t counter;
+    uint64_t n = atomic_fetch_add(&counter, 1) + 1;
+    snprintf(buf, size, "%d-%llu", (int)getpid(), (unsigned long long)n);
+    return buf;
+}
+
+static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Client                                                                                          */
+
+struct cb_bus_client_s {
+    char *endpoint;
+    cb_bus_opts_t o;
+    zsock_t *sock; /* NULL until used, and after a timeout (Lazy Pirate) */
+};
+
+cb_bus_client_t *cb_bus_client_new(const char *endpoint, const cb_bus_opts_t *o, char *err, size_t errlen) {
+    if (!endpoint || !cb_config_endpoint_valid(endpoint)) {
+        snprintf(err, errlen, "invalid endpoint '%s'", endpoint ? endpoint : "(null)");
+        return NULL;
+    }
+    cb_bus_client_t *c = calloc(1, sizeof *c);
+    if (!c || !(c->endpoint = strdup(endpoint))) {
+        free(c);
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    if (o) c->o = *o;
+    else cb_bus_opts_default(&c->o);
+    return c;
+}
+
+cb_bus_client_t *cb_bus_client_from_config(const cb_config_t *cfg, const char *section, const char *target,
+                                           char *err, size_t errlen) {
+    cb_bus_opts_t o;
+    const char *ep;
+    if (!cb_bus_opts_from_config(cfg, section, &o, err, errlen)) return NULL;
+    if (!cb_config_endpoint(cfg, target, "endpoint", NULL, &ep, err, errlen)) return NULL;
+    if (!ep) {
+        snprintf(err, errlen, "config %s.endpoint is not set", target);
+        return NULL;
+    }
+    return cb_bus_client_new(ep, &o, err, errlen);
+}
+
+static void client_close(cb_bus_client_t *c) {
+    if (c->sock) {
+        /* unsent messages are dropped: a retry must not deliver the old copy later */
+        zsock_set_linger(c->sock, 0);
+        zsock_destroy(&c->sock);
+    }
+}
+
+void cb_bus_client_destroy(cb_bus_client_t **self_p) {
+    if (!self_p || !*self_p) return;
+    cb_bus_client_t *c = *self_p;
+    client_close(c);
+    free(c->endpoint);
+    free(c);
+    *self_p = NULL;
+}
+
+const char *cb_bus_client_endpoint(const cb_bus_client_t *c) { return c->endpoint; }
+
+void cb_bus_client_set_timeout(cb_bus_client_t *c, int timeout_ms, int retries) {
+    if (timeout_ms > 0) c->o.request_timeout_ms = timeout_ms;
+    if (retries >= 0) c->o.request_retries = retries;
+}
+
+static int client_open(cb_bus_client_t *c, char *err, size_t errlen) {
+    if (c->sock) return 0;
+    c->sock = cb_bus_socket(ZMQ_DEALER, c->endpoint, false, &c->o, err, errlen);
+    return c->sock ? 0 : -1;
+}
+
+/* One frame, blocking up to send_timeout_ms (ZMQ_IMMEDIATE: fails when nothing is connected). */
+static int client_send(cb_bus_client_t *c, const void *data, size_t len, char *err, size_t errlen) {
+    if (client_open(c, err, errlen) != 0) return -1;
+    if (zmq_send(zsock_resolve(c->sock), data, len, 0) < 0) {
+        int e = zmq_errno();
+        if (e == EAGAIN)
+            snprintf(err, errlen, "%s is unavailable: no connection within %d ms (is the service running?)",
+                     c->endpoint, c->o.send_timeout_ms);
+        else snprintf(err, errlen, "cannot send to %s: %s", c->endpoint, zmq_strerror(e));
+        client_close(c);
+        return -1;
+    }
+    return 0;
+}
+
+/* Waits up to timeout_ms for one message; returns its last frame, or NULL (timeout/interrupt). */
+static zframe_t *client_recv_frame(cb_bus_client_t *c, double deadline, bool *interrupted) {
+    *interrupted = false;
+    if (!c->sock) return NULL;
+    void *h = zsock_resolve(c->sock);
+    for (;;) {
+        double left = deadline - now_ms();
+        if (left <= 0) return NULL;
+        zmq_pollitem_t item = {h, 0, ZMQ_POLLIN, 0};
+        int rc = zmq_poll(&item, 1, (long)(left + 1));
+        if (rc < 0) {
+            if (zmq_errno() == EINTR && !zsys_interrupted) continue;
+            *interrupted = true;
+            return NULL;
+        }
+        if (rc == 0 || !(item.revents & ZMQ_POLLIN)) continue;
+        zmsg_t *m = zmsg_recv(c->sock);
+        if (!m) continue;
+        zframe_t *last = zmsg_last(m);
+        zframe_t *f = last ? zframe_dup(last) : NULL;
+        zmsg_destroy(&m);
+        if (f) return f;
+    }
+}
+
+/* Waits for a message with the given id until deadline; drops others. */
+static cb_msg_t *client_wait(cb_bus_client_t *c, const char *id, double deadline, bool *interrupted) {
+    for (;;) {
+        zframe_t *f = client_recv_frame(c, deadline, interrupted);
+        if (!f) return NULL;
+        cb_msg_error_t e;
+        cb_msg_t *m = cb_msg_decode_ex(zframe_data(f), zframe_size(f), (size_t)c->o.max_msg_bytes, &e);
+        zframe_destroy(&f);
+        if (!m) {
+            cb_log(CB_LOG_WARN, id, "dropped an invalid reply from %s: %s", c->endpoint, e.message);
+            continue;
+        }
+        if (!cb_msg_is_reply(m)) { /* e.g. our own request echoed by a TCP self-connection */
+            cb_log(CB_LOG_WARN, id, "dropped a message from %s that is not a reply", c->endpoint);
+            cb_msg_destroy(&m);
+            continue;
+        }
+        if (strcmp(cb_msg_id(m), id) == 0) return m;
+        cb_log(CB_LOG_DEBUG, id, "dropped a stale reply (id %s) from %s", cb_msg_id(m), c->endpoint);
+        cb_msg_destroy(&m);
+    }
+}
+
+/* Reads the id of our own outgoing message (validating it). */
+static bool own_id(const cb_bus_client_t *c, const void *data, size_t len, char *id, cb_err_t *code, char *err,
+                   size_t errlen) {
+    cb_msg_error_t e;
+    cb_msg_t *m = cb_msg_decode_ex(data, len, (size_t)c->o.max_msg_bytes, &e);
+    if (!m) {
+        *code = e.code == CB_ERR_TOO_LARGE ? CB_ERR_TOO_LARGE : CB_ERR_BAD_REQUEST;
+        snprintf(err, errlen, "invalid request: %s", e.message);
+        return false;
+    }
+    snprintf(id, CB_MSG_MAX_ID + 1, "%s", cb_msg_id(m));
+    cb_msg_destroy(&m);
+    return true;
+}
+
+cb_msg_t *cb_bus_request(cb_bus_client_t *c, const void *data, size_t len, cb_err_t *code, char *err,
+                         size_t errlen) {
+    cb_err_t dummy;
+    if (!code) code = &dummy;
+    *code = CB_ERR_NONE;
+    char id[CB_MSG_MAX_ID + 1];
+    if (!own_id(c, data, len, id, code, err, errlen)) return NULL;
+    bool sent_any = false;
+    char last[256] = "";
+    for (int attempt = 0; attempt <= c->o.request_retries; attempt++) {
+        if (zsys_interrupted) break;
+        if (client_send(c, data, len, last, sizeof last) != 0) continue;
+        sent_any = true;
+        bool intr;
+        cb_msg_t *m = client_wait(c, id, now_ms() + c->o.request_timeout_ms, &intr);
+        if (m) return m;
+        if (intr) break;
+        cb_log(CB_LOG_DEBUG, id, "no reply from %s in %d ms (attempt %d of %d)", c->endpoint,
+               c->o.request_timeout_ms, attempt + 1, c->o.request_retries + 1);
+        client_close(c); /* Lazy Pirate: a fresh socket for the retry */
+    }
+    if (zsys_interrupted) {
+        *code = CB_ERR_INTERNAL;
+        snprintf(err, errlen, "interrupted");
+    } else if (sent_any) {
+        *code = CB_ERR_TIMEOUT;
+        snprintf(err, errlen, "timeout: no reply from %s after %d attempt%s of %d ms", c->endpoint,
+                 c->o.request_retries + 1, c->o.request_retries ? "s" : "", c->o.request_timeout_ms);
+    } else {
+        *code = CB_ERR_UNAVAILABLE;
+        snprintf(err, errlen, "%s", last);
+    }
+    return NULL;
+}
+
+cb_msg_t *cb_bus_call(cb_bus_client_t *c, cb_msg_writer_t *w, cb_err_t *code, char *err, size_t errlen) {
+    size_t len;
+    const void *data = cb_msg_end(w, &len);
+    if (!data) {
+        if (code) *code = CB_ERR_BAD_REQUEST;
+        snprintf(err, errlen, "cannot encode the request: %s", cb_msg_writer_error(w));
+        return NULL;
+    }
+    return cb_bus_request(c, data, len, code, err, errlen);
+}
+
+cb_msg_t *cb_bus_call_ok(cb_bus_client_t *c, cb_msg_writer_t *w, cb_err_t *code, char *err, size_t errlen) {
+    cb_msg_t *m = cb_bus_call(c, w, code, err, errlen);
+    if (m && !cb_msg_ok(m)) {
+        if (code) *code = cb_msg_err_code(m);
+        snprintf(err, errlen, "%s: %s", cb_msg_err_code_name(m), cb_msg_err_message(m));
+        cb_msg_destroy(&m);
+    }
+    return m;
+}
+
+int cb_bus_send(cb_bus_client_t *c, const void *data, size_t len, cb_err_t *code, char *err, size_t errlen) {
+    char id[CB_MSG_MAX_ID + 1];
+    cb_err_t dummy;
+    if (!code) code = &dummy;
+    if (!own_id(c, data, len, id, code, err, errlen)) return -1;
+    if (client_send(c, data, len, err, errlen) != 0) {
+        *code = CB_ERR_UNAVAILABLE;
+        return -1;
+    }
+    *code = CB_ERR_NONE;
+    return 0;
+}
+
+cb_msg_t *cb_bus_recv(cb_bus_client_t *c, const char *id, int timeout_ms, cb_err_t *code, char *err,
+                      size_t errlen) {
+    bool intr;
+    cb_msg_t *m = client_wait(c, id, now_ms() + timeout_ms, &intr);
+    if (code) *code = m ? CB_ERR_NONE : intr ? CB_ERR_INTERNAL : CB_ERR_TIMEOUT;
+    if (!m) {
+        if (intr) snprintf(err, errlen, "interrupted");
+        else snprintf(err, errlen, "timeout: nothing from %s for %d ms", c->endpoint, timeout_ms);
+    }
+    return m;
+}
+
+int cb_bus_send_raw(cb_bus_client_t *c, const void *data, size_t len, char *err, size_t errlen) {
+    return client_send(c, data, len, err, errlen);
+}
+
+zframe_t *cb_bus_recv_raw(cb_bus_client_t *c, int timeout_ms) {
+    bool intr;
+    return client_recv_frame(c, now_ms() + timeout_ms, &intr);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Service                                                                                         */
+
+#define MAX_ROUTES 64
+
+typedef struct {
+    char type[CB_MSG_MAX_TYPE + 1];
+    cb_bus_handler_fn *fn;
+    void *arg;
+} route_t;
+
+struct cb_bus_req_s {
+    cb_bus_service_t *svc;
+    zframe_t *identity;      /* routing id of the requester */
+    bool delimiter;          /* the requester is a REQ socket: an empty frame goes back too */
+    char id[CB_MSG_MAX_ID + 1];
+    char type[CB_MSG_MAX_TYPE + 1];
+    double t0_ms;
+    int n_replies;
+    cb_err_t code;           /* the last error replied, or CB_ERR_NONE */
+    char error[160];         /* its message, for the log line */
+    bool send_failed;
+    bool detached;           /* (the handler's copy) was detached: the copy owns the outcome */
+    cb_bus_req_t *next, *prev; /* list of detached requests */
+};
+
+struct cb_bus_service_s {
+    char name[64];
+    cb_bus_opts_t o;
+    zsock_t *router;
+    zloop_t *loop;
+    char *endpoint;
+    route_t routes[MAX_ROUTES];
+    int n_routes;
+    cb_bus_stats_fn *stats_fn;
+    void *stats_arg;
+    cb_msg_writer_t *w;
+    double t0_ms;
+    uint64_t requests, errors;
+    bool stop;
+    cb_bus_req_t *detached; /* head of the list */
+};
+
+static cb_bus_handler_fn s_ping, s_stats;
+
+cb_bus_service_t *cb_bus_service_new(const char *name, const char *endpoint, const cb_bus_opts_t *o, char *err,
+                                     size_t errlen) {
+    cb_bus_service_t *svc = calloc(1, sizeof *svc);
+    if (!svc) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    snprintf(svc->name, sizeof svc->name, "%s", name ? name : "cb");
+    if (o) svc->o = *o;
+    else cb_bus_opts_default(&svc->o);
+    svc->t0_ms = now_ms();
+    svc->w = cb_msg_writer_new();
+    svc->loop = zloop_new();
+    if (!svc->w || !svc->loop) {
+        snprintf(err, errlen, "out of memory");
+        cb_bus_service_destroy(&svc);
+        return NULL;
+    }
+    svc->router = cb_bus_socket(ZMQ_ROUTER, endpoint, true, &svc->o, err, errlen);
+    if (!svc->router) {
+        cb_bus_service_destroy(&svc);
+        return NULL;
+    }
+    char *last = zsock_last_endpoint(svc->router);
+    svc->endpoint = last ? last : strdup(endpoint);
+    cb_bus_service_on(svc, "ping", s_ping, NULL);
+    cb_bus_service_on(svc, "stats", s_stats, NULL);
+    return svc;
+}
+
+cb_bus_service_t *cb_bus_service_from_config(const char *name, const cb_config_t *cfg, const char *section,
+                                             char *err, size_t errlen) {
+    cb_bus_opts_t o;
+    const char *ep = NULL, *bind = NULL, *lvl;
+    if (!cb_bus_opts_from_config(cfg, section, &o, err, errlen)) return NULL;
+    if (!cb_config_endpoint(cfg, section, "endpoint", NULL, &ep, err, errlen)) return NULL;
+    if (!cb_config_endpoint(cfg, section, "bind", NULL, &bind, err, errlen)) return NULL;
+    if (!bind) bind = ep;
+    if (!bind) {
+        snprintf(err, errlen, "config %s.endpoint is not set", section);
+        return NULL;
+    }
+    if (!getenv("CB_LOG_LEVEL") && cb_config_str(cfg, section, "log_level", "info", &lvl, err, errlen)) {
+        static const char *names[] = {"debug", "info", "warn", "error"};
+        for (int i = 0; i < 4; i++)
+            if (strcmp(lvl, names[i]) == 0) cb_log_set_level((cb_log_level_t)i);
+    }
+    return cb_bus_service_new(name, bind, &o, err, errlen);
+}
+
+static void req_free(cb_bus_req_t *r) {
+    zframe_destroy(&r->identity);
+    free(r);
+}
+
+void cb_bus_service_destroy(cb_bus_service_t **self_p) {
+    if (!self_p || !*self_p) return;
+    cb_bus_service_t *svc = *self_p;
+    while (svc->detached) {
+        cb_bus_req_t *r = svc->detached;
+        svc->detached = r->next;
+        req_free(r);
+    }
+    zloop_destroy(&svc->loop);
+    zsock_destroy(&svc->router);
+    cb_msg_writer_destroy(&svc->w);
+    free(svc->endpoint);
+    free(svc);
+    *self_p = NULL;
+}
+
+int cb_bus_service_on(cb_bus_service_t *svc, const char *type, cb_bus_handler_fn *fn, void *arg) {
+    if (!type || !fn || strlen(type) > CB_MSG_MAX_TYPE) return -1;
+    for (int i = 0; i < svc->n_routes; i++)
+        if (strcmp(svc->routes[i].type, type) == 0) {
+            svc->routes[i].fn = fn;
+            svc->routes[i].arg = arg;
+            return 0;
+        }
+    if (svc->n_routes >= MAX_ROUTES) return -1;
+    route_t *r = &svc->routes[svc->n_routes++];
+    snprintf(r->type, sizeof r->type, "%s", type);
+    r->fn = fn;
+    r->arg = arg;
+    return 0;
+}
+
+void cb_bus_service_set_stats(cb_bus_service_t *svc, cb_bus_stats_fn *fn, void *arg) {
+    svc->stats_fn = fn;
+    svc->stats_arg = arg;
+}
+
+zloop_t *cb_bus_service_loop(cb_bus_service_t *svc) { return svc->loop; }
+const char *cb_bus_service_endpoint(const cb_bus_service_t *svc) { return svc->endpoint; }
+const cb_bus_opts_t *cb_bus_service_opts(const cb_bus_service_t *svc) { return &svc->o; }
+cb_msg_writer_t *cb_bus_service_writer(cb_bus_service_t *svc) { return svc->w; }
+void cb_bus_service_stop(cb_bus_service_t *svc) { svc->stop = true; }
+
+const char *cb_bus_req_id(const cb_bus_req_t *req) { return req->id; }
+const char *cb_bus_req_type(const cb_bus_req_t *req) { return req->type; }
+
+/* Sends [identity, (empty,) body] on the ROUTER. */
+static int req_send(cb_bus_req_t *req, const void *data, size_t len) {
+    void *h = zsock_resolve(req->svc->router);
+    req->n_replies++;
+    if (zmq_send(h, zframe_data(req->identity), zframe_size(req->identity), ZMQ_SNDMORE) < 0 ||
+        (req->delimiter && zmq_send(h, "", 0, ZMQ_SNDMORE) < 0) || zmq_send(h, data, len, 0) < 0) {
+        if (!req->send_failed)
+            cb_log(CB_LOG_WARN, req->id, "%s: cannot reply: %s (the client went away?)", req->type,
+                   zmq_strerror(zmq_errno()));
+        req->send_failed = true;
+        return -1;
+    }
+    return 0;
+}
+
+int cb_bus_reply_bytes(cb_bus_req_t *req, const void *data, size_t len) { return req_send(req, data, len); }
+
+static int reply_errorv(cb_bus_req_t *req, cb_err_t code, const char *fmt, va_list ap) {
+    size_t len;
+    va_list ap2;
+    va_copy(ap2, ap);
+    vsnprintf(req->error, sizeof req->error, fmt, ap2);
+    va_end(ap2);
+    req->code = code == CB_ERR_NONE ? CB_ERR_INTERNAL : code;
+    req->svc->errors++;
+    const void *data = cb_msg_write_errorv(req->svc->w, req->type, req->id, req->code, &len, fmt, ap);
+    if (!data) return -1;
+    return req_send(req, data, len);
+}
+
+int cb_bus_reply_error(cb_bus_req_t *req, cb_err_t code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int rc = reply_errorv(req, code, fmt, ap);
+    va_end(ap);
+    return rc;
+}
+
+int cb_bus_reply(cb_bus_req_t *req, cb_msg_writer_t *w) {
+    size_t len;
+    const void *data = cb_msg_end(w, &len);
+    if (!data) {
+        char why[160];
+        snprintf(why, sizeof why, "%s", cb_msg_writer_error(w) ? cb_msg_writer_error(w) : "?");
+        return cb_bus_reply_error(req, CB_ERR_INTERNAL, "cannot encode the reply: %s", why);
+    }
+    return req_send(req, data, len);
+}
+
+/* The log line for a finished request. */
+static void req_log(const cb_bus_req_t *r) {
+    double ms = now_ms() - r->t0_ms;
+    if (r->n_replies == 0)
+        cb_log(CB_LOG_WARN, r->id[0] ? r->id : NULL, "%s finished without a reply (%.2f ms)", r->type, ms);
+    else if (r->code == CB_ERR_NONE)
+        cb_log(CB_LOG_INFO, r->id[0] ? r->id : NULL, "%s ok %.2f ms%s", r->type, ms, r->send_failed ? " (reply not delivered)" : "");
+    else
+        cb_log(CB_LOG_WARN, r->id[0] ? r->id : NULL, "%s %s: %s (%.2f ms)%s", r->type, cb_err_name(r->code), r->error, ms,
+               r->send_failed ? " (reply not delivered)" : "");
+}
+
+cb_bus_req_t *cb_bus_req_detach(cb_bus_req_t *req) {
+    cb_bus_req_t *r = malloc(sizeof *r);
+    if (!r) return NULL;
+    *r = *req;
+    r->identity = zframe_dup(req->identity);
+    if (!r->identity) {
+        free(r);
+        return NULL;
+    }
+    r->detached = false;
+    r->prev = NULL;
+    r->next = req->svc->detached;
+    if (r->next) r->next->prev = r;
+    req->svc->detached = r;
+    req->detached = true;
+    return r;
+}
+
+void cb_bus_req_destroy(cb_bus_req_t **req_p) {
+    if (!req_p || !*req_p) return;
+    cb_bus_req_t *r = *req_p;
+    req_log(r);
+    if (r->prev) r->prev->next = r->next;
+    else r->svc->detached = r->next;
+    if (r->next) r->next->prev = r->prev;
+    req_free(r);
+    *req_p = NULL;
+}
+
+static void s_ping(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *msg, void *arg) {
+    (void)arg;
+    cb_msg_writer_t *w = svc->w;
+    cb_msg_begin_reply(w, msg);
+    cb_msg_put_str(w, "service", svc->name);
+    cb_msg_put_str(w, "version", CB_BUS_VERSION);
+    cb_msg_put_int(w, "pid", getpid());
+    cb_msg_put_double(w, "uptime_s", (now_ms() - svc->t0_ms) / 1000.0);
+    cb_bus_reply(req, w);
+}
+
+static void s_stats(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *msg, void *arg) {
+    (void)arg;
+    cb_msg_writer_t *w = svc->w;
+    cb_msg_begin_reply(w, msg);
+    cb_msg_put_str(w, "service", svc->name);
+    cb_msg_put_double(w, "uptime_s", (now_ms() - svc->t0_ms) / 1000.0);
+    cb_msg_put_uint(w, "requests", svc->requests);
+    cb_msg_put_uint(w, "errors", svc->errors);
+    if (svc->stats_fn) svc->stats_fn(svc, w, svc->stats_arg);
+    cb_bus_reply(req, w);
+}
+
+/* One message on the ROUTER: [identity, (empty,) body]. */
+static int s_on_router(zloop_t *loop, zsock_t *sock, void *arg) {
+    (void)loop;
+    cb_bus_service_t *svc = arg;
+    zmsg_t *msg = zmsg_recv(sock);
+    if (!msg) return zsys_interrupted ? -1 : 0;
+    size_t nf = zmsg_size(msg);
+    cb_bus_req_t req = {.svc = svc, .t0_ms = now_ms(), .code = CB_ERR_NONE};
+    zframe_t *body = NULL;
+    req.identity = zmsg_pop(msg);
+    if (nf == 3) {
+        zframe_t *d = zmsg_pop(msg);
+        req.delimiter = zframe_size(d) == 0;
+        zframe_destroy(&d);
+    }
+    if ((nf == 2 || (nf == 3 && req.delimiter)) && req.identity) body = zmsg_pop(msg);
+    zmsg_destroy(&msg);
+    if (!body) {
+        cb_log(CB_LOG_WARN, NULL, "dropped a message of %zu frames (expected one body frame)", nf ? nf - 1 : 0);
+        zframe_destroy(&req.identity);
+        return svc->stop ? -1 : 0;
+    }
+    svc->requests++;
+    cb_msg_error_t e;
+    cb_msg_t *m = cb_msg_decode_ex(zframe_data(body), zframe_size(body), (size_t)svc->o.max_msg_bytes, &e);
+    zframe_destroy(&body);
+    if (!m) {
+        snprintf(req.id, sizeof req.id, "%s", e.id);
+        snprintf(req.type, sizeof req.type, "%s", "error");
+        cb_bus_reply_error(&req, e.code, "%s", e.message);
+    } else {
+        snprintf(req.id, sizeof req.id, "%s", cb_msg_id(m));
+        snprintf(req.type, sizeof req.type, "%s", cb_msg_type(m));
+        route_t *route = NULL;
+        for (int i = 0; i < svc->n_routes; i++)
+            if (strcmp(svc->routes[i].type, req.type) == 0) route = &svc->routes[i];
+        if (!route) {
+            cb_bus_reply_error(&req, CB_ERR_UNKNOWN_TYPE, "%s does not handle message type '%s'", svc->name, req.type);
+        } else if (cb_msg_is_reply(m)) {
+            cb_bus_reply_error(&req, CB_ERR_BAD_REQUEST, "a request must not carry 'ok'");
+        } else {
+            route->fn(svc, &req, m, route->arg);
+            if (!req.detached && req.n_replies == 0)
+                cb_bus_reply_error(&req, CB_ERR_INTERNAL, "the handler for '%s' sent no reply", req.type);
+        }
+        cb_msg_destroy(&m);
+    }
+    if (!req.detached) req_log(&req);
+    zframe_destroy(&req.identity);
+    return svc->stop ? -1 : 0;
+}
+
+/* Wakes the loop every 100 ms: a signal that lands between zloop's check of zsys_interrupted and its
+ * zmq_poll would otherwise go unnoticed until the next message (the poll would sleep on). */
+static int s_tick(zloop_t *loop, int timer_id, void *arg) {
+    (void)loop, (void)timer_id;
+    cb_bus_service_t *svc = arg;
+    return zsys_interrupted || svc->stop ? -1 : 0;
+}
+
+int cb_bus_service_run(cb_bus_service_t *svc) {
+    svc->stop = false;
+    int tick = zloop_timer(svc->loop, 100, 0, s_tick, svc);
+    if (tick < 0 || zloop_reader(svc->loop, svc->router, s_on_router, svc) != 0) {
+        cb_log(CB_LOG_ERROR, NULL, "cannot register the service socket in the loop");
+        return -1;
+    }
+    cb_log(CB_LOG_INFO, NULL, "listening on %s", svc->endpoint);
+    int rc = zloop_start(svc->loop);
+    zloop_reader_end(svc->loop, svc->router);
+    zloop_timer_end(svc->loop, tick);
+    if (zsys_interrupted) cb_log(CB_LOG_INFO, NULL, "interrupted, shutting down");
+    else if (svc->stop) cb_log(CB_LOG_INFO, NULL, "stopped");
+    else if (rc != 0) return -1;
+    return 0;
+}
+
+cb_config_t *cb_bus_service_config(const char *section, int *argc, char **argv, void (*usage)(FILE *f),
+                                   int *exit_code) {
+    char err[512];
+    *exit_code = 1;
+    for (int i = 1; i < *argc; i++)
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            usage(stdout);
+            *exit_code = 0;
+            return NULL;
+        }
+    cb_config_t *cfg = cb_config_new(section, argc, argv, err, sizeof err);
+    if (!cfg) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        return NULL;
+    }
+    if (*argc > 1) {
+        cb_log(CB_LOG_ERROR, NULL, "unknown argument '%s'", argv[1]);
+        usage(stderr);
+        cb_config_destroy(&cfg);
+        return NULL;
+    }
+    return cfg;
+}
