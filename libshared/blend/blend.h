@@ -4,11 +4,9 @@
  * Prompt = prefix P (chat scaffolding + instruction + "Passages:") + chunks C1..Ck + suffix S (question +
  * assistant opening), the concatenation of the pieces' token arrays; fused positions 0..N-1.
  *
- * A chunk is precomputed after the fixed precompute context P (positions |P|..|P|+n-1): per layer its
- * pre-RoPE K and its V, stored as a KV file (kvfile.h) keyed by
- *     cb_kvfile_key(model fingerprint, cb_kvfile_ctx_fp(model fingerprint, P), chunk tokens)
- * and/or in the memory tier (kvmem.h) under the same key. P's own KV is exact (nothing precedes it); the
- * blend object computes it once per distinct prefix and keeps it.
+ * Chunk KV comes from the store (kv/kvstore.h: chunk keys, the context's exact KV, the walk memory tier ->
+ * file -> compute -> store). The prefix P is the store's precompute context: its blocks are shared into
+ * the request's sequence by reference (cb_seq_share), not loaded or computed again.
  *
  * Each row of the fused prompt has a class; the four modes differ only in the class assignment:
  *   LOADED     KV from the cache (pre-RoPE K rotated to the row's fused position, V as is), never computed;
@@ -33,7 +31,7 @@
  * over many rows and the layer-1 set barely overlaps the deep layers' sets, so instead of a check layer a
  * probe pass runs first: every candidate (and every cached lead row) LOADED, only the suffix (and any
  * uncached rows) computed, and the last CB_BLEND_PROBE_ROWS suffix rows sum, at every layer and head, the
- * attention probability each key receives (cb_cpu_attn_mass). The floor(ratio * #candidates) candidates
+ * attention probability each key receives (cb_engine_attn_mass). The floor(ratio * #candidates) candidates
  * with the most mass (ties: lower position first) are then recomputed at every layer, the others LOADED
  * at every layer. The probe leaves every cached row in the cache, so the main pass loads nothing more.
  * Costs one pass over the suffix rows; saves the check layer's full recompute. opts.probe_layers > 0
@@ -42,24 +40,25 @@
  * to the rows right after the chunks (the suffix rows before them are absent from the probe's keys); the
  * main pass always computes the whole suffix at its own positions.
  *
- * Per layer: the LOADED rows' K/V are placed in the engine's KV cache rows (by a loader thread that
- * prepares layer l+1 while layer l computes, unless opts.no_overlap); Q/K/V of every active row are
- * computed (ubatches of cb_engine_max_rows) and written to the cache before any attention of the
- * layer; then attention + MLP for the active rows only, each with key limit pos + 1 (exact causal,
- * never a bottom-right mask). MLP and residual run for the active rows only. After a successful
- * cb_blend_prefill the engine's KV cache holds the fused KV for positions [0, N) and decoding goes on
- * with cb_engine_decode(engine, token, N, ...): blending is confined to prefill.
+ * Per layer: the LOADED rows' K/V are placed in the request's sequence (cb_engine_kv_load: converted and
+ * re-rotated by the backend, by a loader thread that prepares layer l+1 while layer l computes, unless
+ * opts.no_overlap); Q/K/V of every active row are computed (ubatches of cb_engine_max_rows) and written to
+ * the sequence before any attention of the layer; then attention + MLP for the active rows only, each with
+ * key limit pos + 1 (exact causal, never a bottom-right mask). MLP and residual run for the active rows
+ * only. Every step is an engine primitive over the backend table (deviation, attention mass, top-k and row
+ * compaction included), so the blend runs the same algorithm on every backend. After a successful
+ * cb_blend_prefill the sequence holds the fused KV for positions [0, N) and decoding goes on with
+ * cb_engine_decode(engine, seq, token, N, ...): blending is confined to prefill.
  *
- * Chunk lookup (the mode needs a chunk's KV): memory tier, then the KV file (header validated at open,
- * each layer's checksum verified as it streams); any miss (kvfile.h reasons, including a payload checksum
- * failure found mid-stream, which restarts the prefill) makes the chunk be computed after P, stored (file
- * + memory tier, when configured) and then used. Chunks loaded from files are added to the memory tier.
+ * Chunk lookup (the mode needs a chunk's KV) is the store's: memory tier, then the KV file (header
+ * validated at open, each layer's checksum verified as it streams); any miss (kvfile.h reasons, including a
+ * payload checksum failure found mid-stream, which restarts the prefill) makes the chunk be computed after
+ * P, stored and then used. Chunks streamed from files join the memory tier after the prefill.
  *
- * Ownership: the engine, the memory tier (may be NULL) and kv_dir (may be NULL: no files) are borrowed
- * and must outlive the blend object. One blend object per engine, used by one thread at a time; it
- * overwrites the engine's KV cache. Memory: about (n_embd + n_head*head_dim + head_dim) * 4 + 30 bytes
- * per max_ctx position, plus 4 * (1 + CB_CPU_MASS_ROWS * n_head/n_head_kv) bytes per position for metric
- * a's probe (mass and score rows; 196 for SmolLM2), plus the cached prefix KV.
+ * Ownership: the store (and through it the engine) is borrowed and must outlive the blend object; the
+ * sequence of a call is borrowed for the call. One blend object per store, used by one thread at a time.
+ * Memory: about (n_embd + n_head*head_dim) * 4 + 30 bytes per max_ctx position of activations, plus 4 bytes
+ * per position of attention mass for metric a's probe; the KV is in the engine's pool.
  */
 #ifndef CB_BLEND_H
 #define CB_BLEND_H
@@ -71,6 +70,7 @@
 #include "engine/engine.h"
 #include "format/kvfile.h"
 #include "kv/kvmem.h"
+#include "kv/kvstore.h"
 
 typedef struct cb_blend cb_blend_t;
 
@@ -150,51 +150,20 @@ typedef struct {
     int n;
 } cb_blend_chunk_t;
 
-/* Creates a blend over engine (borrowed). kv_dir: directory of chunk KV files (must exist; NULL = no
- * file tier). mem: memory tier (borrowed; NULL = none). KV files are written with dtype (CB_KV_F16 is
- * the default choice). NULL + err on failure. Caller owns the result (cb_blend_destroy). */
-cb_blend_t *cb_blend_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t *mem, cb_kv_dtype_t dtype, char *err,
-                         size_t errlen);
+/* Creates a blend over store (borrowed). NULL + err on failure. Caller owns the result (cb_blend_destroy). */
+cb_blend_t *cb_blend_new(cb_kvstore_t *store, char *err, size_t errlen);
 void cb_blend_destroy(cb_blend_t **self_p);
+cb_kvstore_t *cb_blend_store(const cb_blend_t *self);
 
 /* The fused prefill of prefix [n_prefix] + chunks [n_chunks] + suffix [n_suffix] under opts (NULL =
- * defaults). n_prefix >= 1 (the precompute context), n_suffix >= 1, chunks may be empty (n_chunks 0)
- * but not of length 0; N = total <= cb_engine_max_ctx. logits [n_vocab] gets the last row's logits
- * (NULL: skipped). stats (may be NULL) is filled. Returns 0, or -1 with err (bad arguments: sizes,
- * token ids out of the vocabulary, options out of range; out of memory; unrecoverable store failure).
- * A missing chunk is computed and stored first, which counts in the call's time. */
-int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, const cb_blend_chunk_t *chunks,
-                     int n_chunks, const int32_t *suffix, int n_suffix, const cb_blend_opts_t *opts, float *logits,
-                     cb_blend_stats_t *stats, char *err, size_t errlen);
-
-/* Computes chunk tokens [n] after the context ctx [n_ctx] (positions n_ctx..n_ctx+n-1; n_ctx >= 1),
- * capturing per layer its pre-RoPE K and V into a new entry (one reference, caller releases). When store
- * is true the entry is also written as a KV file (if the blend has a kv_dir) and put in the memory tier
- * (if it has one). Uses (overwrites) the engine's KV cache. NULL + err on failure (bad arguments, out of
- * memory, a failed file write when store is true). */
-cb_kvmem_entry_t *cb_blend_precompute_chunk(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens,
-                                            int n, bool store, char *err, size_t errlen);
-
-/* Where cb_blend_ensure_chunk / cb_blend_load_chunk found a chunk. */
-typedef enum { CB_BLEND_SRC_MEM = 0, CB_BLEND_SRC_FILE, CB_BLEND_SRC_COMPUTED } cb_blend_src_t;
-
-/* Makes sure the KV of chunk tokens [n] after ctx [n_ctx] is available: memory tier hit, or a KV file
- * that opens and verifies (every checksum) against this model, context and tokens; otherwise (any miss
- * reason, reported in *why when why is not NULL) computes it and stores it (file and/or memory tier).
- * *src (may be NULL) says which. Returns 0, or -1 with err. */
-int cb_blend_ensure_chunk(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
-                          cb_blend_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen);
-
-/* Same, returning the chunk's decoded KV (a new reference the caller releases): from the memory tier, or
- * decoded from its file (then put in the memory tier), or computed and stored. NULL + err on failure. */
-cb_kvmem_entry_t *cb_blend_load_chunk(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens,
-                                      int n, cb_blend_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen);
-
-/* The chunk key for tokens [n] after ctx [n_ctx] under the engine's model (see above). */
-void cb_blend_chunk_key(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
-                        uint8_t key[32]);
-
-/* Rotates pre-RoPE K rows k [n][n_head_kv*head_dim] in place to positions pos [n] with the engine's
- * RoPE (bit-identical to the engine's own rotation; positions >= 0). */
-void cb_blend_rotate_k(cb_blend_t *self, float *k, int n, const int32_t *pos);
+ * defaults) into seq (borrowed; cleared first, then holding the fused KV of positions [0, N)). n_prefix >= 1
+ * (the precompute context), n_suffix >= 1, chunks may be empty (n_chunks 0) but not of length 0; N = total
+ * <= cb_engine_max_ctx. logits [n_vocab] gets the last row's logits (NULL: skipped). stats (may be NULL) is
+ * filled. Returns CB_ENGINE_OK, or with err: CB_ENGINE_EPOOL when the KV pool has no room for the request
+ * (the service's `overloaded`), CB_ENGINE_EINVAL for bad arguments (sizes, token ids out of the vocabulary,
+ * options out of range), -1 for anything else (out of memory, unrecoverable store failure, backend
+ * failure). A missing chunk is computed and stored first, which counts in the call's time. */
+int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int n_prefix,
+                     const cb_blend_chunk_t *chunks, int n_chunks, const int32_t *suffix, int n_suffix,
+                     const cb_blend_opts_t *opts, float *logits, cb_blend_stats_t *stats, char *err, size_t errlen);
 #endif

@@ -1,13 +1,24 @@
 /* backend: the table of operations the engine runs, so that a CUDA backend can slot in behind the
  * same calls as the CPU one (STYLE.md habit 10, REFERENCE.md §12.2).
  *
- * A backend is a struct of function pointers (cb_backend_ops_t) plus a context. All buffers passed to
- * the operations live where the backend computes (host memory for the CPU backend); shapes are in the
- * comments. The CPU backend (kernels/cpu/cpu_ops.c) computes in f32 and is the reference: other
- * backends are tested against it within tolerances.
+ * A backend is a struct of function pointers (cb_backend_ops_t) plus a context. Activations (x, q, k, v,
+ * logits, scores) are host buffers from the backend's own host_alloc (plain memory on the CPU, pinned
+ * memory on CUDA, where every operation copies its inputs in and its outputs out); shapes are in the
+ * comments. The KV cache is not a host buffer: the backend owns it as a pool of fixed-size blocks in its
+ * own memory (host memory on the CPU, device memory on CUDA), sized once by kv_pool_init; a sequence's
+ * rows are reached through a block table (cb_kv_table_t), never through a pointer, so attention on a
+ * device reads K/V where they already are. The CPU backend (kernels/cpu) computes in f32 and is the
+ * reference: other backends are tested against it within tolerances (tests/gpu).
  *
- * Operations never allocate: whatever scratch they need is reserved when the backend is created for a
- * maximum number of rows per call and keys per attention row.
+ * Everything CacheBlend needs is an operation here (RoPE, KV writes and layer loads with re-rotation,
+ * attention, attention mass, deviation, top-k, row compaction), so blend/ runs the same algorithm on
+ * every backend. Operations never allocate: scratch is reserved when the backend is created for a
+ * maximum number of rows per call and keys per attention row. Operations returning int give 0, or -1
+ * when they failed (bad argument, device error); void ones report failure through the backend's own
+ * state (the CUDA backend fills outputs with NaN and says so once).
+ *
+ * Threads: one thread calls the operations, except kv_load, which one other thread (the blend's layer
+ * loader) may call at the same time for rows no concurrent operation touches.
  */
 #ifndef CB_BACKEND_H
 #define CB_BACKEND_H
@@ -15,7 +26,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "format/kvfile.h"
 #include "model/model.h"
+
+/* One sequence's KV rows in the pool: position p lives in pool block blocks[p / block_tokens] at row
+ * p % block_tokens; every layer uses the same table. Built by the engine (engine.h); borrowed by the
+ * operations for the call. */
+typedef struct {
+    const int32_t *blocks;  /* [n_pos / block_tokens] block ids in 0..n_blocks-1 */
+    int n_pos;              /* positions the table covers (a multiple of block_tokens) */
+} cb_kv_table_t;
 
 /* Attention geometry (GQA: query head h reads KV head h / (n_head / n_head_kv)). */
 typedef struct {
@@ -38,10 +58,10 @@ typedef struct {
     void (*rmsnorm)(void *ctx, const float *x, const float *w, int n, int dim, float eps, float *y);
     /* NORM RoPE in place:  x [n][n_heads*head_dim], pos [n] (any positions >= 0), base = rope base. */
     void (*rope)(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base);
-    /* out[i] = softmax(q[i] K[0:key_limit[i])ᵀ · scale) V per head:  q, out [n][n_head*head_dim];
-     * kc, vc [>= max key_limit][n_head_kv*head_dim]; key_limit [n] in 1..max_keys. */
-    void (*attention)(void *ctx, const cb_attn_geom_t *g, const float *q, int n, const float *kc,
-                      const float *vc, const int32_t *key_limit, float *out);
+    /* out[i] = softmax(q[i] K[0:key_limit[i])ᵀ · scale) V per head, K/V = layer's pool rows of table t:
+     * q, out [n][n_head*head_dim]; key_limit [n] in 1..min(max_keys, t->n_pos). */
+    void (*attention)(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
+                      const int32_t *key_limit, float *out);
     /* out = silu(gate) * up elementwise over n (out may alias either input). */
     void (*swiglu)(void *ctx, const float *gate, const float *up, size_t n, float *out);
     /* x += y elementwise over n. */
@@ -52,6 +72,47 @@ typedef struct {
      * weights (Q|K|V, gate|up) in one call, so a backend can schedule them together. Each part is
      * y [n][ldy] = x [n][w->cols] · wᵀ, all parts with the same cols. */
     void (*matmul_multi)(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n);
+
+    /* ---- host buffers ---- */
+    /* Host memory for activations: zeroed, 64-byte aligned (pinned on CUDA). NULL on failure. */
+    void *(*host_alloc)(void *ctx, size_t bytes);
+    void (*host_free)(void *ctx, void *p);
+
+    /* ---- the KV pool ---- */
+    /* Allocates the pool once: K and V of n_blocks blocks of block_tokens positions x kv_dim, every layer.
+     * 0, or -1 with err. */
+    int (*kv_pool_init)(void *ctx, int n_layer, int kv_dim, int block_tokens, int n_blocks, char *err,
+                        size_t errlen);
+    /* Block dst := block src, K and V of every layer (copy-on-write of a shared block). */
+    int (*kv_copy_block)(void *ctx, int dst, int src);
+    /* Post-RoPE K and V rows k, v [n][kv_dim] (f32 host) into the layer's rows pos [n] of table t. */
+    int (*kv_write)(void *ctx, int layer, const cb_kv_table_t *t, const int32_t *pos, int n, const float *k,
+                    const float *v);
+    /* A layer load: n cached rows for positions pos0..pos0+n-1 of table t from host memory k, v
+     * [n][kv_dim] in dtype (f32, f16 or bf16; a memory-tier entry or a KV file's mapping), converted to the
+     * pool's type, pre-RoPE K rotated to its position with base rope_base on the way. */
+    int (*kv_load)(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
+                   cb_kv_dtype_t dtype, float rope_base);
+    /* Rows pos0..pos0+n-1 of the layer back as f32: k, v [n][kv_dim] (post-RoPE K; either may be NULL). */
+    int (*kv_read)(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, float *k, float *v);
+
+    /* ---- CacheBlend ---- */
+    /* Attention mass (metric 'a'): for each row i and head, the softmax probabilities of q[i] over keys
+     * [0, key_limit[i]) of the layer (as attention computes them) are added to mass [key]:
+     * q [n][n_head*head_dim] post-RoPE, mass [>= max key_limit] accumulated, not cleared. */
+    int (*attn_mass)(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
+                     const int32_t *key_limit, float *mass);
+    /* KV deviation: dev[i] = sum_j (fresh[i][j] - cached_i[j])^2 over j < width, in double; fresh f32
+     * [n][width] (pre-RoPE K or V just computed), cached [n] row pointers into host memory of dtype. */
+    int (*kv_deviation)(void *ctx, int n, int width, const float *fresh, const void *const *cached,
+                        cb_kv_dtype_t dtype, double *dev);
+    /* Top-k: out [min(k, n)] = indices of the k largest score [n] (NaN first: what cannot be measured is
+     * recomputed; ties: lower index first), in that order. */
+    int (*topk)(void *ctx, int n, const double *score, int k, int32_t *out);
+    /* Row compaction (gather): x[i] = x[keep[i]] for i < n_keep, rows of row_len floats; keep ascending
+     * with keep[i] >= i. */
+    void (*compact_rows)(void *ctx, float *x, size_t row_len, const int32_t *keep, int n_keep);
+
     /* Threads used by later calls (>= 1). */
     void (*set_threads)(void *ctx, int n_threads);
     void (*destroy)(void *ctx);

@@ -1,49 +1,82 @@
-/* engine: the llama forward pass over a cb_model_t, with a KV cache, for prefill (batched GEMMs) and
- * decode (one token, quantized GEMVs); REFERENCE.md §12.
+/* engine: the llama forward pass over a cb_model_t, on sequences whose KV lives in a block pool owned by
+ * the backend, for prefill (batched GEMMs) and decode (one token, quantized GEMVs); REFERENCE.md §12.
  *
- * An engine owns its run state (all buffers allocated once in cb_engine_new; nothing is allocated in
- * the forward pass) and a KV cache of max_ctx positions per layer holding post-RoPE K and V in f32.
- * The model is borrowed and must outlive the engine. One engine is used by one thread at a time (the
- * calls themselves run on the engine's own pool of cb_engine_set_threads threads).
+ * Memory. An engine owns its run state (all buffers allocated once in cb_engine_new; nothing is allocated
+ * in the forward pass) and the KV pool: the backend allocates K and V of every layer as fixed-size blocks
+ * of block_tokens positions (host memory on the CPU, device memory on CUDA), as many as the byte budget
+ * holds. A sequence (cb_seq_t, many per engine) owns a block table: position p of the sequence lives in
+ * block table[p / block_tokens]. Blocks are reference counted: cb_seq_share gives a sequence the blocks of
+ * another's prefix by reference (a system prompt computed once serves every request); a write into a
+ * shared block first copies it (copy on write), so sharing never changes what the other sequence reads.
+ * A sequence's blocks return to the pool when it is cleared or destroyed. Pool exhaustion is
+ * CB_ENGINE_EPOOL from the call that needed a block, never a crash; nothing is half-allocated then.
+ * Callers never see a K/V pointer: rows are written, loaded, read and attended through the calls below.
  *
  * Layer-stage primitives. cb_engine_prefill is literally this composition, per ubatch of rows:
  *
  *     cb_engine_embed(e, tokens, n, x);
  *     for l in 0..n_layer-1:
  *         cb_engine_layer_qkv(e, l, x, n, q, k, v);
- *         cb_rope(q, n, n_head, head_dim, pos, rope_base);
- *         cb_rope(k, n, n_head_kv, head_dim, pos, rope_base);
- *         copy k[i], v[i] into cb_engine_kcache(e, l), cb_engine_vcache(e, l) at row pos[i];
- *         cb_engine_layer_attn_mlp(e, l, x, q, n, key_limit);    key_limit[i] = pos[i] + 1
+ *         cb_engine_rope(e, q, n, n_head, pos);
+ *         cb_engine_rope(e, k, n, n_head_kv, pos);
+ *         cb_engine_kv_write(e, seq, l, pos, n, k, v);
+ *         cb_engine_layer_attn_mlp(e, seq, l, x, q, n, key_limit);    key_limit[i] = pos[i] + 1
  *     cb_engine_logits(e, x[n-1], logits);
  *
- * so a caller composing the same calls (the blend: other positions, subsets of rows, cached K/V
- * rotated to new positions) gets bit-identical results wherever its inputs and row counts are the same.
- * Every primitive takes at most cb_engine_max_rows(e) rows per call (CB_ENGINE_MAX_ROWS); callers
- * with more rows split them (rows are independent in every primitive).
+ * so a caller composing the same calls (the blend: other positions, subsets of rows, cached K/V loaded
+ * at new positions) gets bit-identical results wherever its inputs and row counts are the same. Every
+ * primitive takes at most cb_engine_max_rows(e) rows per call (CB_ENGINE_MAX_ROWS); callers with more rows
+ * split them (rows are independent in every primitive). Every primitive goes through the backend table
+ * (engine/backend.h): nothing here calls a kernel directly.
  *
- * Numerics: f32 throughout, weights dequantized exactly. Calls of up to 8 rows run as matvecs over
- * the quantized rows, larger ones as sgemm over f32 copies, so a row's result can differ in the last
- * bits with the row count of its call: prefill and token-by-token decode logits agree to ~5e-5, and
- * both agree with a double-precision forward pass to ~4e-5 (tests/unit/test_engine.c).
+ * Numerics (CPU backend): f32 throughout, weights dequantized exactly. Calls of up to 8 rows run as
+ * matvecs over the quantized rows, larger ones as sgemm over f32 copies, so a row's result can differ in
+ * the last bits with the row count of its call: prefill and token-by-token decode logits agree to ~5e-5,
+ * and both agree with a double-precision forward pass to ~4e-5 (tests/unit/test_engine.c).
+ *
+ * Threads: one engine is used by one thread at a time, except cb_engine_kv_load, which one other thread
+ * may call concurrently for rows of a sequence that no concurrent call touches and whose blocks the
+ * sequence already owns exclusively (cb_seq_reserve + no sharing of those rows; the blend's loader).
  */
 #ifndef CB_ENGINE_H
 #define CB_ENGINE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "format/kvfile.h"
 #include "model/model.h"
 
 typedef struct cb_engine cb_engine_t;
+typedef struct cb_seq cb_seq_t;
 
-#define CB_ENGINE_MAX_ROWS 512 /* rows per primitive call (= the prefill ubatch) */
+#define CB_ENGINE_MAX_ROWS 512   /* rows per primitive call (= the prefill ubatch) */
+#define CB_ENGINE_BLOCK_TOKENS 16 /* positions per KV pool block (default) */
 
-/* Creates an engine with a KV cache of max_ctx positions (1..n_ctx_train is sensible; up to 1<<20
- * accepted). Threads: $CB_THREADS if set, else one per online CPU. Memory: 2 * n_layer * max_ctx *
- * n_head_kv * head_dim * 4 bytes of KV (45 KiB per position for SmolLM2: 369 MB at 8192) plus ~15 MB
- * of scratch and a RoPE table of max_ctx * head_dim floats. NULL + err on failure.
- * Caller owns the result (cb_engine_destroy). */
+/* Results of the calls that can fail for a reason the caller acts on. */
+typedef enum {
+    CB_ENGINE_OK = 0,
+    CB_ENGINE_EINVAL = -1,   /* bad argument (token, position, sizes): nothing was computed */
+    CB_ENGINE_EPOOL = -2,    /* the KV pool has no free block (the service answers `overloaded`) */
+    CB_ENGINE_EBACKEND = -3  /* the backend failed (device error) */
+} cb_engine_status_t;
+const char *cb_engine_status_str(int status);
+
+typedef struct {
+    int max_ctx;             /* positions per sequence, 1..1<<20 */
+    size_t kv_pool_bytes;    /* KV pool budget (K and V of every layer); 0 = two sequences of max_ctx */
+    int block_tokens;        /* positions per block; 0 = CB_ENGINE_BLOCK_TOKENS */
+} cb_engine_opts_t;
+
+/* Creates an engine: sequences of up to o->max_ctx positions, a KV pool of floor(kv_pool_bytes /
+ * block_bytes) blocks (at least one sequence of max_ctx). Threads: $CB_THREADS if set, else one per online
+ * CPU. Memory: the pool (2 * n_layer * n_head_kv * head_dim * 4 bytes per position on the CPU, 45 KiB for
+ * SmolLM2; reserved address space, touched as blocks are first used), ~15 MB of scratch and a RoPE table
+ * of max_ctx * head_dim floats. NULL + err on failure. Caller owns the result (cb_engine_destroy), and
+ * destroys every sequence first. */
+cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t *o, char *err, size_t errlen);
+/* The same with the default pool (kv_pool_bytes 0) and block size. */
 cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size_t errlen);
 void cb_engine_destroy(cb_engine_t **self_p);
 
@@ -52,38 +85,100 @@ int cb_engine_threads(const cb_engine_t *self);
 int cb_engine_max_ctx(const cb_engine_t *self);
 int cb_engine_max_rows(const cb_engine_t *self);
 const cb_model_t *cb_engine_model(const cb_engine_t *self);
+const char *cb_engine_backend_name(const cb_engine_t *self);
 
-/* Runs tokens [n] at positions pos0..pos0+n-1 (any n >= 1; internally in ubatches of max_rows),
- * writing K/V at those positions. Attention reads the cache at positions [0, pos + 1): positions below
- * pos0 must have been filled (by earlier calls or by the caller). logits [n_vocab] receives the last
- * row's logits (NULL: skip the LM head). Returns 0, or -1 on a bad argument (token out of range,
- * n < 1, pos0 < 0, pos0 + n > max_ctx): nothing is computed then. */
-int cb_engine_prefill(cb_engine_t *self, const int32_t *tokens, int n, int pos0, float *logits);
-/* One token at pos; logits [n_vocab] (may be NULL). Same as prefill with n = 1. 0 or -1. */
-int cb_engine_decode(cb_engine_t *self, int32_t token, int pos, float *logits);
+/* Pool accounting. */
+typedef struct {
+    int n_blocks;            /* blocks in the pool */
+    int blocks_used;         /* referenced by at least one sequence */
+    int blocks_free;         /* n_blocks - blocks_used */
+    int blocks_shared;       /* referenced by more than one sequence */
+    int block_tokens;
+    size_t block_bytes;      /* K + V of every layer of one block */
+    int n_seqs;              /* live sequences */
+} cb_engine_pool_stats_t;
+void cb_engine_pool_stats(const cb_engine_t *self, cb_engine_pool_stats_t *out);
 
-/* KV cache of layer l: [max_ctx][n_head_kv*head_dim] f32, row p = position p; K is post-RoPE.
- * Owned by the engine; callers may read and write rows (the blend fills reused rows here). */
-float *cb_engine_kcache(cb_engine_t *self, int layer);
-float *cb_engine_vcache(cb_engine_t *self, int layer);
+/* ---- sequences ---- */
+
+/* A new empty sequence (no blocks). NULL when out of host memory. Caller owns it (cb_seq_destroy), before
+ * the engine goes. */
+cb_seq_t *cb_seq_new(cb_engine_t *engine);
+/* Returns the sequence's blocks to the pool, frees it, nulls *self_p. NULL-safe. */
+void cb_seq_destroy(cb_seq_t **self_p);
+/* Returns every block (the sequence is empty again). */
+void cb_seq_clear(cb_seq_t *self);
+/* Drops the blocks past position n_pos (positions >= n_pos are forgotten). */
+void cb_seq_truncate(cb_seq_t *self, int n_pos);
+/* Positions the sequence's blocks cover (a multiple of block_tokens). */
+int cb_seq_capacity(const cb_seq_t *self);
+int cb_seq_blocks(const cb_seq_t *self);
+/* Makes the sequence own blocks for positions [0, n_pos) (n_pos <= max_ctx), and own exclusively (copied
+ * if shared) the blocks of positions [from, n_pos), so that writes there need no allocation and no copy
+ * (what a concurrent kv_load needs). CB_ENGINE_OK, _EINVAL or _EPOOL (then nothing changed). */
+int cb_seq_reserve(cb_seq_t *self, int from, int n_pos);
+/* dst (cleared first) takes src's KV of positions [0, n_pos): the whole blocks by reference, a last
+ * partial block copied. Both must be of one engine; n_pos <= cb_seq_capacity(src). Status as above. */
+int cb_seq_share(cb_seq_t *dst, const cb_seq_t *src, int n_pos);
+
+/* ---- whole passes ---- */
+
+/* Runs tokens [n] at positions pos0..pos0+n-1 of seq (any n >= 1; internally in ubatches of max_rows),
+ * writing K/V at those positions. Attention reads the sequence at positions [0, pos + 1): positions below
+ * pos0 must have been filled. logits [n_vocab] receives the last row's logits (NULL: skip the LM head).
+ * Returns CB_ENGINE_OK, _EINVAL (token out of range, n < 1, pos0 < 0, pos0 + n > max_ctx; nothing is
+ * computed) or _EPOOL (no block for the new positions; nothing is computed). */
+int cb_engine_prefill(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0, float *logits);
+/* The same, also capturing every layer's pre-RoPE K and its V of the n rows: cap_k[l], cap_v[l] (arrays of
+ * n_layer host pointers) each [n][n_head_kv*head_dim] f32 (chunk precompute). */
+int cb_engine_prefill_capture(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0,
+                              float *const *cap_k, float *const *cap_v, float *logits);
+/* One token at pos; logits [n_vocab] (may be NULL). Same as prefill with n = 1. */
+int cb_engine_decode(cb_engine_t *self, cb_seq_t *seq, int32_t token, int pos, float *logits);
 
 /* ---- layer-stage primitives (n <= cb_engine_max_rows rows per call; callers validate tokens) ---- */
+
+/* Host buffers for activations from the backend (zeroed; pinned memory on CUDA). NULL on failure. */
+void *cb_engine_alloc(cb_engine_t *self, size_t bytes);
+void cb_engine_free(cb_engine_t *self, void *p);
 
 /* x [n][n_embd] = embeddings of tokens [n] (each in 0..n_vocab-1). */
 void cb_engine_embed(cb_engine_t *self, const int32_t *tokens, int n, float *x);
 /* Attention RMSNorm of x, then the Q/K/V projections (no RoPE):
  *   x [n][n_embd] (read only); q [n][n_head*head_dim]; k, v [n][n_head_kv*head_dim]. */
 void cb_engine_layer_qkv(cb_engine_t *self, int layer, const float *x, int n, float *q, float *k, float *v);
-/* Attention of q (post-RoPE) [n][n_head*head_dim] against layer l's KV cache, row i over cache rows
- * [0, key_limit[i]) (1..max_ctx; exact causal = pos+1, never a bottom-right mask), then o_proj +
- * residual into x, FFN RMSNorm, SwiGLU MLP + residual into x:  x [n][n_embd] in/out. */
-void cb_engine_layer_attn_mlp(cb_engine_t *self, int layer, float *x, const float *q, int n,
+/* The model's RoPE in place: x [n][n_heads*head_dim], row i to position pos [n] (>= 0). Angles are computed
+ * in double, so rotating cached pre-RoPE K to any position is exact and matches the engine bit for bit. */
+void cb_engine_rope(cb_engine_t *self, float *x, int n, int n_heads, const int32_t *pos);
+/* Post-RoPE K and V rows k, v [n][n_head_kv*head_dim] into layer l of seq at positions pos [n] (copying a
+ * shared block first; allocating blocks up to the largest position). Status. */
+int cb_engine_kv_write(cb_engine_t *self, cb_seq_t *seq, int layer, const int32_t *pos, int n, const float *k,
+                       const float *v);
+/* A layer load: cached pre-RoPE K and V rows k, v [n][n_head_kv*head_dim] in dtype (host memory: a memory-
+ * tier entry, a KV file mapping) into layer l of seq at positions pos0..pos0+n-1, K rotated there. The
+ * positions must be reserved and owned (cb_seq_reserve): this call never allocates (see Threads). Status. */
+int cb_engine_kv_load(cb_engine_t *self, cb_seq_t *seq, int layer, int pos0, int n, const void *k, const void *v,
+                      cb_kv_dtype_t dtype);
+/* Layer l of seq at positions pos0..pos0+n-1 back as f32 (post-RoPE K): k, v [n][n_head_kv*head_dim] (either
+ * may be NULL). For tests and diagnostics. Status. */
+int cb_engine_kv_read(cb_engine_t *self, const cb_seq_t *seq, int layer, int pos0, int n, float *k, float *v);
+/* Attention of q (post-RoPE) [n][n_head*head_dim] against layer l of seq, row i over positions
+ * [0, key_limit[i]) (exact causal = pos+1, never a bottom-right mask; within the sequence's capacity), then
+ * o_proj + residual into x, FFN RMSNorm, SwiGLU MLP + residual into x:  x [n][n_embd] in/out. */
+void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
                               const int32_t *key_limit);
+/* Attention mass of q [n][n_head*head_dim] over layer l of seq (backend.h attn_mass): mass [>= max
+ * key_limit] accumulated. Status. */
+int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
+                        const int32_t *key_limit, float *mass);
+/* KV deviation (backend.h kv_deviation) of fresh [n][n_head_kv*head_dim] against cached row pointers [n]
+ * in dtype: dev [n]. Status. */
+int cb_engine_kv_deviation(cb_engine_t *self, int n, const float *fresh, const void *const *cached,
+                           cb_kv_dtype_t dtype, double *dev);
+/* Top-k (backend.h topk): out [min(k, n)]. Status. */
+int cb_engine_topk(cb_engine_t *self, int n, const double *score, int k, int32_t *out);
+/* Row compaction (backend.h compact_rows). */
+void cb_engine_compact_rows(cb_engine_t *self, float *x, size_t row_len, const int32_t *keep, int n_keep);
 /* Final RMSNorm + LM head of one row: x_row [n_embd] -> logits [n_vocab]. */
 void cb_engine_logits(cb_engine_t *self, const float *x_row, float *logits);
-
-/* NORM ("adjacent pair", llama GGUF; REFERENCE.md §6) RoPE in place: x [n][n_heads*head_dim], pair
- * (x[2i], x[2i+1]) of each head rotated by pos[r] * base^(-2i/head_dim). Angles are computed in
- * double, so rotating cached pre-RoPE K to any position is exact and matches the engine bit for bit. */
-void cb_rope(float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base);
 #endif

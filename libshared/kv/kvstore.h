@@ -1,0 +1,104 @@
+/* kvstore: where a chunk's KV comes from. Chunk keys, the precompute context's KV, and the walk
+ * memory tier -> KV file -> compute -> store that every user of chunk KV goes through (cb-blend's blend,
+ * cb-precompute's worker, the tools).
+ *
+ * A chunk is precomputed after a fixed precompute context P (positions |P|..|P|+n-1): per layer its
+ * pre-RoPE K and its V, stored as a KV file (format/kvfile.h) keyed by
+ *     cb_kvfile_key(model fingerprint, cb_kvfile_ctx_fp(model fingerprint, P), chunk tokens)
+ * and/or in the memory tier (kv/kvmem.h) under the same key. P's own KV is exact (nothing precedes it):
+ * the store computes it once per distinct context into an engine sequence (cb_kvstore_context_seq) whose
+ * blocks requests share by reference (cb_seq_share). A chunk is computed with a plain prefill of the
+ * chunk after P (cb_engine_prefill_capture on a sequence sharing P's blocks), rounded through the file
+ * dtype, so a chunk computed now gives exactly what the same chunk read back from its file gives.
+ *
+ * Lookup: memory tier (an entry that does not fit its key is dropped), then the KV file (header validated
+ * against model, context and tokens at open; payload checksums verified as layers are read); any miss
+ * reason makes the chunk be computed and stored (file + memory tier, when configured). Chunks decoded from
+ * files join the memory tier.
+ *
+ * Ownership: the engine, the memory tier (may be NULL) and kv_dir (may be NULL: no files) are borrowed and
+ * must outlive the store. One thread at a time; the store uses (and clears) sequences of its own in the
+ * engine's pool. Memory: the context's blocks in the pool, one chunk of f32 capture buffers while one is
+ * computed.
+ */
+#ifndef CB_KVSTORE_H
+#define CB_KVSTORE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/engine.h"
+#include "format/kvfile.h"
+#include "kv/kvmem.h"
+
+typedef struct cb_kvstore cb_kvstore_t;
+
+/* Where a chunk's KV was found. */
+typedef enum { CB_KVSTORE_MEM = 0, CB_KVSTORE_FILE, CB_KVSTORE_COMPUTED } cb_kvstore_src_t;
+const char *cb_kvstore_src_str(cb_kvstore_src_t s); /* "mem" | "file" | "computed" */
+
+/* A store over engine (borrowed). kv_dir: directory of chunk KV files (must exist; NULL = no file tier).
+ * mem: memory tier (borrowed; NULL = none). Files are written with dtype (CB_KV_F16 is the default
+ * choice). NULL + err on failure (bad dtype, kv_dir not a directory, model geometry outside the KV file
+ * limits, out of memory). Caller owns the result (cb_kvstore_destroy). */
+cb_kvstore_t *cb_kvstore_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t *mem, cb_kv_dtype_t dtype,
+                             char *err, size_t errlen);
+void cb_kvstore_destroy(cb_kvstore_t **self_p);
+
+cb_engine_t *cb_kvstore_engine(const cb_kvstore_t *self);
+cb_kvmem_t *cb_kvstore_mem(const cb_kvstore_t *self);
+cb_kv_dtype_t cb_kvstore_dtype(const cb_kvstore_t *self);
+
+/* Makes ctx [n_ctx] (n_ctx >= 1) the precompute context: its exact KV is computed (unless it is the current
+ * one) into the context sequence. 0, or -1 with err (bad tokens, pool exhausted, ...). */
+int cb_kvstore_set_context(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, char *err, size_t errlen);
+/* The current context: its sequence (positions [0, n)), its length (0 = none yet), its fingerprint. */
+const cb_seq_t *cb_kvstore_context_seq(const cb_kvstore_t *self);
+int cb_kvstore_context_len(const cb_kvstore_t *self);
+
+/* The chunk key of tokens [n] after ctx [n_ctx] under the engine's model (see above). */
+void cb_kvstore_chunk_key(const cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
+                          uint8_t key[32]);
+/* The path of key's KV file under kv_dir: the one place a KV file is named. 0, or -1 (no kv_dir, path too
+ * long). */
+int cb_kvstore_path(const cb_kvstore_t *self, const uint8_t key[32], char *path, size_t cap);
+
+/* A chunk resolved for one use: exactly one of entry (decoded f32, one reference) and file (an open,
+ * header-checked handle whose layers are read and verified by the user) is set. */
+typedef struct {
+    cb_kvstore_src_t src;
+    cb_kvmem_entry_t *entry;   /* MEM or COMPUTED: owned reference */
+    cb_kvfile_t *file;         /* FILE: owned handle */
+    cb_kv_miss_t why;          /* the miss reason that led to COMPUTED (CB_KV_OK otherwise) */
+    uint8_t key[32];
+} cb_kvstore_chunk_t;
+
+/* Resolves chunk tokens [n] after the current context (cb_kvstore_set_context first): memory tier, file,
+ * or computed now and stored (a failed store is logged; the chunk is used from memory). skip_cached: a
+ * file of this chunk failed mid-stream: forget the memory-tier entry, skip the file, recompute. 0, or -1
+ * with err. Release with cb_kvstore_chunk_release. */
+int cb_kvstore_resolve(cb_kvstore_t *self, const int32_t *tokens, int n, bool skip_cached, cb_kvstore_chunk_t *out,
+                       char *err, size_t errlen);
+void cb_kvstore_chunk_release(cb_kvstore_chunk_t *c);
+/* Caches entry (decoded from key's file) in the memory tier, if there is one. */
+void cb_kvstore_remember(cb_kvstore_t *self, const uint8_t key[32], cb_kvmem_entry_t *entry);
+
+/* Computes chunk tokens [n] after ctx [n_ctx] (positions n_ctx..n_ctx+n-1; n_ctx >= 1), capturing per layer
+ * its pre-RoPE K and V into a new entry (one reference, caller releases), rounded through the file dtype.
+ * When store is true the entry is also written as a KV file (if kv_dir) and put in the memory tier (if
+ * mem). NULL + err on failure (bad arguments, pool exhausted, out of memory, a failed file write when store
+ * is true). */
+cb_kvmem_entry_t *cb_kvstore_compute(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens,
+                                     int n, bool store, char *err, size_t errlen);
+
+/* Makes sure the KV of chunk tokens [n] after ctx [n_ctx] is available: memory-tier hit, or a KV file that
+ * opens and verifies (every checksum) against this model, context and tokens; otherwise (any miss reason,
+ * in *why when why is not NULL) computes it and stores it. *src (may be NULL) says which. 0, or -1 + err. */
+int cb_kvstore_ensure(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
+                      cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen);
+/* The same, returning the chunk's decoded KV (a new reference the caller releases): from the memory tier,
+ * or decoded from its file (then put in the memory tier), or computed and stored. NULL + err on failure. */
+cb_kvmem_entry_t *cb_kvstore_load(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
+                                  cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen);
+#endif
