@@ -10,6 +10,7 @@
  * the string-array offset tables, the key copies and the tensor table with its name copies.
  */
 #include "format/gguf.h"
+#include "base/err.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -526,7 +527,7 @@ static bool parse(cb_gguf_t *self, rd_t *r) {
 static cb_gguf_t *open_buf(const uint8_t *buf, size_t len, bool mapped, char *err, size_t errlen) {
     cb_gguf_t *self = calloc(1, sizeof *self);
     if (!self) {
-        if (err && errlen) snprintf(err, errlen, "gguf: out of memory");
+        cb_set_err(err, errlen, "gguf: out of memory");
         if (mapped) munmap((void *)buf, len);
         return NULL;
     }
@@ -554,23 +555,23 @@ cb_gguf_t *cb_gguf_open_mem(const void *buf, size_t len, char *err, size_t errle
 cb_gguf_t *cb_gguf_open(const char *path, char *err, size_t errlen) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
-        if (err && errlen) snprintf(err, errlen, "gguf: cannot open %s: %s", path, strerror(errno));
+        cb_set_err(err, errlen, "gguf: cannot open %s: %s", path, strerror(errno));
         return NULL;
     }
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        if (err && errlen) snprintf(err, errlen, "gguf: %s is not a regular file", path);
+        cb_set_err(err, errlen, "gguf: %s is not a regular file", path);
         close(fd);
         return NULL;
     }
     if (st.st_size < 24) {
-        if (err && errlen) snprintf(err, errlen, "gguf: %s: file too small for a GGUF header (%lld bytes)", path,
-                                    (long long)st.st_size);
+        cb_set_err(err, errlen, "gguf: %s: file too small for a GGUF header (%lld bytes)", path,
+                   (long long)st.st_size);
         close(fd);
         return NULL;
     }
     if ((uint64_t)st.st_size > SIZE_MAX) {
-        if (err && errlen) snprintf(err, errlen, "gguf: %s: file too large to map", path);
+        cb_set_err(err, errlen, "gguf: %s: file too large to map", path);
         close(fd);
         return NULL;
     }
@@ -579,12 +580,12 @@ cb_gguf_t *cb_gguf_open(const char *path, char *err, size_t errlen) {
     int e = errno;
     close(fd);
     if (map == MAP_FAILED) {
-        if (err && errlen) snprintf(err, errlen, "gguf: cannot mmap %s: %s", path, strerror(e));
+        cb_set_err(err, errlen, "gguf: cannot mmap %s: %s", path, strerror(e));
         return NULL;
     }
     char local[512];
     cb_gguf_t *self = open_buf(map, size, true, local, sizeof local);
-    if (!self && err && errlen) snprintf(err, errlen, "%s: %s", path, local);
+    if (!self) cb_set_err(err, errlen, "%s: %s", path, local);
     return self;
 }
 

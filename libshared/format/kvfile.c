@@ -9,6 +9,7 @@
  * Fails with a miss reason and a message; nothing asserts on file content.
  */
 #include "format/kvfile.h"
+#include "base/err.h"
 #include "format/quant.h"
 
 #include <dirent.h>
@@ -98,15 +99,6 @@ static pthread_once_t g_sodium_once = PTHREAD_ONCE_INIT;
 /* sodium_init only selects faster implementations; BLAKE2b works without it, so a failure is not fatal. */
 static void sodium_once(void) {
     if (sodium_init() < 0) return; /* keep the portable implementation */
-}
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
 }
 
 static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -292,12 +284,12 @@ static void convert_in(const uint8_t *src, float *dst, size_t n, uint32_t dtype)
 static int check_write_args(const char *path, const cb_kv_meta_t *meta, const int32_t *tokens, int n_tokens,
                             const void *k, const void *v, char *err, size_t errlen) {
     if (!path || !*path || !meta || !tokens || !k || !v) {
-        set_err(err, errlen, "kvfile write: NULL argument");
+        cb_set_err(err, errlen, "kvfile write: NULL argument");
         return -1;
     }
     if (!geometry_ok(meta->n_layer, meta->n_head_kv, meta->head_dim, n_tokens) || !dtype_size(meta->dtype)) {
-        set_err(err, errlen, "kvfile write: bad geometry or dtype (layers %d, kv heads %d, head_dim %d, "
-                "tokens %d, dtype %d)", meta->n_layer, meta->n_head_kv, meta->head_dim, n_tokens, (int)meta->dtype);
+        cb_set_err(err, errlen, "kvfile write: bad geometry or dtype (layers %d, kv heads %d, head_dim %d, "
+                   "tokens %d, dtype %d)", meta->n_layer, meta->n_head_kv, meta->head_dim, n_tokens, (int)meta->dtype);
         return -1;
     }
     return 0;
@@ -309,14 +301,14 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
     if (check_write_args(path, meta, tokens, n_tokens, k_layers, v_layers, err, errlen)) return -1;
     for (int l = 0; l < meta->n_layer; l++) {
         if (!k_layers[l] || !v_layers[l]) {
-            set_err(err, errlen, "kvfile write: NULL layer pointer (layer %d)", l);
+            cb_set_err(err, errlen, "kvfile write: NULL layer pointer (layer %d)", l);
             return -1;
         }
     }
     char dir[PATH_MAX];
     const char *base = split_path(path, dir, sizeof dir);
     if (strlen(path) + 40 >= PATH_MAX || !*base) {
-        set_err(err, errlen, "kvfile write: bad path '%s'", path);
+        cb_set_err(err, errlen, "kvfile write: bad path '%s'", path);
         return -1;
     }
     char tmp[PATH_MAX];
@@ -332,14 +324,14 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
     fd = open(tmp, fd_flags, 0644);
     if (fd < 0 && errno == ENOENT && ensure_dir(dir) == 0) fd = open(tmp, fd_flags, 0644);
     if (fd < 0) {
-        set_err(err, errlen, "kvfile write: cannot create %s: %s", tmp, strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: cannot create %s: %s", tmp, strerror(errno));
         return -1;
     }
     stage = aligned_alloc(KV_LAYER_ALIGN, (size_t)lay.layer_stride);
     metabuf = calloc(1, (size_t)lay.meta_bytes);
     if (!stage || !metabuf) {
-        set_err(err, errlen, "kvfile write: out of memory (%llu bytes per layer)",
-                (unsigned long long)lay.layer_stride);
+        cb_set_err(err, errlen, "kvfile write: out of memory (%llu bytes per layer)",
+                   (unsigned long long)lay.layer_stride);
         goto fail;
     }
     /* Meta region: tokens (int32 LE), zero pad to 8, then the layer checksums (u64 LE). */
@@ -352,7 +344,7 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
         convert_out(v_layers[l], stage + lay.v_offset, n_elem, (uint32_t)meta->dtype);
         sums[l] = XXH3_64bits(stage, (size_t)lay.layer_stride);
         if (pwrite_all(fd, stage, (size_t)lay.layer_stride, lay.payload_offset + (uint64_t)l * lay.layer_stride)) {
-            set_err(err, errlen, "kvfile write: %s: %s", tmp, strerror(errno));
+            cb_set_err(err, errlen, "kvfile write: %s: %s", tmp, strerror(errno));
             goto fail;
         }
     }
@@ -379,34 +371,34 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
     h.meta_checksum = XXH3_64bits(metabuf, (size_t)lay.meta_bytes);
     h.header_checksum = XXH3_64bits(&h, offsetof(kv_header_t, header_checksum));
     if (pwrite_all(fd, metabuf, (size_t)lay.meta_bytes, KV_HEADER_SIZE) || pwrite_all(fd, &h, sizeof h, 0)) {
-        set_err(err, errlen, "kvfile write: %s: %s", tmp, strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: %s: %s", tmp, strerror(errno));
         goto fail;
     }
     if (fsync(fd) != 0) {
-        set_err(err, errlen, "kvfile write: fsync %s: %s (disk tier degraded; do not retry)", tmp, strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: fsync %s: %s (disk tier degraded; do not retry)", tmp, strerror(errno));
         rc = -2;
         goto fail;
     }
     int cfd = fd;
     fd = -1;
     if (close(cfd) != 0) {
-        set_err(err, errlen, "kvfile write: close %s: %s (disk tier degraded)", tmp, strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: close %s: %s (disk tier degraded)", tmp, strerror(errno));
         rc = -2;
         goto fail;
     }
     if (atomic_load(&g_stop_before_rename)) {
-        set_err(err, errlen, "kvfile write: stopped before rename (test hook); %s left behind", tmp);
+        cb_set_err(err, errlen, "kvfile write: stopped before rename (test hook); %s left behind", tmp);
         free(stage);
         free(metabuf);
         return -1;
     }
     if (rename(tmp, path) != 0) {
-        set_err(err, errlen, "kvfile write: rename %s -> %s: %s", tmp, path, strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: rename %s -> %s: %s", tmp, path, strerror(errno));
         goto fail;
     }
     if (fsync_dir(dir) != 0) {
-        set_err(err, errlen, "kvfile write: fsync of directory %s: %s (disk tier degraded; do not retry)", dir,
-                strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: fsync of directory %s: %s (disk tier degraded; do not retry)", dir,
+                   strerror(errno));
         unlink(path);
         free(stage);
         free(metabuf);
@@ -446,7 +438,7 @@ static int is_tmp_name(const char *name) {
 static int sweep_one(const char *dir, double min_age_s, int recurse, int *removed, char *err, size_t errlen) {
     DIR *d = opendir(dir);
     if (!d) {
-        set_err(err, errlen, "kvfile sweep: %s: %s", dir, strerror(errno));
+        cb_set_err(err, errlen, "kvfile sweep: %s: %s", dir, strerror(errno));
         return -1;
     }
     time_t now = time(NULL);
@@ -473,7 +465,7 @@ static int sweep_one(const char *dir, double min_age_s, int recurse, int *remove
 
 int cb_kvfile_sweep_tmp(const char *kv_dir, double min_age_s, char *err, size_t errlen) {
     if (!kv_dir) {
-        set_err(err, errlen, "kvfile sweep: NULL directory");
+        cb_set_err(err, errlen, "kvfile sweep: NULL directory");
         return -1;
     }
     int removed = 0;

@@ -7,12 +7,12 @@
 #include "model/model.h"
 
 #include <sodium.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu/cpu_ops.h"
+#include "base/err.h"
 #include "base/log.h"
 #include "format/quant.h"
 
@@ -34,15 +34,6 @@ struct cb_model {
     uint8_t fingerprint[32];
 };
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || !errlen) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 /* ---------------------------------------------------------------- metadata */
 
 /* Reads "<arch>.<suffix>" as a positive int bounded by max. Returns 1 found, 0 absent, -1 bad. */
@@ -53,7 +44,7 @@ static int get_dim(const cb_gguf_t *g, const char *arch, const char *suffix, int
     if (!cb_gguf_has(g, key)) return 0;
     int64_t v;
     if (!cb_gguf_get_i64(g, key, &v) || v < 1 || v > max) {
-        set_err(err, errlen, "metadata %s: not an integer in 1..%d", key, max);
+        cb_set_err(err, errlen, "metadata %s: not an integer in 1..%d", key, max);
         return -1;
     }
     *out = (int)v;
@@ -63,7 +54,7 @@ static int get_dim(const cb_gguf_t *g, const char *arch, const char *suffix, int
 static bool need_dim(const cb_gguf_t *g, const char *arch, const char *suffix, int max, int *out,
                      char *err, size_t errlen) {
     int r = get_dim(g, arch, suffix, max, out, err, errlen);
-    if (r == 0) set_err(err, errlen, "metadata %s.%s is missing", arch, suffix);
+    if (r == 0) cb_set_err(err, errlen, "metadata %s.%s is missing", arch, suffix);
     return r == 1;
 }
 
@@ -109,12 +100,12 @@ static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t
     const char *s;
     size_t len;
     if (!cb_gguf_get_str(g, "general.architecture", &s, &len)) {
-        set_err(err, errlen, "metadata general.architecture is missing");
+        cb_set_err(err, errlen, "metadata general.architecture is missing");
         return false;
     }
     if (len != 5 || memcmp(s, "llama", 5) != 0) {
-        set_err(err, errlen, "unsupported architecture '%.*s' (only 'llama' is implemented)",
-                (int)(len < 64 ? len : 64), s);
+        cb_set_err(err, errlen, "unsupported architecture '%.*s' (only 'llama' is implemented)",
+                   (int)(len < 64 ? len : 64), s);
         return false;
     }
     memcpy(hp->arch, "llama", 6);
@@ -128,14 +119,14 @@ static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t
     char key[160];
     snprintf(key, sizeof key, "%s.attention.head_count_kv", a);
     if (cb_gguf_has(g, key) && !cb_gguf_get_i64(g, key, &(int64_t){0})) {
-        set_err(err, errlen, "metadata %s: must be one integer (per-layer arrays are not supported)", key);
+        cb_set_err(err, errlen, "metadata %s: must be one integer (per-layer arrays are not supported)", key);
         return false;
     }
     int r = get_dim(g, a, "attention.head_count_kv", MAX_DIM, &hp->n_head_kv, err, errlen);
     if (r < 0) return false;
     if (r == 0) hp->n_head_kv = hp->n_head;
     if (hp->n_embd % hp->n_head != 0) {
-        set_err(err, errlen, "n_embd %d is not a multiple of head_count %d", hp->n_embd, hp->n_head);
+        cb_set_err(err, errlen, "n_embd %d is not a multiple of head_count %d", hp->n_embd, hp->n_head);
         return false;
     }
     hp->head_dim = hp->n_embd / hp->n_head;
@@ -144,30 +135,30 @@ static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t
         get_dim(g, a, "attention.value_length", MAX_DIM, &vl, err, errlen) < 0)
         return false;
     if (kl != vl) {
-        set_err(err, errlen, "attention.key_length %d != value_length %d: not supported", kl, vl);
+        cb_set_err(err, errlen, "attention.key_length %d != value_length %d: not supported", kl, vl);
         return false;
     }
     hp->head_dim = kl;
     if (hp->head_dim % 2 != 0 || hp->head_dim > 1024) {
-        set_err(err, errlen, "head_dim %d is not supported (must be even and at most 1024)", hp->head_dim);
+        cb_set_err(err, errlen, "head_dim %d is not supported (must be even and at most 1024)", hp->head_dim);
         return false;
     }
     if (hp->n_head % hp->n_head_kv != 0) {
-        set_err(err, errlen, "head_count %d is not a multiple of head_count_kv %d", hp->n_head, hp->n_head_kv);
+        cb_set_err(err, errlen, "head_count %d is not a multiple of head_count_kv %d", hp->n_head, hp->n_head_kv);
         return false;
     }
     hp->n_rot = hp->head_dim;
     r = get_dim(g, a, "rope.dimension_count", MAX_DIM, &hp->n_rot, err, errlen);
     if (r < 0) return false;
     if (hp->n_rot != hp->head_dim) {
-        set_err(err, errlen, "rope.dimension_count %d != head_dim %d: partial rotary is not supported",
-                hp->n_rot, hp->head_dim);
+        cb_set_err(err, errlen, "rope.dimension_count %d != head_dim %d: partial rotary is not supported",
+                   hp->n_rot, hp->head_dim);
         return false;
     }
     hp->rope_base = 10000.0f;
     snprintf(key, sizeof key, "%s.rope.freq_base", a);
     if (cb_gguf_has(g, key) && (!cb_gguf_get_f32(g, key, &hp->rope_base) || !(hp->rope_base > 1.0f))) {
-        set_err(err, errlen, "metadata %s: must be a float > 1", key);
+        cb_set_err(err, errlen, "metadata %s: must be a float > 1", key);
         return false;
     }
     snprintf(key, sizeof key, "%s.rope.scaling.type", a);
@@ -175,13 +166,13 @@ static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t
         float factor = 1.0f;
         snprintf(key, sizeof key, "%s.rope.scaling.factor", a);
         if (!cb_gguf_get_f32(g, key, &factor) || factor != 1.0f) {
-            set_err(err, errlen, "RoPE scaling '%.*s' is not supported", (int)(len < 32 ? len : 32), s);
+            cb_set_err(err, errlen, "RoPE scaling '%.*s' is not supported", (int)(len < 32 ? len : 32), s);
             return false;
         }
     }
     snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", a);
     if (!cb_gguf_get_f32(g, key, &hp->rms_eps) || !(hp->rms_eps > 0.0f) || hp->rms_eps > 1.0f) {
-        set_err(err, errlen, "metadata %s is missing or not a float in (0, 1]", key);
+        cb_set_err(err, errlen, "metadata %s is missing or not a float in (0, 1]", key);
         return false;
     }
     hp->rope_type = CB_ROPE_NORM; /* llama GGUF: adjacent pairs (the converter permuted Q and K) */
@@ -190,7 +181,7 @@ static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t
     size_t count;
     if (!cb_gguf_get_arr(g, "tokenizer.ggml.tokens", &et, &count) || et != CB_GGUF_STRING || count == 0 ||
         count > (size_t)MAX_DIM * 4) {
-        set_err(err, errlen, "metadata tokenizer.ggml.tokens is missing or not a non-empty string array");
+        cb_set_err(err, errlen, "metadata tokenizer.ggml.tokens is missing or not a non-empty string array");
         return false;
     }
     hp->n_vocab = (int)count;
@@ -198,7 +189,7 @@ static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t
     r = get_dim(g, a, "vocab_size", 1 << 24, &vs, err, errlen);
     if (r < 0) return false;
     if (r == 1 && vs != hp->n_vocab) {
-        set_err(err, errlen, "%s.vocab_size %d != %d tokens in tokenizer.ggml.tokens", a, vs, hp->n_vocab);
+        cb_set_err(err, errlen, "%s.vocab_size %d != %d tokens in tokenizer.ggml.tokens", a, vs, hp->n_vocab);
         return false;
     }
     hp->bos_id = opt_token_id(g, "tokenizer.ggml.bos_token_id", hp->n_vocab);
@@ -216,7 +207,7 @@ static const cb_gguf_tensor_t *need_tensor(const cb_gguf_t *g, const char *name,
                                            char *err, size_t errlen) {
     const cb_gguf_tensor_t *t = cb_gguf_find_tensor(g, name);
     if (!t) {
-        set_err(err, errlen, "tensor %s is missing", name);
+        cb_set_err(err, errlen, "tensor %s is missing", name);
         return NULL;
     }
     uint32_t want_dims = ne1 ? 2 : 1;
@@ -226,20 +217,20 @@ static const cb_gguf_tensor_t *need_tensor(const cb_gguf_t *g, const char *name,
         char want[64];
         if (ne1) snprintf(want, sizeof want, "[%lld, %lld]", (long long)ne0, (long long)ne1);
         else snprintf(want, sizeof want, "[%lld]", (long long)ne0);
-        set_err(err, errlen, "tensor %s has shape [%lld, %lld, %lld, %lld] (%u dims), expected %s", name,
-                (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3], t->n_dims,
-                want);
+        cb_set_err(err, errlen, "tensor %s has shape [%lld, %lld, %lld, %lld] (%u dims), expected %s", name,
+                   (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3], t->n_dims,
+                   want);
         return NULL;
     }
     if (ne1 == 0 && !is_norm_type(t->type)) {
-        set_err(err, errlen, "tensor %s has type %s; a norm vector must be F32, F16 or BF16", name,
-                cb_type_name(t->type));
+        cb_set_err(err, errlen, "tensor %s has type %s; a norm vector must be F32, F16 or BF16", name,
+                   cb_type_name(t->type));
         return NULL;
     }
     size_t be = cb_type_block_elems(t->type);
     if (be == 0 || ne0 % (int64_t)be != 0) {
-        set_err(err, errlen, "tensor %s: type %s not supported for a row of %lld elements", name,
-                cb_type_name(t->type), (long long)ne0);
+        cb_set_err(err, errlen, "tensor %s: type %s not supported for a row of %lld elements", name,
+                   cb_type_name(t->type), (long long)ne0);
         return NULL;
     }
     return t;
@@ -255,12 +246,12 @@ static bool load_norm(cb_model_t *m, const cb_gguf_t *g, const char *name, const
     }
     float *c = malloc(sizeof(float) * (size_t)m->hp.n_embd);
     if (!c) {
-        set_err(err, errlen, "out of memory");
+        cb_set_err(err, errlen, "out of memory");
         return false;
     }
     m->norm_copies[m->n_norm_copies++] = c;
     if (!cb_dequant(t->type, t->data, c, (size_t)m->hp.n_embd)) {
-        set_err(err, errlen, "tensor %s: cannot convert type %s", name, cb_type_name(t->type));
+        cb_set_err(err, errlen, "tensor %s: cannot convert type %s", name, cb_type_name(t->type));
         return false;
     }
     *out = c;
@@ -279,7 +270,8 @@ static bool set_weight(cb_weight_t *w, const cb_gguf_t *g, const char *name, int
     w->row_bytes = (size_t)cols / cb_type_block_elems(t->type) * cb_type_block_bytes(t->type);
     w->f32 = NULL;
     if (w->row_bytes * (size_t)rows != t->nbytes) {
-        set_err(err, errlen, "tensor %s: %zu data bytes, expected %zu", name, t->nbytes, w->row_bytes * (size_t)rows);
+        cb_set_err(err, errlen, "tensor %s: %zu data bytes, expected %zu", name, t->nbytes,
+                   w->row_bytes * (size_t)rows);
         return false;
     }
     return true;
@@ -299,13 +291,13 @@ static bool check_known_tensors(const cb_gguf_t *g, int n_layer, char *err, size
         bool ok = false;
         if (sscanf(name, "blk.%d.%n", &l, &off) == 1 && off > 0 && l >= 0 && l < n_layer) {
             for (size_t k = 0; k < sizeof per_layer / sizeof per_layer[0]; k++) {
-                size_t n = strlen(per_layer[k]);
-                if (!strncmp(name + off, per_layer[k], n) && !strcmp(name + off + n, ".weight")) ok = true;
+                   size_t n = strlen(per_layer[k]);
+                   if (!strncmp(name + off, per_layer[k], n) && !strcmp(name + off + n, ".weight")) ok = true;
             }
         }
         if (!ok) {
-            set_err(err, errlen, "unsupported tensor %s (this engine implements the plain llama graph: no biases, "
-                    "no rope_freqs, no extra layers)", name);
+            cb_set_err(err, errlen, "unsupported tensor %s (this engine implements the plain llama graph: no biases, "
+                       "no rope_freqs, no extra layers)", name);
             return false;
         }
     }
@@ -405,8 +397,8 @@ static void fill_scales(cb_weight_t *w, float *dst) {
             memcpy(&h, src, 2);
             d[(size_t)r * nb + b] = cb_f16_to_f32(h);
             if (mn) {
-                memcpy(&h, src + 2, 2);
-                mn[(size_t)r * nb + b] = cb_f16_to_f32(h);
+                   memcpy(&h, src + 2, 2);
+                   mn[(size_t)r * nb + b] = cb_f16_to_f32(h);
             }
         }
     }
@@ -452,7 +444,7 @@ static bool dequant_weight(cb_weight_t *w, float *dst, char *err, size_t errlen)
         for (int r = 0; r < w->rows; r++) cb_cpu_dequant_row(w, r, dst + (size_t)r * w->cols);
     }
     if (!ok) {
-        set_err(err, errlen, "tensor %s: cannot dequantize type %s", w->name, cb_type_name(w->type));
+        cb_set_err(err, errlen, "tensor %s: cannot dequantize type %s", w->name, cb_type_name(w->type));
         return false;
     }
     w->f32 = dst;
@@ -463,12 +455,12 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
     char gerr[256] = "";
     cb_model_t *m = calloc(1, sizeof *m);
     if (!m) {
-        set_err(err, errlen, "out of memory");
+        cb_set_err(err, errlen, "out of memory");
         return NULL;
     }
     m->gguf = cb_gguf_open(path, gerr, sizeof gerr);
     if (!m->gguf) {
-        set_err(err, errlen, "%s: %s", path, gerr);
+        cb_set_err(err, errlen, "%s: %s", path, gerr);
         goto fail;
     }
     const cb_gguf_t *g = m->gguf;
@@ -480,7 +472,7 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
     m->norm_copies = calloc((size_t)hp->n_layer * 2 + 1, sizeof *m->norm_copies);
     if (!m->layers || !m->norm_copies) {
-        set_err(err, errlen, "out of memory");
+        cb_set_err(err, errlen, "out of memory");
         goto fail;
     }
     if (!set_weight(&m->tok_embd, g, "token_embd.weight", hp->n_vocab, E, err, errlen)) goto fail;
@@ -515,12 +507,12 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
     size_t per_layer = (size_t)E * (QD + 2 * KVD) + (size_t)QD * E + (size_t)E * F * 3;
     m->arena_floats = per_layer * (size_t)hp->n_layer;
     if (m->arena_floats > ((size_t)1 << 40) / sizeof(float)) {
-        set_err(err, errlen, "model too large");
+        cb_set_err(err, errlen, "model too large");
         goto fail;
     }
     m->arena = cb_cpu_alloc_huge(m->arena_floats * sizeof(float), false);
     if (!m->arena) {
-        set_err(err, errlen, "out of memory for %zu MB of f32 weights", m->arena_floats * 4 >> 20);
+        cb_set_err(err, errlen, "out of memory for %zu MB of f32 weights", m->arena_floats * 4 >> 20);
         goto fail;
     }
     float *p = m->arena;
@@ -533,11 +525,11 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
         }
     }
     if (!build_scales(m)) {
-        set_err(err, errlen, "out of memory for block scales");
+        cb_set_err(err, errlen, "out of memory for block scales");
         goto fail;
     }
     if (compute_fingerprint(m) != 0) {
-        set_err(err, errlen, "libsodium initialisation failed");
+        cb_set_err(err, errlen, "libsodium initialisation failed");
         goto fail;
     }
     CB_DEBUG("model %s: %d layers, n_embd %d, %d/%d heads, head_dim %d, n_ff %d, vocab %d, rope base %g, "

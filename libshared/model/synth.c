@@ -5,25 +5,17 @@
 
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "base/err.h"
+#include "base/utf8.h"
 #include "format/quant.h"
 
 #define SYN_ALIGN 32
 #define SYN_PIECE 65536 /* elements generated per step (a multiple of every block size) */
-
-static void syn_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void syn_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || !errlen) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 /* ---------------------------------------------------------------- shapes */
 
@@ -54,38 +46,40 @@ bool cb_synth_shape_named(const char *name, cb_synth_shape_t *out) {
 
 bool cb_synth_shape_check(const cb_synth_shape_t *s, cb_synth_dtype_t dtype, char *err, size_t errlen) {
     if (!s) {
-        syn_err(err, errlen, "synth: no shape");
+        cb_set_err(err, errlen, "synth: no shape");
         return false;
     }
     if (s->n_layer < 1 || s->n_layer > 1024 || s->n_embd < 2 || s->n_embd > 65536 || s->n_head < 1 ||
         s->n_head > 1024 || s->n_head_kv < 1 || s->n_ff < 1 || s->n_ff > 1 << 20 || s->n_ctx < 1 ||
         s->n_vocab > 1 << 22) {
-        syn_err(err, errlen, "synth: dimension out of range (layers %d, dim %d, heads %d/%d, ffn %d, vocab %d, ctx %d)",
-                s->n_layer, s->n_embd, s->n_head, s->n_head_kv, s->n_ff, s->n_vocab, s->n_ctx);
+        cb_set_err(err, errlen,
+                   "synth: dimension out of range (layers %d, dim %d, heads %d/%d, ffn %d, vocab %d, ctx %d)",
+                   s->n_layer, s->n_embd, s->n_head, s->n_head_kv, s->n_ff, s->n_vocab, s->n_ctx);
         return false;
     }
     if (s->n_vocab < SYN_N_BASE) {
-        syn_err(err, errlen, "synth: vocab %d is smaller than the %d special and byte tokens", s->n_vocab, SYN_N_BASE);
+        cb_set_err(err, errlen, "synth: vocab %d is smaller than the %d special and byte tokens", s->n_vocab,
+                   SYN_N_BASE);
         return false;
     }
     if (s->n_embd % s->n_head || (s->n_embd / s->n_head) % 2) {
-        syn_err(err, errlen, "synth: dim %d must split into %d heads of an even size", s->n_embd, s->n_head);
+        cb_set_err(err, errlen, "synth: dim %d must split into %d heads of an even size", s->n_embd, s->n_head);
         return false;
     }
     if (s->n_head % s->n_head_kv) {
-        syn_err(err, errlen, "synth: heads %d is not a multiple of kv heads %d", s->n_head, s->n_head_kv);
+        cb_set_err(err, errlen, "synth: heads %d is not a multiple of kv heads %d", s->n_head, s->n_head_kv);
         return false;
     }
     if (dtype == CB_SYNTH_Q4_1 && (s->n_embd % 32 || s->n_ff % 32)) {
-        syn_err(err, errlen, "synth: q4_1 needs dim and ffn divisible by 32 (dim %d, ffn %d)", s->n_embd, s->n_ff);
+        cb_set_err(err, errlen, "synth: q4_1 needs dim and ffn divisible by 32 (dim %d, ffn %d)", s->n_embd, s->n_ff);
         return false;
     }
     if (!(s->rope_base > 1.0f) || !(s->rms_eps > 0.0f) || s->rms_eps > 1.0f) {
-        syn_err(err, errlen, "synth: rope base must be > 1 and eps in (0, 1]");
+        cb_set_err(err, errlen, "synth: rope base must be > 1 and eps in (0, 1]");
         return false;
     }
     if (dtype != CB_SYNTH_BF16 && dtype != CB_SYNTH_Q4_1 && dtype != CB_SYNTH_F32) {
-        syn_err(err, errlen, "synth: unknown dtype %d", (int)dtype);
+        cb_set_err(err, errlen, "synth: unknown dtype %d", (int)dtype);
         return false;
     }
     return true;
@@ -287,15 +281,6 @@ static int syn_byte_cp(int b) {
         if (!((c >= 0x21 && c <= 0x7E) || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE && c <= 0xFF))) k++;
     return 256 + k;
 }
-static size_t syn_utf8(int cp, char *out) {
-    if (cp < 0x80) {
-        out[0] = (char)cp;
-        return 1;
-    }
-    out[0] = (char)(0xC0 | (cp >> 6));
-    out[1] = (char)(0x80 | (cp & 0x3F));
-    return 2;
-}
 
 /* Merges as "left right" in the byte-level alphabet; "G" stands for the space symbol U+0120. */
 static const char *const SYN_MERGES[] = {
@@ -311,7 +296,7 @@ static const char *const SYN_MERGES[] = {
 static size_t syn_expand(const char *in, char *out) {
     size_t n = 0;
     for (; *in; in++) {
-        if (*in == 'G') n += syn_utf8(0x120, out + n);
+        if (*in == 'G') n += cb_utf8_encode(0x120, (unsigned char *)out + n);
         else out[n++] = *in;
     }
     out[n] = 0;
@@ -340,7 +325,7 @@ static void syn_write_vocab(syn_w_t *w, const cb_synth_shape_t *s) {
             n = strlen(special[i]);
             memcpy(buf, special[i], n);
         } else if (i < SYN_N_BASE) {
-            n = syn_utf8(syn_byte_cp(i - SYN_N_SPECIAL), buf);
+            n = cb_utf8_encode((uint32_t)syn_byte_cp(i - SYN_N_SPECIAL), (unsigned char *)buf);
         } else if (i < SYN_N_BASE + n_merge) {
             /* the merged token: the merge text without its separating space (split after position 0) */
             size_t m = syn_expand(SYN_MERGES[i - SYN_N_BASE], tmp);
@@ -478,7 +463,7 @@ static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt,
     int max_t = 3 + 9 * s->n_layer;
     syn_tensor_t *t = calloc((size_t)max_t, sizeof *t);
     if (!t) {
-        syn_err(err, errlen, "synth: out of memory");
+        cb_set_err(err, errlen, "synth: out of memory");
         return false;
     }
     int nt = syn_list(s, dt, t);
@@ -531,7 +516,7 @@ static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt,
         if (!syn_write_data(w, s, seed, &t[i])) break;
     free(t);
     if (w->failed) {
-        syn_err(err, errlen, "synth: %s", w->f ? strerror(errno ? errno : EIO) : "out of memory");
+        cb_set_err(err, errlen, "synth: %s", w->f ? strerror(errno ? errno : EIO) : "out of memory");
         return false;
     }
     return true;
@@ -540,34 +525,34 @@ static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt,
 int cb_synth_write(const char *path, const cb_synth_shape_t *s, cb_synth_dtype_t dtype, uint64_t seed, char *err,
                    size_t errlen) {
     if (!path || !cb_synth_shape_check(s, dtype, err, errlen)) {
-        if (!path) syn_err(err, errlen, "synth: no output path");
+        if (!path) cb_set_err(err, errlen, "synth: no output path");
         return -1;
     }
     size_t pl = strlen(path);
     char *tmp = malloc(pl + 16);
     if (!tmp) {
-        syn_err(err, errlen, "synth: out of memory");
+        cb_set_err(err, errlen, "synth: out of memory");
         return -1;
     }
     snprintf(tmp, pl + 16, "%s.tmp%d", path, (int)getpid());
     syn_w_t w = {0};
     w.f = fopen(tmp, "wb");
     if (!w.f) {
-        syn_err(err, errlen, "synth: cannot create %s: %s", tmp, strerror(errno));
+        cb_set_err(err, errlen, "synth: cannot create %s: %s", tmp, strerror(errno));
         free(tmp);
         return -1;
     }
     bool ok = syn_emit(&w, s, dtype, seed, err, errlen);
     if (fflush(w.f) != 0 || fsync(fileno(w.f)) != 0) {
-        if (ok) syn_err(err, errlen, "synth: writing %s: %s", tmp, strerror(errno));
+        if (ok) cb_set_err(err, errlen, "synth: writing %s: %s", tmp, strerror(errno));
         ok = false;
     }
     if (fclose(w.f) != 0 && ok) {
-        syn_err(err, errlen, "synth: closing %s: %s", tmp, strerror(errno));
+        cb_set_err(err, errlen, "synth: closing %s: %s", tmp, strerror(errno));
         ok = false;
     }
     if (ok && rename(tmp, path) != 0) {
-        syn_err(err, errlen, "synth: rename %s -> %s: %s", tmp, path, strerror(errno));
+        cb_set_err(err, errlen, "synth: rename %s -> %s: %s", tmp, path, strerror(errno));
         ok = false;
     }
     if (!ok) unlink(tmp);

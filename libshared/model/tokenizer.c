@@ -25,7 +25,9 @@
 #include <string.h>
 #include <xxhash.h>
 
+#include "base/err.h"
 #include "base/log.h"
+#include "base/utf8.h"
 
 #define MAX_VOCAB (1 << 24)
 #define MAX_MERGES (1 << 24)
@@ -94,10 +96,6 @@ struct cb_tokenizer {
 /* ---------------------------------------------------------------------------------------------- */
 /* small helpers */
 
-static void set_err(char *err, size_t errlen, const char *fmt, const char *a) {
-    if (err && errlen) snprintf(err, errlen, fmt, a);
-}
-
 static void *xcalloc(size_t n, size_t sz) {
     if (n == 0) n = 1;
     void *p = calloc(n, sz);
@@ -112,22 +110,6 @@ static size_t pow2_at_least(size_t n) {
     size_t c = 16;
     while (c < n) c <<= 1;
     return c;
-}
-
-static int utf8_put(uint32_t cp, unsigned char *o) {
-    if (cp < 0x80) { o[0] = (unsigned char)cp; return 1; }
-    if (cp < 0x800) { o[0] = (unsigned char)(0xC0 | (cp >> 6)); o[1] = (unsigned char)(0x80 | (cp & 0x3F)); return 2; }
-    if (cp < 0x10000) {
-        o[0] = (unsigned char)(0xE0 | (cp >> 12));
-        o[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
-        o[2] = (unsigned char)(0x80 | (cp & 0x3F));
-        return 3;
-    }
-    o[0] = (unsigned char)(0xF0 | (cp >> 18));
-    o[1] = (unsigned char)(0x80 | ((cp >> 12) & 0x3F));
-    o[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
-    o[3] = (unsigned char)(0x80 | (cp & 0x3F));
-    return 4;
 }
 
 /* llama.cpp's lenient decoder: checks the lead byte's length bits and the continuation bytes' top
@@ -236,7 +218,7 @@ static bool regex_compile(regex_t_ *re, const char *pat, char *err, size_t errle
     if (!re->code) {
         char msg[128];
         pcre2_get_error_message(ec, (PCRE2_UCHAR *)msg, sizeof msg);
-        set_err(err, errlen, "tokenizer: cannot compile pre-tokenizer regex: %s", msg);
+        cb_set_err(err, errlen, "tokenizer: cannot compile pre-tokenizer regex: %s", msg);
         return false;
     }
     re->jit = pcre2_jit_compile(re->code, PCRE2_JIT_COMPLETE) == 0;
@@ -250,8 +232,8 @@ static void build_byte_map(cb_tokenizer_t *t) {
         bool direct = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
         uint32_t cp = direct ? (uint32_t)b : (uint32_t)(256 + n++);
         unsigned char buf[4];
-        int l = utf8_put(cp, buf);
-        memcpy(t->byte_map[b], buf, (size_t)l);
+        size_t l = cb_utf8_encode(cp, buf);
+        memcpy(t->byte_map[b], buf, l);
         t->byte_map_len[b] = (uint8_t)l;
         t->unmap[cp] = (int16_t)b;
     }
@@ -297,64 +279,67 @@ static bool str_is(const char *s, size_t n, const char *lit) { return n == strle
 cb_tokenizer_t *cb_tokenizer_new_from_gguf(const cb_gguf_t *g, char *err, size_t errlen) {
     if (err && errlen) err[0] = 0;
     if (!g) {
-        set_err(err, errlen, "tokenizer: %s", "no GGUF given");
+        cb_set_err(err, errlen, "tokenizer: no GGUF given");
         return NULL;
     }
     const char *s;
     size_t n;
     if (!cb_gguf_get_str(g, "tokenizer.ggml.model", &s, &n)) {
-        set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.model is missing");
+        cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.model is missing");
         return NULL;
     }
     if (!str_is(s, n, "gpt2")) {
         char m[64];
         snprintf(m, sizeof m, "%.*s", (int)(n < 40 ? n : 40), s);
-        set_err(err, errlen, "tokenizer: tokenizer.ggml.model is \"%s\"; only \"gpt2\" (byte-level BPE) is supported", m);
+        cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.model is \"%s\"; only \"gpt2\" (byte-level BPE) is supported",
+                   m);
         return NULL;
     }
     if (!cb_gguf_get_str(g, "tokenizer.ggml.pre", &s, &n)) {
-        set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.pre is missing; only the \"smollm\" pre-tokenizer is supported");
+        cb_set_err(err, errlen,
+                   "tokenizer: tokenizer.ggml.pre is missing; only the \"smollm\" pre-tokenizer is supported");
         return NULL;
     }
     if (!str_is(s, n, "smollm")) {
         char m[64];
         snprintf(m, sizeof m, "%.*s", (int)(n < 40 ? n : 40), s);
-        set_err(err, errlen, "tokenizer: pre-tokenizer \"%s\" is not supported (only \"smollm\", verified against llama.cpp)", m);
+        cb_set_err(err, errlen,
+                   "tokenizer: pre-tokenizer \"%s\" is not supported (only \"smollm\", verified against llama.cpp)", m);
         return NULL;
     }
 
     cb_gguf_vtype_t et;
     size_t n_tok, n_mrg;
     if (!cb_gguf_get_arr(g, "tokenizer.ggml.tokens", &et, &n_tok) || et != CB_GGUF_STRING) {
-        set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.tokens is missing or not a string array");
+        cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.tokens is missing or not a string array");
         return NULL;
     }
     if (n_tok == 0 || n_tok > MAX_VOCAB) {
-        set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.tokens has an unreasonable count");
+        cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.tokens has an unreasonable count");
         return NULL;
     }
     if (!cb_gguf_get_arr(g, "tokenizer.ggml.merges", &et, &n_mrg) || et != CB_GGUF_STRING) {
-        set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.merges is missing or not a string array");
+        cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.merges is missing or not a string array");
         return NULL;
     }
     if (n_mrg > MAX_MERGES) {
-        set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.merges has an unreasonable count");
+        cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.merges has an unreasonable count");
         return NULL;
     }
     const unsigned char *types = NULL;
     if (cb_gguf_has(g, "tokenizer.ggml.token_type")) {
         size_t n_ty;
         if (!cb_gguf_get_arr(g, "tokenizer.ggml.token_type", &et, &n_ty) || et != CB_GGUF_I32) {
-            set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.token_type is not an int32 array");
+            cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.token_type is not an int32 array");
             return NULL;
         }
         if (n_ty < n_tok) {
-            set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.token_type is shorter than tokenizer.ggml.tokens");
+            cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.token_type is shorter than tokenizer.ggml.tokens");
             return NULL;
         }
         types = cb_gguf_arr_data(g, "tokenizer.ggml.token_type");
         if (!types) {
-            set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.token_type has no data");
+            cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.token_type has no data");
             return NULL;
         }
     }
@@ -482,11 +467,11 @@ cb_tokenizer_t *cb_tokenizer_new_from_gguf(const cb_gguf_t *g, char *err, size_t
     return t;
 
 bad_tokens:
-    set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.tokens has an unreadable or oversized entry");
+    cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.tokens has an unreadable or oversized entry");
     cb_tokenizer_destroy(&t);
     return NULL;
 bad_merges:
-    set_err(err, errlen, "tokenizer: %s", "tokenizer.ggml.merges has an unreadable or oversized entry");
+    cb_set_err(err, errlen, "tokenizer: tokenizer.ggml.merges has an unreadable or oversized entry");
     cb_tokenizer_destroy(&t);
     return NULL;
 }
@@ -677,10 +662,10 @@ static void encode_raw(enc_t *e, const unsigned char *s, size_t n) {
         size_t adv;
         uint32_t cp = utf8_get_lenient(s, n, i, &adv);
         i += adv;
-        int l = utf8_put(cp, e->norm + m);
-        if (cp >= 0xD800 && cp <= 0xDFFF) memcpy(e->subj + m, "\xEF\xBF\xBD", 3);
-        else memcpy(e->subj + m, e->norm + m, (size_t)l);
-        m += (size_t)l;
+        size_t l = cb_utf8_encode(cp, e->norm + m);
+        if (cp >= 0xD800 && cp <= 0xDFFF) memcpy(e->subj + m, CB_UTF8_REPLACEMENT, 3);
+        else memcpy(e->subj + m, e->norm + m, l);
+        m += l;
     }
     size_t pos = 0;
     while (pos < m && !e->failed) {

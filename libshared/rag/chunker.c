@@ -9,11 +9,12 @@
 #include "rag/chunker.h"
 
 #include <limits.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "base/err.h"
 
 enum { BRK_HARD = 0, BRK_SENT = 1, BRK_PARA = 2 };
 
@@ -30,28 +31,19 @@ struct cb_chunker {
     size_t cap_units;
 };
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 cb_chunker_t *cb_chunker_new(const cb_tokenizer_t *tok, int budget, char *err, size_t errlen) {
     if (!tok) {
-        set_err(err, errlen, "chunker: no tokenizer");
+        cb_set_err(err, errlen, "chunker: no tokenizer");
         return NULL;
     }
     if (budget < CB_CHUNKER_MIN_BUDGET || budget > CB_CHUNKER_MAX_BUDGET) {
-        set_err(err, errlen, "chunker: budget %d out of range [%d, %d]", budget, CB_CHUNKER_MIN_BUDGET,
-                CB_CHUNKER_MAX_BUDGET);
+        cb_set_err(err, errlen, "chunker: budget %d out of range [%d, %d]", budget, CB_CHUNKER_MIN_BUDGET,
+                   CB_CHUNKER_MAX_BUDGET);
         return NULL;
     }
     cb_chunker_t *c = calloc(1, sizeof *c);
     if (!c) {
-        set_err(err, errlen, "chunker: out of memory");
+        cb_set_err(err, errlen, "chunker: out of memory");
         return NULL;
     }
     c->tok = tok;
@@ -226,11 +218,11 @@ int cb_chunker_split(cb_chunker_t *self, const char *text, size_t len, cb_chunk_
     *spans = NULL;
     *n = 0;
     if (!text && len) {
-        set_err(err, errlen, "chunker: NULL text");
+        cb_set_err(err, errlen, "chunker: NULL text");
         return -1;
     }
     if (len > (size_t)INT_MAX / 4) {
-        set_err(err, errlen, "chunker: document of %zu bytes is too large", len);
+        cb_set_err(err, errlen, "chunker: document of %zu bytes is too large", len);
         return -1;
     }
     if (len == 0 || all_ws(text, len)) return 0;
@@ -313,10 +305,10 @@ int cb_chunker_split(cb_chunker_t *self, const char *text, size_t len, cb_chunk_
 
 oom:
     free(out);
-    set_err(err, errlen, "chunker: out of memory");
+    cb_set_err(err, errlen, "chunker: out of memory");
     return -1;
 tokfail:
     free(out);
-    set_err(err, errlen, "chunker: tokenizer failure (or out of memory)");
+    cb_set_err(err, errlen, "chunker: tokenizer failure (or out of memory)");
     return -1;
 }

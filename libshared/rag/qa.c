@@ -9,12 +9,13 @@
  */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "rag/qa.h"
+#include "base/err.h"
 #include "base/log.h"
+#include "base/utf8.h"
 
 #include <jansson.h>
 #include <pcre2.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,15 +63,6 @@ static char *xstrndup(const char *s, size_t n) {
     memcpy(d, s, n);
     d[n] = '\0';
     return d;
-}
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
 }
 
 static pcre2_code *compile(const char *pat) {
@@ -140,47 +132,14 @@ static int words(const char *s, size_t len, size_t **spans) {
 
 /* ---------------------------------------------------------------- normalization and F1 */
 
-/* Length of the valid UTF-8 sequence at p (n bytes left), or 0 if it is not one. */
-static size_t utf8_len(const unsigned char *p, size_t n) {
-    unsigned c = p[0];
-    if (c < 0x80) return 1;
-    size_t len = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
-    if (len == 0 || len > n) return 0;
-    unsigned lo = 0x80, hi = 0xBF; /* the second byte's range excludes overlongs and surrogates */
-    if (c == 0xE0) lo = 0xA0;
-    else if (c == 0xED) hi = 0x9F;
-    else if (c == 0xF0) lo = 0x90;
-    else if (c == 0xF4) hi = 0x8F;
-    if (p[1] < lo || p[1] > hi) return 0;
-    for (size_t i = 2; i < len; i++)
-        if (p[i] < 0x80 || p[i] > 0xBF) return 0;
-    return len;
-}
-
-/* A copy of s with every byte that is not part of valid UTF-8 replaced by U+FFFD, as a Python decode
- * with errors="replace" would (a generation cut inside a character keeps a non-space there). */
-static char *utf8_sanitize(const char *s) {
-    size_t n = strlen(s);
-    char *out = xmalloc(3 * n + 1), *o = out;
-    for (size_t i = 0; i < n;) {
-        size_t l = utf8_len((const unsigned char *)s + i, n - i);
-        if (l) {
-            memcpy(o, s + i, l);
-            o += l;
-            i += l;
-        } else {
-            memcpy(o, "\xEF\xBF\xBD", 3);
-            o += 3;
-            i++;
-        }
-    }
-    *o = '\0';
-    return out;
-}
-
 char *cb_qa_normalize(const char *s) {
     pthread_once(&g_once, init_once);
-    char *clean = utf8_sanitize(s ? s : "");
+    if (!s) s = "";
+    char *clean = cb_utf8_repair(s); /* Python's errors="replace": a character cut in two is not a space */
+    if (!clean) {
+        CB_ERROR("qa: out of memory (repairing %zu bytes of UTF-8)", strlen(s));
+        abort();
+    }
     char *low = subst(g_re_all, clean, strlen(clean), "\\L$0", 1, 1);
     free(clean);
     size_t j = 0;
@@ -366,16 +325,16 @@ char *cb_qa_suffix(const char *question) {
 static char *get_string(json_t *obj, const char *key, const char *where, int allow_empty, char *err, size_t errlen) {
     json_t *v = json_object_get(obj, key);
     if (!v) {
-        set_err(err, errlen, "%s%s: missing", where, key);
+        cb_set_err(err, errlen, "%s%s: missing", where, key);
         return NULL;
     }
     if (!json_is_string(v)) {
-        set_err(err, errlen, "%s%s: not a string", where, key);
+        cb_set_err(err, errlen, "%s%s: not a string", where, key);
         return NULL;
     }
     size_t n = json_string_length(v);
     if (!allow_empty && n == 0) {
-        set_err(err, errlen, "%s%s: empty", where, key);
+        cb_set_err(err, errlen, "%s%s: empty", where, key);
         return NULL;
     }
     return xstrndup(json_string_value(v), n);
@@ -399,31 +358,31 @@ void cb_qa_example_destroy(cb_qa_example_t **ex_p) {
 
 cb_qa_example_t *cb_qa_example_parse(const char *line, size_t len, char *err, size_t errlen) {
     if (!line) {
-        set_err(err, errlen, "NULL line");
+        cb_set_err(err, errlen, "NULL line");
         return NULL;
     }
     json_error_t je;
     json_t *root = json_loadb(line, len, JSON_REJECT_DUPLICATES, &je);
     if (!root) {
-        set_err(err, errlen, "bad JSON at column %d: %s", je.column, je.text);
+        cb_set_err(err, errlen, "bad JSON at column %d: %s", je.column, je.text);
         return NULL;
     }
     cb_qa_example_t *ex = calloc(1, sizeof *ex);
     if (!ex) {
         json_decref(root);
-        set_err(err, errlen, "out of memory");
+        cb_set_err(err, errlen, "out of memory");
         return NULL;
     }
     int ok = 0;
     if (!json_is_object(root)) {
-        set_err(err, errlen, "not a JSON object");
+        cb_set_err(err, errlen, "not a JSON object");
         goto out;
     }
     if (!(ex->id = get_string(root, "id", "", 0, err, errlen))) goto out;
     if (!(ex->question = get_string(root, "question", "", 0, err, errlen))) goto out;
     json_t *ans = json_object_get(root, "answers");
     if (!json_is_array(ans) || json_array_size(ans) < 1 || json_array_size(ans) > CB_QA_MAX_ANSWERS) {
-        set_err(err, errlen, "answers: %s", !ans ? "missing" : !json_is_array(ans) ? "not an array"
+        cb_set_err(err, errlen, "answers: %s", !ans ? "missing" : !json_is_array(ans) ? "not an array"
                                                                : "needs 1..1000 entries");
         goto out;
     }
@@ -432,7 +391,7 @@ cb_qa_example_t *cb_qa_example_parse(const char *line, size_t len, char *err, si
     for (size_t i = 0; i < json_array_size(ans); i++) {
         json_t *a = json_array_get(ans, i);
         if (!json_is_string(a) || json_string_length(a) == 0) {
-            set_err(err, errlen, "answers[%zu]: %s", i, json_is_string(a) ? "empty" : "not a string");
+            cb_set_err(err, errlen, "answers[%zu]: %s", i, json_is_string(a) ? "empty" : "not a string");
             goto out;
         }
         ex->answers[i] = xstrndup(json_string_value(a), json_string_length(a));
@@ -440,7 +399,7 @@ cb_qa_example_t *cb_qa_example_parse(const char *line, size_t len, char *err, si
     }
     json_t *ctxs = json_object_get(root, "ctxs");
     if (!json_is_array(ctxs) || json_array_size(ctxs) < 1 || json_array_size(ctxs) > CB_QA_MAX_CTXS) {
-        set_err(err, errlen, "ctxs: %s", !ctxs ? "missing" : !json_is_array(ctxs) ? "not an array"
+        cb_set_err(err, errlen, "ctxs: %s", !ctxs ? "missing" : !json_is_array(ctxs) ? "not an array"
                                                             : "needs 1..1000 entries");
         goto out;
     }
@@ -451,7 +410,7 @@ cb_qa_example_t *cb_qa_example_parse(const char *line, size_t len, char *err, si
         char where[32];
         snprintf(where, sizeof where, "ctxs[%zu].", i);
         if (!json_is_object(c)) {
-            set_err(err, errlen, "ctxs[%zu]: not an object", i);
+            cb_set_err(err, errlen, "ctxs[%zu]: not an object", i);
             goto out;
         }
         ex->n_ctxs = (int)i + 1;
@@ -461,7 +420,7 @@ cb_qa_example_t *cb_qa_example_parse(const char *line, size_t len, char *err, si
     ok = 1;
     goto out;
 oom:
-    set_err(err, errlen, "out of memory");
+    cb_set_err(err, errlen, "out of memory");
 out:
     json_decref(root);
     if (!ok) cb_qa_example_destroy(&ex);
@@ -484,12 +443,12 @@ void cb_qa_set_destroy(cb_qa_set_t **self_p) {
 
 cb_qa_set_t *cb_qa_set_load(const char *path, char *err, size_t errlen) {
     if (!path) {
-        set_err(err, errlen, "NULL path");
+        cb_set_err(err, errlen, "NULL path");
         return NULL;
     }
     FILE *f = fopen(path, "rb");
     if (!f) {
-        set_err(err, errlen, "%s: cannot open", path);
+        cb_set_err(err, errlen, "%s: cannot open", path);
         return NULL;
     }
     char *buf = NULL;
@@ -497,7 +456,7 @@ cb_qa_set_t *cb_qa_set_load(const char *path, char *err, size_t errlen) {
     for (;;) {
         if (len == cap) {
             if (cap >= QA_MAX_FILE) {
-                set_err(err, errlen, "%s: larger than %zu bytes", path, QA_MAX_FILE);
+                cb_set_err(err, errlen, "%s: larger than %zu bytes", path, QA_MAX_FILE);
                 fclose(f);
                 free(buf);
                 return NULL;
@@ -512,14 +471,14 @@ cb_qa_set_t *cb_qa_set_load(const char *path, char *err, size_t errlen) {
     int read_err = ferror(f);
     fclose(f);
     if (read_err) {
-        set_err(err, errlen, "%s: read error", path);
+        cb_set_err(err, errlen, "%s: read error", path);
         free(buf);
         return NULL;
     }
     cb_qa_set_t *self = calloc(1, sizeof *self);
     if (!self) {
         free(buf);
-        set_err(err, errlen, "out of memory");
+        cb_set_err(err, errlen, "out of memory");
         return NULL;
     }
     int cap_ex = 0, line_no = 0;
@@ -534,7 +493,7 @@ cb_qa_set_t *cb_qa_set_load(const char *path, char *err, size_t errlen) {
             char msg[256];
             cb_qa_example_t *ex = cb_qa_example_parse(buf + pos, end - pos, msg, sizeof msg);
             if (!ex) {
-                set_err(err, errlen, "%s:%d: %s", path, line_no, msg);
+                cb_set_err(err, errlen, "%s:%d: %s", path, line_no, msg);
                 free(buf);
                 cb_qa_set_destroy(&self);
                 return NULL;

@@ -1,11 +1,11 @@
 /* ragprompt.c: the RAG prompt's pieces as token arrays (see ragprompt.h). */
 #include "rag/ragprompt.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/err.h"
 #include "model/chat.h"
 #include "rag/qa.h"
 
@@ -19,15 +19,6 @@ struct cb_ragprompt {
     int n_tail;
 };
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 /* Encodes with an int-returning encoder protocol: ask the size, then fill. */
 static int32_t *encode_text(const cb_tokenizer_t *tok, const char *s, size_t len, int *n) {
     int32_t *ids = cb_tokenizer_encode_alloc(tok, s, len, false, n);
@@ -36,7 +27,7 @@ static int32_t *encode_text(const cb_tokenizer_t *tok, const char *s, size_t len
 
 cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, char *err, size_t errlen) {
     if (!tok) {
-        set_err(err, errlen, "ragprompt: no tokenizer");
+        cb_set_err(err, errlen, "ragprompt: no tokenizer");
         return NULL;
     }
     if (system && !*system) system = NULL;
@@ -45,7 +36,7 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
     r->tok = tok;
     int nc = cb_chat_encode_prefix(tok, system, NULL, 0);
     if (nc >= 0 || nc == CB_TOKENIZER_EINVAL || nc == CB_TOKENIZER_EINTERNAL) {
-        set_err(err, errlen, "ragprompt: cannot encode the chat prefix (a vocabulary without ChatML markers?)");
+        cb_set_err(err, errlen, "ragprompt: cannot encode the chat prefix (a vocabulary without ChatML markers?)");
         cb_ragprompt_destroy(&r);
         return NULL;
     }
@@ -61,7 +52,7 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
     }
     if (cb_chat_encode_prefix(tok, system, r->prefix, nc) != nc) {
         free(q);
-        set_err(err, errlen, "ragprompt: cannot encode the chat prefix");
+        cb_set_err(err, errlen, "ragprompt: cannot encode the chat prefix");
         cb_ragprompt_destroy(&r);
         return NULL;
     }
@@ -70,7 +61,7 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
     r->n_prefix = nc + nq;
     int nt = cb_chat_encode_suffix(tok, NULL, 0);
     if (nt >= 0 || nt == CB_TOKENIZER_EINVAL || nt == CB_TOKENIZER_EINTERNAL) {
-        set_err(err, errlen, "ragprompt: cannot encode the chat suffix");
+        cb_set_err(err, errlen, "ragprompt: cannot encode the chat suffix");
         cb_ragprompt_destroy(&r);
         return NULL;
     }
@@ -78,14 +69,14 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
     r->tail = malloc((size_t)nt * sizeof(int32_t));
     if (!r->tail) goto oom;
     if (cb_chat_encode_suffix(tok, r->tail, nt) != nt) {
-        set_err(err, errlen, "ragprompt: cannot encode the chat suffix");
+        cb_set_err(err, errlen, "ragprompt: cannot encode the chat suffix");
         cb_ragprompt_destroy(&r);
         return NULL;
     }
     r->n_tail = nt;
     return r;
 oom:
-    set_err(err, errlen, "ragprompt: out of memory");
+    cb_set_err(err, errlen, "ragprompt: out of memory");
     cb_ragprompt_destroy(&r);
     return NULL;
 }

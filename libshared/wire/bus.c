@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "base/log.h"
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -103,8 +104,6 @@ const char *cb_bus_new_id(char *buf, size_t size) {
     return buf;
 }
 
-static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
-
 /* ---------------------------------------------------------------------------------------------- */
 /* Client                                                                                          */
 
@@ -194,7 +193,7 @@ static zframe_t *client_recv_frame(cb_bus_client_t *c, double deadline, bool *in
     if (!c->sock) return NULL;
     void *h = zsock_resolve(c->sock);
     for (;;) {
-        double left = deadline - now_ms();
+        double left = deadline - cb_now_ms();
         if (left <= 0) return NULL;
         zmq_pollitem_t item = {h, 0, ZMQ_POLLIN, 0};
         int rc = zmq_poll(&item, 1, (long)(left + 1));
@@ -265,7 +264,7 @@ cb_msg_t *cb_bus_request(cb_bus_client_t *c, const void *data, size_t len, cb_er
         if (client_send(c, data, len, last, sizeof last) != 0) continue;
         sent_any = true;
         bool intr;
-        cb_msg_t *m = client_wait(c, id, now_ms() + c->o.request_timeout_ms, &intr);
+        cb_msg_t *m = client_wait(c, id, cb_now_ms() + c->o.request_timeout_ms, &intr);
         if (m) return m;
         if (intr) break;
         cb_log(CB_LOG_DEBUG, id, "no reply from %s in %d ms (attempt %d of %d)", c->endpoint,
@@ -323,7 +322,7 @@ int cb_bus_send(cb_bus_client_t *c, const void *data, size_t len, cb_err_t *code
 cb_msg_t *cb_bus_recv(cb_bus_client_t *c, const char *id, int timeout_ms, cb_err_t *code, char *err,
                       size_t errlen) {
     bool intr;
-    cb_msg_t *m = client_wait(c, id, now_ms() + timeout_ms, &intr);
+    cb_msg_t *m = client_wait(c, id, cb_now_ms() + timeout_ms, &intr);
     if (code) *code = m ? CB_ERR_NONE : intr ? CB_ERR_INTERNAL : CB_ERR_TIMEOUT;
     if (!m) {
         if (intr) snprintf(err, errlen, "interrupted");
@@ -338,7 +337,7 @@ int cb_bus_send_raw(cb_bus_client_t *c, const void *data, size_t len, char *err,
 
 zframe_t *cb_bus_recv_raw(cb_bus_client_t *c, int timeout_ms) {
     bool intr;
-    return client_recv_frame(c, now_ms() + timeout_ms, &intr);
+    return client_recv_frame(c, cb_now_ms() + timeout_ms, &intr);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -396,7 +395,7 @@ cb_bus_service_t *cb_bus_service_new(const char *name, const char *endpoint, con
     snprintf(svc->name, sizeof svc->name, "%s", name ? name : "cb");
     if (o) svc->o = *o;
     else cb_bus_opts_default(&svc->o);
-    svc->t0_ms = now_ms();
+    svc->t0_ms = cb_now_ms();
     svc->w = cb_msg_writer_new();
     svc->loop = zloop_new();
     if (!svc->w || !svc->loop) {
@@ -538,7 +537,7 @@ int cb_bus_reply(cb_bus_req_t *req, cb_msg_writer_t *w) {
 
 /* The log line for a finished request. */
 static void req_log(const cb_bus_req_t *r) {
-    double ms = now_ms() - r->t0_ms;
+    double ms = cb_now_ms() - r->t0_ms;
     if (r->n_replies == 0)
         cb_log(CB_LOG_WARN, r->id[0] ? r->id : NULL, "%s finished without a reply (%.2f ms)", r->type, ms);
     else if (r->code == CB_ERR_NONE)
@@ -584,7 +583,7 @@ static void s_ping(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *msg
     cb_msg_put_str(w, "service", svc->name);
     cb_msg_put_str(w, "version", CB_BUS_VERSION);
     cb_msg_put_int(w, "pid", getpid());
-    cb_msg_put_double(w, "uptime_s", (now_ms() - svc->t0_ms) / 1000.0);
+    cb_msg_put_double(w, "uptime_s", (cb_now_ms() - svc->t0_ms) / 1000.0);
     cb_bus_reply(req, w);
 }
 
@@ -593,7 +592,7 @@ static void s_stats(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *ms
     cb_msg_writer_t *w = svc->w;
     cb_msg_begin_reply(w, msg);
     cb_msg_put_str(w, "service", svc->name);
-    cb_msg_put_double(w, "uptime_s", (now_ms() - svc->t0_ms) / 1000.0);
+    cb_msg_put_double(w, "uptime_s", (cb_now_ms() - svc->t0_ms) / 1000.0);
     cb_msg_put_uint(w, "requests", svc->requests);
     cb_msg_put_uint(w, "errors", svc->errors);
     if (svc->stats_fn) svc->stats_fn(svc, w, svc->stats_arg);
@@ -607,7 +606,7 @@ static int s_on_router(zloop_t *loop, zsock_t *sock, void *arg) {
     zmsg_t *msg = zmsg_recv(sock);
     if (!msg) return zsys_interrupted ? -1 : 0;
     size_t nf = zmsg_size(msg);
-    cb_bus_req_t req = {.svc = svc, .t0_ms = now_ms(), .code = CB_ERR_NONE};
+    cb_bus_req_t req = {.svc = svc, .t0_ms = cb_now_ms(), .code = CB_ERR_NONE};
     zframe_t *body = NULL;
     req.identity = zmsg_pop(msg);
     if (nf == 3) {

@@ -10,6 +10,7 @@
  * the input length, so msgpack-c's allocation is bounded by the input size times a small constant.
  */
 #include "wire/msg.h"
+#include "base/utf8.h"
 
 #include <ctype.h>
 #include <jansson.h>
@@ -49,41 +50,16 @@ cb_err_t cb_err_from_name(const char *name, size_t len) {
 /* ---------------------------------------------------------------------------------------------- */
 /* UTF-8                                                                                           */
 
-bool cb_msg_utf8_valid(const char *str, size_t len) {
-    const unsigned char *s = (const unsigned char *)str;
-    size_t i = 0;
-    while (i < len) {
-        unsigned c = s[i];
-        if (c < 0x80) { i++; continue; }
-        size_t n;
-        unsigned cp;
-        if (c >= 0xc2 && c <= 0xdf) { n = 1; cp = c & 0x1f; }
-        else if (c >= 0xe0 && c <= 0xef) { n = 2; cp = c & 0x0f; }
-        else if (c >= 0xf0 && c <= 0xf4) { n = 3; cp = c & 0x07; }
-        else return false;
-        if (len - i - 1 < n) return false;
-        for (size_t k = 1; k <= n; k++) {
-            unsigned cc = s[i + k];
-            if ((cc & 0xc0) != 0x80) return false;
-            cp = (cp << 6) | (cc & 0x3f);
-        }
-        if (n == 2 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) return false;
-        if (n == 3 && (cp < 0x10000 || cp > 0x10ffff)) return false;
-        i += n + 1;
-    }
-    return true;
-}
+bool cb_msg_utf8_valid(const char *str, size_t len) { return cb_utf8_valid(str, len); }
 
 /* Replaces every byte that does not start a valid UTF-8 sequence by '?', in place. */
 static void utf8_sanitize(char *str) {
     size_t len = strlen(str);
     size_t i = 0;
     while (i < len) {
-        unsigned char c = (unsigned char)str[i];
-        if (c < 0x80) { i++; continue; }
-        size_t n = (c >= 0xf0) ? 4 : (c >= 0xe0) ? 3 : 2;
-        if (i + n <= len && cb_msg_utf8_valid(str + i, n)) { i += n; continue; }
-        str[i++] = '?';
+        size_t n = cb_utf8_seq_len((const unsigned char *)str + i, len - i);
+        if (n) i += n;
+        else str[i++] = '?';
     }
 }
 

@@ -163,7 +163,8 @@ const cb_msg_t *cb_msg_at_map(const cb_msg_t *m, const char *key, size_t i);
  * {"$bin": "<hex>"}. NULL on allocation failure. */
 struct json_t *cb_msg_to_json(const cb_msg_t *m);
 
-/* True when s[0..len) is valid UTF-8 (no overlong forms, no surrogates, <= U+10FFFF). */
+/* True when s[0..len) is valid UTF-8 (no overlong forms, no surrogates, <= U+10FFFF): cb_utf8_valid of
+ * base/utf8.h, under the name the wire API has always had. */
 bool cb_msg_utf8_valid(const char *s, size_t len);
 
 /* ---------------------------------------------------------------------------------------------- */
