@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/clock.h"
 #include "engine/backend_select.h"
 #include "blend/blend.h"
 #include "wire/bus.h"
@@ -48,8 +49,6 @@ typedef struct {
     uint64_t accepted, rejected;
     bool worker_ready, fatal;
 } blendsvc_t;
-
-static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
 
 static int n_waiting(const blendsvc_t *b) {
     int n = 0;
@@ -124,7 +123,7 @@ static gen_query_t *parse_query(blendsvc_t *b, const cb_msg_t *m, cb_err_t *code
     if (!cb_msg_double_or(m, "top_p", 1e-9, 1.0, b->def.top_p, &q->top_p)) goto field;
     if (!cb_msg_int_or(m, "seed", 0, INT64_MAX, b->def.seed, &v)) goto field;
     q->seed = (uint64_t)v;
-    q->t_recv_ms = now_ms();
+    q->t_recv_ms = cb_now_ms();
     return q;
 field:
     snprintf(why, whylen, "%s", cb_msg_last_error(m));
@@ -176,7 +175,7 @@ static void on_query(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
 static void relay(gen_query_t *q, const void *data, size_t len) {
     if (atomic_load(&q->cancelled)) return;
     if (cb_bus_reply_bytes(q->req, data, len) != 0) atomic_store(&q->cancelled, true);
-    else q->last_sent_ms = now_ms();
+    else q->last_sent_ms = cb_now_ms();
 }
 
 static int on_worker(zloop_t *loop, zsock_t *sock, void *arg) {
@@ -224,7 +223,7 @@ static int on_heartbeat(zloop_t *loop, int timer_id, void *arg) {
     (void)loop;
     (void)timer_id;
     blendsvc_t *b = arg;
-    double now = now_ms();
+    double now = cb_now_ms();
     cb_msg_writer_t *w = cb_bus_service_writer(b->svc);
     int position = 0;
     for (gen_query_t *q = b->head; q; q = q->next) {

@@ -7,6 +7,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "base/clock.h"
+#include "base/utf8.h"
 #include "engine/engine.h"
 #include "format/kvfile.h"
 #include "base/log.h"
@@ -26,8 +28,6 @@ void gen_query_free(gen_query_t **q_p) {
     free(q);
     *q_p = NULL;
 }
-
-static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
 
 typedef struct {
     zsock_t *pipe;
@@ -159,15 +159,6 @@ typedef struct {
     int npend;
 } utf8_stream_t;
 
-/* Length of the sequence a lead byte starts (0 = invalid lead). */
-static int utf8_len(unsigned char c) {
-    if (c < 0x80) return 1;
-    if (c >= 0xC2 && c <= 0xDF) return 2;
-    if (c >= 0xE0 && c <= 0xEF) return 3;
-    if (c >= 0xF0 && c <= 0xF4) return 4;
-    return 0;
-}
-
 /* Appends the pending bytes and in[n] (n <= 1024) to out (capacity >= 3 * (n + 4)), returning the bytes
  * written: valid sequences as they are, invalid bytes as U+FFFD; an incomplete sequence at the end stays
  * pending unless final. */
@@ -181,8 +172,8 @@ static size_t utf8_feed(utf8_stream_t *u, const unsigned char *in, size_t n, boo
     u->npend = 0;
     size_t i = 0, o = 0;
     while (i < len) {
-        int L = utf8_len(buf[i]);
-        if (L && i + (size_t)L > len) {
+        size_t L = cb_utf8_lead_len(buf[i]);
+        if (L && i + L > len) {
             bool cont = true;
             for (size_t j = i + 1; j < len; j++)
                 if ((buf[j] & 0xC0) != 0x80) cont = false;
@@ -191,14 +182,14 @@ static size_t utf8_feed(utf8_stream_t *u, const unsigned char *in, size_t n, boo
                 memcpy(u->pend, buf + i, (size_t)u->npend);
                 return o;
             }
-            L = 0;
         }
-        if (L && cb_msg_utf8_valid((const char *)buf + i, (size_t)L)) {
-            memcpy(out + o, buf + i, (size_t)L);
-            o += (size_t)L;
-            i += (size_t)L;
+        size_t l = cb_utf8_seq_len(buf + i, len - i); /* 0 for a sequence cut by the end, too */
+        if (l) {
+            memcpy(out + o, buf + i, l);
+            o += l;
+            i += l;
         } else {
-            memcpy(out + o, "\xEF\xBF\xBD", 3);
+            memcpy(out + o, CB_UTF8_REPLACEMENT, 3);
             o += 3;
             i++;
         }
@@ -331,7 +322,7 @@ static int lookup(gen_t *g, gen_query_t *q, char (*hex)[CB_KV_HEX_BYTES], const 
 static void run_query(gen_t *g, gen_query_t *q) {
     const gen_args_t *a = g->a;
     qmetrics_t mt = {0};
-    double t_start = now_ms();
+    double t_start = cb_now_ms();
     mt.queue_ms = t_start - q->t_recv_ms;
     char err[1024];
     cb_err_t code = CB_ERR_INTERNAL;
@@ -351,9 +342,9 @@ static void run_query(gen_t *g, gen_query_t *q) {
     size_t *lens = q->context_lens;
     int n = q->n_contexts;
     if (q->retrieve) {
-        double t = now_ms();
+        double t = cb_now_ms();
         n = retrieve(g, q, rtexts, rlens, &code, err, sizeof err);
-        mt.retrieve_ms = now_ms() - t;
+        mt.retrieve_ms = cb_now_ms() - t;
         if (n < 0) goto fail;
         texts = rtexts;
         lens = rlens;
@@ -391,9 +382,9 @@ static void run_query(gen_t *g, gen_query_t *q) {
     bool in_index[GEN_MAX_CONTEXTS] = {0};
     int index_rc;
     {
-        double t = now_ms();
+        double t = cb_now_ms();
         index_rc = lookup(g, q, hex, need, n, in_index);
-        mt.lookup_ms = now_ms() - t;
+        mt.lookup_ms = cb_now_ms() - t;
     }
     /* 4. the fused prefill: it takes each needed chunk from the memory tier, else streams its KV file
      * (checked layer by layer, loading overlapped with compute), else computes it and writes the file; a
@@ -408,11 +399,11 @@ static void run_query(gen_t *g, gen_query_t *q) {
     o.check_layer = a->check_layer;
     o.metric = a->metric;
     o.lead_tokens = a->lead_tokens;
-    double t_blend = now_ms();
+    double t_blend = cb_now_ms();
     if (cb_blend_prefill(g->blend, g->prefix, g->n_prefix, chunks, n, suffix, n_suffix, &o, g->logits, &mt.bs, err,
                          sizeof err) != 0)
         goto fail;
-    mt.blend_ms = now_ms() - t_blend;
+    mt.blend_ms = cb_now_ms() - t_blend;
     mt.hits = mt.bs.chunks_mem + mt.bs.chunks_file;
     mt.misses = mt.bs.chunks_computed;
     mt.load_ms = mt.bs.t_load_ms;
@@ -439,12 +430,12 @@ static void run_query(gen_t *g, gen_query_t *q) {
         snprintf(err, sizeof err, "cannot create the sampler");
         goto fail;
     }
-    double t_dec = now_ms();
+    double t_dec = cb_now_ms();
     utf8_stream_t u = {0};
     char piece[3 * (1024 + 4)];
     int index = 0;
     int32_t tok = cb_sampler_sample(sampler, g->logits);
-    mt.ttft_ms = now_ms() - q->t_recv_ms;
+    mt.ttft_ms = cb_now_ms() - q->t_recv_ms;
     for (;;) {
         bool eog = cb_model_is_eog(g->model, tok) || cb_tokenizer_is_eog(g->tok, tok);
         size_t blen = 0;
@@ -484,7 +475,7 @@ static void run_query(gen_t *g, gen_query_t *q) {
         }
         tok = cb_sampler_sample(sampler, g->logits);
     }
-    mt.decode_ms = now_ms() - t_dec;
+    mt.decode_ms = cb_now_ms() - t_dec;
     atomic_fetch_add(&a->stats->tokens_generated, (uint64_t)mt.n_gen);
     atomic_fetch_add(&a->stats->cache_hits, (uint64_t)mt.hits);
     atomic_fetch_add(&a->stats->cache_misses, (uint64_t)mt.misses);
@@ -507,7 +498,7 @@ static void run_query(gen_t *g, gen_query_t *q) {
     cb_msg_put_double(w, "compute_ms", mt.bs.t_compute_ms);
     cb_msg_put_double(w, "blend_ms", mt.blend_ms);
     cb_msg_put_double(w, "decode_ms", mt.decode_ms);
-    cb_msg_put_double(w, "total_ms", now_ms() - q->t_recv_ms);
+    cb_msg_put_double(w, "total_ms", cb_now_ms() - q->t_recv_ms);
     cb_msg_put_int(w, "tokens_reused", mt.bs.tokens_reused);
     cb_msg_put_int(w, "tokens_recomputed", mt.bs.tokens_recomputed);
     cb_msg_put_int(w, "cache_hits", mt.hits);

@@ -50,7 +50,7 @@ typedef struct gen_query {
     int max_tokens;
     double temperature, top_p;
     uint64_t seed;
-    double t_recv_ms;                        /* zclock_usecs()/1000 when the loop received it */
+    double t_recv_ms;                        /* cb_now_ms() when the loop received it */
     /* shared */
     atomic_bool cancelled;                   /* set by the loop: the client is gone */
     /* loop-only */

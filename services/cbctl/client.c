@@ -5,6 +5,8 @@
 #include <stdarg.h>
 #include <string.h>
 
+#include "base/clock.h"
+
 const cbctl_service_t cbctl_services[CBCTL_N_SERVICES] = {
     {"retriever", "cb-retriever"},
     {"cacheindex", "cb-cacheindex"},
@@ -149,7 +151,7 @@ void cbctl_fanout(cbctl_t *ctl, const char *type, const char *const *names, int 
                 const void *data = cb_msg_end(w, &len);
                 if (data && zmq_send(zsock_resolve(socks[i]), data, len, ZMQ_DONTWAIT) >= 0) {
                     sent[i] = true;
-                    t_sent[i] = (double)zclock_usecs() / 1000.0;
+                    t_sent[i] = cb_now_ms();
                 }
             } else if (items[j].revents & ZMQ_POLLIN) {
                 zmsg_t *zm = zmsg_recv(socks[i]);
@@ -161,7 +163,7 @@ void cbctl_fanout(cbctl_t *ctl, const char *type, const char *const *names, int 
                     cb_msg_destroy(&m); /* not our answer: keep waiting */
                     continue;
                 }
-                r->latency_ms = (double)zclock_usecs() / 1000.0 - t_sent[i];
+                r->latency_ms = cb_now_ms() - t_sent[i];
                 r->reply = m;
                 r->code = cb_msg_err_code(m);
                 if (!cb_msg_ok(m)) snprintf(r->error, sizeof r->error, "%s: %s", cb_msg_err_code_name(m), cb_msg_err_message(m));

@@ -28,6 +28,7 @@
 
 #include "cbctl.h"
 #include "client.h"
+#include "base/clock.h"
 #include "rag/ragprompt.h"
 
 #define MAX_FILE_BYTES ((size_t)256 << 20)
@@ -53,8 +54,6 @@ typedef struct {
     bool bar_open;      /* the bar's line is not ended yet */
 } ingest_t;
 
-static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
-
 /* The progress bar (a terminal only: redrawn in place). */
 static void bar(ingest_t *in, const char *what, size_t done, size_t total, const char *extra) {
     if (in->ctl->quiet || !in->tty) return;
@@ -62,7 +61,7 @@ static void bar(ingest_t *in, const char *what, size_t done, size_t total, const
     int width = 30, fill = total ? (int)((double)done / (double)total * width) : width;
     fprintf(stderr, "\r%-8s [", what);
     for (int i = 0; i < width; i++) fputc(i < fill ? '=' : i == fill ? '>' : ' ', stderr);
-    fprintf(stderr, "] %zu/%zu %s (%.1f s)\033[K", done, total, extra ? extra : "", (now_ms() - in->t0) / 1000.0);
+    fprintf(stderr, "] %zu/%zu %s (%.1f s)\033[K", done, total, extra ? extra : "", (cb_now_ms() - in->t0) / 1000.0);
     fflush(stderr);
     in->bar_open = true;
 }
@@ -286,7 +285,7 @@ static void ingest_path(ingest_t *in, const char *path, bool explicit, int depth
 static int wait_jobs(ingest_t *in, int64_t stall_ms) {
     size_t first = 0, finished = 0;
     for (size_t i = 0; i < in->n; i++) finished += in->docs[i].finished;
-    double last_progress = now_ms();
+    double last_progress = cb_now_ms();
     int64_t last_chunks = -1;
     char extra[96] = "processed";
     while (finished < in->n) {
@@ -340,11 +339,11 @@ static int wait_jobs(ingest_t *in, int64_t stall_ms) {
             }
             cb_msg_destroy(&r);
         }
-        if (progressed) last_progress = now_ms();
+        if (progressed) last_progress = cb_now_ms();
         if (finished == in->n) snprintf(extra, sizeof extra, "processed");
         bar(in, "process", finished, in->n, extra);
         if (finished == in->n) break;
-        if (now_ms() - last_progress > (double)stall_ms) {
+        if (cb_now_ms() - last_progress > (double)stall_ms) {
             bar_end(in);
             cbctl_error(in->ctl, "no progress for %lld ms (cbctl.ingest_timeout_ms): %zu of %zu documents processed",
                         (long long)stall_ms, finished, in->n);
@@ -383,7 +382,7 @@ static int run_ingest(cbctl_t *ctl, int argc, char **argv) {
         cbctl_error(ctl, "%s", err);
         return CBCTL_EXIT_USAGE;
     }
-    ingest_t in = {.ctl = ctl, .prefix = prefix, .tty = isatty(2) != 0, .t0 = now_ms()};
+    ingest_t in = {.ctl = ctl, .prefix = prefix, .tty = isatty(2) != 0, .t0 = cb_now_ms()};
     if (!(in.c = cbctl_client(ctl, "precompute", 0, -1, err, sizeof err)) || !(in.w = cb_msg_writer_new())) {
         cbctl_error(ctl, "%s", err);
         cb_bus_client_destroy(&in.c);

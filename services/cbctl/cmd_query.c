@@ -19,10 +19,9 @@
 
 #include "cbctl.h"
 #include "client.h"
+#include "base/clock.h"
 
 #define MAX_CONTEXTS 32
-
-static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
 
 static int usage(cbctl_t *ctl, const char *why) {
     cbctl_error(ctl, "%s\nusage: cbctl query [--mode full|prefix|reuse|blend] [--ratio R] [--k K] [--context TEXT]...\n"
@@ -119,7 +118,7 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
     const void *data = cb_msg_end(w, &len);
     int rc = CBCTL_EXIT_OK;
     cb_err_t code;
-    double t0 = now_ms(), ttft = -1;
+    double t0 = cb_now_ms(), ttft = -1;
     if (!data) {
         cbctl_error(ctl, "cannot encode the query: %s", cb_msg_writer_error(w));
         rc = CBCTL_EXIT_USAGE;
@@ -158,7 +157,7 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
         } else if (cb_msg_is_type(m, "token")) {
             const char *s;
             size_t sl;
-            if (ttft < 0) ttft = now_ms() - t0;
+            if (ttft < 0) ttft = cb_now_ms() - t0;
             if (cb_msg_str(m, "text", 1 << 20, &s, &sl) && sl > 0 && !ctl->quiet) {
                 fwrite(s, 1, sl, stdout);
                 fflush(stdout);
@@ -171,8 +170,8 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
                 const char *skip[] = {"v", "type", "id", "ok"};
                 for (size_t i = 0; i < sizeof skip / sizeof skip[0]; i++) json_object_del(o, skip[i]);
                 json_t *cl = json_object();
-                json_object_set_new(cl, "ttft_ms", json_real(ttft < 0 ? now_ms() - t0 : ttft));
-                json_object_set_new(cl, "total_ms", json_real(now_ms() - t0));
+                json_object_set_new(cl, "ttft_ms", json_real(ttft < 0 ? cb_now_ms() - t0 : ttft));
+                json_object_set_new(cl, "total_ms", json_real(cb_now_ms() - t0));
                 json_object_set_new(o, "client", cl);
                 json_dumpf(o, stdout, JSON_COMPACT);
                 fputc('\n', stdout);

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "base/clock.h"
 #include "blend/blend.h"
 #include "wire/bus.h"
 #include "rag/chunker.h"
@@ -342,10 +343,10 @@ void pc_worker_actor(zsock_t *pipe, void *args) {
             poll_pipe(&w, 1000);
             continue;
         }
-        double t0 = (double)zclock_usecs() / 1000.0;
+        double t0 = cb_now_ms();
         err[0] = 0;
         step_t st = process_job(&w, job, err, sizeof err);
-        double ms = (double)zclock_usecs() / 1000.0 - t0;
+        double ms = cb_now_ms() - t0;
         if (st == STEP_TERM) {
             cb_log(CB_LOG_INFO, job->job, "stopping in the middle of doc '%s' (resumes at the next start)", job->doc_id);
         } else {

@@ -18,8 +18,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "base/clock.h"
 #include "model/synth.h"
 
 #if !CB_HAVE_CUDA
@@ -35,12 +35,6 @@ static cb_cuda_t *cu;
 
 #define DIE(...) do { fprintf(stderr, "cb-bench-gpu: " __VA_ARGS__); fprintf(stderr, " [%s]\n", cb_cuda_error(cu)); exit(1); } while (0)
 #define OK(x) do { if ((x) != 0) DIE("%s failed", #x); } while (0)
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
 
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -95,10 +89,10 @@ static double measure_h2d(const void *pinned, size_t bytes) {
     double best = 0;
     for (int r = 0; r < 4; r++) {
         OK(cb_cuda_sync(cu));
-        double t0 = now_ms();
+        double t0 = cb_now_ms();
         OK(cb_cuda_h2d(cu, CB_CUDA_STREAM_COPY, d, pinned, bytes));
         OK(cb_cuda_sync(cu));
-        double bw = bytes / ((now_ms() - t0) * 1e-3);
+        double bw = bytes / ((cb_now_ms() - t0) * 1e-3);
         if (r > 0 && bw > best) best = bw;
     }
     cb_cuda_free(cu, d);
@@ -254,7 +248,7 @@ int main(int argc, char **argv) {
         cb_bf16_t **capk = malloc(sizeof(void *) * NL), **capv = malloc(sizeof(void *) * NL);
         if (!dcap || !capk || !capv) DIE("capture buffer");
         for (int l = 0; l < NL; l++) capk[l] = dcap + (size_t)l * 2 * chunk * KVD, capv[l] = capk[l] + (size_t)chunk * KVD;
-        double t0 = now_ms();
+        double t0 = cb_now_ms();
         for (int c = 0; c < n_distinct; c++) {
             OK(cb_cuda_h2d(cu, CB_CUDA_STREAM_COMPUTE, cb_cuda_llama_tokens(m), chunk_tok + (size_t)c * chunk,
                            sizeof(int32_t) * chunk));
@@ -272,7 +266,7 @@ int main(int argc, char **argv) {
         OK(cb_cuda_kvpool_wait_loads(pool));
         OK(cb_cuda_sync(cu));
         printf("  precomputed %d distinct chunks in %.0f ms (KV %.1f MB each, pinned host + device pool)\n", n_distinct,
-               now_ms() - t0, chunk_elems * 2 / 1e6);
+               cb_now_ms() - t0, chunk_elems * 2 / 1e6);
         cb_cuda_free(cu, dcap);
         free(capk), free(capv);
         cb_cuda_llama_destroy(&m);
@@ -324,10 +318,10 @@ int main(int argc, char **argv) {
         /* full prefill */
         if (!is_big) {
             for (int r = 0; r <= reps; r++) {
-                double t0 = now_ms();
+                double t0 = cb_now_ms();
                 OK(cb_cuda_llama_prefill(m, dtok, T, 0, NULL, NULL, dout));
                 OK(cb_cuda_sync(cu));
-                if (r) t[r - 1] = now_ms() - t0;
+                if (r) t[r - 1] = cb_now_ms() - t0;
             }
             full_ms = median(t, reps);
         }
@@ -344,10 +338,10 @@ int main(int argc, char **argv) {
             if (rc || !g) DIE("decode graph capture");
             OK(cb_cuda_graph_launch(cu, g));   /* warm-up: one token */
             OK(cb_cuda_sync(cu));
-            double t0 = now_ms();
+            double t0 = cb_now_ms();
             for (int k = 0; k < dec_steps; k++) OK(cb_cuda_graph_launch(cu, g));
             OK(cb_cuda_sync(cu));
-            double ms = now_ms() - t0;
+            double ms = cb_now_ms() - t0;
             cb_cuda_graph_destroy(&g);
             dec_tps = dec_steps / (ms * 1e-3);
             double wbytes = (double)cb_cuda_llama_weight_bytes(m) - (s.tied ? 0.0 : (double)s.n_vocab * E * 2);
@@ -365,7 +359,7 @@ int main(int argc, char **argv) {
                                           NULL, &nsel};
                 bool bad = false;
                 for (int k = 0; k <= reps && !bad; k++) {
-                    double t0 = now_ms();
+                    double t0 = cb_now_ms();
                     int rc = cb_cuda_llama_blend(m, &rq);
                     if (rc == 0) rc = cb_cuda_sync(cu);
                     if (rc) {
@@ -373,7 +367,7 @@ int main(int argc, char **argv) {
                         failures++;
                         bad = true;
                     }
-                    if (k) t[k - 1] = now_ms() - t0;
+                    if (k) t[k - 1] = cb_now_ms() - t0;
                 }
                 (pass ? hot_ms : cold_ms)[r] = bad ? -1.0 : median(t, reps);
             }
@@ -384,7 +378,7 @@ int main(int argc, char **argv) {
             cb_bf16_t *kc0 = cb_cuda_llama_kcache(m, 0);
             for (int k = 0; k <= reps; k++) {
                 OK(cb_cuda_sync(cu));
-                double t0 = now_ms();
+                double t0 = cb_now_ms();
                 for (int l = 1; l < NL; l++)
                     for (int c = 0; c < nchunks; c++) {
                         OK(cb_cuda_h2d(cu, CB_CUDA_STREAM_COPY, kc0 + (size_t)c * chunk * KVD,
@@ -393,7 +387,7 @@ int main(int argc, char **argv) {
                                        cold[c].v + (size_t)l * cold[c].layer_stride, (size_t)chunk * KVD * 2));
                     }
                 OK(cb_cuda_sync(cu));
-                if (k) t[k - 1] = now_ms() - t0;
+                if (k) t[k - 1] = cb_now_ms() - t0;
             }
             load_ms = median(t, reps);
         }

@@ -16,8 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <time.h>
 
+#include "base/clock.h"
 #include "engine/engine.h"
 #include "base/log.h"
 #include "model/model.h"
@@ -27,12 +27,6 @@ static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-bench: %s\n", why);
     fprintf(stderr, "usage: cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--json]\n");
     return 2;
-}
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
 static bool parse_int(const char *s, long lo, long hi, long *out) {
@@ -73,13 +67,13 @@ int main(int argc, char **argv) {
     if (n_lens == 0) lens[0] = 512, lens[1] = 2048, lens[2] = 8000, n_lens = 3;
 
     char err[512];
-    double t0 = now_s();
+    double t0 = cb_now_ms();
     cb_model_t *m = cb_model_load(model_path, err, sizeof err);
     if (!m) {
         fprintf(stderr, "cb-bench: %s\n", err);
         return 1;
     }
-    double load_s = now_s() - t0;
+    double load_s = (cb_now_ms() - t0) / 1e3;
     const int V = cb_model_hparams(m)->n_vocab;
     long max_len = lens[n_lens - 1], ctx = max_len > lens[0] + n_decode ? max_len : lens[0] + n_decode;
     cb_engine_t *e = cb_engine_new(m, (int)ctx, err, sizeof err);
@@ -97,12 +91,12 @@ int main(int argc, char **argv) {
     for (long li = 0; li < n_lens; li++) {
         double best = 1e30;
         for (long r = 0; r < reps; r++) {
-            t0 = now_s();
+            t0 = cb_now_ms();
             if (cb_engine_prefill(e, tok, (int)lens[li], 0, lg) != 0) {
                 fprintf(stderr, "cb-bench: prefill failed\n");
                 return 1;
             }
-            double dt = now_s() - t0;
+            double dt = (cb_now_ms() - t0) / 1e3;
             best = dt < best ? dt : best;
         }
         json_t *o = json_object();
@@ -112,7 +106,7 @@ int main(int argc, char **argv) {
         json_array_append_new(pf, o);
         if (!json) printf("prefill %6ld tokens: %9.1f ms  %8.1f tok/s\n", lens[li], best * 1e3, lens[li] / best);
         if (li == 0 && n_decode > 0) {
-            t0 = now_s();
+            t0 = cb_now_ms();
             for (long s = 0; s < n_decode; s++) {
                 int32_t t = cb_argmax(lg, V);
                 if (cb_engine_decode(e, t, (int)(lens[0] + s), lg) != 0) {
@@ -120,7 +114,7 @@ int main(int argc, char **argv) {
                     return 1;
                 }
             }
-            decode_tok_s = n_decode / (now_s() - t0);
+            decode_tok_s = n_decode / ((cb_now_ms() - t0) / 1e3);
             if (!json) printf("decode  %6ld steps after %ld: %8.1f tok/s\n", n_decode, lens[0], decode_tok_s);
         }
     }

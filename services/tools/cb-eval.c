@@ -47,12 +47,14 @@
 #include <time.h>
 
 #include "args.h"
+#include "base/clock.h"
 #include "engine/backend_select.h"
 #include "blend/blend.h"
 #include "model/chat.h"
 #include "engine/engine.h"
 #include "kv/kvmem.h"
 #include "base/log.h"
+#include "base/utf8.h"
 #include "model/model.h"
 #include "rag/qa.h"
 #include "engine/sampler.h"
@@ -98,12 +100,6 @@ static int usage(const char *why) {
             (double)CB_BLEND_DEFAULT_RATIO, CB_BLEND_DEFAULT_METRIC, CB_BLEND_DEFAULT_CHECK_LAYER,
             CB_BLEND_DEFAULT_LEAD, CB_BLEND_DEFAULT_PROBE_LAYERS, CB_BLEND_DEFAULT_PROBE_SUFFIX);
     return 2;
-}
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
 }
 
 /* CPU time of the whole process (all threads): the work done, whatever else runs on the machine. */
@@ -173,34 +169,6 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
         }
     }
     return true;
-}
-
-/* Valid UTF-8 copy (bytes that do not start a well-formed sequence become U+FFFD). Caller frees. */
-static char *utf8_clean(const char *s, size_t n) {
-    char *o = malloc(n * 3 + 1);
-    if (!o) return NULL;
-    size_t k = 0;
-    const unsigned char *u = (const unsigned char *)s;
-    for (size_t i = 0; i < n;) {
-        unsigned c = u[i];
-        size_t len = c < 0x80 ? 1 : c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
-        bool ok = len > 0 && i + len <= n && (len == 1 || c != 0);
-        for (size_t j = 1; ok && j < len; j++) ok = (u[i + j] & 0xC0) == 0x80;
-        if (ok && len == 3) ok = !(c == 0xE0 && u[i + 1] < 0xA0) && !(c == 0xED && u[i + 1] >= 0xA0);
-        if (ok && len == 4) ok = !(c == 0xF0 && u[i + 1] < 0x90) && !(c == 0xF4 && u[i + 1] >= 0x90);
-        if (ok && c == 0) ok = false;
-        if (ok) {
-            memcpy(o + k, u + i, len);
-            k += len;
-            i += len;
-        } else {
-            memcpy(o + k, "\xEF\xBF\xBD", 3);
-            k += 3;
-            i++;
-        }
-    }
-    o[k] = 0;
-    return o;
 }
 
 static int mkdir_p(const char *path) {
@@ -748,7 +716,7 @@ int main(int argc, char **argv) {
             goto done;
         }
         /* precompute missing chunk files (not timed) */
-        double tp = now_ms();
+        double tp = cb_now_ms();
         int n_computed = 0;
         for (int c = 0; c < nc; c++) {
             cb_blend_src_t src;
@@ -759,7 +727,7 @@ int main(int argc, char **argv) {
             n_computed += src == CB_BLEND_SRC_COMPUTED;
         }
         fprintf(stderr, "[%d/%d] %s: %lld tokens, %d chunks (%d precomputed in %.1f s)\n", ei - first + 1, last - first,
-                ex->id, total, nc, n_computed, (now_ms() - tp) / 1e3);
+                ex->id, total, nc, n_computed, (cb_now_ms() - tp) / 1e3);
         cb_blend_chunk_t chunks[CB_QA_MAX_CTXS];
         for (int c = 0; c < nc; c++) chunks[c] = (cb_blend_chunk_t){chunk_tok[c], chunk_n[c]};
         char *full_answer = NULL;
@@ -787,14 +755,14 @@ int main(int argc, char **argv) {
         for (int vi = ref ? 1 : 0; vi < nv; vi++) {
             variant_t *v = &vs[vi];
             cb_blend_stats_t bst;
-            double t0 = now_ms(), c0 = cpu_ms();
+            double t0 = cb_now_ms(), c0 = cpu_ms();
             if (cb_blend_prefill(bl, prefix, n_prefix, chunks, nc, suffix, n_suffix, &v->o, logits, &bst, err,
                                  sizeof err)) {
                 fprintf(stderr, "cb-eval: %s: %s: %s\n", ex->id, v->label, err);
                 goto done;
             }
             int32_t t = cb_argmax(logits, hp->n_vocab);
-            double ttft = now_ms() - t0, ttft_cpu = cpu_ms() - c0;
+            double ttft = cb_now_ms() - t0, ttft_cpu = cpu_ms() - c0;
             /* first-token distribution vs full's (same process only) */
             double kl = -1.0;
             if (v->o.mode == CB_BLEND_FULL && !have_full_lp) {
@@ -822,7 +790,11 @@ int main(int argc, char **argv) {
                 if (cb_engine_decode(eng, t, pos++, logits)) goto done;
                 t = cb_argmax(logits, hp->n_vocab);
             }
-            char *clean = utf8_clean(text ? text : "", text ? tlen : 0);
+            /* a NUL byte (a <0x00> token) would end the C string early: made an invalid byte, it becomes
+             * U+FFFD like the others */
+            for (size_t b = 0; text && b < tlen; b++)
+                if (text[b] == '\0') text[b] = (char)0xFF;
+            char *clean = cb_utf8_repair_n(text, text ? tlen : 0, NULL);
             free(text);
             if (!clean) goto done;
             char *answer = cb_qa_parse_generation(clean);

@@ -25,13 +25,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "args.h"
+#include "base/clock.h"
 #include "model/chat.h"
 #include "engine/backend_select.h"
 #include "engine/engine.h"
 #include "base/log.h"
+#include "base/utf8.h"
 #include "model/model.h"
 #include "engine/sampler.h"
 #include "model/tokenizer.h"
@@ -54,12 +55,6 @@ static int usage(const char *why) {
             "  --dump-logits K   print the K largest logits of the last prompt position\n"
             "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n");
     return 2;
-}
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
 /* "1 2 3" (spaces, tabs, commas, newlines). Returns the count, -1 on a malformed or negative id. */
@@ -91,36 +86,6 @@ static long parse_ids(const char *s, int32_t **ids_out) {
     }
     *ids_out = ids;
     return (long)n;
-}
-
-/* Valid UTF-8 copy of b[0..n): each byte that does not start a well-formed sequence becomes U+FFFD
- * (JSON strings must be valid UTF-8; a completion cut mid-character is not). Caller frees. */
-static char *utf8_lossy(const char *b, size_t n, size_t *out_len) {
-    char *o = malloc(n * 3 + 1);
-    if (!o) return NULL;
-    size_t k = 0;
-    const unsigned char *s = (const unsigned char *)b;
-    for (size_t i = 0; i < n;) {
-        unsigned c = s[i];
-        size_t len = c < 0x80 ? 1 : (c >= 0xC2 && c <= 0xDF) ? 2 : (c >= 0xE0 && c <= 0xEF) ? 3
-                   : (c >= 0xF0 && c <= 0xF4) ? 4 : 0;
-        bool ok = len > 0 && i + len <= n;
-        for (size_t j = 1; ok && j < len; j++) ok = (s[i + j] & 0xC0) == 0x80;
-        if (ok && len == 3) ok = !(c == 0xE0 && s[i + 1] < 0xA0) && !(c == 0xED && s[i + 1] >= 0xA0);
-        if (ok && len == 4) ok = !(c == 0xF0 && s[i + 1] < 0x90) && !(c == 0xF4 && s[i + 1] >= 0x90);
-        if (ok) {
-            memcpy(o + k, s + i, len);
-            k += len;
-            i += len;
-        } else {
-            memcpy(o + k, "\xEF\xBF\xBD", 3);
-            k += 3;
-            i++;
-        }
-    }
-    o[k] = 0;
-    *out_len = k;
-    return o;
 }
 
 typedef struct { int32_t id; float logit; } top_t;
@@ -256,12 +221,12 @@ int main(int argc, char **argv) {
         goto done;
     }
 
-    double t0 = now_s();
+    double t0 = cb_now_ms();
     if (cb_engine_prefill(eng, ids, (int)n_prompt, 0, logits) != 0) {
         fprintf(stderr, "cb-generate: prefill failed\n");
         goto done;
     }
-    double prefill_s = now_s() - t0;
+    double prefill_s = (cb_now_ms() - t0) / 1e3;
     if (dump) {
         top_logits(logits, hp->n_vocab, (int)dump, top);
         if (!json)
@@ -291,12 +256,12 @@ int main(int argc, char **argv) {
             stop = "context";
             break;
         }
-        double t1 = now_s();
+        double t1 = cb_now_ms();
         if (cb_engine_decode(eng, t, (int)pos, logits) != 0) {
             fprintf(stderr, "cb-generate: decode failed at position %ld\n", pos);
             goto done;
         }
-        decode_s += now_s() - t1;
+        decode_s += (cb_now_ms() - t1) / 1e3;
         n_decode++;
         pos++;
     }
@@ -305,7 +270,7 @@ int main(int argc, char **argv) {
         for (long i = 0; i < n_out; i++) json_array_append_new(ta, json_integer(gen[i]));
         size_t tl = 0, sl = 0;
         char *text = tok ? cb_tokenizer_decode_alloc(tok, gen, (size_t)n_out, false, &tl) : NULL;
-        char *safe = utf8_lossy(text ? text : "", text ? tl : 0, &sl);
+        char *safe = cb_utf8_repair_n(text, text ? tl : 0, &sl); /* JSON strings must be valid UTF-8 */
         json_object_set_new(o, "text", json_stringn(safe ? safe : "", safe ? sl : 0));
         free(text);
         free(safe);

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/clock.h"
 #include "wire/bus.h"
 #include "base/log.h"
 #include "wire/msg.h"
@@ -33,8 +34,6 @@ typedef struct {
     double *ttft, *tot; /* [total] per query, -1 when it failed */
     atomic_int errors;
 } load_t;
-
-static double now_ms(void) { return (double)zclock_usecs() / 1000.0; }
 
 static void *client(void *arg) {
     load_t *L = arg;
@@ -67,7 +66,7 @@ static void *client(void *arg) {
         const void *d = cb_msg_end(w, &len);
         L->ttft[i] = L->tot[i] = -1;
         cb_err_t code;
-        double t0 = now_ms(), t1 = -1;
+        double t0 = cb_now_ms(), t1 = -1;
         if (!d || cb_bus_send(c, d, len, &code, err, sizeof err) != 0) {
             fprintf(stderr, "cb-load: query %d: %s\n", i, d ? err : cb_msg_writer_error(w));
             atomic_fetch_add(&L->errors, 1);
@@ -87,11 +86,11 @@ static void *client(void *arg) {
                 break;
             }
             bool done = cb_msg_is_type(m, "done");
-            if ((cb_msg_is_type(m, "token") || done) && t1 < 0) t1 = now_ms();
+            if ((cb_msg_is_type(m, "token") || done) && t1 < 0) t1 = cb_now_ms();
             cb_msg_destroy(&m);
             if (done) {
                 L->ttft[i] = t1 - t0;
-                L->tot[i] = now_ms() - t0;
+                L->tot[i] = cb_now_ms() - t0;
                 break;
             }
         }
@@ -177,10 +176,10 @@ int main(int argc, char **argv) {
     atomic_init(&L.errors, 0);
     zsys_init();
     pthread_t th[MAX_CLIENTS];
-    double t0 = now_ms();
+    double t0 = cb_now_ms();
     for (int c = 0; c < clients; c++) pthread_create(&th[c], NULL, client, &L);
     for (int c = 0; c < clients; c++) pthread_join(th[c], NULL);
-    double wall = (now_ms() - t0) / 1000.0;
+    double wall = (cb_now_ms() - t0) / 1000.0;
     int errors = atomic_load(&L.errors), ok = L.total - errors;
     json_t *out = json_pack("{s:i, s:i, s:i, s:i, s:f, s:f, s:o, s:o}", "clients", clients, "queries", L.total, "ok", ok,
                             "errors", errors, "wall_s", wall, "qps", wall > 0 ? ok / wall : 0.0, "ttft_ms",

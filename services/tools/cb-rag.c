@@ -19,8 +19,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "base/clock.h"
 #include "blend/blend.h"
 #include "wire/config.h"
 #include "wire/db.h"
@@ -34,12 +34,6 @@
 
 #define MAX_CTX 32
 #define MAX_RUNS 1000
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
-}
 
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-rag: %s\n", why);
@@ -158,7 +152,7 @@ int main(int argc, char **argv) {
     int N = 0, n_gen = 0;
     cb_blend_stats_t st = {0};
     for (int run = 0; run < repeat; run++) {
-        double t0 = now_ms();
+        double t0 = cb_now_ms();
         int32_t *ct[MAX_CTX] = {0};
         cb_blend_chunk_t chunks[MAX_CTX];
         int n_suffix = 0;
@@ -179,11 +173,11 @@ int main(int argc, char **argv) {
         } else if (!ok) {
             snprintf(err, sizeof err, "cannot tokenize the prompt");
         }
-        double tp = now_ms();
+        double tp = cb_now_ms();
         if (ok && cb_blend_prefill(blend, prefix, n_prefix, chunks, n_ctx, suffix, n_suffix, &o, logits, &st, err,
                                    sizeof err) != 0)
             ok = false;
-        double prefill_ms = now_ms() - tp;
+        double prefill_ms = cb_now_ms() - tp;
         for (int i = 0; i < n_ctx; i++) free(ct[i]);
         free(suffix);
         if (!ok) {
@@ -192,7 +186,7 @@ int main(int argc, char **argv) {
         }
         cb_sampler_reset(sampler, (uint64_t)seed);
         int32_t t = cb_sampler_sample(sampler, logits);
-        json_array_append_new(ttfts, json_real(now_ms() - t0));
+        json_array_append_new(ttfts, json_real(cb_now_ms() - t0));
         json_array_append_new(prefills, json_real(prefill_ms));
         /* decode: the same loop as cb-blend (stop at end-of-generation or max_tokens or the context) */
         int max_new = (int)(max_tokens < max_ctx - N ? max_tokens : max_ctx - N);
