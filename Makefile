@@ -45,7 +45,7 @@ LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasL
 endif
 endif
 
-.PHONY: all test test-unit test-gpu demo bench bench-engine bench-stack cuda fuzz clean model eval
+.PHONY: all test test-unit test-gpu demo bench bench-engine bench-stack cuda fuzz clean model eval check-layers
 all: build/lib/libshared.a $(CUDA_LIB) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
@@ -96,6 +96,10 @@ model:
 
 test: all $(TESTS) $(ASAN_TESTS) model
 	@tests/run.sh
+
+# The include graph follows the layers (tests/integration/test_layers.sh runs it in `make test` too).
+check-layers:
+	@scripts/check-layers
 
 test-gpu: all gpu-tests
 	@tests/run-gpu.sh

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Integration test of scripts/check-layers: the real tree passes it; copies of libshared/ and kernels/
+# with one planted violation each fail it with a message naming the file: an upward include (format ->
+# blend), a direct kernel call in blend.c, an include without a layer folder, a kernel header included
+# from rag/, and a kernels file including a layer above the two types it implements. A planted call in
+# a comment or a string is not a call. Needs only python3 (exit 77 without it).
+set -u
+cd "$(dirname "$0")/../.."
+command -v python3 >/dev/null || { echo "skip: no python3"; exit 77; }
+FAILS=0
+check() {
+  if [ "$2" = "$3" ]; then echo "ok: $1"; else echo "FAIL: $1: got '$2', expected '$3'"; FAILS=$((FAILS+1)); fi
+}
+T=$(mktemp -d /tmp/cb-layers.XXXXXX)
+trap 'rm -rf "$T"' EXIT
+
+# --- the real tree
+out=$(scripts/check-layers 2>&1); rc=$?
+check "the real tree follows the layers" "$rc" "0"
+[ "$rc" -eq 0 ] || echo "$out" | sed 's/^/    /'
+
+# fresh copy of the libraries (and the script) in $T/tree
+fresh() {
+  rm -rf "$T/tree"
+  mkdir -p "$T/tree/scripts"
+  cp -r libshared kernels "$T/tree/"
+  cp scripts/check-layers "$T/tree/scripts/"
+}
+# expect_violation DESCRIPTION PATTERN: check-layers on the copy fails, a line matches PATTERN
+expect_violation() {
+  local out rc
+  out=$("$T/tree/scripts/check-layers" "$T/tree" 2>&1); rc=$?
+  check "$1: exit 1" "$rc" "1"
+  check "$1: reported" "$(echo "$out" | grep -c -E "$2")" "1"
+}
+
+fresh
+out=$("$T/tree/scripts/check-layers" "$T/tree" 2>&1); rc=$?
+check "the copy checks like the real tree" "$rc" "$(scripts/check-layers >/dev/null 2>&1; echo $?)"
+
+fresh
+printf '#include "blend/blend.h"\n' >>"$T/tree/libshared/format/quant.c"
+expect_violation "format includes blend" '^libshared/format/quant\.c:[0-9]+: format includes blend \(blend/blend\.h\)$'
+
+fresh
+printf 'static void x(void){cb_cpu_add(0,0,0);}\n' >>"$T/tree/libshared/blend/blend.c"
+expect_violation "a kernel call in blend.c" \
+  '^libshared/blend/blend\.c:[0-9]+: blend calls a kernel outside the backend table \(cb_cpu_add\)$'
+
+fresh
+printf '#include "engine.h"\n' >>"$T/tree/libshared/kv/kvmem.c"
+expect_violation "an include without a layer folder" '^libshared/kv/kvmem\.c:[0-9]+: kv includes a header without a layer folder \(engine\.h\)$'
+
+fresh
+printf '#include "cpu/cpu_ops.h"\n' >>"$T/tree/libshared/rag/qa.c"
+expect_violation "a kernel header in rag" '^libshared/rag/qa\.c:[0-9]+: rag includes kernels \(cpu/cpu_ops\.h\)'
+
+fresh
+printf '#include "engine/engine.h"\n' >>"$T/tree/kernels/cpu/cpu_pool.c"
+expect_violation "kernels include engine.h" '^kernels/cpu/cpu_pool\.c:[0-9]+: kernels includes engine \(engine/engine\.h\)'
+
+fresh
+printf '/* cb_cpu_add(0, 0, 0) */\nstatic const char *x_ = "cb_cuda_free(p)"; // cb_pool_run(p)\n' >>"$T/tree/libshared/kv/kvmem.c"
+out=$("$T/tree/scripts/check-layers" "$T/tree" 2>&1)
+check "calls in comments and strings are not calls" "$(echo "$out" | grep -c '^libshared/kv/kvmem\.c')" "0"
+
+if [ "$FAILS" -gt 0 ]; then echo "$FAILS check(s) failed"; exit 1; fi
+echo "all checks passed"
