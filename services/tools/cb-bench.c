@@ -3,10 +3,10 @@
  *   cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--json]
  *
  * For each prompt length L (ascending): prefill L pseudo-random token ids (the same ids the llama.cpp
- * side of the benchmark uses: id_i = (i * 7919) % 30000 + 100) at position 0 of one engine sized for
- * the longest prompt; the best of R repetitions is reported. Decode: after a prompt of the first
+ * side of the benchmark uses: id_i = (i * 7919) % 30000 + 100) at position 0 of one sequence (cleared
+ * before each prefill) of an engine sized for the longest prompt; the best of R repetitions is reported. Decode: after a prompt of the first
  * length, N greedy steps. Peak RSS is the process's maximum resident set (getrusage), which includes
- * the model (mapping + f32 copies) and the KV cache for the longest prompt.
+ * the model (mapping + f32 copies) and the KV pool blocks the longest prompt touched.
  * Exit: 0 ok, 1 runtime error, 2 bad arguments.
  */
 #include <errno.h>
@@ -77,9 +77,10 @@ int main(int argc, char **argv) {
     const int V = cb_model_hparams(m)->n_vocab;
     long max_len = lens[n_lens - 1], ctx = max_len > lens[0] + n_decode ? max_len : lens[0] + n_decode;
     cb_engine_t *e = cb_engine_new(m, (int)ctx, err, sizeof err);
+    cb_seq_t *seq = e ? cb_seq_new(e) : NULL;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)ctx);
     float *lg = malloc(sizeof(float) * (size_t)V);
-    if (!e || !tok || !lg) {
+    if (!e || !seq || !tok || !lg) {
         fprintf(stderr, "cb-bench: %s\n", e ? "out of memory" : err);
         return 1;
     }
@@ -91,9 +92,11 @@ int main(int argc, char **argv) {
     for (long li = 0; li < n_lens; li++) {
         double best = 1e30;
         for (long r = 0; r < reps; r++) {
+            cb_seq_clear(seq); /* a fresh prompt each time: its blocks come from the pool again */
             t0 = cb_now_ms();
-            if (cb_engine_prefill(e, tok, (int)lens[li], 0, lg) != 0) {
-                fprintf(stderr, "cb-bench: prefill failed\n");
+            int st = cb_engine_prefill(e, seq, tok, (int)lens[li], 0, lg);
+            if (st != CB_ENGINE_OK) {
+                fprintf(stderr, "cb-bench: prefill failed: %s\n", cb_engine_status_str(st));
                 return 1;
             }
             double dt = (cb_now_ms() - t0) / 1e3;
@@ -109,8 +112,9 @@ int main(int argc, char **argv) {
             t0 = cb_now_ms();
             for (long s = 0; s < n_decode; s++) {
                 int32_t t = cb_argmax(lg, V);
-                if (cb_engine_decode(e, t, (int)(lens[0] + s), lg) != 0) {
-                    fprintf(stderr, "cb-bench: decode failed\n");
+                int st = cb_engine_decode(e, seq, t, (int)(lens[0] + s), lg);
+                if (st != CB_ENGINE_OK) {
+                    fprintf(stderr, "cb-bench: decode failed: %s\n", cb_engine_status_str(st));
                     return 1;
                 }
             }
@@ -140,6 +144,7 @@ int main(int argc, char **argv) {
     json_decref(out);
     free(tok);
     free(lg);
+    cb_seq_destroy(&seq);
     cb_engine_destroy(&e);
     cb_model_destroy(&m);
     return 0;

@@ -14,6 +14,7 @@
  *    "decode_tok_s", "top_logits"?}
  * --dump-logits K (debugging / golden tests) prints the K largest logits of the last prompt position
  * as "id logit" lines on stdout before the completion (in --json: "top_logits": [[id, logit], ...]).
+ * The prompt and its completion are one engine sequence (engine.h) in the default KV pool.
  * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf.
  * Exit: 0 ok, 1 runtime error (model, prompt too long), 2 bad arguments (usage on stderr).
  */
@@ -149,6 +150,7 @@ int main(int argc, char **argv) {
     cb_model_t *model = NULL;
     cb_tokenizer_t *tok = NULL;
     cb_engine_t *eng = NULL;
+    cb_seq_t *seq = NULL;
     cb_sampler_t *smp = NULL;
     int32_t *ids = NULL, *gen = NULL;
     float *logits = NULL;
@@ -211,6 +213,10 @@ int main(int argc, char **argv) {
         goto done;
     }
     if (threads) cb_engine_set_threads(eng, (int)threads);
+    if (!(seq = cb_seq_new(eng))) {
+        fprintf(stderr, "cb-generate: out of memory\n");
+        goto done;
+    }
     cb_sampler_params_t sp = {.temperature = temp, .top_k = (int)top_k, .top_p = top_p, .seed = (uint64_t)seed};
     smp = cb_sampler_new(&sp, hp->n_vocab);
     logits = malloc(sizeof(float) * (size_t)hp->n_vocab);
@@ -222,8 +228,9 @@ int main(int argc, char **argv) {
     }
 
     double t0 = cb_now_ms();
-    if (cb_engine_prefill(eng, ids, (int)n_prompt, 0, logits) != 0) {
-        fprintf(stderr, "cb-generate: prefill failed\n");
+    int st = cb_engine_prefill(eng, seq, ids, (int)n_prompt, 0, logits);
+    if (st != CB_ENGINE_OK) {
+        fprintf(stderr, "cb-generate: prefill failed: %s\n", cb_engine_status_str(st));
         goto done;
     }
     double prefill_s = (cb_now_ms() - t0) / 1e3;
@@ -257,8 +264,8 @@ int main(int argc, char **argv) {
             break;
         }
         double t1 = cb_now_ms();
-        if (cb_engine_decode(eng, t, (int)pos, logits) != 0) {
-            fprintf(stderr, "cb-generate: decode failed at position %ld\n", pos);
+        if ((st = cb_engine_decode(eng, seq, t, (int)pos, logits)) != CB_ENGINE_OK) {
+            fprintf(stderr, "cb-generate: decode failed at position %ld: %s\n", pos, cb_engine_status_str(st));
             goto done;
         }
         decode_s += (cb_now_ms() - t1) / 1e3;
@@ -307,6 +314,7 @@ done:
     free(logits);
     free(ids);
     cb_sampler_destroy(&smp);
+    cb_seq_destroy(&seq);
     cb_engine_destroy(&eng);
     cb_tokenizer_destroy(&tok);
     cb_model_destroy(&model);
