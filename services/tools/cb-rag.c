@@ -1,18 +1,20 @@
 /* cb-rag: one RAG query answered in process, with the same prompt (ragprompt.h), configuration (the
  * `blend` section: mode, ratio, check_layer, metric, leading_tokens, max_tokens, temperature, top_p, seed,
- * ctx_size, hot_cache_bytes, system_prompt; common: model, threads) and code path (blend.h + sampler.h) as
- * cb-blend, but without any service: the reference the stack is compared with (integration tests: the
- * streamed answer must equal this one; scripts/bench-stack.sh: the stack's added latency).
+ * ctx_size, hot_cache_bytes, kv_pool_bytes, system_prompt; common: model, threads) and code path
+ * (kvstore.h + blend.h + sampler.h) as cb-blend, but without any service: the reference the stack is
+ * compared with (integration tests: the streamed answer must equal this one; scripts/bench-stack.sh: the
+ * stack's added latency).
  *
  *   cb-rag [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]... [--context TEXT]... [--files DIR]
  *          [--repeat N] [--json] QUESTION
  *
  * Each --context is one chunk text (as cbctl query --context). Chunk KV lives in an in-memory tier
- * (blend.hot_cache_bytes); --files DIR adds a KV-file tier in DIR (created if missing). --repeat N asks
- * N times: the first run computes the chunks, the later ones reuse them (warm). Output: the answer of the
- * last run on stdout; with --json one line {"text", "ttft_ms": [per run], "prefill_ms": [...], "n_prompt",
- * "n_generated", "tokens_recomputed", "mode", "ratio"}. TTFT = from the start of a run (tokenizing the
- * contexts) to the first sampled token.
+ * (blend.hot_cache_bytes); --files DIR adds a KV-file tier in DIR (created if missing); both belong to one
+ * chunk store under the blend, and every run blends into one engine sequence (KV pool: blend.kv_pool_bytes,
+ * 0 = the engine's default). --repeat N asks N times: the first run computes the chunks, the later ones
+ * reuse them (warm). Output: the answer of the last run on stdout; with --json one line {"text",
+ * "ttft_ms": [per run], "prefill_ms": [...], "n_prompt", "n_generated", "tokens_recomputed", "mode",
+ * "ratio"}. TTFT = from the start of a run (tokenizing the contexts) to the first sampled token.
  * Exit: 0 ok, 1 runtime error, 2 usage.
  */
 #include <jansson.h>
@@ -26,6 +28,7 @@
 #include "wire/db.h"
 #include "engine/engine.h"
 #include "kv/kvmem.h"
+#include "kv/kvstore.h"
 #include "base/log.h"
 #include "model/model.h"
 #include "rag/ragprompt.h"
@@ -81,7 +84,7 @@ int main(int argc, char **argv) {
 
     const char *mode_s, *metric, *model_path, *sys;
     double ratio, temp, top_p;
-    int64_t max_tokens, seed, check, lead, ctx_size, hot, threads;
+    int64_t max_tokens, seed, check, lead, ctx_size, hot, threads, pool_bytes;
     if (!cb_config_str(cfg, "blend", "mode", "blend", &mode_s, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "ratio", 0, 1, 0.15, &ratio, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "max_tokens", 1, 4096, 64, &max_tokens, err, sizeof err) ||
@@ -93,6 +96,7 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, "blend", "leading_tokens", 0, 1 << 20, CB_BLEND_DEFAULT_LEAD, &lead, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "ctx_size", 64, 1 << 20, 2048, &ctx_size, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
+        !cb_config_int(cfg, "blend", "kv_pool_bytes", 0, INT64_MAX, 0, &pool_bytes, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "threads", 1, 1024, 2, &threads, err, sizeof err) ||
         !cb_config_str(cfg, "blend", "system_prompt", "", &sys, err, sizeof err) ||
         !cb_config_str(cfg, "blend", "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model_path, err, sizeof err)) {
@@ -111,7 +115,9 @@ int main(int argc, char **argv) {
     cb_ragprompt_t *rp = NULL;
     cb_engine_t *eng = NULL;
     cb_kvmem_t *mem = NULL;
+    cb_kvstore_t *store = NULL;
     cb_blend_t *blend = NULL;
+    cb_seq_t *seq = NULL;
     cb_sampler_t *sampler = NULL;
     float *logits = NULL;
     char *text = NULL;
@@ -128,8 +134,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cb-rag: %s\n", err);
         goto out;
     }
-    if (!(eng = cb_engine_new(model, max_ctx, err, sizeof err)) || !(mem = cb_kvmem_new((size_t)hot)) ||
-        !(blend = cb_blend_new(eng, files, mem, CB_KV_F16, err, sizeof err))) {
+    err[0] = 0;
+    cb_engine_opts_t eo = {.max_ctx = max_ctx, .kv_pool_bytes = (size_t)pool_bytes, .block_tokens = 0};
+    if (!(eng = cb_engine_new_opts(model, &eo, err, sizeof err)) || !(mem = cb_kvmem_new((size_t)hot)) ||
+        !(store = cb_kvstore_new(eng, files, mem, CB_KV_F16, err, sizeof err)) ||
+        !(blend = cb_blend_new(store, err, sizeof err)) || !(seq = cb_seq_new(eng))) {
         fprintf(stderr, "cb-rag: %s\n", err[0] ? err : "out of memory");
         goto out;
     }
@@ -174,8 +183,8 @@ int main(int argc, char **argv) {
             snprintf(err, sizeof err, "cannot tokenize the prompt");
         }
         double tp = cb_now_ms();
-        if (ok && cb_blend_prefill(blend, prefix, n_prefix, chunks, n_ctx, suffix, n_suffix, &o, logits, &st, err,
-                                   sizeof err) != 0)
+        if (ok && cb_blend_prefill(blend, seq, prefix, n_prefix, chunks, n_ctx, suffix, n_suffix, &o, logits, &st, err,
+                                   sizeof err) != CB_ENGINE_OK)
             ok = false;
         double prefill_ms = cb_now_ms() - tp;
         for (int i = 0; i < n_ctx; i++) free(ct[i]);
@@ -196,8 +205,9 @@ int main(int argc, char **argv) {
             if (cb_model_is_eog(model, t) || cb_tokenizer_is_eog(tok, t)) break;
             ids[n_gen++] = t;
             if (n_gen >= max_new) break;
-            if (cb_engine_decode(eng, t, N + n_gen - 1, logits) != 0) {
-                fprintf(stderr, "cb-rag: decode failed\n");
+            int ds = cb_engine_decode(eng, seq, t, N + n_gen - 1, logits);
+            if (ds != CB_ENGINE_OK) {
+                fprintf(stderr, "cb-rag: decode failed: %s\n", cb_engine_status_str(ds));
                 goto out;
             }
             t = cb_sampler_sample(sampler, logits);
@@ -234,7 +244,9 @@ out:
     free(text);
     free(logits);
     cb_sampler_destroy(&sampler);
+    cb_seq_destroy(&seq);
     cb_blend_destroy(&blend);
+    cb_kvstore_destroy(&store);
     cb_kvmem_destroy(&mem);
     cb_engine_destroy(&eng);
     cb_ragprompt_destroy(&rp);
