@@ -53,6 +53,7 @@
 #include "model/chat.h"
 #include "engine/engine.h"
 #include "kv/kvmem.h"
+#include "kv/kvstore.h"
 #include "base/log.h"
 #include "base/utf8.h"
 #include "model/model.h"
@@ -549,7 +550,9 @@ int main(int argc, char **argv) {
     cb_tokenizer_t *tok = NULL;
     cb_engine_t *eng = NULL;
     cb_kvmem_t *mem = NULL;
+    cb_kvstore_t *store = NULL;
     cb_blend_t *bl = NULL;
+    cb_seq_t *seq = NULL;
     cb_qa_set_t *set = NULL;
     float *logits = NULL;
     double *lp_full = NULL, *lp_mode = NULL; /* [n_vocab] first-token log-distributions */
@@ -609,11 +612,12 @@ int main(int argc, char **argv) {
         goto done;
     }
     if (mem_mb > 0 && !(mem = cb_kvmem_new((size_t)mem_mb << 20))) goto done;
-    if (!(bl = cb_blend_new(eng, kv_dir, mem, dtype, err, sizeof err))) {
+    if (!(store = cb_kvstore_new(eng, kv_dir, mem, dtype, err, sizeof err)) ||
+        !(bl = cb_blend_new(store, err, sizeof err))) {
         fprintf(stderr, "cb-eval: %s\n", err);
         goto done;
     }
-    if (!(logits = malloc(sizeof(float) * (size_t)hp->n_vocab)) || !(gen = malloc(sizeof(int32_t) * (size_t)max_new)) ||
+    if (!(seq = cb_seq_new(eng)) || !(logits = malloc(sizeof(float) * (size_t)hp->n_vocab)) || !(gen = malloc(sizeof(int32_t) * (size_t)max_new)) ||
         !(lp_full = malloc(sizeof(double) * (size_t)hp->n_vocab)) || !(lp_mode = malloc(sizeof(double) * (size_t)hp->n_vocab)))
         goto done;
 
@@ -719,12 +723,12 @@ int main(int argc, char **argv) {
         double tp = cb_now_ms();
         int n_computed = 0;
         for (int c = 0; c < nc; c++) {
-            cb_blend_src_t src;
-            if (cb_blend_ensure_chunk(bl, prefix, n_prefix, chunk_tok[c], chunk_n[c], &src, NULL, err, sizeof err)) {
+            cb_kvstore_src_t src;
+            if (cb_kvstore_ensure(store, prefix, n_prefix, chunk_tok[c], chunk_n[c], &src, NULL, err, sizeof err)) {
                 fprintf(stderr, "cb-eval: %s: chunk %d: %s\n", ex->id, c, err);
                 goto done;
             }
-            n_computed += src == CB_BLEND_SRC_COMPUTED;
+            n_computed += src == CB_KVSTORE_COMPUTED;
         }
         fprintf(stderr, "[%d/%d] %s: %lld tokens, %d chunks (%d precomputed in %.1f s)\n", ei - first + 1, last - first,
                 ex->id, total, nc, n_computed, (cb_now_ms() - tp) / 1e3);
@@ -756,8 +760,8 @@ int main(int argc, char **argv) {
             variant_t *v = &vs[vi];
             cb_blend_stats_t bst;
             double t0 = cb_now_ms(), c0 = cpu_ms();
-            if (cb_blend_prefill(bl, prefix, n_prefix, chunks, nc, suffix, n_suffix, &v->o, logits, &bst, err,
-                                 sizeof err)) {
+            if (cb_blend_prefill(bl, seq, prefix, n_prefix, chunks, nc, suffix, n_suffix, &v->o, logits, &bst, err,
+                                 sizeof err) != CB_ENGINE_OK) {
                 fprintf(stderr, "cb-eval: %s: %s: %s\n", ex->id, v->label, err);
                 goto done;
             }
@@ -787,7 +791,7 @@ int main(int argc, char **argv) {
                 size_t a = 0;
                 while (a < tlen && text[a] == '\n') a++;
                 if (memchr(text + a, '\n', tlen - a) || ng >= max_new) break;
-                if (cb_engine_decode(eng, t, pos++, logits)) goto done;
+                if (cb_engine_decode(eng, seq, t, pos++, logits) != CB_ENGINE_OK) goto done;
                 t = cb_argmax(logits, hp->n_vocab);
             }
             /* a NUL byte (a <0x00> token) would end the C string early: made an invalid byte, it becomes
@@ -891,7 +895,9 @@ done:
     free(logits);
     free(lp_full);
     free(lp_mode);
+    cb_seq_destroy(&seq);
     cb_blend_destroy(&bl);
+    cb_kvstore_destroy(&store);
     cb_kvmem_destroy(&mem);
     cb_engine_destroy(&eng);
     cb_tokenizer_destroy(&tok);
