@@ -4,7 +4,7 @@
  *   cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--lead N] [--kv-dir DIR]
  *
  * For each MuSiQue example (prompt as cb-eval and cb-blend build it, ragprompt.h): a full prefill gives
- * the exact K/V of every row and layer; each chunk's cached K/V (its KV file, computed after the prefix
+ * the exact K/V of every row and layer (read back from its engine sequence, cb_engine_kv_read); each chunk's cached K/V (its KV file, computed after the prefix
  * when missing) is compared with it. Over the candidate rows (chunk
  * rows after the lead tokens) and per layer it prints the mean squared deviation of V, the share of the
  * total that the floor(R * candidates) most deviating rows hold ("top share": 1.0 would mean perfectly
@@ -22,6 +22,7 @@
 #include "args.h"
 #include "blend/blend.h"
 #include "engine/engine.h"
+#include "kv/kvstore.h"
 #include "base/log.h"
 #include "model/model.h"
 #include "rag/qa.h"
@@ -84,7 +85,9 @@ int main(int argc, char **argv) {
     cb_model_t *model = NULL;
     cb_tokenizer_t *tok = NULL;
     cb_engine_t *eng = NULL;
+    cb_kvstore_t *store = NULL;
     cb_blend_t *bl = NULL;
+    cb_seq_t *seq = NULL;
     cb_ragprompt_t *rp = NULL;
     float *logits = NULL, *Vt = NULL;
     double *lp_full = NULL, *lp_mode = NULL, *dv = NULL; /* [n_vocab] first-token log-distributions */
@@ -103,12 +106,14 @@ int main(int argc, char **argv) {
     const cb_hparams_t *hp = cb_model_hparams(model);
     const int L = hp->n_layer, KVD = hp->n_head_kv * hp->head_dim, V = hp->n_vocab;
     if (!(eng = cb_engine_new(model, hp->n_ctx_train, err, sizeof err)) ||
-        !(bl = cb_blend_new(eng, kv_dir, NULL, CB_KV_F16, err, sizeof err)) ||
+        !(store = cb_kvstore_new(eng, kv_dir, NULL, CB_KV_F16, err, sizeof err)) ||
+        !(bl = cb_blend_new(store, err, sizeof err)) ||
         !(rp = cb_ragprompt_new(tok, NULL, err, sizeof err))) {
         fprintf(stderr, "cb-kvdev: %s\n", err);
         goto done;
     }
     const int C = cb_engine_max_ctx(eng);
+    seq = cb_seq_new(eng);
     logits = malloc(sizeof(float) * (size_t)V);
     lp_full = malloc(sizeof(double) * (size_t)V);
     lp_mode = malloc(sizeof(double) * (size_t)V);
@@ -118,7 +123,7 @@ int main(int argc, char **argv) {
     cand = malloc((size_t)C);
     acc = calloc((size_t)L, sizeof *acc);
     for (int s = 0; s < N_SETS; s++) in_set[s] = malloc((size_t)C);
-    if (!logits || !lp_full || !lp_mode || !Vt || !dv || !order || !cand || !acc || !in_set[0] || !in_set[1] ||
+    if (!seq || !logits || !lp_full || !lp_mode || !Vt || !dv || !order || !cand || !acc || !in_set[0] || !in_set[1] ||
         !in_set[2]) {
         fprintf(stderr, "cb-kvdev: out of memory\n");
         goto done;
@@ -149,15 +154,18 @@ int main(int argc, char **argv) {
         cb_blend_opts_default(&o);
         o.mode = CB_BLEND_FULL;
         o.lead_tokens = (int)lead;
-        if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, logits, NULL, err, sizeof err)) goto fail;
+        if (cb_blend_prefill(bl, seq, prefix, np, ch, nc, suffix, ns, &o, logits, NULL, err, sizeof err)) goto fail;
         cb_log_softmax(logits, V, lp_full);
         for (int l = 0; l < L; l++)
-            memcpy(Vt + (size_t)l * N * KVD, cb_engine_vcache(eng, l), sizeof(float) * (size_t)N * KVD);
+            if (cb_engine_kv_read(eng, seq, l, 0, N, NULL, Vt + (size_t)l * N * KVD) != CB_ENGINE_OK) {
+                snprintf(err, sizeof err, "%s: cannot read back layer %d of the full prefill", ex->id, l);
+                goto fail;
+            }
         /* deviations of the cached chunk rows; candidates = chunk rows after the lead tokens */
         memset(cand, 0, (size_t)N);
         int n_cand = 0, r0 = np;
         for (int c = 0; c < nc; c++) {
-            cb_kvmem_entry_t *e = cb_blend_load_chunk(bl, prefix, np, ch[c].tokens, ch[c].n, NULL, NULL, err, sizeof err);
+            cb_kvmem_entry_t *e = cb_kvstore_load(store, prefix, np, ch[c].tokens, ch[c].n, NULL, NULL, err, sizeof err);
             if (!e) goto fail;
             for (int l = 0; l < L; l++) {
                 const float *cv = cb_kvmem_entry_v(e, l);
@@ -176,7 +184,7 @@ int main(int argc, char **argv) {
         if (target < 1 || n_cand == 0) goto next;
         /* the rows each metric recomputes, and its first-token KL */
         o.mode = CB_BLEND_REUSE;
-        if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, logits, NULL, err, sizeof err)) goto fail;
+        if (cb_blend_prefill(bl, seq, prefix, np, ch, nc, suffix, ns, &o, logits, NULL, err, sizeof err)) goto fail;
         cb_log_softmax(logits, V, lp_mode);
         double kl[1 + sizeof METRICS - 1], mean_pos[sizeof METRICS - 1];
         kl[0] = cb_kl_div(lp_full, lp_mode, V);
@@ -186,7 +194,7 @@ int main(int argc, char **argv) {
             o.ratio = ratio;
             o.metric = METRICS[m];
             cb_blend_stats_t st;
-            if (cb_blend_prefill(bl, prefix, np, ch, nc, suffix, ns, &o, logits, &st, err, sizeof err)) goto fail;
+            if (cb_blend_prefill(bl, seq, prefix, np, ch, nc, suffix, ns, &o, logits, &st, err, sizeof err)) goto fail;
             cb_log_softmax(logits, V, lp_mode);
             kl[1 + m] = cb_kl_div(lp_full, lp_mode, V);
             memset(in_set[1 + m], 0, (size_t)N);
@@ -245,7 +253,9 @@ done:
     for (int s = 0; s < N_SETS; s++) free(in_set[s]);
     free(logits), free(lp_full), free(lp_mode), free(Vt), free(dv), free(order), free(cand), free(acc);
     cb_ragprompt_destroy(&rp);
+    cb_seq_destroy(&seq);
     cb_blend_destroy(&bl);
+    cb_kvstore_destroy(&store);
     cb_engine_destroy(&eng);
     cb_tokenizer_destroy(&tok);
     cb_model_destroy(&model);
