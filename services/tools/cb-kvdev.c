@@ -4,9 +4,9 @@
  *   cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--lead N] [--kv-dir DIR]
  *
  * For each MuSiQue example (prompt as cb-eval and cb-blend build it, ragprompt.h): a full prefill gives
- * the exact K/V of every row and layer (read back from its engine sequence, cb_engine_kv_read); each chunk's cached K/V (its KV file, computed after the prefix
- * when missing) is compared with it. Over the candidate rows (chunk
- * rows after the lead tokens) and per layer it prints the mean squared deviation of V, the share of the
+ * the exact K/V of every row and layer (read back from its engine sequence, cb_engine_kv_read); each
+ * chunk's cached K/V (its KV file, computed after the prefix when missing) is compared with it. Over the
+ * candidate rows (chunk rows after the lead tokens) and per layer it prints the mean squared deviation of V, the share of the
  * total that the floor(R * candidates) most deviating rows hold ("top share": 1.0 would mean perfectly
  * concentrated, R when uniform), and the share that falls on the rows blend recomputes with metric v (the
  * check-layer set) and with metric a (the attention set), both at ratio R. Then the first-token KL
