@@ -6,12 +6,13 @@
  * For each MuSiQue example (prompt as cb-eval and cb-blend build it, ragprompt.h): a full prefill gives
  * the exact K/V of every row and layer (read back from its engine sequence, cb_engine_kv_read); each
  * chunk's cached K/V (its KV file, computed after the prefix when missing) is compared with it. Over the
- * candidate rows (chunk rows after the lead tokens) and per layer it prints the mean squared deviation of V, the share of the
- * total that the floor(R * candidates) most deviating rows hold ("top share": 1.0 would mean perfectly
- * concentrated, R when uniform), and the share that falls on the rows blend recomputes with metric v (the
- * check-layer set) and with metric a (the attention set), both at ratio R. Then the first-token KL
- * divergence from full of reuse and of blend with each metric, and the mean position of each metric's
- * recomputed rows (attention cost grows with it). Averages over the examples come last.
+ * candidate rows (chunk rows after the lead tokens) and per layer it prints the mean squared deviation of
+ * V, the share of the total that the floor(R * candidates) most deviating rows hold ("top share": 1.0
+ * would mean perfectly concentrated, R when uniform), and the share that falls on the rows blend
+ * recomputes with metric v (the check-layer set) and with metric a (the attention set), both at ratio R.
+ * Then the first-token KL divergence from full of reuse and of blend with each metric, and the mean
+ * position of each metric's recomputed rows (attention cost grows with it). Averages over the examples
+ * come last.
  * Exit: 0 ok, 1 runtime error, 2 usage.
  */
 #include <math.h>
