@@ -9,12 +9,12 @@
 #include <sys/stat.h>
 
 #include "base/clock.h"
-#include "blend/blend.h"
 #include "wire/bus.h"
 #include "rag/chunker.h"
 #include "engine/engine.h"
 #include "jobs.h"
 #include "format/kvfile.h"
+#include "kv/kvstore.h"
 #include "base/log.h"
 #include "model/model.h"
 #include "wire/msg.h"
@@ -32,7 +32,7 @@ typedef struct {
     cb_tokenizer_t *tok;
     cb_ragprompt_t *rp;
     cb_engine_t *engine;
-    cb_blend_t *blend;
+    cb_kvstore_t *store;         /* chunk keys, the context's KV, compute + KV file write */
     cb_chunker_t *chunker;
     cb_jobs_t *jobs;
     cb_bus_client_t *retriever, *cacheindex;
@@ -75,7 +75,7 @@ static void worker_free(worker_t *w) {
     cb_msg_writer_destroy(&w->w);
     cb_jobs_close(&w->jobs);
     cb_chunker_destroy(&w->chunker);
-    cb_blend_destroy(&w->blend);
+    cb_kvstore_destroy(&w->store);
     cb_engine_destroy(&w->engine);
     cb_ragprompt_destroy(&w->rp);
     cb_tokenizer_destroy(&w->tok);
@@ -98,7 +98,9 @@ static int worker_init(worker_t *w, char *err, size_t errlen) {
     }
     if (!(w->engine = cb_engine_new(w->model, w->max_ctx, err, errlen))) return -1;
     if (a->threads > 0) cb_engine_set_threads(w->engine, a->threads);
-    if (!(w->blend = cb_blend_new(w->engine, a->kv_dir, NULL, CB_KV_F16, err, errlen))) return -1;
+    if (!(w->store = cb_kvstore_new(w->engine, a->kv_dir, NULL, CB_KV_F16, err, errlen))) return -1;
+    /* P's KV now, so the first document does not pay for it (and a bad context fails at start) */
+    if (cb_kvstore_set_context(w->store, w->prefix, w->n_prefix, err, errlen) != 0) return -1;
     if (!(w->chunker = cb_chunker_new(w->tok, a->chunk_tokens, err, errlen))) return -1;
     if (!(w->jobs = cb_jobs_open(a->db_path, err, errlen))) return -1;
     if (!(w->retriever = cb_bus_client_from_config(a->cfg, "precompute", "retriever", err, errlen))) return -1;
@@ -116,10 +118,14 @@ static int worker_init(worker_t *w, char *err, size_t errlen) {
 }
 
 /* Sends the message finished in w->w to c, retrying transient failures (timeout, unavailable, overloaded)
- * with back-off until it gets a reply. STEP_OK with *reply (ok reply, caller owns), STEP_FAIL with err
- * (an error reply: permanent), STEP_TERM. */
+ * with back-off until it gets a reply. STEP_OK with *reply (ok reply, caller owns), STEP_FAIL with err and
+ * *code (an error reply: permanent; CB_ERR_INTERNAL when the message could not be made), STEP_TERM.
+ * code may be NULL. */
 static step_t call_retry(worker_t *w, cb_bus_client_t *c, const char *job, const char *what, cb_msg_t **reply,
-                         char *err, size_t errlen) {
+                         cb_err_t *code_out, char *err, size_t errlen) {
+    cb_err_t dummy;
+    if (!code_out) code_out = &dummy;
+    *code_out = CB_ERR_INTERNAL;
     *reply = NULL;
     size_t len;
     const void *data = cb_msg_end(w->w, &len);
@@ -151,6 +157,7 @@ static step_t call_retry(worker_t *w, cb_bus_client_t *c, const char *job, const
             cb_msg_destroy(&m);
             if (code != CB_ERR_OVERLOADED && code != CB_ERR_UNAVAILABLE && code != CB_ERR_TIMEOUT) {
                 snprintf(err, errlen, "%s refused by %s: %s", what, cb_bus_client_endpoint(c), e);
+                *code_out = code;
                 free(copy);
                 return STEP_FAIL;
             }
@@ -189,7 +196,7 @@ static step_t plan_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
             return STEP_FAIL;
         }
         uint8_t key[32];
-        cb_blend_chunk_key(w->blend, w->prefix, w->n_prefix, toks, nt, key);
+        cb_kvstore_chunk_key(w->store, w->prefix, w->n_prefix, toks, nt, key);
         free(toks);
         cs[i].off = (int64_t)spans[i].off;
         cs[i].len = (int64_t)spans[i].len;
@@ -204,7 +211,21 @@ static step_t plan_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
     return STEP_OK;
 }
 
-/* One chunk: KV file, cacheindex put, retriever index. */
+/* The path of key's KV file (the store names it) and that path relative to kv_dir (what cb-cacheindex
+ * records). 0, or -1 with err. */
+static int chunk_paths(worker_t *w, const uint8_t key[32], char *path, size_t cap, const char **rel, char *err,
+                       size_t errlen) {
+    size_t nd = strlen(w->a->kv_dir);
+    if (cb_kvstore_path(w->store, key, path, cap) != 0 || strncmp(path, w->a->kv_dir, nd) != 0 || path[nd] != '/') {
+        snprintf(err, errlen, "no KV file path under %.200s for this chunk", w->a->kv_dir);
+        return -1;
+    }
+    *rel = path + nd + 1;
+    return 0;
+}
+
+/* One chunk: its KV (cb_kvstore_ensure: a file that verifies, else computed after P and written), the
+ * cacheindex put, the retriever index. */
 static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t *c, char *err, size_t errlen) {
     const char *text = job->text + c->off;
     size_t len = (size_t)c->len;
@@ -221,21 +242,26 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
         return STEP_FAIL;
     }
     uint8_t key[32];
-    char hex[CB_KV_HEX_BYTES], rel[CB_KV_HEX_BYTES + 8], path[4400];
-    cb_blend_chunk_key(w->blend, w->prefix, w->n_prefix, toks, nt, key);
+    char hex[CB_KV_HEX_BYTES], path[4400];
+    const char *rel;
+    cb_kvstore_chunk_key(w->store, w->prefix, w->n_prefix, toks, nt, key);
     cb_kvfile_hex(key, hex);
-    snprintf(rel, sizeof rel, "%.2s/%s.kv", hex, hex);
-    snprintf(path, sizeof path, "%s/%s", w->a->kv_dir, rel);
+    if (chunk_paths(w, key, path, sizeof path, &rel, err, errlen) != 0) {
+        free(toks);
+        return STEP_FAIL;
+    }
     step_t st = STEP_OK;
     for (int attempt = 0; attempt < 2; attempt++) {
-        cb_blend_src_t src;
+        cb_kvstore_src_t src;
         cb_kv_miss_t why = CB_KV_OK;
-        if (cb_blend_ensure_chunk(w->blend, w->prefix, w->n_prefix, toks, nt, &src, &why, err, errlen) != 0) {
+        if (cb_kvstore_ensure(w->store, w->prefix, w->n_prefix, toks, nt, &src, &why, err, errlen) != 0) {
             st = STEP_FAIL;
             break;
         }
-        cb_log(CB_LOG_DEBUG, job->job, "chunk %d (%d tokens) %s: %s", idx, nt,
-               src == CB_BLEND_SRC_COMPUTED ? "computed" : "already on disk", hex);
+        if (src == CB_KVSTORE_COMPUTED)
+            cb_log(CB_LOG_DEBUG, job->job, "chunk %d (%d tokens) computed (%s): %s", idx, nt, cb_kv_miss_str(why), hex);
+        else
+            cb_log(CB_LOG_DEBUG, job->job, "chunk %d (%d tokens) already on disk: %s", idx, nt, hex);
         struct stat sb;
         if (stat(path, &sb) != 0) {
             snprintf(err, errlen, "KV file %.200s missing after it was written: %s", path, strerror(errno));
@@ -251,10 +277,11 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
         cb_msg_put_int(wr, "tokens", nt);
         cb_msg_put_str(wr, "fingerprint", w->fp_hex);
         cb_msg_t *r = NULL;
-        st = call_retry(w, w->cacheindex, job->job, "put", &r, err, errlen);
+        cb_err_t code;
+        st = call_retry(w, w->cacheindex, job->job, "put", &r, &code, err, errlen);
         cb_msg_destroy(&r);
-        /* a put refused because the file vanished in between (gc, eviction): write it again once */
-        if (st == STEP_FAIL && attempt == 0 && (strstr(err, "not_found") || strstr(err, "bad_request"))) {
+        /* a put refused because the file vanished or changed in between (gc, eviction): write it again once */
+        if (st == STEP_FAIL && attempt == 0 && (code == CB_ERR_NOT_FOUND || code == CB_ERR_BAD_REQUEST)) {
             cb_log(CB_LOG_WARN, job->job, "chunk %d: %s; writing the file again", idx, err);
             continue;
         }
@@ -269,7 +296,7 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
     cb_msg_put_str(wr, "doc_id", job->doc_id);
     cb_msg_put_strn(wr, "text", text, len);
     cb_msg_t *r = NULL;
-    st = call_retry(w, w->retriever, job->job, "index", &r, err, errlen);
+    st = call_retry(w, w->retriever, job->job, "index", &r, NULL, err, errlen);
     cb_msg_destroy(&r);
     if (st != STEP_OK) return st;
     return cb_jobs_chunk_done(w->jobs, job->job, idx, err, errlen) == 0 ? STEP_OK : STEP_FAIL;
@@ -284,7 +311,7 @@ static step_t process_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) 
         cb_msg_begin(w->w, "delete", cb_bus_new_id(id, sizeof id));
         cb_msg_put_str(w->w, "doc_id", job->doc_id);
         cb_msg_t *r = NULL;
-        if ((st = call_retry(w, w->retriever, job->job, "delete", &r, err, errlen)) != STEP_OK) return st;
+        if ((st = call_retry(w, w->retriever, job->job, "delete", &r, NULL, err, errlen)) != STEP_OK) return st;
         int64_t deleted = 0;
         cb_msg_int(r, "deleted", 0, INT64_MAX, &deleted);
         cb_msg_destroy(&r);

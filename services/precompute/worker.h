@@ -1,8 +1,10 @@
-/* worker: cb-precompute's job worker, a zactor thread that owns the engine. It takes jobs from the durable
- * queue (jobs.h) in order, tokenizes and chunks each document (chunker.h), computes every chunk's KV after
- * the precompute context (ragprompt.h prefix; blend.h cb_blend_ensure_chunk writes the content-addressed
- * KV file), registers the file with cb-cacheindex (`put`), sends the chunk text to cb-retriever (`index`),
- * records each chunk as done, then the job. A restarted worker resumes unfinished jobs, skipping finished
+/* worker: cb-precompute's job worker, a zactor thread that owns the engine and the chunk store. It takes
+ * jobs from the durable queue (jobs.h) in order, tokenizes and chunks each document (chunker.h), computes
+ * every chunk's KV after the precompute context (ragprompt.h prefix) with the store (kvstore.h
+ * cb_kvstore_ensure: a KV file that verifies is kept, else a plain prefill of the chunk after P captures its
+ * K/V and writes the content-addressed KV file; no blend is involved), registers the file with
+ * cb-cacheindex (`put`), sends the chunk text to cb-retriever (`index`), records each chunk as done, then
+ * the job. A restarted worker resumes unfinished jobs, skipping finished
  * chunks; every step is idempotent, so a step repeated after a crash changes nothing.
  *
  * Transient failures (a peer service down or slow) are retried with exponential back-off (1 s .. 30 s)
