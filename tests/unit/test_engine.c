@@ -1,7 +1,9 @@
-/* test_engine: CPU kernels against naive references, the model loader (good and broken files), and the
+/* test_engine: CPU kernels against naive references (attention and attention mass over a contiguous block
+ * table, and bit for bit the same over a shuffled one), the model loader (good and broken files), the
  * engine's consistency properties (prefill = token-by-token decode, split prefill = one prefill,
- * composition of the layer-stage primitives = prefill bit for bit), on a tiny random model and on the
- * real SmolLM2 model when present. */
+ * composition of the layer-stage primitives = prefill bit for bit), and sequences in the KV pool (prefix
+ * sharing with copy on write, pool exhaustion, blocks returned on truncate/clear/destroy, capture + layer
+ * load, bad arguments), on a tiny random model and on the real SmolLM2 model when present. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -104,7 +106,7 @@ TEST(test_rope_pairing) {
         float x[NH * HD] = {0};
         x[HD + 2 * i] = 1.0f; /* head 1, first of pair i */
         int32_t pos = 37;
-        cb_rope(x, 1, NH, HD, &pos, base);
+        cb_cpu_rope(x, 1, NH, HD, &pos, base);
         double th = 37.0 * pow(base, -2.0 * i / HD);
         CHECK_NEAR(x[HD + 2 * i], cos(th), 1e-6);
         CHECK_NEAR(x[HD + 2 * i + 1], sin(th), 1e-6);
@@ -113,7 +115,7 @@ TEST(test_rope_pairing) {
     }
 }
 
-/* RoPE(p) followed by a rotation by q - p equals RoPE(q); also the engine's table path = cb_rope. */
+/* RoPE(p) followed by a rotation by q - p equals RoPE(q); also the backend's rope = cb_cpu_rope. */
 TEST(test_rope_composition) {
     enum { HD = 64, NH = 3, N = 6 };
     const float base = 100000.0f;
@@ -122,9 +124,9 @@ TEST(test_rope_composition) {
     fill(a, N * NH * HD, 1.0f);
     memcpy(b, a, sizeof a);
     for (int i = 0; i < N; i++) d[i] = q[i] - p[i];
-    cb_rope(a, N, NH, HD, q, base);
-    cb_rope(b, N, NH, HD, p, base);
-    cb_rope(b, N, NH, HD, d, base);
+    cb_cpu_rope(a, N, NH, HD, q, base);
+    cb_cpu_rope(b, N, NH, HD, p, base);
+    cb_cpu_rope(b, N, NH, HD, d, base);
     CHECK_MSG(maxdiff(a, b, N * NH * HD) < 2e-5, "max diff %g", maxdiff(a, b, N * NH * HD));
 
     cb_hparams_t hp = {.n_embd = NH * HD, .n_head = NH, .n_head_kv = NH, .head_dim = HD, .n_ff = 64,
@@ -135,7 +137,7 @@ TEST(test_rope_composition) {
     fill(a, N * NH * HD, 1.0f);
     memcpy(b, a, sizeof a);
     be->ops->rope(be->ctx, a, N, NH, HD, p, base);
-    cb_rope(b, N, NH, HD, p, base);
+    cb_cpu_rope(b, N, NH, HD, p, base);
     CHECK(memcmp(a, b, sizeof a) == 0);
     cb_backend_destroy(&be);
     CHECK(be == NULL);
@@ -167,10 +169,58 @@ static void attention_ref(const cb_attn_geom_t *g, const float *q, int n, const 
     free(s);
 }
 
-static int check_attention(int H, int HKV, int hd, int n, int keys, int nt) {
+/* A KV pool for the kernels: n_pool blocks of bt rows, logical block b (positions b*bt..) in pool block
+ * tab[b], the rows of kc/vc [keys][kvd] placed there; every other row (the tail of the last block, the
+ * blocks outside the table) is NaN, so a kernel that reads outside [0, max key_limit) of the table shows. */
+typedef struct {
+    float *k, *v;
+    int32_t *tab;
+    cb_cpu_kv_t kv;
+} kv_pool_t;
+
+static void kv_pool_make(kv_pool_t *p, const float *kc, const float *vc, int keys, int kvd, int bt, int n_pool,
+                         int shuffled) {
+    const int nb = (keys + bt - 1) / bt;
+    const size_t rows = (size_t)n_pool * bt;
+    p->k = malloc(sizeof(float) * rows * kvd);
+    p->v = malloc(sizeof(float) * rows * kvd);
+    p->tab = malloc(sizeof(int32_t) * (size_t)n_pool);
+    for (size_t i = 0; i < rows * kvd; i++) p->k[i] = p->v[i] = NAN;
+    for (int b = 0; b < n_pool; b++) p->tab[b] = b;
+    if (shuffled) { /* a fixed permutation of the pool's blocks; the table takes its first nb */
+        for (int b = n_pool - 1; b > 0; b--) {
+            rng = rng * 1664525u + 1013904223u;
+            int j = (int)((rng >> 8) % (unsigned)(b + 1));
+            int32_t t = p->tab[b];
+            p->tab[b] = p->tab[j], p->tab[j] = t;
+        }
+        if (nb > 1 && p->tab[0] == 0 && p->tab[1] == 1) { /* never the identity's start */
+            int32_t t = p->tab[0];
+            p->tab[0] = p->tab[1], p->tab[1] = t;
+        }
+    }
+    for (int j = 0; j < keys; j++) {
+        size_t row = (size_t)p->tab[j / bt] * bt + j % bt;
+        memcpy(p->k + row * kvd, kc + (size_t)j * kvd, sizeof(float) * kvd);
+        memcpy(p->v + row * kvd, vc + (size_t)j * kvd, sizeof(float) * kvd);
+    }
+    p->kv = (cb_cpu_kv_t){p->k, p->v, p->tab, bt};
+}
+
+static void kv_pool_free(kv_pool_t *p) {
+    free(p->k);
+    free(p->v);
+    free(p->tab);
+}
+
+/* The kernel over a contiguous table (blocks 0, 1, 2, ...) against the double reference, and over a
+ * shuffled table in a larger pool ({2, 0, 3, 1}-like) bit for bit against the contiguous one. */
+static int check_attention_bt(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
     cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd)};
-    size_t qn = (size_t)n * H * hd, kn = (size_t)keys * HKV * hd;
+    const int kvd = HKV * hd, nb = (keys + bt - 1) / bt;
+    size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
     float *q = malloc(qn * 4), *kc = malloc(kn * 4), *vc = malloc(kn * 4), *o = malloc(qn * 4), *r = malloc(qn * 4);
+    float *o2 = malloc(qn * 4);
     int32_t *lim = malloc(sizeof(int32_t) * (size_t)n);
     float *scr = malloc(sizeof(float) * cb_cpu_attention_scratch(&g, n, keys, nt));
     fill(q, qn, 2.0f);
@@ -181,14 +231,28 @@ static int check_attention(int H, int HKV, int hd, int n, int keys, int nt) {
         if (lim[i] < 1) lim[i] = 1;
     }
     lim[0] = 1;
+    kv_pool_t pc, ps;
+    kv_pool_make(&pc, kc, vc, keys, kvd, bt, nb, 0);
+    kv_pool_make(&ps, kc, vc, keys, kvd, bt, nb + 3, 1);
     cb_pool_t *pool = cb_pool_new(nt);
-    cb_cpu_attention(&g, q, n, kc, vc, lim, o, scr, keys, pool);
+    cb_cpu_attention(&g, q, n, &pc.kv, lim, o, scr, keys, pool);
+    cb_cpu_attention(&g, q, n, &ps.kv, lim, o2, scr, keys, pool);
     cb_pool_destroy(&pool);
     attention_ref(&g, q, n, kc, vc, lim, r);
     double d = maxdiff(o, r, qn);
-    free(q); free(kc); free(vc); free(o); free(r); free(lim); free(scr);
-    if (d > 2e-5) fprintf(stderr, "  attention H%d/%d hd%d n%d keys%d: max diff %g\n", H, HKV, hd, n, keys, d);
-    return d <= 2e-5;
+    int same = memcmp(o, o2, qn * 4) == 0;
+    if (d > 2e-5) fprintf(stderr, "  attention H%d/%d hd%d n%d keys%d bt%d: max diff %g\n", H, HKV, hd, n, keys, bt, d);
+    if (!same)
+        fprintf(stderr, "  attention H%d/%d hd%d n%d keys%d bt%d: shuffled blocks differ from contiguous (max %g)\n", H,
+                HKV, hd, n, keys, bt, maxdiff(o, o2, qn));
+    kv_pool_free(&pc);
+    kv_pool_free(&ps);
+    free(q); free(kc); free(vc); free(o); free(o2); free(r); free(lim); free(scr);
+    return d <= 2e-5 && same;
+}
+
+static int check_attention(int H, int HKV, int hd, int n, int keys, int nt) {
+    return check_attention_bt(H, HKV, hd, n, keys, nt, CB_ENGINE_BLOCK_TOKENS);
 }
 
 TEST(test_attention_key_limits) {
@@ -201,15 +265,20 @@ TEST(test_attention_key_limits) {
     CHECK(check_attention(9, 3, 64, 1, 1300, 2));   /* decode split over key chunks, merged */
     CHECK(check_attention(9, 3, 64, 4, 700, 3));    /* split path, rows with different limits */
     CHECK(check_attention(4, 1, 32, 2, 300, 2));    /* head_dim 32: scalar tail of the split kernel */
+    /* other block sizes: a block per row, blocks not dividing the 512-key chunks, one block past a chunk */
+    CHECK(check_attention_bt(4, 2, 16, 9, 40, 1, 1));
+    CHECK(check_attention_bt(9, 3, 64, 70, 1300, 2, 48));
+    CHECK(check_attention_bt(9, 3, 64, 3, 700, 2, 5));
+    CHECK(check_attention_bt(9, 3, 64, 40, 600, 2, 512));
 }
 
 /* Attention mass (blend metric 'a'): the sum over rows and heads of the softmax probabilities each key
  * gets, against a double-precision reference; every row contributes n_head in all. */
-static int check_attn_mass(int H, int HKV, int hd, int n, int keys) {
+static int check_attn_mass_bt(int H, int HKV, int hd, int n, int keys, int bt) {
     cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd)};
-    const int G = H / HKV, kvd = HKV * hd;
+    const int G = H / HKV, kvd = HKV * hd, nb = (keys + bt - 1) / bt;
     size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
-    float *q = malloc(qn * 4), *kc = malloc(kn * 4), *mass = calloc((size_t)keys, 4);
+    float *q = malloc(qn * 4), *kc = malloc(kn * 4), *mass = calloc((size_t)keys, 4), *mass2 = calloc((size_t)keys, 4);
     double *ref = calloc((size_t)keys, sizeof(double)), *s = malloc(sizeof(double) * (size_t)keys);
     int32_t *lim = malloc(sizeof(int32_t) * (size_t)n);
     float *scr = malloc(sizeof(float) * cb_cpu_attn_mass_scratch(&g, keys));
@@ -217,7 +286,11 @@ static int check_attn_mass(int H, int HKV, int hd, int n, int keys) {
     fill(kc, kn, 2.0f);
     for (int i = 0; i < n; i++) lim[i] = keys - n + i + 1 > 1 ? keys - n + i + 1 : 1;
     lim[0] = 1;
-    cb_cpu_attn_mass(&g, q, n, kc, lim, mass, scr);
+    kv_pool_t pc, ps; /* V is not read: the same rows serve as V */
+    kv_pool_make(&pc, kc, kc, keys, kvd, bt, nb, 0);
+    kv_pool_make(&ps, kc, kc, keys, kvd, bt, nb + 3, 1);
+    cb_cpu_attn_mass(&g, q, n, &pc.kv, lim, mass, scr);
+    cb_cpu_attn_mass(&g, q, n, &ps.kv, lim, mass2, scr);
     for (int i = 0; i < n; i++)
         for (int h = 0; h < H; h++) {
             double mx = -1e300, sum = 0;
@@ -232,10 +305,19 @@ static int check_attn_mass(int H, int HKV, int hd, int n, int keys) {
         }
     double d = 0, tot = 0;
     for (int j = 0; j < keys; j++) d = fmax(d, fabs(mass[j] - ref[j])), tot += mass[j];
-    int ok = d <= 1e-4 * n && fabs(tot - (double)n * H) <= 1e-3 * n * H;
-    if (!ok) fprintf(stderr, "  attn mass H%d/%d hd%d n%d keys%d: max diff %g, total %g\n", H, HKV, hd, n, keys, d, tot);
-    free(q); free(kc); free(mass); free(ref); free(s); free(lim); free(scr);
+    int same = memcmp(mass, mass2, sizeof(float) * (size_t)keys) == 0;
+    int ok = d <= 1e-4 * n && fabs(tot - (double)n * H) <= 1e-3 * n * H && same;
+    if (!ok)
+        fprintf(stderr, "  attn mass H%d/%d hd%d n%d keys%d bt%d: max diff %g, total %g, shuffled blocks %s\n", H, HKV, hd,
+                n, keys, bt, d, tot, same ? "identical" : "DIFFER");
+    kv_pool_free(&pc);
+    kv_pool_free(&ps);
+    free(q); free(kc); free(mass); free(mass2); free(ref); free(s); free(lim); free(scr);
     return ok;
+}
+
+static int check_attn_mass(int H, int HKV, int hd, int n, int keys) {
+    return check_attn_mass_bt(H, HKV, hd, n, keys, CB_ENGINE_BLOCK_TOKENS);
 }
 
 TEST(test_attn_mass) {
@@ -243,6 +325,8 @@ TEST(test_attn_mass) {
     CHECK(check_attn_mass(9, 3, 64, 16, 500));   /* SmolLM2 geometry, one block */
     CHECK(check_attn_mass(9, 3, 64, 37, 1300));  /* several blocks, partial last */
     CHECK(check_attn_mass(4, 1, 32, 5, 5));      /* limits < n */
+    CHECK(check_attn_mass_bt(9, 3, 64, 16, 500, 7));
+    CHECK(check_attn_mass_bt(4, 2, 16, 3, 40, 1));
 }
 
 /* Random Q4_1 / Q8_0 rows: our AVX-512 dequantization is bit-identical to cb_dequant. */
@@ -491,11 +575,13 @@ static double vs_reference(const cb_model_t *m, const int32_t *tok, int n) {
     char err[256];
     const int V = cb_model_hparams(m)->n_vocab;
     cb_engine_t *e = cb_engine_new(m, n + 4, err, sizeof err);
-    float *lg = malloc(sizeof(float) * (size_t)V);
+    cb_seq_t *s = e ? cb_seq_new(e) : NULL;
+    float *lg = calloc((size_t)V, sizeof(float));
     double *ref = malloc(sizeof(double) * (size_t)V), d = 0;
-    if (!e || cb_engine_prefill(e, tok, n, 0, lg) != 0) d = 1e30;
+    if (!s || cb_engine_prefill(e, s, tok, n, 0, lg) != CB_ENGINE_OK) d = 1e30;
     ref_forward(m, tok, n, ref);
     for (int i = 0; i < V; i++) d = fmax(d, fabs(lg[i] - ref[i]));
+    cb_seq_destroy(&s);
     cb_engine_destroy(&e);
     free(lg);
     free(ref);
@@ -514,47 +600,60 @@ static int engine_properties(const cb_model_t *m, const int32_t *tok, int n, int
     const int V = hp->n_vocab, max_ctx = n + 8;
     cb_engine_t *e1 = cb_engine_new(m, max_ctx, err, sizeof err), *e2 = cb_engine_new(m, max_ctx, err, sizeof err);
     cb_engine_t *e3 = cb_engine_new(m, max_ctx, err, sizeof err), *e4 = cb_engine_new(m, max_ctx, err, sizeof err);
-    if (!e1 || !e2 || !e3 || !e4) { fprintf(stderr, "  %s\n", err); return -1; }
+    if (!e1 || !e2 || !e3 || !e4) {
+        fprintf(stderr, "  %s\n", err);
+        cb_engine_destroy(&e1); cb_engine_destroy(&e2); cb_engine_destroy(&e3); cb_engine_destroy(&e4);
+        return -1;
+    }
+    cb_seq_t *s1 = cb_seq_new(e1), *s2 = cb_seq_new(e2), *s3 = cb_seq_new(e3), *s4 = cb_seq_new(e4);
     float *l1 = malloc(4 * (size_t)V), *l2 = malloc(4 * (size_t)V), *l3 = malloc(4 * (size_t)V), *l4 = malloc(4 * (size_t)V);
-    int rc = 0;
-    if (cb_engine_prefill(e1, tok, n, 0, l1) != 0) rc = -1;
-    for (int i = 0; i < n; i++)
-        if (cb_engine_decode(e2, tok[i], i, i == n - 1 ? l2 : NULL) != 0) rc = -1;
-    if (cb_engine_prefill(e3, tok, cut, 0, NULL) != 0 || cb_engine_prefill(e3, tok + cut, n - cut, cut, l3) != 0) rc = -1;
+    int rc = s1 && s2 && s3 && s4 ? 0 : -1;
+    if (rc || cb_engine_prefill(e1, s1, tok, n, 0, l1) != CB_ENGINE_OK) rc = -1;
+    for (int i = 0; i < n && !rc; i++)
+        if (cb_engine_decode(e2, s2, tok[i], i, i == n - 1 ? l2 : NULL) != CB_ENGINE_OK) rc = -1;
+    if (rc || cb_engine_prefill(e3, s3, tok, cut, 0, NULL) != CB_ENGINE_OK ||
+        cb_engine_prefill(e3, s3, tok + cut, n - cut, cut, l3) != CB_ENGINE_OK)
+        rc = -1;
 
     /* composition by hand, exactly as engine.h documents it */
     const int E = hp->n_embd, QD = hp->n_head * hp->head_dim, KVD = hp->n_head_kv * hp->head_dim;
     float *x = malloc(sizeof(float) * (size_t)n * E), *q = malloc(sizeof(float) * (size_t)n * QD);
     float *k = malloc(sizeof(float) * (size_t)n * KVD), *v = malloc(sizeof(float) * (size_t)n * KVD);
+    float *k1 = malloc(sizeof(float) * (size_t)n * KVD), *v1 = malloc(sizeof(float) * (size_t)n * KVD);
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)n), *lim = malloc(sizeof(int32_t) * (size_t)n);
     for (int i = 0; i < n; i++) pos[i] = i, lim[i] = i + 1;
-    cb_engine_embed(e4, tok, n, x);
-    for (int l = 0; l < hp->n_layer; l++) {
-        cb_engine_layer_qkv(e4, l, x, n, q, k, v);
-        cb_rope(q, n, hp->n_head, hp->head_dim, pos, hp->rope_base);
-        cb_rope(k, n, hp->n_head_kv, hp->head_dim, pos, hp->rope_base);
-        memcpy(cb_engine_kcache(e4, l), k, sizeof(float) * (size_t)n * KVD);
-        memcpy(cb_engine_vcache(e4, l), v, sizeof(float) * (size_t)n * KVD);
-        cb_engine_layer_attn_mlp(e4, l, x, q, n, lim);
+    if (!rc) {
+        cb_engine_embed(e4, tok, n, x);
+        for (int l = 0; l < hp->n_layer; l++) {
+            cb_engine_layer_qkv(e4, l, x, n, q, k, v);
+            cb_engine_rope(e4, q, n, hp->n_head, pos);
+            cb_engine_rope(e4, k, n, hp->n_head_kv, pos);
+            if (cb_engine_kv_write(e4, s4, l, pos, n, k, v) != CB_ENGINE_OK) rc = -1;
+            cb_engine_layer_attn_mlp(e4, s4, l, x, q, n, lim);
+        }
+        cb_engine_logits(e4, x + (size_t)(n - 1) * E, l4);
     }
-    cb_engine_logits(e4, x + (size_t)(n - 1) * E, l4);
-    *d_dec = maxdiff(l1, l2, (size_t)V);
-    *d_split = maxdiff(l1, l3, (size_t)V);
-    if (memcmp(l1, l4, sizeof(float) * (size_t)V) != 0) {
-        fprintf(stderr, "  composition differs from prefill (max %g)\n", maxdiff(l1, l4, (size_t)V));
-        rc = -1;
-    }
-    for (int l = 0; l < hp->n_layer; l++)
-        if (memcmp(cb_engine_kcache(e1, l), cb_engine_kcache(e4, l), sizeof(float) * (size_t)n * KVD) ||
-            memcmp(cb_engine_vcache(e1, l), cb_engine_vcache(e4, l), sizeof(float) * (size_t)n * KVD)) {
-            fprintf(stderr, "  composition KV of layer %d differs\n", l);
+    if (!rc) {
+        *d_dec = maxdiff(l1, l2, (size_t)V);
+        *d_split = maxdiff(l1, l3, (size_t)V);
+        if (memcmp(l1, l4, sizeof(float) * (size_t)V) != 0) {
+            fprintf(stderr, "  composition differs from prefill (max %g)\n", maxdiff(l1, l4, (size_t)V));
             rc = -1;
         }
-    if (*d_dec > tol || *d_split > tol) rc = -1;
-    fprintf(stderr, "  n=%d cut=%d: max|prefill-decode| %.3g, max|prefill-split| %.3g (tol %g)\n", n, cut, *d_dec,
-            *d_split, tol);
-    free(x); free(q); free(k); free(v); free(pos); free(lim);
+        for (int l = 0; l < hp->n_layer; l++)
+            if (cb_engine_kv_read(e1, s1, l, 0, n, k1, v1) != CB_ENGINE_OK ||
+                cb_engine_kv_read(e4, s4, l, 0, n, k, v) != CB_ENGINE_OK ||
+                memcmp(k1, k, sizeof(float) * (size_t)n * KVD) || memcmp(v1, v, sizeof(float) * (size_t)n * KVD)) {
+                fprintf(stderr, "  composition KV of layer %d differs\n", l);
+                rc = -1;
+            }
+        if (*d_dec > tol || *d_split > tol) rc = -1;
+        fprintf(stderr, "  n=%d cut=%d: max|prefill-decode| %.3g, max|prefill-split| %.3g (tol %g)\n", n, cut, *d_dec,
+                *d_split, tol);
+    }
+    free(x); free(q); free(k); free(v); free(k1); free(v1); free(pos); free(lim);
     free(l1); free(l2); free(l3); free(l4);
+    cb_seq_destroy(&s1); cb_seq_destroy(&s2); cb_seq_destroy(&s3); cb_seq_destroy(&s4);
     cb_engine_destroy(&e1); cb_engine_destroy(&e2); cb_engine_destroy(&e3); cb_engine_destroy(&e4);
     return rc;
 }
@@ -583,18 +682,357 @@ TEST(test_tiny_engine_properties) {
 
     cb_engine_t *e = cb_engine_new(m, 16, err, sizeof err);
     CHECK_MSG(e, "%s", err);
+    cb_seq_t *s = cb_seq_new(e);
+    CHECK(s);
     float lg[80];
     int32_t bad = 80, ok = 3;
-    CHECK(cb_engine_prefill(e, &bad, 1, 0, lg) == -1);
-    CHECK(cb_engine_prefill(e, tok, 0, 0, lg) == -1);
-    CHECK(cb_engine_prefill(e, tok, 10, 7, lg) == -1); /* 7 + 10 > 16 */
-    CHECK(cb_engine_decode(e, ok, 16, lg) == -1);
-    CHECK(cb_engine_decode(e, ok, -1, lg) == -1);
-    CHECK(cb_engine_decode(e, ok, 15, lg) == 0);
+    CHECK(cb_engine_prefill(e, s, &bad, 1, 0, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_prefill(e, s, tok, 0, 0, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_prefill(e, s, tok, 10, 7, lg) == CB_ENGINE_EINVAL); /* 7 + 10 > 16 */
+    CHECK(cb_engine_decode(e, s, ok, 16, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_decode(e, s, ok, -1, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_decode(e, s, ok, 15, lg) == CB_ENGINE_OK);
     CHECK(cb_engine_max_ctx(e) == 16 && cb_engine_max_rows(e) == CB_ENGINE_MAX_ROWS && cb_engine_model(e) == m);
+    cb_seq_destroy(&s);
+    CHECK(s == NULL);
     cb_engine_destroy(&e);
     CHECK(e == NULL);
     CHECK(cb_engine_new(m, 0, err, sizeof err) == NULL);
+    cb_model_destroy(&m);
+}
+
+/* ---------------------------------------------------------------- sequences and the KV pool */
+
+static cb_engine_pool_stats_t pool_stats(const cb_engine_t *e) {
+    cb_engine_pool_stats_t st;
+    memset(&st, 0, sizeof st);
+    cb_engine_pool_stats(e, &st);
+    return st;
+}
+
+/* Every layer's K and V of positions [pos0, pos0 + n) of s, as one buffer [n_layer][2][n][kv_dim] (caller
+ * frees); NULL when a read fails. */
+static float *kv_snapshot(cb_engine_t *e, const cb_seq_t *s, int pos0, int n) {
+    const cb_hparams_t *hp = cb_model_hparams(cb_engine_model(e));
+    const size_t per = (size_t)n * hp->n_head_kv * hp->head_dim;
+    float *buf = malloc(sizeof(float) * per * 2 * (size_t)hp->n_layer);
+    for (int l = 0; l < hp->n_layer; l++)
+        if (cb_engine_kv_read(e, s, l, pos0, n, buf + 2 * l * per, buf + (2 * l + 1) * per) != CB_ENGINE_OK) {
+            free(buf);
+            return NULL;
+        }
+    return buf;
+}
+
+/* Whether positions [pos0, pos0 + n) of a and b hold the same K and V bits in every layer. */
+static int kv_same(cb_engine_t *e, const cb_seq_t *a, const cb_seq_t *b, int pos0, int n) {
+    const cb_hparams_t *hp = cb_model_hparams(cb_engine_model(e));
+    float *x = kv_snapshot(e, a, pos0, n), *y = kv_snapshot(e, b, pos0, n);
+    int same = x && y && !memcmp(x, y, sizeof(float) * (size_t)n * hp->n_head_kv * hp->head_dim * 2 * hp->n_layer);
+    free(x);
+    free(y);
+    return same;
+}
+
+/* Two sequences over one prompt prefix share its whole blocks (the partial last one is copied); the shared
+ * sequence continues exactly as a private one; writing into a shared block copies it first, so the other
+ * sequence never sees the write. */
+TEST(test_seq_share_prefix) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    cb_engine_t *e = cb_engine_new(m, 128, err, sizeof err), *e2 = cb_engine_new(m, 128, err, sizeof err);
+    CHECK_MSG(e && e2, "%s", err);
+    enum { KVD = TINY_HKV * TINY_HD };
+    const int bt = pool_stats(e).block_tokens;
+    CHECK(bt == CB_ENGINE_BLOCK_TOKENS && pool_stats(e).blocks_used == 0 && pool_stats(e).n_blocks >= 2 * 128 / bt);
+    const int nA = 3 * bt + bt / 2, np = 2 * bt + bt / 2, n = 5 * bt; /* A: 3.5 blocks; the shared prefix 2.5 */
+    int32_t tok[128];
+    for (int i = 0; i < n; i++) tok[i] = (i * 13 + 5) % 80;
+    float la[80], lb[80], lf[80];
+    cb_seq_t *a = cb_seq_new(e), *b = cb_seq_new(e), *f = cb_seq_new(e), *c = cb_seq_new(e), *x = cb_seq_new(e2);
+    CHECK(a && b && f && c && x);
+    CHECK(cb_seq_blocks(a) == 0 && cb_seq_capacity(a) == 0 && pool_stats(e).n_seqs == 4);
+    CHECK(cb_engine_prefill(e, a, tok, nA, 0, la) == CB_ENGINE_OK);
+    CHECK(cb_seq_blocks(a) == 4 && cb_seq_capacity(a) == 4 * bt);
+    float *snap_a = kv_snapshot(e, a, 0, nA);
+    CHECK(snap_a);
+
+    CHECK(cb_seq_share(b, a, np) == CB_ENGINE_OK);
+    cb_engine_pool_stats_t st = pool_stats(e);
+    CHECK(cb_seq_blocks(b) == 3 && cb_seq_capacity(b) == 3 * bt);
+    CHECK_MSG(st.blocks_shared == np / bt, "blocks_shared %d, want %d", st.blocks_shared, np / bt);
+    CHECK_MSG(st.blocks_used == cb_seq_blocks(a) + (cb_seq_blocks(b) - np / bt), "blocks_used %d", st.blocks_used);
+    CHECK(st.blocks_free == st.n_blocks - st.blocks_used);
+    CHECK(kv_same(e, a, b, 0, np)); /* the shared blocks and the copied partial one */
+
+    /* B goes on from the prefix: the same logits and KV, bit for bit, as a private sequence making the same
+     * calls (A's prefill, then the continuation at np) */
+    CHECK(cb_engine_prefill(e, b, tok + np, n - np, np, lb) == CB_ENGINE_OK);
+    CHECK(cb_engine_prefill(e, f, tok, nA, 0, NULL) == CB_ENGINE_OK);
+    CHECK(cb_engine_prefill(e, f, tok + np, n - np, np, lf) == CB_ENGINE_OK);
+    CHECK_MSG(!memcmp(lb, lf, sizeof lb), "shared vs private continuation: max %g", maxdiff(lb, lf, 80));
+    CHECK(kv_same(e, b, f, 0, n));
+    float *after = kv_snapshot(e, a, 0, nA);
+    CHECK(after && !memcmp(snap_a, after, sizeof(float) * (size_t)nA * KVD * 2 * TINY_L)); /* A untouched */
+    free(after);
+    st = pool_stats(e);
+    CHECK(st.blocks_shared == np / bt);
+    CHECK(st.blocks_used == cb_seq_blocks(a) + cb_seq_blocks(b) - np / bt + cb_seq_blocks(f));
+
+    /* a write into a shared block (B's position 5, layer 0) copies the block first */
+    float krow[KVD], vrow[KVD], kb[KVD], vb[KVD];
+    fill(krow, KVD, 1.0f);
+    fill(vrow, KVD, 1.0f);
+    int32_t p5 = 5;
+    CHECK(cb_engine_kv_write(e, b, 0, &p5, 1, krow, vrow) == CB_ENGINE_OK);
+    cb_engine_pool_stats_t st2 = pool_stats(e);
+    CHECK(st2.blocks_shared == st.blocks_shared - 1 && st2.blocks_used == st.blocks_used + 1);
+    CHECK(cb_engine_kv_read(e, b, 0, 5, 1, kb, vb) == CB_ENGINE_OK);
+    CHECK(!memcmp(kb, krow, sizeof kb) && !memcmp(vb, vrow, sizeof vb));
+    CHECK(kv_same(e, a, b, 0, 5) && kv_same(e, a, b, 6, bt - 6)); /* the copy carried the other rows */
+    after = kv_snapshot(e, a, 0, nA);
+    CHECK(after && !memcmp(snap_a, after, sizeof(float) * (size_t)nA * KVD * 2 * TINY_L));
+    free(after);
+
+    /* a whole number of blocks is shared without any copy */
+    CHECK(cb_seq_share(c, a, 2 * bt) == CB_ENGINE_OK);
+    CHECK(cb_seq_blocks(c) == 2 && pool_stats(e).blocks_used == st2.blocks_used);
+    CHECK(pool_stats(e).blocks_shared == 2); /* A's block 0 (A, C) and 1 (A, B, C) */
+    CHECK(kv_same(e, a, c, 0, 2 * bt));
+    /* sharing more than the source holds, or across engines, is refused */
+    CHECK(cb_seq_share(c, a, cb_seq_capacity(a) + 1) == CB_ENGINE_EINVAL);
+    CHECK(cb_seq_share(x, a, bt) == CB_ENGINE_EINVAL);
+    CHECK(pool_stats(e2).blocks_used == 0);
+
+    /* the source going away leaves the sharers' blocks alone, also when new sequences take free blocks */
+    cb_seq_destroy(&a);
+    CHECK(a == NULL);
+    cb_seq_t *g = cb_seq_new(e);
+    int32_t other[64];
+    for (int i = 0; i < 64; i++) other[i] = (i * 7 + 1) % 80;
+    CHECK(g && cb_engine_prefill(e, g, other, 64, 0, NULL) == CB_ENGINE_OK); /* 4 of the blocks A left */
+    CHECK(kv_same(e, b, f, 5 + 1, n - 6) && kv_same(e, b, f, 0, 5));
+    cb_seq_destroy(&g);
+    cb_seq_destroy(&b);
+    cb_seq_destroy(&c);
+    cb_seq_destroy(&f);
+    cb_seq_destroy(&x);
+    st = pool_stats(e);
+    CHECK(st.blocks_used == 0 && st.blocks_shared == 0 && st.blocks_free == st.n_blocks && st.n_seqs == 0);
+    free(snap_a);
+    cb_engine_destroy(&e);
+    cb_engine_destroy(&e2);
+    cb_model_destroy(&m);
+}
+
+/* A pool of a few blocks: running out is CB_ENGINE_EPOOL from the call that needed the block, with nothing
+ * allocated and nothing computed; the sequence stays usable, and the blocks come back when another sequence
+ * is destroyed or cleared. */
+TEST(test_pool_exhausted) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    enum { bt = CB_ENGINE_BLOCK_TOKENS, KVD = TINY_HKV * TINY_HD };
+    const size_t block_bytes = (size_t)2 * TINY_L * KVD * sizeof(float) * bt;
+    cb_engine_opts_t o = {.max_ctx = 4 * bt, .kv_pool_bytes = 4 * block_bytes + block_bytes / 2, .block_tokens = 0};
+    cb_engine_t *e = cb_engine_new_opts(m, &o, err, sizeof err);
+    CHECK_MSG(e, "%s", err);
+    cb_engine_pool_stats_t st = pool_stats(e);
+    CHECK_MSG(st.n_blocks == 4 && st.block_bytes == block_bytes && st.block_tokens == bt && st.blocks_free == 4,
+              "%d blocks of %zu bytes", st.n_blocks, st.block_bytes);
+    int32_t tok[64];
+    for (int i = 0; i < 64; i++) tok[i] = (i * 11 + 3) % 80;
+    float lx[80], ly[80], lr[80];
+    cb_seq_t *x = cb_seq_new(e), *y = cb_seq_new(e), *z = cb_seq_new(e);
+    CHECK(x && y && z);
+    CHECK(cb_engine_prefill(e, x, tok, 40, 0, lx) == CB_ENGINE_OK); /* 3 blocks */
+    /* 40 more positions need 3 blocks; 1 is free */
+    memset(ly, 0, sizeof ly);
+    CHECK(cb_engine_prefill(e, y, tok, 40, 0, ly) == CB_ENGINE_EPOOL);
+    st = pool_stats(e);
+    CHECK(st.blocks_used == 3 && cb_seq_blocks(y) == 0 && cb_seq_capacity(y) == 0);
+    for (int i = 0; i < 80; i++) CHECK(ly[i] == 0.0f); /* nothing computed */
+    /* still usable: a prompt that fits gives what a roomy engine gives */
+    CHECK(cb_engine_prefill(e, y, tok, 10, 0, ly) == CB_ENGINE_OK);
+    cb_engine_t *big = cb_engine_new(m, 64, err, sizeof err);
+    cb_seq_t *r = big ? cb_seq_new(big) : NULL;
+    CHECK(r && cb_engine_prefill(big, r, tok, 10, 0, lr) == CB_ENGINE_OK);
+    CHECK(!memcmp(ly, lr, sizeof ly));
+    cb_seq_destroy(&r);
+    cb_engine_destroy(&big);
+    /* the pool is full now: every call that needs a block says so and changes nothing */
+    CHECK(pool_stats(e).blocks_free == 0);
+    CHECK(cb_engine_decode(e, y, tok[10], bt, ly) == CB_ENGINE_EPOOL);
+    CHECK(cb_seq_reserve(y, 0, 2 * bt) == CB_ENGINE_EPOOL);
+    float krow[KVD], vrow[KVD];
+    fill(krow, KVD, 1.0f);
+    fill(vrow, KVD, 1.0f);
+    int32_t p = bt + 3;
+    CHECK(cb_engine_kv_write(e, y, 1, &p, 1, krow, vrow) == CB_ENGINE_EPOOL);
+    CHECK(cb_seq_share(z, x, 40) == CB_ENGINE_EPOOL); /* its partial last block would be a copy */
+    CHECK(cb_seq_blocks(y) == 1 && cb_seq_blocks(z) == 0 && pool_stats(e).blocks_used == 4);
+    CHECK(cb_seq_share(z, x, 2 * bt) == CB_ENGINE_OK); /* whole blocks need none */
+    CHECK(pool_stats(e).blocks_shared == 2 && pool_stats(e).blocks_used == 4);
+    /* a write into a shared block needs a block for its copy */
+    p = 3;
+    CHECK(cb_engine_kv_write(e, z, 0, &p, 1, krow, vrow) == CB_ENGINE_EPOOL);
+    CHECK(pool_stats(e).blocks_shared == 2);
+    cb_seq_destroy(&z);
+    /* the blocks come back */
+    cb_seq_destroy(&x);
+    CHECK(pool_stats(e).blocks_free == 3);
+    cb_seq_clear(y);
+    st = pool_stats(e);
+    CHECK(st.blocks_free == st.n_blocks && st.blocks_used == 0 && cb_seq_blocks(y) == 0);
+    CHECK(cb_engine_prefill(e, y, tok, 40, 0, ly) == CB_ENGINE_OK);
+    CHECK(!memcmp(lx, ly, sizeof lx));
+    cb_seq_destroy(&y);
+    CHECK(pool_stats(e).blocks_free == 4 && pool_stats(e).n_seqs == 0);
+    cb_engine_destroy(&e);
+    cb_model_destroy(&m);
+}
+
+/* A sequence's blocks return to the pool when it is truncated (the tail blocks), cleared or destroyed; the
+ * kept positions are intact. */
+TEST(test_seq_blocks_return) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    cb_engine_t *e = cb_engine_new(m, 128, err, sizeof err);
+    CHECK_MSG(e, "%s", err);
+    const int bt = pool_stats(e).block_tokens;
+    int32_t tok[50];
+    for (int i = 0; i < 50; i++) tok[i] = (i * 17 + 2) % 80;
+    float l50[80], la[80], lb[80];
+    cb_seq_t *s = cb_seq_new(e), *r = cb_seq_new(e);
+    CHECK(s && r && pool_stats(e).n_seqs == 2);
+    CHECK(cb_engine_prefill(e, s, tok, 50, 0, l50) == CB_ENGINE_OK);
+    CHECK(cb_seq_blocks(s) == (50 + bt - 1) / bt && pool_stats(e).blocks_used == cb_seq_blocks(s));
+    /* truncating keeps the block holding position 19, drops the later ones */
+    cb_seq_truncate(s, 20);
+    CHECK(cb_seq_blocks(s) == (20 + bt - 1) / bt && cb_seq_capacity(s) == cb_seq_blocks(s) * bt);
+    CHECK(pool_stats(e).blocks_used == cb_seq_blocks(s));
+    /* and what it kept is intact: the same continuation as a sequence never truncated */
+    CHECK(cb_engine_prefill(e, s, tok + 20, 30, 20, la) == CB_ENGINE_OK);
+    CHECK(cb_engine_prefill(e, r, tok, 50, 0, NULL) == CB_ENGINE_OK);
+    CHECK(cb_engine_prefill(e, r, tok + 20, 30, 20, lb) == CB_ENGINE_OK);
+    CHECK(!memcmp(la, lb, sizeof la) && kv_same(e, s, r, 0, 50));
+    int cap = cb_seq_capacity(s);
+    cb_seq_truncate(s, 1000); /* past the end: nothing to drop */
+    CHECK(cb_seq_capacity(s) == cap);
+    cb_seq_truncate(s, bt);
+    CHECK(cb_seq_blocks(s) == 1);
+    cb_seq_truncate(s, 0);
+    CHECK(cb_seq_blocks(s) == 0 && cb_seq_capacity(s) == 0);
+    CHECK(pool_stats(e).blocks_used == cb_seq_blocks(r));
+    /* clear, then the sequence is as new */
+    CHECK(cb_engine_prefill(e, s, tok, 50, 0, la) == CB_ENGINE_OK);
+    CHECK(!memcmp(la, l50, sizeof la));
+    cb_seq_clear(s);
+    CHECK(cb_seq_blocks(s) == 0 && pool_stats(e).blocks_used == cb_seq_blocks(r) && pool_stats(e).n_seqs == 2);
+    CHECK(cb_engine_prefill(e, s, tok, 50, 0, la) == CB_ENGINE_OK);
+    CHECK(!memcmp(la, l50, sizeof la));
+    cb_seq_destroy(&s);
+    CHECK(s == NULL && pool_stats(e).n_seqs == 1 && pool_stats(e).blocks_used == cb_seq_blocks(r));
+    cb_seq_destroy(&s); /* NULL-safe */
+    cb_seq_destroy(&r);
+    cb_engine_pool_stats_t st = pool_stats(e);
+    CHECK(st.blocks_used == 0 && st.blocks_free == st.n_blocks && st.n_seqs == 0);
+    cb_engine_destroy(&e);
+    cb_model_destroy(&m);
+}
+
+/* prefill_capture = prefill (logits and KV); its pre-RoPE K and V loaded back into another sequence
+ * (cb_engine_kv_load, rotated by the backend) are the prefill's KV bit for bit, and equal cb_engine_rope of
+ * the captured K. */
+TEST(test_capture_and_load) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    cb_engine_t *e = cb_engine_new(m, 64, err, sizeof err);
+    CHECK_MSG(e, "%s", err);
+    enum { N = 20, KVD = TINY_HKV * TINY_HD };
+    int32_t tok[N], pos[N];
+    for (int i = 0; i < N; i++) tok[i] = (i * 23 + 7) % 80, pos[i] = i;
+    static float ck[TINY_L][N * KVD], cv[TINY_L][N * KVD], kr[N * KVD], vr[N * KVD];
+    float *cap_k[TINY_L], *cap_v[TINY_L], l1[80], l2[80];
+    for (int l = 0; l < TINY_L; l++) cap_k[l] = ck[l], cap_v[l] = cv[l];
+    cb_seq_t *s = cb_seq_new(e), *t = cb_seq_new(e), *u = cb_seq_new(e), *w = cb_seq_new(e);
+    CHECK(s && t && u && w);
+    CHECK(cb_engine_prefill_capture(e, s, tok, N, 0, cap_k, cap_v, l1) == CB_ENGINE_OK);
+    CHECK(cb_engine_prefill(e, t, tok, N, 0, l2) == CB_ENGINE_OK);
+    CHECK(!memcmp(l1, l2, sizeof l1) && kv_same(e, s, t, 0, N));
+    CHECK(cb_seq_reserve(u, 0, N) == CB_ENGINE_OK && cb_seq_capacity(u) >= N);
+    for (int l = 0; l < TINY_L; l++) {
+        CHECK(cb_engine_kv_load(e, u, l, 0, N, ck[l], cv[l], CB_KV_F32) == CB_ENGINE_OK);
+        CHECK(cb_engine_kv_read(e, s, l, 0, N, kr, vr) == CB_ENGINE_OK);
+        CHECK(!memcmp(vr, cv[l], sizeof vr));
+        cb_engine_rope(e, ck[l], N, TINY_HKV, pos);
+        CHECK(!memcmp(kr, ck[l], sizeof kr));
+    }
+    CHECK(kv_same(e, u, s, 0, N));
+    /* kv_load never allocates: positions the sequence does not own are refused */
+    CHECK(cb_engine_kv_load(e, w, 0, 0, N, ck[0], cv[0], CB_KV_F32) != CB_ENGINE_OK);
+    CHECK(cb_seq_blocks(w) == 0);
+    cb_seq_destroy(&s); cb_seq_destroy(&t); cb_seq_destroy(&u); cb_seq_destroy(&w);
+    CHECK(pool_stats(e).blocks_used == 0);
+    cb_engine_destroy(&e);
+    cb_model_destroy(&m);
+}
+
+/* Bad arguments are CB_ENGINE_EINVAL with nothing computed or allocated. */
+TEST(test_seq_bad_args) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    cb_engine_t *e = cb_engine_new(m, 64, err, sizeof err), *e2 = cb_engine_new(m, 64, err, sizeof err);
+    CHECK_MSG(e && e2, "%s", err);
+    enum { KVD = TINY_HKV * TINY_HD };
+    int32_t tok[64];
+    for (int i = 0; i < 64; i++) tok[i] = (i * 5 + 1) % 80;
+    float lg[80], k[4 * KVD], v[4 * KVD];
+    cb_seq_t *s = cb_seq_new(e), *t = cb_seq_new(e), *x = cb_seq_new(e2);
+    CHECK(s && t && x);
+    CHECK(cb_engine_prefill(e, s, tok, 20, 0, lg) == CB_ENGINE_OK);
+    const int blocks = cb_seq_blocks(s), cap = cb_seq_capacity(s), used = pool_stats(e).blocks_used;
+    /* past max_ctx, bad tokens, no sequence, a sequence of another engine */
+    CHECK(cb_engine_prefill(e, s, tok, 10, 60, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_prefill(e, s, tok, 65, 0, lg) == CB_ENGINE_EINVAL);
+    int32_t bad[2] = {3, 80};
+    CHECK(cb_engine_prefill(e, s, bad, 2, 40, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_decode(e, s, -1, 40, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_prefill(e, NULL, tok, 2, 0, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_prefill(e, x, tok, 2, 0, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_seq_blocks(s) == blocks && pool_stats(e).blocks_used == used && pool_stats(e2).blocks_used == 0);
+    /* reads past the capacity, of a missing layer, at negative positions */
+    CHECK(cb_engine_kv_read(e, s, 0, 0, 2, k, v) == CB_ENGINE_OK);
+    CHECK(cb_engine_kv_read(e, s, 0, cap - 1, 2, k, v) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_kv_read(e, s, 0, cap, 1, k, NULL) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_kv_read(e, t, 0, 0, 1, k, v) == CB_ENGINE_EINVAL); /* an empty sequence */
+    CHECK(cb_engine_kv_read(e, s, TINY_L, 0, 1, k, v) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_kv_read(e, s, -1, 0, 1, k, v) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_kv_read(e, s, 0, -1, 2, k, v) == CB_ENGINE_EINVAL);
+    /* writes outside max_ctx or the layers */
+    int32_t p = 64;
+    fill(k, KVD, 1.0f);
+    fill(v, KVD, 1.0f);
+    CHECK(cb_engine_kv_write(e, s, 0, &p, 1, k, v) == CB_ENGINE_EINVAL);
+    p = -1;
+    CHECK(cb_engine_kv_write(e, s, 0, &p, 1, k, v) == CB_ENGINE_EINVAL);
+    p = 3;
+    CHECK(cb_engine_kv_write(e, s, TINY_L, &p, 1, k, v) == CB_ENGINE_EINVAL);
+    /* reservations past max_ctx, shares past the source */
+    CHECK(cb_seq_reserve(t, 0, 65) == CB_ENGINE_EINVAL);
+    CHECK(cb_seq_share(t, s, cap + 1) == CB_ENGINE_EINVAL);
+    CHECK(cb_seq_blocks(s) == blocks && cb_seq_blocks(t) == 0 && pool_stats(e).blocks_used == used);
+    CHECK(cb_engine_status_str(CB_ENGINE_EINVAL) && cb_engine_status_str(CB_ENGINE_EPOOL) &&
+          strcmp(cb_engine_status_str(CB_ENGINE_EINVAL), cb_engine_status_str(CB_ENGINE_EPOOL)));
+    cb_engine_opts_t o = {.max_ctx = 0};
+    CHECK(cb_engine_new_opts(m, &o, err, sizeof err) == NULL);
+    cb_seq_destroy(&s); cb_seq_destroy(&t); cb_seq_destroy(&x);
+    cb_engine_destroy(&e);
+    cb_engine_destroy(&e2);
     cb_model_destroy(&m);
 }
 
@@ -654,6 +1092,11 @@ int main(void) {
     RUN(test_loader_rejects);
     RUN(test_tiny_vs_reference);
     RUN(test_tiny_engine_properties);
+    RUN(test_seq_share_prefix);
+    RUN(test_pool_exhausted);
+    RUN(test_seq_blocks_return);
+    RUN(test_capture_and_load);
+    RUN(test_seq_bad_args);
     RUN(test_real_hparams);
     RUN(test_real_engine_properties);
     cb_model_t *m = real_model();

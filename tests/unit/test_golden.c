@@ -51,6 +51,7 @@ TEST(test_golden_llamacpp) {
     const int V = cb_model_hparams(m)->n_vocab;
     float *lg = malloc(sizeof(float) * (size_t)V);
     cb_engine_t *e = NULL;
+    cb_seq_t *seq = NULL;
     int n_prompts = 0, n_full = 0, failed = 0;
     double worst = 0.0;
     char *line = NULL;
@@ -73,10 +74,12 @@ TEST(test_golden_llamacpp) {
         int32_t *tok = malloc(sizeof(int32_t) * (size_t)(n + GOLDEN_STEPS));
         for (int i = 0; i < n; i++) tok[i] = (int32_t)json_integer_value(json_array_get(ids, (size_t)i));
         if (!e || cb_engine_max_ctx(e) < n + GOLDEN_STEPS) {
+            cb_seq_destroy(&seq);
             cb_engine_destroy(&e);
             e = cb_engine_new(m, n + GOLDEN_STEPS < 2048 ? 2048 : n + GOLDEN_STEPS, err, sizeof err);
+            seq = e ? cb_seq_new(e) : NULL;
         }
-        if (!e || cb_engine_prefill(e, tok, n, 0, lg) != 0) {
+        if (!seq || cb_engine_prefill(e, seq, tok, n, 0, lg) != CB_ENGINE_OK) {
             fprintf(stderr, "  %s: prefill failed %s\n", name, e ? "" : err);
             failed = 1;
             free(tok);
@@ -105,7 +108,7 @@ TEST(test_golden_llamacpp) {
                 our_margin = lg[t] - lg[ref];
                 break;
             }
-            if (st + 1 < steps && cb_engine_decode(e, t, n + st, lg) != 0) {
+            if (st + 1 < steps && cb_engine_decode(e, seq, t, n + st, lg) != CB_ENGINE_OK) {
                 failed = 1;
                 break;
             }
@@ -128,6 +131,7 @@ TEST(test_golden_llamacpp) {
     free(line);
     fclose(f);
     free(lg);
+    cb_seq_destroy(&seq);
     cb_engine_destroy(&e);
     cb_model_destroy(&m);
     if (n_prompts == 0) SKIP("fixture has no prompts yet");

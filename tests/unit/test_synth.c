@@ -107,14 +107,16 @@ TEST(test_model_tokenizer_engine) {
     cb_tokenizer_destroy(&tk);
     /* a short forward: finite logits with a clear winner */
     cb_engine_t *e = cb_engine_new(m, 64, err, sizeof err);
-    float logits[400];
+    cb_seq_t *seq = e ? cb_seq_new(e) : NULL;
+    float logits[400] = {0};
     int32_t prompt[8] = {1, 100, 101, 102, 103, 104, 105, 106};
-    int rc = e ? cb_engine_prefill(e, prompt, 8, 0, logits) : -1;
+    int rc = seq ? cb_engine_prefill(e, seq, prompt, 8, 0, logits) : -1;
     double mean = 0, var = 0;
     int finite = 1;
     for (int i = 0; i < 400; i++) { finite &= isfinite(logits[i]) != 0; mean += logits[i]; }
     mean /= 400;
     for (int i = 0; i < 400; i++) var += (logits[i] - mean) * (logits[i] - mean);
+    cb_seq_destroy(&seq);
     cb_engine_destroy(&e);
     cb_model_destroy(&m);
     CHECK(ok);
