@@ -7,10 +7,12 @@
  */
 #include "cpu/cpu_backend.h"
 
+#include <math.h>
 #include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "cpu/cpu_ops.h"
 
@@ -27,7 +29,203 @@ typedef struct {
     float *att_scratch;     /* cb_cpu_attention_scratch floats */
     cb_attn_geom_t geom;    /* geometry the attention scratch was sized for */
     int scratch_nt;         /* threads the scratch was sized for */
+    float *mass_scratch;    /* cb_cpu_attn_mass_scratch(geom, max_keys) floats */
+    int32_t *topk_idx;      /* [max_keys] selection order */
+    /* the KV pool (kv_pool_init): per layer [n_blocks * bt][kvd] K, then the same for V */
+    float *kpool, *vpool;
+    size_t pool_map;        /* bytes of each mapping */
+    int n_layer, kvd, bt, n_blocks;
 } cpu_ctx_t;
+
+/* ---------------------------------------------------------------- the KV pool */
+
+static float *pool_layer(const cpu_ctx_t *c, float *base, int layer) {
+    return base + (size_t)layer * c->n_blocks * c->bt * c->kvd;
+}
+
+static cb_cpu_kv_t kv_view(const cpu_ctx_t *c, int layer, const cb_kv_table_t *t) {
+    return (cb_cpu_kv_t){pool_layer(c, c->kpool, layer), pool_layer(c, c->vpool, layer), t->blocks, c->bt};
+}
+
+/* Pool row of position p of table t (p < t->n_pos, checked by the callers). */
+static size_t pool_row(const cpu_ctx_t *c, const cb_kv_table_t *t, int p) {
+    return (size_t)t->blocks[p / c->bt] * c->bt + (size_t)(p % c->bt);
+}
+
+static int cpu_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens, int n_blocks, char *err,
+                            size_t errlen) {
+    cpu_ctx_t *c = ctx;
+    if (c->kpool) {
+        snprintf(err, errlen, "cpu backend: KV pool already initialised");
+        return -1;
+    }
+    if (n_layer < 1 || kv_dim < 1 || block_tokens < 1 || n_blocks < 1 ||
+        (size_t)n_blocks * block_tokens > SIZE_MAX / sizeof(float) / (size_t)kv_dim / (size_t)n_layer) {
+        snprintf(err, errlen, "cpu backend: bad KV pool geometry");
+        return -1;
+    }
+    size_t bytes = sizeof(float) * (size_t)n_layer * n_blocks * block_tokens * kv_dim;
+    /* anonymous mappings: zero pages, backed only as blocks are first written */
+    void *k = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void *v = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (k == MAP_FAILED || v == MAP_FAILED) {
+        if (k != MAP_FAILED) munmap(k, bytes);
+        if (v != MAP_FAILED) munmap(v, bytes);
+        snprintf(err, errlen, "cpu backend: cannot map a KV pool of 2 x %zu MB", bytes >> 20);
+        return -1;
+    }
+    madvise(k, bytes, MADV_HUGEPAGE); /* advice only */
+    madvise(v, bytes, MADV_HUGEPAGE);
+    c->kpool = k;
+    c->vpool = v;
+    c->pool_map = bytes;
+    c->n_layer = n_layer;
+    c->kvd = kv_dim;
+    c->bt = block_tokens;
+    c->n_blocks = n_blocks;
+    return 0;
+}
+
+static int cpu_kv_copy_block(void *ctx, int dst, int src) {
+    cpu_ctx_t *c = ctx;
+    if (!c->kpool || dst < 0 || src < 0 || dst >= c->n_blocks || src >= c->n_blocks) return -1;
+    const size_t per = (size_t)c->bt * c->kvd;
+    for (int l = 0; l < c->n_layer; l++) {
+        memcpy(pool_layer(c, c->kpool, l) + dst * per, pool_layer(c, c->kpool, l) + src * per, sizeof(float) * per);
+        memcpy(pool_layer(c, c->vpool, l) + dst * per, pool_layer(c, c->vpool, l) + src * per, sizeof(float) * per);
+    }
+    return 0;
+}
+
+static int cpu_kv_write(void *ctx, int layer, const cb_kv_table_t *t, const int32_t *pos, int n, const float *k,
+                        const float *v) {
+    cpu_ctx_t *c = ctx;
+    if (!c->kpool || layer < 0 || layer >= c->n_layer) return -1;
+    float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    const size_t row = sizeof(float) * (size_t)c->kvd;
+    for (int i = 0; i < n; i++) {
+        if (pos[i] < 0 || pos[i] >= t->n_pos) return -1;
+        size_t r = pool_row(c, t, pos[i]);
+        memcpy(kp + r * c->kvd, k + (size_t)i * c->kvd, row);
+        memcpy(vp + r * c->kvd, v + (size_t)i * c->kvd, row);
+    }
+    return 0;
+}
+
+/* Thread-safe (the loader thread): touches only the pool rows named and the read-only RoPE table. */
+static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
+                       cb_kv_dtype_t dtype, float rope_base) {
+    cpu_ctx_t *c = ctx;
+    if (!c->kpool || layer < 0 || layer >= c->n_layer || pos0 < 0 || n < 0 || pos0 > t->n_pos - n) return -1;
+    if (dtype != CB_KV_F32 && dtype != CB_KV_F16 && dtype != CB_KV_BF16) return -1;
+    const size_t esz = dtype == CB_KV_F32 ? 4 : 2, kvd = (size_t)c->kvd;
+    const int hd = c->rope_hd, nkv = c->kvd / hd;
+    const bool table = rope_base == c->rope_base;
+    float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    for (int p = pos0, w; p < pos0 + n; p += w) {
+        /* positions p..p+w-1 of one block: consecutive pool rows, converted in place and K rotated there */
+        w = c->bt - p % c->bt;
+        if (w > pos0 + n - p) w = pos0 + n - p;
+        size_t r = pool_row(c, t, p), i = (size_t)(p - pos0);
+        cb_cpu_kv_to_f32(dtype, (const uint8_t *)k + i * kvd * esz, kp + r * kvd, (size_t)w * kvd);
+        cb_cpu_kv_to_f32(dtype, (const uint8_t *)v + i * kvd * esz, vp + r * kvd, (size_t)w * kvd);
+        if (table && p + w <= c->max_keys) {
+            cb_cpu_rope_apply(kp + r * kvd, w, nkv, hd, c->rope_cs + (size_t)p * hd);
+        } else {
+            for (int j = 0; j < w; j++) {
+                int32_t pj = p + j;
+                cb_cpu_rope(kp + (r + (size_t)j) * kvd, 1, nkv, hd, &pj, rope_base);
+            }
+        }
+    }
+    return 0;
+}
+
+static int cpu_kv_read(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, float *k, float *v) {
+    cpu_ctx_t *c = ctx;
+    if (!c->kpool || layer < 0 || layer >= c->n_layer || pos0 < 0 || n < 0 || pos0 > t->n_pos - n) return -1;
+    const float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    const size_t row = sizeof(float) * (size_t)c->kvd;
+    for (int i = 0; i < n; i++) {
+        size_t r = pool_row(c, t, pos0 + i);
+        if (k) memcpy(k + (size_t)i * c->kvd, kp + r * c->kvd, row);
+        if (v) memcpy(v + (size_t)i * c->kvd, vp + r * c->kvd, row);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- CacheBlend operations */
+
+static int cpu_attn_mass(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
+                         const int32_t *key_limit, float *mass) {
+    cpu_ctx_t *c = ctx;
+    if (!c->kpool || layer < 0 || layer >= c->n_layer || g->n_head_kv != c->geom.n_head_kv ||
+        g->n_head != c->geom.n_head || g->head_dim != c->geom.head_dim)
+        return -1;
+    for (int i = 0; i < n; i++)
+        if (key_limit[i] < 1 || key_limit[i] > t->n_pos || key_limit[i] > c->max_keys) return -1;
+    cb_cpu_kv_t kv = kv_view(c, layer, t);
+    cb_cpu_attn_mass(g, q, n, &kv, key_limit, mass, c->mass_scratch);
+    return 0;
+}
+
+static int cpu_kv_deviation(void *ctx, int n, int width, const float *fresh, const void *const *cached,
+                            cb_kv_dtype_t dtype, double *dev) {
+    cpu_ctx_t *c = ctx;
+    if (width > c->max_cols) return -1;
+    float *row = c->mv_scratch; /* [max_cols]: the compute thread's */
+    for (int i = 0; i < n; i++) {
+        cb_cpu_kv_to_f32(dtype, cached[i], row, (size_t)width);
+        const float *a = fresh + (size_t)i * width;
+        double s = 0.0;
+        for (int j = 0; j < width; j++) {
+            double d = (double)a[j] - (double)row[j];
+            s += d * d;
+        }
+        dev[i] = s;
+    }
+    return 0;
+}
+
+/* Descending score (NaN first), then ascending index. */
+static int cmp_score(const void *pa, const void *pb, void *arg) {
+    const double *sc = arg;
+    int ia = *(const int32_t *)pa, ib = *(const int32_t *)pb;
+    double da = sc[ia], db = sc[ib];
+    bool na = isnan(da), nb = isnan(db);
+    if (na != nb) return na ? -1 : 1;
+    if (!na && da != db) return da > db ? -1 : 1;
+    return ia < ib ? -1 : ia > ib;
+}
+
+static int cpu_topk(void *ctx, int n, const double *score, int k, int32_t *out) {
+    if (n < 0) return -1;
+    if (k > n) k = n;
+    if (k <= 0) return 0;
+    cpu_ctx_t *c = ctx;
+    if (n > c->max_keys) return -1;
+    int32_t *idx = c->topk_idx;
+    for (int i = 0; i < n; i++) idx[i] = i;
+    qsort_r(idx, (size_t)n, sizeof(int32_t), cmp_score, (void *)score);
+    memcpy(out, idx, sizeof(int32_t) * (size_t)k);
+    return 0;
+}
+
+static void cpu_compact_rows(void *ctx, float *x, size_t row_len, const int32_t *keep, int n_keep) {
+    (void)ctx;
+    for (int i = 0; i < n_keep; i++)
+        if (keep[i] != i) memmove(x + (size_t)i * row_len, x + (size_t)keep[i] * row_len, sizeof(float) * row_len);
+}
+
+static void *cpu_host_alloc(void *ctx, size_t bytes) {
+    (void)ctx;
+    return cb_cpu_alloc_huge(bytes, true);
+}
+
+static void cpu_host_free(void *ctx, void *p) {
+    (void)ctx;
+    free(p);
+}
 
 static void cpu_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, float *y, int ldy) {
     cpu_ctx_t *c = ctx;
@@ -93,10 +291,11 @@ static void cpu_rope(void *ctx, float *x, int n, int n_heads, int head_dim, cons
     cb_cpu_rope_apply(x, n, n_heads, head_dim, c->rope_rows);
 }
 
-static void cpu_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, const float *kc,
-                          const float *vc, const int32_t *key_limit, float *out) {
+static void cpu_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
+                          const int32_t *key_limit, float *out) {
     cpu_ctx_t *c = ctx;
-    cb_cpu_attention(g, q, n, kc, vc, key_limit, out, c->att_scratch, c->max_keys, c->pool);
+    cb_cpu_kv_t kv = kv_view(c, layer, t);
+    cb_cpu_attention(g, q, n, &kv, key_limit, out, c->att_scratch, c->max_keys, c->pool);
 }
 
 typedef struct {
@@ -152,6 +351,10 @@ static void cpu_destroy(void *ctx) {
     free(c->rope_rows);
     free(c->mv_scratch);
     free(c->att_scratch);
+    free(c->mass_scratch);
+    free(c->topk_idx);
+    if (c->kpool) munmap(c->kpool, c->pool_map);
+    if (c->vpool) munmap(c->vpool, c->pool_map);
     free(c);
 }
 
@@ -165,6 +368,17 @@ static const cb_backend_ops_t CPU_OPS = {
     .matmul_multi = cpu_matmul_multi,
     .add = cpu_add,
     .embed = cpu_embed,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_host_free,
+    .kv_pool_init = cpu_kv_pool_init,
+    .kv_copy_block = cpu_kv_copy_block,
+    .kv_write = cpu_kv_write,
+    .kv_load = cpu_kv_load,
+    .kv_read = cpu_kv_read,
+    .attn_mass = cpu_attn_mass,
+    .kv_deviation = cpu_kv_deviation,
+    .topk = cpu_topk,
+    .compact_rows = cpu_compact_rows,
     .set_threads = cpu_set_threads,
     .destroy = cpu_destroy,
 };
@@ -186,6 +400,7 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     be->ctx = c;
     be->max_rows = max_rows;
     be->max_keys = max_keys;
+    be->kv_value_bytes = 4;
     c->nt = c->scratch_nt = n_threads;
     c->max_rows = max_rows;
     c->max_keys = max_keys;
@@ -199,6 +414,10 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     c->mv_scratch = malloc(sizeof(float) * (size_t)n_threads * c->max_cols);
     c->att_scratch = cb_cpu_alloc_huge(sizeof(float) * cb_cpu_attention_scratch(&c->geom, max_rows, max_keys, n_threads), true);
     c->pool = cb_pool_new(n_threads);
+    c->geom.scale = 1.0f / sqrtf((float)hp->head_dim);
+    c->mass_scratch = malloc(sizeof(float) * cb_cpu_attn_mass_scratch(&c->geom, max_keys));
+    c->topk_idx = malloc(sizeof(int32_t) * (size_t)max_keys);
+    if (!c->mass_scratch || !c->topk_idx) goto oom;
     if (!c->rope_cs || !c->rope_rows || !c->mv_scratch || !c->att_scratch || !c->pool) goto oom;
     for (int p = 0; p < max_keys; p++)
         cb_cpu_rope_coeffs(p, hp->head_dim, hp->rope_base, c->rope_cs + (size_t)p * hp->head_dim);

@@ -12,7 +12,12 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "format/gguf.h"
+#include "format/quant.h"
 #include "base/log.h"
 #include "format/quant.h"
 
@@ -469,7 +474,44 @@ static size_t att_partial_floats(const cb_attn_geom_t *g, int max_keys) {
 static size_t att_thread_floats(const cb_attn_geom_t *g, int max_keys) {
     size_t rows = (size_t)(g->n_head / g->n_head_kv) * ATT_BLOCK_ROWS;
     size_t tile = rows * ATT_KEY_CHUNK > (size_t)max_keys ? rows * ATT_KEY_CHUNK : (size_t)max_keys;
-    return rows * (size_t)g->head_dim * 2 + tile + 16;
+    /* + K and V of one key chunk gathered from non-consecutive blocks: [2][ATT_KEY_CHUNK][head_dim] */
+    return rows * (size_t)g->head_dim * 2 + tile + 2 * (size_t)ATT_KEY_CHUNK * g->head_dim + 16;
+}
+
+/* ---------------------------------------------------------------- KV views */
+
+/* Pool row of position p. */
+static inline size_t kv_row(const cb_cpu_kv_t *kv, int p) {
+    return (size_t)kv->blocks[p / kv->block_tokens] * (size_t)kv->block_tokens + (size_t)(p % kv->block_tokens);
+}
+
+/* Positions from p on (up to end) whose rows follow each other in the pool. */
+static inline int kv_run(const cb_cpu_kv_t *kv, int p, int end) {
+    const int bt = kv->block_tokens;
+    int b = p / bt, q = (b + 1) * bt;
+    while (q < end && kv->blocks[q / bt] == kv->blocks[b] + (q / bt - b)) q += bt;
+    return (q < end ? q : end) - p;
+}
+
+void cb_cpu_kv_to_f32(cb_kv_dtype_t dt, const void *src, float *dst, size_t n) {
+    if (dt == CB_KV_F32) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    const uint16_t *h = src;
+    size_t i = 0;
+    if (dt == CB_KV_F16) {
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(h + i))));
+#elif defined(__F16C__) && defined(__AVX__)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(h + i))));
+#endif
+        for (; i < n; i++) dst[i] = cb_f16_to_f32(h[i]);
+    } else {
+        for (; i < n; i++) dst[i] = cb_bf16_to_f32(h[i]);
+    }
 }
 
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt) {
@@ -521,7 +563,7 @@ size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys) {
     return rows * (size_t)g->head_dim + rows * (size_t)(max_keys > 0 ? max_keys : 1);
 }
 
-void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const int32_t *key_limit,
+void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *mass, float *scratch) {
     const int G = g->n_head / g->n_head_kv, hd = g->head_dim, qd = g->n_head * hd, kvd = g->n_head_kv * hd;
     for (int i0 = 0; i0 < n; i0 += CB_CPU_MASS_ROWS) {
@@ -534,8 +576,12 @@ void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const floa
                 for (int i = 0; i < nr; i++)
                     memcpy(Q + ((size_t)hh * nr + i) * hd, q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
                            sizeof(float) * (size_t)hd);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, kc + (size_t)kvh * hd, kvd,
-                        0.0f, S, L);
+            /* scores of each run of keys that follow each other in the pool: columns [p, p + w) of S */
+            for (int p = 0, w; p < L; p += w) {
+                w = kv_run(kv, p, L);
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, w, hd, g->scale, Q, hd,
+                            kv->k + kv_row(kv, p) * kvd + (size_t)kvh * hd, kvd, 0.0f, S + p, L);
+            }
             for (int r = 0; r < M; r++) {
                 float *s = S + (size_t)r * L;
                 int lim = key_limit[i0 + r % nr];
@@ -550,15 +596,15 @@ static void scale_row(float *x, int n, float a) {
     for (int i = 0; i < n; i++) x[i] *= a;
 }
 
-/* One query row, one head: out[hd] = softmax(q·K[0:lim)ᵀ·scale) · V. s: [lim] scratch. */
-static void attend_row(const cb_attn_geom_t *g, const float *q, const float *kc, const float *vc, int kvd, int lim,
+/* One query row, one head (kv head kvh): out[hd] = softmax(q·K[0:lim)ᵀ·scale) · V. s: [lim] scratch. */
+static void attend_row(const cb_attn_geom_t *g, const float *q, const cb_cpu_kv_t *kv, int kvh, int kvd, int lim,
                        float *s, float *out) {
     const int hd = g->head_dim;
-    for (int j = 0; j < lim; j++) s[j] = dot_f32(q, kc + (size_t)j * kvd, hd) * g->scale;
+    for (int j = 0; j < lim; j++) s[j] = dot_f32(q, kv->k + kv_row(kv, j) * kvd + (size_t)kvh * hd, hd) * g->scale;
     float inv = softmax_row(s, lim, lim);
     memset(out, 0, sizeof(float) * (size_t)hd);
     for (int j = 0; j < lim; j++) {
-        const float *v = vc + (size_t)j * kvd;
+        const float *v = kv->v + kv_row(kv, j) * kvd + (size_t)kvh * hd;
         float p = s[j];
         for (int d = 0; d < hd; d++) out[d] += p * v[d];
     }
@@ -567,7 +613,8 @@ static void attend_row(const cb_attn_geom_t *g, const float *q, const float *kc,
 
 typedef struct {
     const cb_attn_geom_t *g;
-    const float *q, *kc, *vc;
+    const float *q;
+    const cb_cpu_kv_t *kv;
     const int32_t *key_limit;
     float *out, *scratch;
     size_t per_thread;     /* floats of each thread's region */
@@ -581,8 +628,8 @@ static void attn_row_task(void *arg, int t, int thread) {
     const cb_attn_geom_t *g = j->g;
     const int H = g->n_head, hd = g->head_dim, G = H / g->n_head_kv, qd = H * hd, kvd = g->n_head_kv * hd;
     int i = t / H, h = t % H, kvh = h / G;
-    attend_row(g, j->q + (size_t)i * qd + (size_t)h * hd, j->kc + (size_t)kvh * hd, j->vc + (size_t)kvh * hd, kvd,
-               j->key_limit[i], j->scratch + (size_t)thread * j->per_thread, j->out + (size_t)i * qd + (size_t)h * hd);
+    attend_row(g, j->q + (size_t)i * qd + (size_t)h * hd, j->kv, kvh, kvd, j->key_limit[i],
+               j->scratch + (size_t)thread * j->per_thread, j->out + (size_t)i * qd + (size_t)h * hd);
 }
 
 /* Online-softmax step over one chunk of keys: s[0:w) are the chunk's scores, of which [0, lim) are
@@ -657,23 +704,44 @@ static void attn_block_task(void *arg, int t, int thread) {
     float *Q = j->scratch + (size_t)thread * j->per_thread; /* [G*rb][hd] */
     float *O = Q + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][hd] */
     float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][ATT_KEY_CHUNK] */
+    float *GK = S + (size_t)G * ATT_BLOCK_ROWS * ATT_KEY_CHUNK; /* [ATT_KEY_CHUNK][hd] gathered K */
+    float *GV = GK + (size_t)ATT_KEY_CHUNK * hd;             /* [ATT_KEY_CHUNK][hd] gathered V */
     float m[ATT_MAX_G * ATT_BLOCK_ROWS], l[ATT_MAX_G * ATT_BLOCK_ROWS];
     for (int hh = 0; hh < G; hh++)
         for (int i = 0; i < nr; i++)
             memcpy(Q + ((size_t)hh * nr + i) * hd, j->q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
                    sizeof(float) * (size_t)hd);
     for (int r = 0; r < M; r++) m[r] = -INFINITY, l[r] = 0.0f;
-    const float *K = j->kc + (size_t)kvh * hd, *V = j->vc + (size_t)kvh * hd;
+    const cb_cpu_kv_t *kv = j->kv;
     for (int c0 = 0; c0 < L; c0 += ATT_KEY_CHUNK) {
         int w = L - c0 < ATT_KEY_CHUNK ? L - c0 : ATT_KEY_CHUNK;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, w, hd, g->scale, Q, hd, K + (size_t)c0 * kvd, kvd,
-                    0.0f, S, w);
+        /* the chunk's K/V rows: in place when they follow each other in the pool, else gathered */
+        const float *K, *V;
+        int ld;
+        if (kv_run(kv, c0, c0 + w) == w) {
+            K = kv->k + kv_row(kv, c0) * kvd + (size_t)kvh * hd;
+            V = kv->v + kv_row(kv, c0) * kvd + (size_t)kvh * hd;
+            ld = kvd;
+        } else {
+            for (int p = c0, n_run; p < c0 + w; p += n_run) {
+                n_run = kv_run(kv, p, c0 + w);
+                const size_t r0 = kv_row(kv, p);
+                for (int t2 = 0; t2 < n_run; t2++) {
+                    memcpy(GK + (size_t)(p - c0 + t2) * hd, kv->k + (r0 + t2) * kvd + (size_t)kvh * hd,
+                           sizeof(float) * (size_t)hd);
+                    memcpy(GV + (size_t)(p - c0 + t2) * hd, kv->v + (r0 + t2) * kvd + (size_t)kvh * hd,
+                           sizeof(float) * (size_t)hd);
+                }
+            }
+            K = GK, V = GV, ld = hd;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, w, hd, g->scale, Q, hd, K, ld, 0.0f, S, w);
         for (int r = 0; r < M; r++) {
             float alpha = online_softmax(S + (size_t)r * w, j->key_limit[i0 + r % nr] - c0, w, &m[r], &l[r]);
             if (c0 > 0 && alpha != 1.0f) scale_row(O + (size_t)r * hd, hd, alpha);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, w, 1.0f, S, w, V + (size_t)c0 * kvd, kvd,
-                    c0 > 0 ? 1.0f : 0.0f, O, hd);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, w, 1.0f, S, w, V, ld, c0 > 0 ? 1.0f : 0.0f, O,
+                    hd);
     }
     for (int hh = 0; hh < G; hh++)
         for (int i = 0; i < nr; i++) {
@@ -727,12 +795,14 @@ static void scores_row(const float *q, const float *K, int kvd, int cnt, int hd,
     for (; j < cnt; j++) s[j] = dot_f32(q, K + (size_t)j * kvd, hd) * scale;
 }
 
-/* o[0:hd) = sum_j p[j] V[j] for j < cnt. */
+/* o[0:hd) += sum_j p[j] V[j] for j < cnt, in j order (o starts at zero: the same sums whether the keys
+ * come in one run or several). */
 static void pv_row(const float *p, const float *V, int kvd, int cnt, int hd, float *o) {
     int d0 = 0;
 #if CB_AVX512
     for (; d0 + 64 <= hd; d0 += 64) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m512 a0 = _mm512_loadu_ps(o + d0), a1 = _mm512_loadu_ps(o + d0 + 16), a2 = _mm512_loadu_ps(o + d0 + 32),
+               a3 = _mm512_loadu_ps(o + d0 + 48);
         for (int j = 0; j < cnt; j++) {
             const float *vr = V + (size_t)j * kvd + d0;
             __m512 pj = _mm512_set1_ps(p[j]);
@@ -748,7 +818,7 @@ static void pv_row(const float *p, const float *V, int kvd, int cnt, int hd, flo
     }
 #endif
     for (int d = d0; d < hd; d++) {
-        float a = 0.0f;
+        float a = o[d];
         for (int j = 0; j < cnt; j++) a += p[j] * V[(size_t)j * kvd + d];
         o[d] = a;
     }
@@ -772,11 +842,19 @@ static void attn_split_task(void *arg, int t, int thread) {
             part[1] = 0.0f;
             continue;
         }
-        scores_row(j->q + (size_t)i * qd + (size_t)h * hd, j->kc + (size_t)c0 * kvd + (size_t)kvh * hd, kvd, c1 - c0,
-                   hd, g->scale, s);
+        const cb_cpu_kv_t *kv = j->kv;
+        for (int p = c0, w; p < c1; p += w) {
+            w = kv_run(kv, p, c1);
+            scores_row(j->q + (size_t)i * qd + (size_t)h * hd, kv->k + kv_row(kv, p) * kvd + (size_t)kvh * hd, kvd, w,
+                       hd, g->scale, s + (p - c0));
+        }
         float m = -INFINITY, l = 0.0f;
         online_softmax(s, c1 - c0, c1 - c0, &m, &l);
-        pv_row(s, j->vc + (size_t)c0 * kvd + (size_t)kvh * hd, kvd, c1 - c0, hd, part + 2);
+        memset(part + 2, 0, sizeof(float) * (size_t)hd);
+        for (int p = c0, w; p < c1; p += w) {
+            w = kv_run(kv, p, c1);
+            pv_row(s + (p - c0), kv->v + kv_row(kv, p) * kvd + (size_t)kvh * hd, kvd, w, hd, part + 2);
+        }
         part[0] = m;
         part[1] = l;
     }
@@ -803,15 +881,15 @@ static void attn_split_merge(const attn_job_t *j) {
         }
 }
 
-void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
-                      const int32_t *key_limit, float *out, float *scratch, int max_keys, cb_pool_t *pool) {
+void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
+                      float *out, float *scratch, int max_keys, cb_pool_t *pool) {
     const int H = g->n_head, HKV = g->n_head_kv, nt = cb_pool_size(pool);
     int max_lim = 0;
     for (int i = 0; i < n; i++) {
         assert(key_limit[i] >= 1 && key_limit[i] <= max_keys);
         max_lim = key_limit[i] > max_lim ? key_limit[i] : max_lim;
     }
-    attn_job_t j = {g, q, kc, vc, key_limit, out, scratch, att_thread_floats(g, max_keys),
+    attn_job_t j = {g, q, kv, key_limit, out, scratch, att_thread_floats(g, max_keys),
                     att_partial_floats(g, max_keys), n, ATT_BLOCK_ROWS, 0, 0};
     float *thread_scratch = scratch + j.partial_floats;
     if (H / HKV > ATT_MAX_G) { /* one task per (row, head) */

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "engine/backend.h"
+#include "format/kvfile.h"
 #include "cpu/cpu_pool.h"
 #include "model/model.h"
 
@@ -65,29 +66,44 @@ void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy,
 void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float *x, int n, bool gemm,
                          float *scratch, cb_pool_t *pool);
 
+/* A sequence's K/V of one layer in the pool: position p is row blocks[p / block_tokens] * block_tokens +
+ * p % block_tokens of k and v (rows of n_head_kv*head_dim floats, post-RoPE K). Kernels walk runs of
+ * positions whose rows follow each other (consecutive block ids) as one strided range, so a sequence whose
+ * blocks are consecutive costs nothing extra; results do not depend on how the rows are placed. */
+typedef struct {
+    const float *k, *v;        /* the layer's pool: [n_blocks * block_tokens][kv_dim] */
+    const int32_t *blocks;     /* block table: [>= ceil(max key_limit / block_tokens)] */
+    int block_tokens;
+} cb_cpu_kv_t;
+
+/* n values of a KV payload (dtype) as f32 (F16C / AVX-512 conversion where available); bit-identical to
+ * kvfile's conversion. */
+void cb_cpu_kv_to_f32(cb_kv_dtype_t dtype, const void *src, float *dst, size_t n);
+
 /* Scratch floats needed by cb_cpu_attention for max_rows rows against max_keys keys with nt pool threads. */
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt);
 /* out[i] = softmax(q[i]·Kᵀ · scale over keys [0, key_limit[i])) · V, per head:
  *   q   [n][n_head*head_dim]      (post-RoPE)
- *   kc  [>= max key_limit][n_head_kv*head_dim]   (post-RoPE keys; row j = position j)
- *   vc  [>= max key_limit][n_head_kv*head_dim]
+ *   kv  the layer's keys and values: position j through the block table
  *   key_limit [n], each in 1..max_keys
  *   out [n][n_head*head_dim]
  * Rows are independent: any limits, in any order (exact causal = pos+1). Blocks of rows run as
- * GEMMs (Q·Kᵀ, P·V) over the largest limit in the block, masked per row. */
-void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
-                      const int32_t *key_limit, float *out, float *scratch, int max_keys, cb_pool_t *pool);
+ * GEMMs (Q·Kᵀ, P·V) over chunks of 512 keys up to the largest limit in the block, masked per row (a chunk
+ * spanning non-consecutive pool blocks is gathered first: the same values, bit for bit). */
+void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
+                      float *out, float *scratch, int max_keys, cb_pool_t *pool);
 
 /* Attention mass, for query-aware selection (blend.h, metric 'a'): for each of the n query rows and each
  * head, the softmax probabilities over keys [0, key_limit[i]) (as cb_cpu_attention computes them) are
  * added to mass [key], so every row adds n_head in all.
- *   q [n][n_head*head_dim] (post-RoPE), kc [>= max key_limit][n_head_kv*head_dim] (post-RoPE),
+ *   q [n][n_head*head_dim] (post-RoPE), kv the layer's keys (post-RoPE),
  *   key_limit [n], mass [>= max key_limit] (accumulated, not cleared)
  *   scratch: cb_cpu_attn_mass_scratch(g, max_keys) floats
- * Rows go CB_CPU_MASS_ROWS at a time as one GEMM per KV head; single-threaded (a few rows only). */
+ * Rows go CB_CPU_MASS_ROWS at a time as one GEMM per KV head and run of consecutive pool rows;
+ * single-threaded (a few rows only). */
 #define CB_CPU_MASS_ROWS 16
 size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys);
-void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const float *kc, const int32_t *key_limit,
+void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *mass, float *scratch);
 
 /* Vectorised expf used by the kernels (exposed for tests): dst[i] = exp(src[i]), |rel err| < 2e-7. */

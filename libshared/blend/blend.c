@@ -1,23 +1,25 @@
 /* blend.c: CacheBlend fused prefill over the engine's layer-stage primitives (see blend.h).
  *
- * One code path: every prefill (the four modes, the prefix KV, chunk precompute) is a run over the rows of a
- * prompt, each row LOADED, COMPUTED or CANDIDATE, with an optional capture of the pre-RoPE K/V of a row
- * range. A run:
+ * One code path: every mode is a run over the rows of a prompt in the request's sequence, each row LOADED,
+ * COMPUTED or CANDIDATE. The prefix rows are the store's context, shared by reference (no source, nothing
+ * to load). A run:
  *   1. active set A = rows not LOADED (ascending positions); x[A] = embeddings;
  *   2. per layer l: wait until the loader has placed layer l's cached K/V (LOADED rows at every layer,
  *      CANDIDATE rows at layers > check_layer) in the engine's cache rows; QKV of A (ubatches), deviation
  *      of the candidates on measuring layers (fresh pre-RoPE K or V vs the cached ones), RoPE, K/V of A
- *      into the cache rows; on measuring layers narrow A (and x, q) to the forced rows + the most deviating
+ *      into the sequence; on measuring layers narrow A (and x, q) to the forced rows + the most deviating
  *      candidates; attention (key limit pos + 1) + MLP for A; at the last layer only the last row (its
  *      residual feeds the logits; the K/V of every active row are already in the cache);
  *   3. logits of the last row.
- * The loader (a thread, or inline with no_overlap) runs ahead of the compute layer by layer: it converts
- * the cached K/V of a layer straight from the source (an f32 entry, or the KV file's mapping, f16/bf16
- * converted with F16C where available) into the engine's cache rows and rotates K there, one pass, no
- * staging copy; the compute of layer l waits only for the loader's layer l. Deviation rows of streamed
- * files are converted on demand from the mapping (pointers published by the loader with the layer).
+ * The loader (a thread, or inline with no_overlap) runs ahead of the compute layer by layer: it hands the
+ * cached K/V of a layer straight from the source (an f32 entry, or the KV file's mapping in its dtype) to
+ * the backend's layer load (cb_engine_kv_load: converted into the sequence's pool rows, K rotated there,
+ * one pass, no staging copy); the compute of layer l waits only for the loader's layer l. Deviation rows of
+ * streamed files are read from the mapping in their dtype (pointers published by the loader with the
+ * layer). Every step goes through the engine's primitives, which go through the backend table.
  *
- * Owns: every buffer below, the cached prefix KV, the loader thread of a run. Borrows: engine, memory tier.
+ * Owns: every buffer below, the loader thread of a run. Borrows: the store (and its engine), the sequence
+ * of a call.
  */
 #include "blend/blend.h"
 
@@ -32,13 +34,9 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "cpu/cpu_ops.h"
+#include "base/clock.h"
+#include "base/err.h"
 #include "base/log.h"
-#include "format/quant.h"
-
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 /* ---------------------------------------------------------------- types */
 
@@ -47,7 +45,7 @@ enum { SRC_ENTRY = 0, SRC_FILE = 1 };
 typedef struct {
     int kind;                  /* SRC_ENTRY: decoded f32; SRC_FILE: streamed from a KV file */
     int row0, n;               /* fused rows [row0, row0 + n) */
-    int chunk;                 /* chunk index, -1 for the prefix */
+    int chunk;                 /* chunk index */
     cb_kvmem_entry_t *entry;   /* SRC_ENTRY: our reference */
     cb_kvfile_t *file;         /* SRC_FILE: open handle (owned) */
     cb_kvmem_entry_t *fill;    /* SRC_FILE with a memory tier: entry decoded layer by layer (owned ref) */
@@ -67,8 +65,6 @@ typedef struct {
     char metric;
     bool overlap;
     int n_cand_total;
-    cb_kvmem_entry_t *capture; /* capture pre-RoPE K/V of rows [cap_row0, cap_row0 + tokens) (or NULL) */
-    int cap_row0;
     float *logits;             /* NULL: skip the LM head (and the last layer's attention/MLP) */
     cb_blend_attn_hook_t hook;
     void *hook_ud;
@@ -84,41 +80,28 @@ typedef struct {
 } run_t;
 
 struct cb_blend {
-    cb_engine_t *e;
-    const cb_model_t *model;
+    cb_kvstore_t *store;       /* borrowed */
+    cb_engine_t *e;            /* the store's */
+    cb_seq_t *seq;             /* the sequence of the current call (borrowed) */
     const cb_hparams_t *hp;
-    cb_kvmem_t *mem;           /* borrowed, may be NULL */
-    char *kv_dir;              /* owned copy, may be NULL */
-    cb_kv_dtype_t dtype;
-    uint8_t model_fp[32];
     int L, E, QD, KVD, HD, max_ctx, max_rows;
 
-    float *rope_cs;            /* [max_ctx][HD] RoPE (cos, sin) pairs of every position */
-    float *cs_rows;            /* [max_rows][HD] coefficients of one ubatch's rows */
     float *x;                  /* [max_ctx][E] residual stream of the active rows (compact, ascending) */
     float *q;                  /* [max_ctx][QD] post-RoPE queries of the active rows */
     float *kb, *vb;            /* [max_rows][KVD] one ubatch's fresh K (pre-RoPE, then rotated) and V */
-    float *dev_row;            /* [KVD] one cached row converted to f32 (compute thread) */
     int32_t *tok;              /* [max_ctx] prompt tokens */
     uint8_t *cls;              /* [max_ctx] CB_ROW_* */
     int32_t *src_of;           /* [max_ctx] source index or -1 */
     int32_t *act;              /* [max_ctx] active rows (positions), ascending */
     double *dev;               /* [max_ctx] deviation of active index i (candidates) */
     int32_t *order;            /* [max_ctx] scratch for selection */
+    int32_t *cand;             /* [max_ctx] scratch for selection */
     uint8_t *keep;             /* [max_ctx] */
-    int32_t *ub_pos, *ub_lim, *ub_tok; /* [max_rows] */
-    cb_attn_geom_t geom;
+    int32_t *ub_lim, *ub_tok;  /* [max_rows] */
     float *mass;               /* [max_ctx] attention mass each row receives in a probe pass (metric 'a') */
-    float *mass_scratch;       /* [cb_cpu_attn_mass_scratch(geom, max_ctx)] */
 
     src_t *srcs;               /* [cap_srcs] */
     int n_srcs, cap_srcs;
-
-    /* cached prefix (precompute context) KV */
-    int32_t *p_tokens;         /* [p_n] */
-    int p_n;
-    cb_kvmem_entry_t *p_entry;
-    uint8_t p_ctx_fp[32];
 
     /* loader synchronisation of a run */
     pthread_mutex_t mu;
@@ -126,21 +109,6 @@ struct cb_blend {
     int ld_ready;              /* layers the loader has finished */
     int ld_stop, ld_failed;
 };
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
-}
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || !errlen) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 /* ---------------------------------------------------------------- options */
 
@@ -174,47 +142,47 @@ char cb_blend_metric_parse(const char *s) {
 
 static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, size_t errlen) {
     if ((int)o->mode < 0 || o->mode >= CB_BLEND_MODE_COUNT_) {
-        set_err(err, errlen, "blend: unknown mode %d", (int)o->mode);
+        cb_set_err(err, errlen, "blend: unknown mode %d", (int)o->mode);
         return -1;
     }
     if (!(o->ratio >= 0.0f && o->ratio <= 1.0f)) {
-        set_err(err, errlen, "blend: ratio %g outside [0, 1]", (double)o->ratio);
+        cb_set_err(err, errlen, "blend: ratio %g outside [0, 1]", (double)o->ratio);
         return -1;
     }
     if (o->check_layer < 0 || o->check_layer >= b->L) {
-        set_err(err, errlen, "blend: check layer %d outside [0, %d]", o->check_layer, b->L - 1);
+        cb_set_err(err, errlen, "blend: check layer %d outside [0, %d]", o->check_layer, b->L - 1);
         return -1;
     }
     if (!cb_blend_metric_parse((const char[]){o->metric, 0})) {
-        set_err(err, errlen, "blend: metric must be 'k', 'v' or 'a'");
+        cb_set_err(err, errlen, "blend: metric must be 'k', 'v' or 'a'");
         return -1;
     }
     if (o->metric == 'a' && o->gradual_ratio != 0.0f) {
-        set_err(err, errlen, "blend: gradual filtering needs a deviation metric ('k' or 'v')");
+        cb_set_err(err, errlen, "blend: gradual filtering needs a deviation metric ('k' or 'v')");
         return -1;
     }
     if (o->gradual_ratio != 0.0f) {
         if (!(o->gradual_ratio > o->ratio && o->gradual_ratio <= 1.0f)) {
-            set_err(err, errlen, "blend: gradual start ratio %g must be in (ratio %g, 1]", (double)o->gradual_ratio,
+            cb_set_err(err, errlen, "blend: gradual start ratio %g must be in (ratio %g, 1]", (double)o->gradual_ratio,
                     (double)o->ratio);
             return -1;
         }
         if (o->gradual_end_layer <= o->check_layer || o->gradual_end_layer >= b->L) {
-            set_err(err, errlen, "blend: gradual end layer %d must be in (check layer %d, %d]", o->gradual_end_layer,
+            cb_set_err(err, errlen, "blend: gradual end layer %d must be in (check layer %d, %d]", o->gradual_end_layer,
                     o->check_layer, b->L - 1);
             return -1;
         }
     }
     if (o->lead_tokens < 0) {
-        set_err(err, errlen, "blend: lead tokens %d < 0", o->lead_tokens);
+        cb_set_err(err, errlen, "blend: lead tokens %d < 0", o->lead_tokens);
         return -1;
     }
     if (o->probe_layers < 0 || o->probe_layers > b->L) {
-        set_err(err, errlen, "blend: probe layers %d outside [0, %d] (0 = all)", o->probe_layers, b->L);
+        cb_set_err(err, errlen, "blend: probe layers %d outside [0, %d] (0 = all)", o->probe_layers, b->L);
         return -1;
     }
     if (o->probe_suffix < 0) {
-        set_err(err, errlen, "blend: probe suffix rows %d < 0 (0 = all)", o->probe_suffix);
+        cb_set_err(err, errlen, "blend: probe suffix rows %d < 0 (0 = all)", o->probe_suffix);
         return -1;
     }
     return 0;
@@ -222,82 +190,54 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
 
 /* ---------------------------------------------------------------- lifetime */
 
-cb_blend_t *cb_blend_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t *mem, cb_kv_dtype_t dtype, char *err,
-                         size_t errlen) {
-    if (!engine) {
-        set_err(err, errlen, "blend: no engine");
+cb_blend_t *cb_blend_new(cb_kvstore_t *store, char *err, size_t errlen) {
+    if (!store) {
+        cb_set_err(err, errlen, "blend: no store");
         return NULL;
-    }
-    if (dtype != CB_KV_F32 && dtype != CB_KV_F16 && dtype != CB_KV_BF16) {
-        set_err(err, errlen, "blend: unknown KV dtype %d", (int)dtype);
-        return NULL;
-    }
-    if (kv_dir) {
-        struct stat st;
-        if (stat(kv_dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-            set_err(err, errlen, "blend: kv dir %s: not a directory", kv_dir);
-            return NULL;
-        }
     }
     cb_blend_t *b = calloc(1, sizeof *b);
     if (!b) {
-        set_err(err, errlen, "blend: out of memory");
+        cb_set_err(err, errlen, "blend: out of memory");
         return NULL;
     }
-    b->e = engine;
-    b->model = cb_engine_model(engine);
-    b->hp = cb_model_hparams(b->model);
-    b->mem = mem;
-    b->dtype = dtype;
-    cb_model_fingerprint(b->model, b->model_fp);
+    b->store = store;
+    b->e = cb_kvstore_engine(store);
+    b->hp = cb_model_hparams(cb_engine_model(b->e));
     b->L = b->hp->n_layer;
     b->E = b->hp->n_embd;
     b->HD = b->hp->head_dim;
     b->QD = b->hp->n_head * b->HD;
     b->KVD = b->hp->n_head_kv * b->HD;
-    b->max_ctx = cb_engine_max_ctx(engine);
-    b->max_rows = cb_engine_max_rows(engine);
+    b->max_ctx = cb_engine_max_ctx(b->e);
+    b->max_rows = cb_engine_max_rows(b->e);
     pthread_mutex_init(&b->mu, NULL);
     pthread_cond_init(&b->cv, NULL);
-    if (b->L > CB_KV_MAX_LAYERS || b->hp->n_head_kv > CB_KV_MAX_HEADS_KV || b->HD > CB_KV_MAX_HEAD_DIM ||
-        b->KVD > CB_KV_MAX_KV_DIM || (b->HD & 1)) {
-        set_err(err, errlen, "blend: model geometry outside the KV file limits");
-        goto fail;
-    }
     const size_t C = (size_t)b->max_ctx, R = (size_t)b->max_rows;
-    if (kv_dir && !(b->kv_dir = strdup(kv_dir))) goto oom;
-    b->rope_cs = cb_cpu_alloc_huge(sizeof(float) * C * b->HD, false);
-    b->cs_rows = malloc(sizeof(float) * R * b->HD);
-    b->x = cb_cpu_alloc_huge(sizeof(float) * C * b->E, false);
-    b->q = cb_cpu_alloc_huge(sizeof(float) * C * b->QD, false);
-    b->kb = malloc(sizeof(float) * R * b->KVD);
-    b->vb = malloc(sizeof(float) * R * b->KVD);
-    b->dev_row = malloc(sizeof(float) * (size_t)b->KVD);
+    b->x = cb_engine_alloc(b->e, sizeof(float) * C * b->E);
+    b->q = cb_engine_alloc(b->e, sizeof(float) * C * b->QD);
+    b->kb = cb_engine_alloc(b->e, sizeof(float) * R * b->KVD);
+    b->vb = cb_engine_alloc(b->e, sizeof(float) * R * b->KVD);
     b->tok = malloc(sizeof(int32_t) * C);
     b->cls = malloc(C);
     b->src_of = malloc(sizeof(int32_t) * C);
     b->act = malloc(sizeof(int32_t) * C);
     b->dev = malloc(sizeof(double) * C);
     b->order = malloc(sizeof(int32_t) * C);
+    b->cand = malloc(sizeof(int32_t) * C);
     b->keep = malloc(C);
-    b->ub_pos = malloc(sizeof(int32_t) * R);
     b->ub_lim = malloc(sizeof(int32_t) * R);
     b->ub_tok = malloc(sizeof(int32_t) * R);
-    b->geom = (cb_attn_geom_t){b->hp->n_head, b->hp->n_head_kv, b->HD, 1.0f / sqrtf((float)b->HD)};
     b->mass = malloc(sizeof(float) * C);
-    b->mass_scratch = malloc(sizeof(float) * cb_cpu_attn_mass_scratch(&b->geom, b->max_ctx));
-    if (!b->mass || !b->mass_scratch) goto oom;
-    if (!b->rope_cs || !b->cs_rows || !b->x || !b->q || !b->kb || !b->vb || !b->dev_row || !b->tok || !b->cls || !b->src_of || !b->act || !b->dev || !b->order ||
-        !b->keep || !b->ub_pos || !b->ub_lim || !b->ub_tok)
-        goto oom;
-    for (int p = 0; p < b->max_ctx; p++) cb_cpu_rope_coeffs(p, b->HD, b->hp->rope_base, b->rope_cs + (size_t)p * b->HD);
+    if (!b->x || !b->q || !b->kb || !b->vb || !b->tok || !b->cls || !b->src_of || !b->act || !b->dev || !b->order ||
+        !b->cand || !b->keep || !b->ub_lim || !b->ub_tok || !b->mass) {
+        cb_set_err(err, errlen, "blend: out of memory (%d positions)", b->max_ctx);
+        cb_blend_destroy(&b);
+        return NULL;
+    }
     return b;
-oom:
-    set_err(err, errlen, "blend: out of memory (%d positions)", b->max_ctx);
-fail:
-    cb_blend_destroy(&b);
-    return NULL;
 }
+
+cb_kvstore_t *cb_blend_store(const cb_blend_t *self) { return self->store; }
 
 static void release_srcs(cb_blend_t *b) {
     for (int i = 0; i < b->n_srcs; i++) {
@@ -317,28 +257,21 @@ void cb_blend_destroy(cb_blend_t **self_p) {
     cb_blend_t *b = *self_p;
     release_srcs(b);
     free(b->srcs);
-    cb_kvmem_entry_release(&b->p_entry);
-    free(b->p_tokens);
-    free(b->kv_dir);
-    free(b->rope_cs);
-    free(b->cs_rows);
-    free(b->x);
-    free(b->q);
-    free(b->kb);
-    free(b->vb);
-    free(b->dev_row);
+    cb_engine_free(b->e, b->x);
+    cb_engine_free(b->e, b->q);
+    cb_engine_free(b->e, b->kb);
+    cb_engine_free(b->e, b->vb);
     free(b->tok);
     free(b->cls);
     free(b->src_of);
     free(b->act);
     free(b->dev);
     free(b->order);
+    free(b->cand);
     free(b->keep);
-    free(b->ub_pos);
     free(b->ub_lim);
     free(b->ub_tok);
     free(b->mass);
-    free(b->mass_scratch);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
     free(b);
@@ -347,35 +280,14 @@ void cb_blend_destroy(cb_blend_t **self_p) {
 
 /* ---------------------------------------------------------------- small helpers */
 
-void cb_blend_rotate_k(cb_blend_t *self, float *k, int n, const int32_t *pos) {
-    for (int i = 0; i < n; i++) {
-        float *row = k + (size_t)i * self->KVD;
-        if (pos[i] >= 0 && pos[i] < self->max_ctx)
-            cb_cpu_rope_apply(row, 1, self->hp->n_head_kv, self->HD, self->rope_cs + (size_t)pos[i] * self->HD);
-        else
-            cb_cpu_rope(row, 1, self->hp->n_head_kv, self->HD, &pos[i], self->hp->rope_base);
-    }
-}
-
-static void ctx_fp_of(const cb_blend_t *b, const int32_t *ctx, int n_ctx, uint8_t fp[32]) {
-    cb_kvfile_ctx_fp(b->model_fp, ctx, n_ctx, fp);
-}
-
-void cb_blend_chunk_key(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
-                        uint8_t key[32]) {
-    uint8_t fp[32];
-    ctx_fp_of(self, ctx, n_ctx, fp);
-    cb_kvfile_key(self->model_fp, fp, tokens, n, key);
-}
-
 static int check_tokens(const cb_blend_t *b, const int32_t *t, int n, const char *what, char *err, size_t errlen) {
     if (!t || n < 1) {
-        set_err(err, errlen, "blend: %s is empty", what);
+        cb_set_err(err, errlen, "blend: %s is empty", what);
         return -1;
     }
     for (int i = 0; i < n; i++)
         if (t[i] < 0 || t[i] >= b->hp->n_vocab) {
-            set_err(err, errlen, "blend: %s token %d = %d outside the vocabulary (%d)", what, i, (int)t[i],
+            cb_set_err(err, errlen, "blend: %s token %d = %d outside the vocabulary (%d)", what, i, (int)t[i],
                     b->hp->n_vocab);
             return -1;
         }
@@ -404,46 +316,27 @@ static bool row_needs_cache(const run_t *R, int c, int l) {
     return c == CB_ROW_LOADED || (c == CB_ROW_CANDIDATE && l > R->check_layer);
 }
 
-/* n values of a KV payload (dtype) as f32; bit-identical to kvfile's conversion. */
-static void kv_to_f32(cb_kv_dtype_t dt, const void *src, float *dst, size_t n) {
-    if (dt == CB_KV_F32) {
-        memcpy(dst, src, n * sizeof(float));
-        return;
-    }
-    const uint16_t *h = src;
-    size_t i = 0;
-    if (dt == CB_KV_F16) {
-#if defined(__AVX512F__)
-        for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(h + i))));
-#elif defined(__F16C__) && defined(__AVX__)
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(h + i))));
-#endif
-        for (; i < n; i++) dst[i] = cb_f16_to_f32(h[i]);
-    } else {
-        for (; i < n; i++) dst[i] = cb_bf16_to_f32(h[i]);
-    }
-}
-
 static size_t dtype_bytes(cb_kv_dtype_t dt) { return dt == CB_KV_F32 ? 4 : 2; }
 
 /* Pre-RoPE cached K or V row (which: 0 = K, 1 = V) of fused row r at layer l (valid once the loader has
- * done layer l); streamed rows are converted into b->dev_row. */
-static const float *cached_row(const cb_blend_t *b, int r, int l, int which) {
+ * done layer l), in host memory of dtype *dt. */
+static const void *cached_row(const cb_blend_t *b, int r, int l, int which, cb_kv_dtype_t *dt) {
     const src_t *s = &b->srcs[b->src_of[r]];
     size_t off = (size_t)(r - s->row0) * b->KVD;
     const cb_kvmem_entry_t *e = s->kind == SRC_ENTRY ? s->entry : s->fill;
-    if (e) return (which ? cb_kvmem_entry_v(e, l) : cb_kvmem_entry_k(e, l)) + off;
+    if (e) {
+        *dt = CB_KV_F32;
+        return (which ? cb_kvmem_entry_v(e, l) : cb_kvmem_entry_k(e, l)) + off;
+    }
     const uint8_t *raw = which ? s->raw_v[l] : s->raw_k[l];
-    kv_to_f32(s->dtype, raw + off * dtype_bytes(s->dtype), b->dev_row, (size_t)b->KVD);
-    return b->dev_row;
+    *dt = s->dtype;
+    return raw + off * dtype_bytes(s->dtype);
 }
 
-/* Places layer l's cached K/V of every row that needs them into the engine's cache rows (K rotated to the
- * row's position). Streams file layers (checksum verified) first. 0, or -1 with R->fail_src/why set. */
+/* Places layer l's cached K/V of every row that needs them into the sequence (the backend's layer load: K
+ * rotated to the row's position). Streams file layers (checksum verified) first. 0; 1 with R->fail_src/why
+ * set when a file layer failed; -1 when the backend failed. */
 static int load_layer(cb_blend_t *b, run_t *R, int l) {
-    float *kc = cb_engine_kcache(b->e, l), *vc = cb_engine_vcache(b->e, l);
     const int KVD = b->KVD;
     for (int si = 0; si < b->n_srcs; si++) {
         src_t *s = &b->srcs[si];
@@ -462,7 +355,7 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
             if (w != CB_KV_OK) {
                 R->fail_src = si;
                 R->fail_why = w;
-                return -1;
+                return 1;
             }
             if (!need_rows) continue;
             kp = dk;
@@ -473,7 +366,7 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
             if (w != CB_KV_OK) {
                 R->fail_src = si;
                 R->fail_why = w;
-                return -1;
+                return 1;
             }
             s->raw_k[l] = kp;
             s->raw_v[l] = vp;
@@ -481,7 +374,7 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
             if (!need_rows) continue;
         }
         const size_t esz = dtype_bytes(dt);
-        /* contiguous runs of rows that need the cache: convert into the cache rows, rotate K there */
+        /* contiguous runs of rows that need the cache: one layer load each */
         int i = 0;
         while (i < s->n) {
             if (!row_needs_cache(R, b->cls[s->row0 + i], l)) {
@@ -490,10 +383,9 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
             }
             int j = i + 1;
             while (j < s->n && row_needs_cache(R, b->cls[s->row0 + j], l)) j++;
-            int a = s->row0 + i, cnt = j - i;
-            kv_to_f32(dt, (const uint8_t *)kp + (size_t)i * KVD * esz, kc + (size_t)a * KVD, (size_t)cnt * KVD);
-            kv_to_f32(dt, (const uint8_t *)vp + (size_t)i * KVD * esz, vc + (size_t)a * KVD, (size_t)cnt * KVD);
-            cb_cpu_rope_apply(kc + (size_t)a * KVD, cnt, b->hp->n_head_kv, b->HD, b->rope_cs + (size_t)a * b->HD);
+            if (cb_engine_kv_load(b->e, b->seq, l, s->row0 + i, j - i, (const uint8_t *)kp + (size_t)i * KVD * esz,
+                                  (const uint8_t *)vp + (size_t)i * KVD * esz, dt) != CB_ENGINE_OK)
+                return -1;
             i = j;
         }
     }
@@ -514,12 +406,12 @@ static void *loader_main(void *arg) {
         int stop = b->ld_stop;
         pthread_mutex_unlock(&b->mu);
         if (stop) break;
-        double t0 = now_ms();
+        double t0 = cb_now_ms();
         int rc = load_layer(b, R, l);
-        R->t_load += now_ms() - t0;
+        R->t_load += cb_now_ms() - t0;
         pthread_mutex_lock(&b->mu);
         if (rc) {
-            b->ld_failed = 1;
+            b->ld_failed = rc;
         } else {
             b->ld_ready = l + 1;
         }
@@ -532,68 +424,39 @@ static void *loader_main(void *arg) {
 
 /* ---------------------------------------------------------------- the layer loop */
 
-typedef struct {
-    const double *dev;
-    const int32_t *act;
-} sort_ctx_t;
-
-/* Descending deviation (NaN first: recompute what cannot be measured), then ascending position. */
-static int cmp_dev(const void *pa, const void *pb, void *ctx) {
-    const sort_ctx_t *c = ctx;
-    int ia = *(const int32_t *)pa, ib = *(const int32_t *)pb;
-    double da = c->dev[ia], db = c->dev[ib];
-    bool na = isnan(da), nb = isnan(db);
-    if (na != nb) return na ? -1 : 1;
-    if (!na && da != db) return da > db ? -1 : 1;
-    return c->act[ia] < c->act[ib] ? -1 : c->act[ia] > c->act[ib];
-}
-
-/* Keeps the forced rows and the `target` most deviating candidates among the active rows; compacts act,
- * x and q. Returns the new active count. */
+/* Keeps the forced rows and the `target` most deviating candidates among the active rows (the backend's
+ * top-k: NaN first, ties to the lower position); compacts act, x and q (the backend's row compaction).
+ * Returns the new active count, or -1 when the backend failed. */
 static int select_rows(cb_blend_t *b, int n_act, int target) {
     int m = 0;
     for (int i = 0; i < n_act; i++)
-        if (b->cls[b->act[i]] == CB_ROW_CANDIDATE) b->order[m++] = i;
+        if (b->cls[b->act[i]] == CB_ROW_CANDIDATE) b->cand[m++] = i;
     if (target >= m) return n_act;
     if (target < 0) target = 0;
-    sort_ctx_t c = {b->dev, b->act};
-    qsort_r(b->order, (size_t)m, sizeof(int32_t), cmp_dev, &c);
+    for (int k = 0; k < m; k++) b->dev[k] = b->dev[b->cand[k]]; /* candidates' deviations, ascending rows */
+    if (cb_engine_topk(b->e, m, b->dev, target, b->order) != CB_ENGINE_OK) return -1;
     for (int i = 0; i < n_act; i++) b->keep[i] = b->cls[b->act[i]] != CB_ROW_CANDIDATE;
-    for (int j = 0; j < target; j++) b->keep[b->order[j]] = 1;
+    for (int j = 0; j < target; j++) b->keep[b->cand[b->order[j]]] = 1;
     int k = 0;
-    for (int i = 0; i < n_act; i++) {
-        if (!b->keep[i]) continue;
-        if (k != i) {
-            b->act[k] = b->act[i];
-            memcpy(b->x + (size_t)k * b->E, b->x + (size_t)i * b->E, sizeof(float) * (size_t)b->E);
-            memcpy(b->q + (size_t)k * b->QD, b->q + (size_t)i * b->QD, sizeof(float) * (size_t)b->QD);
-        }
-        k++;
-    }
+    for (int i = 0; i < n_act; i++)
+        if (b->keep[i]) b->cand[k++] = i; /* the kept active indices, ascending */
+    for (int j = 0; j < k; j++) b->act[j] = b->act[b->cand[j]];
+    cb_engine_compact_rows(b->e, b->x, (size_t)b->E, b->cand, k);
+    cb_engine_compact_rows(b->e, b->q, (size_t)b->QD, b->cand, k);
     return k;
 }
 
-static double sqdiff(const float *a, const float *c, int n) {
-    double s = 0.0;
-    for (int i = 0; i < n; i++) {
-        double d = (double)a[i] - (double)c[i];
-        s += d * d;
-    }
-    return s;
-}
-
 /* Metric 'a': b->order [m] holds the candidate rows (ascending), b->dev [m] their attention mass. Makes
- * the `target` most attended (ties: lower position first) COMPUTED; the others stay LOADED. */
-static void select_by_mass(cb_blend_t *b, int m, int target) {
-    for (int i = 0; i < m; i++) b->act[i] = b->order[i];
-    for (int i = 0; i < m; i++) b->order[i] = i;
-    sort_ctx_t c = {b->dev, b->act};
-    qsort_r(b->order, (size_t)m, sizeof(int32_t), cmp_dev, &c);
-    for (int j = 0; j < target && j < m; j++) {
-        int r = b->act[b->order[j]];
+ * the `target` most attended (ties: lower position first) COMPUTED; the others stay LOADED. 0 or -1. */
+static int select_by_mass(cb_blend_t *b, int m, int target) {
+    if (target > m) target = m;
+    if (cb_engine_topk(b->e, m, b->dev, target, b->cand) != CB_ENGINE_OK) return -1;
+    for (int j = 0; j < target; j++) {
+        int r = b->order[b->cand[j]];
         b->cls[r] = CB_ROW_COMPUTED;
         b->srcs[b->src_of[r]].n_loaded--;
     }
+    return 0;
 }
 
 /* Target count of candidates kept at measuring layer l. */
@@ -606,31 +469,90 @@ static int target_at(const run_t *R, int l) {
     return (int)floor(r * (double)R->n_cand_total + 1e-6);
 }
 
-/* Runs the rows b->tok/cls/src_of [R->n] (sources in b->srcs). Returns 0, 1 when a streamed layer failed
- * its checksum (R->fail_src), or -1 on an internal error (err). On return *n_act_out = active rows at the
- * last layer (b->act). */
+/* Waits for (threaded) or does (serial) the loader's layer l. 0, 1 (a file layer failed), -1 (backend). */
+static int await_layer(cb_blend_t *b, run_t *R, int l, bool threaded) {
+    double tw = cb_now_ms();
+    if (threaded) {
+        pthread_mutex_lock(&b->mu);
+        while (b->ld_ready < l + 1 && !b->ld_failed) pthread_cond_wait(&b->cv, &b->mu);
+        int failed = b->ld_ready < l + 1 ? b->ld_failed : 0;
+        pthread_mutex_unlock(&b->mu);
+        R->t_wait += cb_now_ms() - tw;
+        return failed;
+    }
+    int rc = load_layer(b, R, l);
+    double dt = cb_now_ms() - tw;
+    R->t_load += dt;
+    R->t_wait += dt;
+    return rc;
+}
+
+/* QKV of every active row of layer l, the candidates' deviation on a measuring layer (into b->dev), RoPE,
+ * and the rows' K/V into the sequence before any attention of the layer. t_sel gets the deviation time.
+ * 0, or -1 (backend / pool). */
+static int layer_qkv_rows(cb_blend_t *b, const run_t *R, int l, int n_act, bool meas, double *t_sel) {
+    const int E = b->E, QD = b->QD, MR = b->max_rows, KVD = b->KVD;
+    for (int i0 = 0; i0 < n_act; i0 += MR) {
+        int n = n_act - i0 < MR ? n_act - i0 : MR;
+        const int32_t *rows = b->act + i0; /* = their positions */
+        float *q = b->q + (size_t)i0 * QD;
+        cb_engine_layer_qkv(b->e, l, b->x + (size_t)i0 * E, n, q, b->kb, b->vb);
+        if (meas) {
+            double ts = cb_now_ms();
+            const int which = R->metric == 'k' ? 0 : 1;
+            const float *fresh = which ? b->vb : b->kb;
+            for (int j = 0; j < n; j++) {
+                int r = rows[j];
+                if (b->cls[r] != CB_ROW_CANDIDATE) continue;
+                cb_kv_dtype_t dt;
+                const void *cached = cached_row(b, r, l, which, &dt);
+                if (cb_engine_kv_deviation(b->e, 1, fresh + (size_t)j * KVD, &cached, dt, &b->dev[i0 + j]))
+                    return -1;
+            }
+            *t_sel += cb_now_ms() - ts;
+        }
+        cb_engine_rope(b->e, q, n, b->hp->n_head, rows);
+        cb_engine_rope(b->e, b->kb, n, b->hp->n_head_kv, rows);
+        if (cb_engine_kv_write(b->e, b->seq, l, rows, n, b->kb, b->vb) != CB_ENGINE_OK) return -1;
+    }
+    return 0;
+}
+
+/* Attention (exact causal limits) + MLP of active rows [a0, n_act) of layer l. */
+static void layer_attn_rows(cb_blend_t *b, const run_t *R, int l, int a0, int n_act) {
+    const int MR = b->max_rows;
+    for (int i0 = a0; i0 < n_act; i0 += MR) {
+        int n = n_act - i0 < MR ? n_act - i0 : MR;
+        const int32_t *pos = b->act + i0;
+        for (int j = 0; j < n; j++) b->ub_lim[j] = pos[j] + 1;
+        if (R->hook) R->hook(R->hook_ud, l, n, pos, b->ub_lim);
+        cb_engine_layer_attn_mlp(b->e, b->seq, l, b->x + (size_t)i0 * b->E, b->q + (size_t)i0 * b->QD, n, b->ub_lim);
+    }
+}
+
+/* Runs the rows b->tok/cls/src_of [R->n] (sources in b->srcs) in b->seq (reserved for [0, R->n)). Returns
+ * 0, 1 when a streamed layer failed its checksum (R->fail_src), or -1 on an error (err). On return
+ * *n_act_out = active rows at the last layer (b->act). */
 static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t errlen) {
-    cb_engine_t *e = b->e;
-    const int L = b->L, E = b->E, QD = b->QD, KVD = b->KVD, HD = b->HD, MR = b->max_rows;
-    const int nh = b->hp->n_head, nkv = b->hp->n_head_kv;
+    const int L = b->L, E = b->E, QD = b->QD, MR = b->max_rows;
     const int CL = R->compute_layers > 0 ? R->compute_layers : L; /* layers that compute */
     assert(CL <= L && (CL == L || !R->logits));
     int n_act = 0;
     for (int r = 0; r < R->n; r++)
         if (b->cls[r] != CB_ROW_LOADED) b->act[n_act++] = r;
     if (n_act == 0 || b->act[n_act - 1] != R->n - 1) {
-        set_err(err, errlen, "blend: the last row must be computed");
+        cb_set_err(err, errlen, "blend: the last row must be computed");
         return -1;
     }
     R->fail_src = -1;
     R->t_load = R->t_wait = R->t_compute = R->t_select = 0.0;
-    double t0 = now_ms();
+    double t0 = cb_now_ms();
     for (int i0 = 0; i0 < n_act; i0 += MR) {
         int n = n_act - i0 < MR ? n_act - i0 : MR;
         for (int j = 0; j < n; j++) b->ub_tok[j] = b->tok[b->act[i0 + j]];
-        cb_engine_embed(e, b->ub_tok, n, b->x + (size_t)i0 * E);
+        cb_engine_embed(b->e, b->ub_tok, n, b->x + (size_t)i0 * E);
     }
-    R->t_compute += now_ms() - t0;
+    R->t_compute += cb_now_ms() - t0;
 
     bool any_src = b->n_srcs > 0 && !R->preloaded;
     bool threaded = R->overlap && any_src;
@@ -644,96 +566,40 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
     int rc = 0;
     for (int l = 0; l < L; l++) {
         /* 1. cached K/V of layer l in place */
-        if (any_src) {
-            double tw = now_ms();
-            if (threaded) {
-                pthread_mutex_lock(&b->mu);
-                while (b->ld_ready < l + 1 && !b->ld_failed) pthread_cond_wait(&b->cv, &b->mu);
-                int failed = b->ld_failed && b->ld_ready < l + 1;
-                pthread_mutex_unlock(&b->mu);
-                R->t_wait += now_ms() - tw;
-                if (failed) {
-                    rc = 1;
-                    break;
-                }
-            } else {
-                int lr = load_layer(b, R, l);
-                double dt = now_ms() - tw;
-                R->t_load += dt;
-                R->t_wait += dt;
-                if (lr) {
-                    rc = 1;
-                    break;
-                }
-            }
-        }
+        if (any_src && (rc = await_layer(b, R, l, threaded)) != 0) break;
         if (l >= CL) continue;
-        double tc = now_ms();
-        float *kc = cb_engine_kcache(e, l), *vc = cb_engine_vcache(e, l);
+        double tc = cb_now_ms(), t_sel = 0.0;
         const bool meas = measuring(R, l);
-        double t_sel = 0.0;
-        /* 2. QKV of every active row; K/V into the cache before any attention of the layer */
-        for (int i0 = 0; i0 < n_act; i0 += MR) {
-            int n = n_act - i0 < MR ? n_act - i0 : MR;
-            const int32_t *rows = b->act + i0;
-            float *q = b->q + (size_t)i0 * QD;
-            cb_engine_layer_qkv(e, l, b->x + (size_t)i0 * E, n, q, b->kb, b->vb);
-            if (R->capture) {
-                int cn = cb_kvmem_entry_n_tokens(R->capture);
-                float *ck = cb_kvmem_entry_k_mut(R->capture, l), *cv = cb_kvmem_entry_v_mut(R->capture, l);
-                for (int j = 0; j < n; j++) {
-                    int cr = rows[j] - R->cap_row0;
-                    if (cr < 0 || cr >= cn) continue;
-                    memcpy(ck + (size_t)cr * KVD, b->kb + (size_t)j * KVD, sizeof(float) * KVD);
-                    memcpy(cv + (size_t)cr * KVD, b->vb + (size_t)j * KVD, sizeof(float) * KVD);
-                }
-            }
-            if (meas) {
-                double ts = now_ms();
-                for (int j = 0; j < n; j++) {
-                    int r = rows[j];
-                    if (b->cls[r] != CB_ROW_CANDIDATE) continue;
-                    const int which = R->metric == 'k' ? 0 : 1;
-                    const float *cached = cached_row(b, r, l, which);
-                    b->dev[i0 + j] = sqdiff((which ? b->vb : b->kb) + (size_t)j * KVD, cached, KVD);
-                }
-                t_sel += now_ms() - ts;
-            }
-            for (int j = 0; j < n; j++)
-                memcpy(b->cs_rows + (size_t)j * HD, b->rope_cs + (size_t)rows[j] * HD, sizeof(float) * HD);
-            cb_cpu_rope_apply(q, n, nh, HD, b->cs_rows);
-            cb_cpu_rope_apply(b->kb, n, nkv, HD, b->cs_rows);
-            for (int j = 0; j < n; j++) {
-                memcpy(kc + (size_t)rows[j] * KVD, b->kb + (size_t)j * KVD, sizeof(float) * KVD);
-                memcpy(vc + (size_t)rows[j] * KVD, b->vb + (size_t)j * KVD, sizeof(float) * KVD);
-            }
+        /* 2. QKV of every active row; K/V into the sequence before any attention of the layer */
+        if (layer_qkv_rows(b, R, l, n_act, meas, &t_sel)) {
+            rc = -1;
+            break;
         }
         /* 3. selection */
         if (meas) {
-            double ts = now_ms();
+            double ts = cb_now_ms();
             n_act = select_rows(b, n_act, target_at(R, l));
-            t_sel += now_ms() - ts;
+            t_sel += cb_now_ms() - ts;
+            if (n_act < 0) {
+                rc = -1;
+                break;
+            }
         }
-        /* 4. attention (exact causal limits) + MLP of the active rows; at the last layer only the last row
-         * matters (its residual feeds the logits) */
+        /* 4. the probe's attention mass; attention + MLP of the active rows; at the last layer only the last
+         * row matters (its residual feeds the logits) */
         if (R->probe_rows > 0) {
             int np = R->probe_rows < n_act ? R->probe_rows : n_act;
             for (int j = 0; j < np; j++) b->ub_lim[j] = b->act[n_act - np + j] + 1;
-            cb_cpu_attn_mass(&b->geom, b->q + (size_t)(n_act - np) * QD, np, kc, b->ub_lim, b->mass, b->mass_scratch);
+            if (cb_engine_attn_mass(b->e, b->seq, l, b->q + (size_t)(n_act - np) * QD, np, b->ub_lim, b->mass)) {
+                rc = -1;
+                break;
+            }
         }
         int a0 = 0;
         if (l == CL - 1) a0 = R->logits ? n_act - 1 : n_act;
-        for (int i0 = a0; i0 < n_act; i0 += MR) {
-            int n = n_act - i0 < MR ? n_act - i0 : MR;
-            for (int j = 0; j < n; j++) {
-                b->ub_pos[j] = b->act[i0 + j];
-                b->ub_lim[j] = b->act[i0 + j] + 1;
-            }
-            if (R->hook) R->hook(R->hook_ud, l, n, b->ub_pos, b->ub_lim);
-            cb_engine_layer_attn_mlp(e, l, b->x + (size_t)i0 * E, b->q + (size_t)i0 * QD, n, b->ub_lim);
-        }
+        layer_attn_rows(b, R, l, a0, n_act);
         R->t_select += t_sel;
-        R->t_compute += now_ms() - tc - t_sel;
+        R->t_compute += cb_now_ms() - tc - t_sel;
     }
     if (threaded) {
         pthread_mutex_lock(&b->mu);
@@ -742,11 +608,12 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
         pthread_mutex_unlock(&b->mu);
         pthread_join(th, NULL);
     }
+    if (rc < 0) cb_set_err(err, errlen, "blend: the backend failed");
     if (rc) return rc;
     if (R->logits) {
-        double tl = now_ms();
-        cb_engine_logits(e, b->x + (size_t)(n_act - 1) * E, R->logits);
-        R->t_compute += now_ms() - tl;
+        double tl = cb_now_ms();
+        cb_engine_logits(b->e, b->x + (size_t)(n_act - 1) * E, R->logits);
+        R->t_compute += cb_now_ms() - tl;
     }
     *n_act_out = n_act;
     return 0;
@@ -792,10 +659,10 @@ static int choose_by_attention(cb_blend_t *b, run_t *R, int N, const int32_t *su
     if (opts->probe_layers > 0) P.compute_layers = opts->probe_layers;
     if (moved) memmove(b->tok + s0, b->tok + N - n_probe, sizeof(int32_t) * (size_t)n_probe);
     memset(b->mass, 0, sizeof(float) * (size_t)N);
-    double tp = now_ms();
+    double tp = cb_now_ms();
     int n_act = 0, rc = run_layers(b, &P, &n_act, err, errlen);
     if (moved) memcpy(b->tok + s0, suffix, sizeof(int32_t) * (size_t)n_probe); /* the rows the move overwrote */
-    st->t_probe_ms += now_ms() - tp;
+    st->t_probe_ms += cb_now_ms() - tp;
     st->t_load_ms += P.t_load;
     st->t_load_wait_ms += P.t_wait;
     st->t_compute_ms += P.t_compute;
@@ -810,14 +677,15 @@ static int choose_by_attention(cb_blend_t *b, run_t *R, int N, const int32_t *su
         if (b->keep[i] == 2) b->cls[i] = CB_ROW_COMPUTED, b->srcs[b->src_of[i]].n_loaded--;
     }
     for (int i = 0; i < m; i++) b->dev[i] = b->mass[b->order[i]];
-    select_by_mass(b, m, target);
+    if (select_by_mass(b, m, target)) {
+        cb_set_err(err, errlen, "blend: the backend failed (top-k)");
+        return -1;
+    }
     /* the probe placed every cached row of every layer in the cache and verified the files: the main
      * pass only overwrites its computed rows */
     R->preloaded = true;
     return 0;
 }
-
-/* ---------------------------------------------------------------- prefix KV and chunk precompute */
 
 static void run_init(run_t *R, int n) {
     memset(R, 0, sizeof *R);
@@ -829,359 +697,15 @@ static void run_init(run_t *R, int n) {
     R->fail_src = -1;
 }
 
-/* Computes tokens [n] at positions 0.. with everything COMPUTED, capturing all rows. */
-static cb_kvmem_entry_t *compute_exact(cb_blend_t *b, const int32_t *tokens, int n, char *err, size_t errlen) {
-    cb_kvmem_entry_t *ent = cb_kvmem_entry_new(b->L, b->hp->n_head_kv, b->HD, n);
-    if (!ent) {
-        set_err(err, errlen, "blend: out of memory (prefix KV of %d tokens)", n);
-        return NULL;
-    }
-    memcpy(cb_kvmem_entry_tokens_mut(ent), tokens, sizeof(int32_t) * (size_t)n);
-    release_srcs(b);
-    for (int r = 0; r < n; r++) {
-        b->tok[r] = tokens[r];
-        b->cls[r] = CB_ROW_COMPUTED;
-        b->src_of[r] = -1;
-    }
-    run_t R;
-    run_init(&R, n);
-    R.capture = ent;
-    R.cap_row0 = 0;
-    int n_act;
-    if (run_layers(b, &R, &n_act, err, errlen) != 0) {
-        cb_kvmem_entry_release(&ent);
-        return NULL;
-    }
-    return ent;
-}
-
-/* Makes b->p_entry the exact KV of ctx [n_ctx] (computed unless it is the cached one). */
-static int ensure_prefix(cb_blend_t *b, const int32_t *ctx, int n_ctx, char *err, size_t errlen) {
-    if (b->p_entry && b->p_n == n_ctx && !memcmp(b->p_tokens, ctx, sizeof(int32_t) * (size_t)n_ctx)) return 0;
-    cb_kvmem_entry_release(&b->p_entry);
-    free(b->p_tokens);
-    b->p_tokens = NULL;
-    b->p_n = 0;
-    int32_t *copy = malloc(sizeof(int32_t) * (size_t)n_ctx);
-    if (!copy) {
-        set_err(err, errlen, "blend: out of memory");
-        return -1;
-    }
-    memcpy(copy, ctx, sizeof(int32_t) * (size_t)n_ctx);
-    cb_kvmem_entry_t *ent = compute_exact(b, copy, n_ctx, err, errlen);
-    if (!ent) {
-        free(copy);
-        return -1;
-    }
-    b->p_entry = ent;
-    b->p_tokens = copy;
-    b->p_n = n_ctx;
-    ctx_fp_of(b, copy, n_ctx, b->p_ctx_fp);
-    return 0;
-}
-
-/* Stores an entry as a KV file (if kv_dir) and in the memory tier (if mem). 0, or -1 when the file write
- * failed (err). */
-static int store_entry(cb_blend_t *b, const uint8_t key[32], const uint8_t ctx_fp[32], cb_kvmem_entry_t *ent,
-                       char *err, size_t errlen) {
-    int rc = 0;
-    if (b->kv_dir) {
-        char path[4096];
-        if (cb_kvfile_path(b->kv_dir, key, path, sizeof path) != 0) {
-            set_err(err, errlen, "blend: kv dir path too long");
-            rc = -1;
-        } else {
-            cb_kv_meta_t meta;
-            memset(&meta, 0, sizeof meta);
-            memcpy(meta.model_fp, b->model_fp, 32);
-            memcpy(meta.ctx_fp, ctx_fp, 32);
-            meta.n_layer = b->L;
-            meta.n_head_kv = b->hp->n_head_kv;
-            meta.head_dim = b->HD;
-            meta.dtype = b->dtype;
-            const float **kp = malloc(sizeof(float *) * (size_t)b->L), **vp = malloc(sizeof(float *) * (size_t)b->L);
-            if (!kp || !vp) {
-                set_err(err, errlen, "blend: out of memory");
-                rc = -1;
-            } else {
-                for (int l = 0; l < b->L; l++) {
-                    kp[l] = cb_kvmem_entry_k(ent, l);
-                    vp[l] = cb_kvmem_entry_v(ent, l);
-                }
-                char werr[256] = "";
-                int w = cb_kvfile_write_layers(path, &meta, cb_kvmem_entry_tokens(ent), cb_kvmem_entry_n_tokens(ent),
-                                               kp, vp, werr, sizeof werr);
-                if (w != 0) {
-                    set_err(err, errlen, "blend: writing %s: %s", path, werr);
-                    rc = -1;
-                }
-            }
-            free(kp);
-            free(vp);
-        }
-    }
-    if (b->mem) cb_kvmem_put(b->mem, key, ent);
-    return rc;
-}
-
-/* Rounds an entry's K/V through the storage dtype, so that a chunk computed now gives exactly what the same
- * chunk read back from its file gives. */
-static void round_to_dtype(const cb_blend_t *b, cb_kvmem_entry_t *ent) {
-    if (b->dtype == CB_KV_F32) return;
-    size_t cnt = (size_t)cb_kvmem_entry_n_tokens(ent) * b->KVD;
-    for (int l = 0; l < b->L; l++) {
-        float *p[2] = {cb_kvmem_entry_k_mut(ent, l), cb_kvmem_entry_v_mut(ent, l)};
-        for (int t = 0; t < 2; t++)
-            for (size_t i = 0; i < cnt; i++)
-                p[t][i] = b->dtype == CB_KV_F16 ? cb_f16_to_f32(cb_f32_to_f16(p[t][i]))
-                                                : cb_bf16_to_f32(cb_f32_to_bf16(p[t][i]));
-    }
-}
-
-/* Computes chunk tokens [n] after the cached prefix (b->p_entry, rows 0..p_n-1), rounded to the dtype. */
-static cb_kvmem_entry_t *compute_chunk(cb_blend_t *b, const int32_t *tokens, int n, char *err, size_t errlen) {
-    const int np = b->p_n, N = np + n;
-    cb_kvmem_entry_t *ent = cb_kvmem_entry_new(b->L, b->hp->n_head_kv, b->HD, n);
-    if (!ent) {
-        set_err(err, errlen, "blend: out of memory (chunk KV of %d tokens)", n);
-        return NULL;
-    }
-    memcpy(cb_kvmem_entry_tokens_mut(ent), tokens, sizeof(int32_t) * (size_t)n);
-    release_srcs(b);
-    src_t *s;
-    if (add_src(b, &s) != 0) {
-        cb_kvmem_entry_release(&ent);
-        set_err(err, errlen, "blend: out of memory");
-        return NULL;
-    }
-    s->kind = SRC_ENTRY;
-    s->row0 = 0;
-    s->n = np;
-    s->chunk = -1;
-    s->entry = cb_kvmem_entry_ref(b->p_entry);
-    s->n_loaded = np;
-    for (int r = 0; r < N; r++) {
-        b->tok[r] = r < np ? b->p_tokens[r] : tokens[r - np];
-        b->cls[r] = r < np ? CB_ROW_LOADED : CB_ROW_COMPUTED;
-        b->src_of[r] = r < np ? 0 : -1;
-    }
-    run_t R;
-    run_init(&R, N);
-    R.capture = ent;
-    R.cap_row0 = np;
-    int n_act;
-    int rc = run_layers(b, &R, &n_act, err, errlen);
-    release_srcs(b);
-    if (rc != 0) {
-        if (rc > 0) set_err(err, errlen, "blend: internal error (prefix source failed)");
-        cb_kvmem_entry_release(&ent);
-        return NULL;
-    }
-    round_to_dtype(b, ent);
-    return ent;
-}
-
-static int check_ctx_chunk(cb_blend_t *b, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n, char *err,
-                           size_t errlen) {
-    if (check_tokens(b, ctx, n_ctx, "context", err, errlen) || check_tokens(b, tokens, n, "chunk", err, errlen))
-        return -1;
-    if (n_ctx > b->max_ctx || n > b->max_ctx - n_ctx) {
-        set_err(err, errlen, "blend: context %d + chunk %d tokens exceed max_ctx %d", n_ctx, n, b->max_ctx);
-        return -1;
-    }
-    if (n > CB_KV_MAX_TOKENS) {
-        set_err(err, errlen, "blend: chunk of %d tokens exceeds the KV file limit", n);
-        return -1;
-    }
-    return 0;
-}
-
-cb_kvmem_entry_t *cb_blend_precompute_chunk(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens,
-                                            int n, bool store, char *err, size_t errlen) {
-    if (!self) return NULL;
-    if (check_ctx_chunk(self, ctx, n_ctx, tokens, n, err, errlen)) return NULL;
-    if (ensure_prefix(self, ctx, n_ctx, err, errlen)) return NULL;
-    cb_kvmem_entry_t *ent = compute_chunk(self, tokens, n, err, errlen);
-    if (!ent) return NULL;
-    if (store) {
-        uint8_t key[32];
-        cb_kvfile_key(self->model_fp, self->p_ctx_fp, tokens, n, key);
-        if (store_entry(self, key, self->p_ctx_fp, ent, err, errlen) != 0) {
-            cb_kvmem_entry_release(&ent);
-            return NULL;
-        }
-    }
-    return ent;
-}
-
-/* Opens key's file against this model, context and tokens. NULL = miss (*why). */
-static cb_kvfile_t *open_chunk_file(cb_blend_t *b, const uint8_t key[32], const int32_t *tokens, int n,
-                                    cb_kv_miss_t *why) {
-    char path[4096];
-    if (!b->kv_dir || cb_kvfile_path(b->kv_dir, key, path, sizeof path) != 0) {
-        *why = CB_KV_MISS_NOT_FOUND;
-        return NULL;
-    }
-    cb_kv_expect_t ex;
-    memset(&ex, 0, sizeof ex);
-    memcpy(ex.model_fp, b->model_fp, 32);
-    memcpy(ex.ctx_fp, b->p_ctx_fp, 32);
-    ex.n_layer = b->L;
-    ex.n_head_kv = b->hp->n_head_kv;
-    ex.head_dim = b->HD;
-    ex.tokens = tokens;
-    ex.n_tokens = n;
-    char err[256] = "";
-    cb_kvfile_t *f = cb_kvfile_open(path, &ex, why, err, sizeof err);
-    if (!f && *why != CB_KV_MISS_NOT_FOUND) CB_WARN("blend: chunk file miss (%s): %s", cb_kv_miss_str(*why), err);
-    return f;
-}
-
-/* Whether a memory-tier entry fits this model and these tokens (the key makes a mismatch unlikely; an entry
- * that does not fit is dropped and counts as a miss). */
-static bool entry_fits(const cb_blend_t *b, const cb_kvmem_entry_t *e, const int32_t *tokens, int n) {
-    return cb_kvmem_entry_n_layer(e) == b->L && cb_kvmem_entry_n_head_kv(e) == b->hp->n_head_kv &&
-           cb_kvmem_entry_head_dim(e) == b->HD && cb_kvmem_entry_n_tokens(e) == n &&
-           !memcmp(cb_kvmem_entry_tokens(e), tokens, sizeof(int32_t) * (size_t)n);
-}
-
-/* The memory tier's entry for key, validated (NULL: miss). */
-static cb_kvmem_entry_t *mem_get(cb_blend_t *b, const uint8_t key[32], const int32_t *tokens, int n) {
-    if (!b->mem) return NULL;
-    cb_kvmem_entry_t *e = cb_kvmem_get(b->mem, key);
-    if (e && !entry_fits(b, e, tokens, n)) {
-        CB_WARN("blend: memory-tier entry does not fit its key; dropped");
-        cb_kvmem_remove(b->mem, key);
-        cb_kvmem_entry_release(&e);
-    }
-    return e;
-}
-
-/* Shared by ensure/load: find (mem, file) or compute + store. With want_entry the decoded KV is returned. */
-static int find_chunk(cb_blend_t *b, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n, bool want_entry,
-                      cb_kvmem_entry_t **out, cb_blend_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
-    cb_kv_miss_t w = CB_KV_MISS_NOT_FOUND;
-    if (check_ctx_chunk(b, ctx, n_ctx, tokens, n, err, errlen)) return -1;
-    if (ensure_prefix(b, ctx, n_ctx, err, errlen)) return -1;
-    uint8_t key[32];
-    cb_kvfile_key(b->model_fp, b->p_ctx_fp, tokens, n, key);
-    {
-        cb_kvmem_entry_t *ent = mem_get(b, key, tokens, n);
-        if (ent) {
-            if (src) *src = CB_BLEND_SRC_MEM;
-            if (why) *why = CB_KV_OK;
-            if (want_entry) *out = ent;
-            else cb_kvmem_entry_release(&ent);
-            return 0;
-        }
-    }
-    cb_kvfile_t *f = open_chunk_file(b, key, tokens, n, &w);
-    if (f) {
-        if (want_entry || b->mem) {
-            cb_kvmem_entry_t *ent = cb_kvmem_entry_from_file(f, &w);
-            if (ent) {
-                if (b->mem) cb_kvmem_put(b->mem, key, ent);
-                cb_kvfile_destroy(&f);
-                if (src) *src = CB_BLEND_SRC_FILE;
-                if (why) *why = CB_KV_OK;
-                if (want_entry) *out = ent;
-                else cb_kvmem_entry_release(&ent);
-                return 0;
-            }
-        } else {
-            w = cb_kvfile_verify(f);
-            if (w == CB_KV_OK) {
-                cb_kvfile_destroy(&f);
-                if (src) *src = CB_BLEND_SRC_FILE;
-                if (why) *why = CB_KV_OK;
-                return 0;
-            }
-        }
-        CB_WARN("blend: chunk file miss (%s)", cb_kv_miss_str(w));
-        cb_kvfile_destroy(&f);
-    }
-    if (why) *why = w;
-    cb_kvmem_entry_t *ent = compute_chunk(b, tokens, n, err, errlen);
-    if (!ent) return -1;
-    if (store_entry(b, key, b->p_ctx_fp, ent, err, errlen) != 0) {
-        cb_kvmem_entry_release(&ent);
-        return -1;
-    }
-    if (src) *src = CB_BLEND_SRC_COMPUTED;
-    if (want_entry) *out = ent;
-    else cb_kvmem_entry_release(&ent);
-    return 0;
-}
-
-int cb_blend_ensure_chunk(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
-                          cb_blend_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
-    if (!self) return -1;
-    return find_chunk(self, ctx, n_ctx, tokens, n, false, NULL, src, why, err, errlen);
-}
-
-cb_kvmem_entry_t *cb_blend_load_chunk(cb_blend_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
-                                      cb_blend_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
-    cb_kvmem_entry_t *ent = NULL;
-    if (!self || find_chunk(self, ctx, n_ctx, tokens, n, true, &ent, src, why, err, errlen) != 0) return NULL;
-    return ent;
-}
-
 /* ---------------------------------------------------------------- the fused prefill */
 
-/* Resolves chunk c (tokens [n]) into a source (mem entry, streamed file, or computed now and stored).
- * force: skip the file (it failed mid-stream). Appends to b->srcs; *kind_out = CB_BLEND_SRC_*. */
-typedef struct {
-    int chunk;
-    int kind;                  /* CB_BLEND_SRC_* */
-    cb_kvmem_entry_t *entry;   /* mem or computed */
-    cb_kvfile_t *file;
-    uint8_t key[32];
-} resolved_t;
-
-static int resolve_chunk(cb_blend_t *b, const int32_t *tokens, int n, bool force, resolved_t *rs, char *err,
-                         size_t errlen) {
-    cb_kvfile_key(b->model_fp, b->p_ctx_fp, tokens, n, rs->key);
-    rs->entry = NULL;
-    rs->file = NULL;
-    if (!force) {
-        rs->entry = mem_get(b, rs->key, tokens, n);
-        if (rs->entry) {
-            rs->kind = CB_BLEND_SRC_MEM;
-            return 0;
-        }
-    }
-    if (!force) {
-        cb_kv_miss_t w;
-        rs->file = open_chunk_file(b, rs->key, tokens, n, &w);
-        if (rs->file) {
-            rs->kind = CB_BLEND_SRC_FILE;
-            return 0;
-        }
-    }
-    if (b->mem && force) cb_kvmem_remove(b->mem, rs->key);
-    rs->entry = compute_chunk(b, tokens, n, err, errlen);
-    if (!rs->entry) return -1;
-    char serr[256] = "";
-    if (store_entry(b, rs->key, b->p_ctx_fp, rs->entry, serr, sizeof serr) != 0)
-        CB_WARN("%s (the chunk is used from memory)", serr);
-    rs->kind = CB_BLEND_SRC_COMPUTED;
-    return 0;
-}
-
-int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, const cb_blend_chunk_t *chunks,
-                     int n_chunks, const int32_t *suffix, int n_suffix, const cb_blend_opts_t *opts, float *logits,
-                     cb_blend_stats_t *stats, char *err, size_t errlen) {
-    double t_start = now_ms();
-    cb_blend_t *b = self;
-    if (!b) return -1;
-    cb_blend_opts_t def;
-    if (!opts) {
-        cb_blend_opts_default(&def);
-        opts = &def;
-    }
+/* Validates a request; the prompt length N, or -1 with err (CB_ENGINE_EINVAL to the caller). */
+static long long check_request(const cb_blend_t *b, const int32_t *prefix, int n_prefix,
+                               const cb_blend_chunk_t *chunks, int n_chunks, const int32_t *suffix, int n_suffix,
+                               const cb_blend_opts_t *opts, char *err, size_t errlen) {
     if (check_opts(b, opts, err, errlen)) return -1;
     if (n_chunks < 0 || (n_chunks > 0 && !chunks)) {
-        set_err(err, errlen, "blend: bad chunk list");
+        cb_set_err(err, errlen, "blend: bad chunk list");
         return -1;
     }
     if (check_tokens(b, prefix, n_prefix, "prefix", err, errlen) ||
@@ -1193,120 +717,167 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
         snprintf(what, sizeof what, "chunk %d", c);
         if (check_tokens(b, chunks[c].tokens, chunks[c].n, what, err, errlen)) return -1;
         if (chunks[c].n > CB_KV_MAX_TOKENS) {
-            set_err(err, errlen, "blend: chunk %d of %d tokens exceeds the KV file limit", c, chunks[c].n);
+            cb_set_err(err, errlen, "blend: chunk %d of %d tokens exceeds the KV file limit", c, chunks[c].n);
             return -1;
         }
         N += chunks[c].n;
     }
     if (N > b->max_ctx) {
-        set_err(err, errlen, "blend: prompt of %lld tokens exceeds max_ctx %d", N, b->max_ctx);
+        cb_set_err(err, errlen, "blend: prompt of %lld tokens exceeds max_ctx %d", N, b->max_ctx);
         return -1;
     }
+    return N;
+}
+
+/* The chunk sources (b->srcs, taking over the resolved chunks' entries and files) and every row's token,
+ * class and source. The prefix rows are LOADED without a source in every mode but full: the sequence
+ * shares them. Returns the number of candidate rows, or -1 (out of memory). */
+static int build_rows(cb_blend_t *b, cb_blend_mode_t mode, const int32_t *prefix, int n_prefix,
+                      const cb_blend_chunk_t *chunks, int n_chunks, int n_need, cb_kvstore_chunk_t *rs,
+                      const int32_t *suffix, int n_suffix, int lead_tokens) {
+    release_srcs(b);
+    int r = 0, n_cand_total = 0;
+    for (int i = 0; i < n_prefix; i++, r++) {
+        b->tok[r] = prefix[i];
+        b->cls[r] = mode == CB_BLEND_FULL ? CB_ROW_COMPUTED : CB_ROW_LOADED;
+        b->src_of[r] = -1;
+    }
+    for (int c = 0; c < n_chunks; c++) {
+        int si = -1;
+        if (c < n_need) {
+            src_t *s;
+            if (add_src(b, &s)) return -1;
+            si = b->n_srcs - 1;
+            s->row0 = r;
+            s->n = chunks[c].n;
+            s->chunk = c;
+            memcpy(s->key, rs[c].key, 32);
+            if (rs[c].file) {
+                s->kind = SRC_FILE;
+                s->file = rs[c].file;
+                rs[c].file = NULL;
+                s->dtype = cb_kvfile_meta(s->file)->dtype;
+                s->raw_k = calloc((size_t)b->L, sizeof(void *));
+                s->raw_v = calloc((size_t)b->L, sizeof(void *));
+                if (!s->raw_k || !s->raw_v) return -1;
+                if (cb_kvstore_mem(b->store)) {
+                    s->fill = cb_kvmem_entry_new(b->L, b->hp->n_head_kv, b->HD, s->n);
+                    if (!s->fill) return -1;
+                    memcpy(cb_kvmem_entry_tokens_mut(s->fill), chunks[c].tokens, sizeof(int32_t) * (size_t)s->n);
+                }
+            } else {
+                s->kind = SRC_ENTRY;
+                s->entry = rs[c].entry;
+                rs[c].entry = NULL;
+            }
+        }
+        for (int i = 0; i < chunks[c].n; i++, r++) {
+            int cl = CB_ROW_COMPUTED;
+            if (si >= 0) {
+                if (mode == CB_BLEND_BLEND) cl = i < lead_tokens ? CB_ROW_COMPUTED : CB_ROW_CANDIDATE;
+                else cl = CB_ROW_LOADED;
+            }
+            b->tok[r] = chunks[c].tokens[i];
+            b->cls[r] = (uint8_t)cl;
+            b->src_of[r] = si; /* -1 when the chunk has no cached KV */
+            if (si >= 0) {
+                if (cl == CB_ROW_LOADED) b->srcs[si].n_loaded++;
+                if (cl == CB_ROW_CANDIDATE) b->srcs[si].n_cand++, n_cand_total++;
+            }
+        }
+    }
+    for (int i = 0; i < n_suffix; i++, r++) {
+        b->tok[r] = suffix[i];
+        b->cls[r] = CB_ROW_COMPUTED;
+        b->src_of[r] = -1;
+    }
+    return n_cand_total;
+}
+
+/* The request's sequence: the context's blocks shared (every mode but full), the rest of [0, N) owned. */
+static int prepare_seq(cb_blend_t *b, cb_seq_t *seq, cb_blend_mode_t mode, int n_prefix, int N, char *err,
+                       size_t errlen) {
+    cb_seq_clear(seq);
+    int rc = CB_ENGINE_OK, from = 0;
+    if (mode != CB_BLEND_FULL) {
+        rc = cb_seq_share(seq, cb_kvstore_context_seq(b->store), n_prefix);
+        from = n_prefix;
+    }
+    if (rc == CB_ENGINE_OK) rc = cb_seq_reserve(seq, from, N);
+    if (rc) {
+        cb_seq_clear(seq);
+        cb_set_err(err, errlen, "blend: %s for a prompt of %d tokens", cb_engine_status_str(rc), N);
+    }
+    return rc;
+}
+
+int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int n_prefix,
+                     const cb_blend_chunk_t *chunks, int n_chunks, const int32_t *suffix, int n_suffix,
+                     const cb_blend_opts_t *opts, float *logits, cb_blend_stats_t *stats, char *err, size_t errlen) {
+    double t_start = cb_now_ms();
+    cb_blend_t *b = self;
+    if (!b || !seq) return CB_ENGINE_EINVAL;
+    cb_blend_opts_t def;
+    if (!opts) {
+        cb_blend_opts_default(&def);
+        opts = &def;
+    }
+    const long long NN = check_request(b, prefix, n_prefix, chunks, n_chunks, suffix, n_suffix, opts, err, errlen);
+    if (NN < 0) return CB_ENGINE_EINVAL;
+    const int N = (int)NN;
     const cb_blend_mode_t mode = opts->mode;
     /* which chunks need their KV */
     int n_need = mode == CB_BLEND_FULL ? 0 : mode == CB_BLEND_PREFIX ? (n_chunks > 0 ? 1 : 0) : n_chunks;
-    resolved_t *rs = calloc((size_t)(n_chunks > 0 ? n_chunks : 1), sizeof *rs);
+    cb_kvstore_chunk_t *rs = calloc((size_t)(n_chunks > 0 ? n_chunks : 1), sizeof *rs);
     uint8_t *force = calloc((size_t)(n_chunks > 0 ? n_chunks : 1), 1);
     if (!rs || !force) {
         free(rs);
         free(force);
-        set_err(err, errlen, "blend: out of memory");
+        cb_set_err(err, errlen, "blend: out of memory");
         return -1;
     }
     cb_blend_stats_t st;
     memset(&st, 0, sizeof st);
-    st.n_tokens = (int)N;
+    st.n_tokens = N;
     int ret = -1, n_act = 0;
+    b->seq = seq;
     run_t R;
     for (int attempt = 0;; attempt++) {
-        double tr = now_ms();
-        /* 1. prefix KV (exact) and chunk sources */
-        if (mode != CB_BLEND_FULL && ensure_prefix(b, prefix, n_prefix, err, errlen)) goto out;
+        double tr = cb_now_ms();
+        /* 1. the context's KV (exact) and the chunk sources */
+        if (mode != CB_BLEND_FULL) {
+            int rc = cb_kvstore_set_context(b->store, prefix, n_prefix, err, errlen);
+            if (rc) {
+                ret = rc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
+                goto out;
+            }
+        }
         st.chunks_mem = st.chunks_file = 0;
         for (int c = 0; c < n_need; c++) {
-            if (resolve_chunk(b, chunks[c].tokens, chunks[c].n, force[c], &rs[c], err, errlen)) goto out;
-            rs[c].chunk = c;
-            if (rs[c].kind == CB_BLEND_SRC_MEM) st.chunks_mem++;
-            else if (rs[c].kind == CB_BLEND_SRC_FILE) st.chunks_file++;
+            cb_kvstore_chunk_release(&rs[c]);
+            if (cb_kvstore_resolve(b->store, chunks[c].tokens, chunks[c].n, force[c], &rs[c], err, errlen)) goto out;
+            if (rs[c].src == CB_KVSTORE_MEM) st.chunks_mem++;
+            else if (rs[c].src == CB_KVSTORE_FILE) st.chunks_file++;
             else st.chunks_computed++;
         }
-        st.t_resolve_ms += now_ms() - tr;
-        /* 2. rows, classes, sources */
-        release_srcs(b);
-        int r = 0;
-        src_t *s;
-        const int p_cls = mode == CB_BLEND_FULL ? CB_ROW_COMPUTED : CB_ROW_LOADED;
-        int p_src = -1;
-        if (mode != CB_BLEND_FULL) {
-            if (add_src(b, &s)) goto oom;
-            s->kind = SRC_ENTRY;
-            s->row0 = 0;
-            s->n = n_prefix;
-            s->chunk = -1;
-            s->entry = cb_kvmem_entry_ref(b->p_entry);
-            s->n_loaded = n_prefix;
-            p_src = 0;
+        st.t_resolve_ms += cb_now_ms() - tr;
+        /* 2. rows, classes, sources; the sequence's blocks */
+        int n_cand_total = build_rows(b, mode, prefix, n_prefix, chunks, n_chunks, n_need, rs, suffix, n_suffix,
+                                      opts->lead_tokens);
+        if (n_cand_total < 0) {
+            cb_set_err(err, errlen, "blend: out of memory");
+            goto out;
         }
-        for (int i = 0; i < n_prefix; i++, r++) {
-            b->tok[r] = prefix[i];
-            b->cls[r] = (uint8_t)p_cls;
-            b->src_of[r] = p_src;
+        int prc = prepare_seq(b, seq, mode, n_prefix, N, err, errlen);
+        if (prc) {
+            ret = prc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
+            goto out;
         }
-        int n_cand_total = 0;
-        for (int c = 0; c < n_chunks; c++) {
-            int si = -1;
-            if (c < n_need) {
-                if (add_src(b, &s)) goto oom;
-                si = b->n_srcs - 1;
-                s->row0 = r;
-                s->n = chunks[c].n;
-                s->chunk = c;
-                memcpy(s->key, rs[c].key, 32);
-                if (rs[c].file) {
-                    s->kind = SRC_FILE;
-                    s->file = rs[c].file;
-                    rs[c].file = NULL;
-                    s->dtype = cb_kvfile_meta(s->file)->dtype;
-                    s->raw_k = calloc((size_t)b->L, sizeof(void *));
-                    s->raw_v = calloc((size_t)b->L, sizeof(void *));
-                    if (!s->raw_k || !s->raw_v) goto oom;
-                    if (b->mem) {
-                        s->fill = cb_kvmem_entry_new(b->L, b->hp->n_head_kv, b->HD, s->n);
-                        if (!s->fill) goto oom;
-                        memcpy(cb_kvmem_entry_tokens_mut(s->fill), chunks[c].tokens, sizeof(int32_t) * (size_t)s->n);
-                    }
-                } else {
-                    s->kind = SRC_ENTRY;
-                    s->entry = rs[c].entry;
-                    rs[c].entry = NULL;
-                }
-            }
-            for (int i = 0; i < chunks[c].n; i++, r++) {
-                int cl = CB_ROW_COMPUTED;
-                if (si >= 0) {
-                    if (mode == CB_BLEND_BLEND) cl = i < opts->lead_tokens ? CB_ROW_COMPUTED : CB_ROW_CANDIDATE;
-                    else cl = CB_ROW_LOADED;
-                }
-                b->tok[r] = chunks[c].tokens[i];
-                b->cls[r] = (uint8_t)cl;
-                b->src_of[r] = si; /* -1 when the chunk has no cached KV */
-                if (si >= 0) {
-                    if (cl == CB_ROW_LOADED) b->srcs[si].n_loaded++;
-                    if (cl == CB_ROW_CANDIDATE) b->srcs[si].n_cand++, n_cand_total++;
-                }
-            }
-        }
-        for (int i = 0; i < n_suffix; i++, r++) {
-            b->tok[r] = suffix[i];
-            b->cls[r] = CB_ROW_COMPUTED;
-            b->src_of[r] = -1;
-        }
-        assert(r == N);
         st.n_candidates = n_cand_total;
         st.n_forced = 0;
-        for (int i = 0; i < (int)N; i++) st.n_forced += b->cls[i] == CB_ROW_COMPUTED;
+        for (int i = 0; i < N; i++) st.n_forced += b->cls[i] == CB_ROW_COMPUTED;
         /* 3. run */
-        run_init(&R, (int)N);
+        run_init(&R, N);
         R.blend = mode == CB_BLEND_BLEND && n_cand_total > 0;
         R.check_layer = opts->check_layer;
         R.ratio = opts->ratio;
@@ -1320,7 +891,7 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
         R.hook_ud = opts->attn_hook_ud;
         int rc = 0;
         if (R.blend && opts->metric == 'a')
-            rc = choose_by_attention(b, &R, (int)N, suffix, n_suffix, opts, &st, err, errlen);
+            rc = choose_by_attention(b, &R, N, suffix, n_suffix, opts, &st, err, errlen);
         if (rc == 0) rc = run_layers(b, &R, &n_act, err, errlen);
         st.t_load_ms += R.t_load;
         st.t_load_wait_ms += R.t_wait;
@@ -1332,8 +903,8 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
             const src_t *fs = &b->srcs[R.fail_src];
             CB_WARN("blend: chunk %d: KV file miss during the prefill (%s); recomputing", fs->chunk,
                     cb_kv_miss_str(R.fail_why));
-            if (fs->chunk < 0 || force[fs->chunk] || attempt > n_chunks) {
-                set_err(err, errlen, "blend: internal error (source %d failed twice)", R.fail_src);
+            if (force[fs->chunk] || attempt > n_chunks) {
+                cb_set_err(err, errlen, "blend: internal error (source %d failed twice)", R.fail_src);
                 goto out;
             }
             force[fs->chunk] = 1;
@@ -1342,26 +913,21 @@ int cb_blend_prefill(cb_blend_t *self, const int32_t *prefix, int n_prefix, cons
             continue;
         }
         /* chunks streamed from files join the memory tier */
-        if (b->mem)
-            for (int i = 0; i < b->n_srcs; i++)
-                if (b->srcs[i].fill) cb_kvmem_put(b->mem, b->srcs[i].key, b->srcs[i].fill);
-        ret = 0;
+        for (int i = 0; i < b->n_srcs; i++)
+            if (b->srcs[i].fill) cb_kvstore_remember(b->store, b->srcs[i].key, b->srcs[i].fill);
+        ret = CB_ENGINE_OK;
         break;
     }
     st.tokens_recomputed = n_act;
-    st.tokens_reused = (int)N - n_act;
+    st.tokens_reused = N - n_act;
     st.selected = b->act;
-    st.t_total_ms = now_ms() - t_start;
+    st.t_total_ms = cb_now_ms() - t_start;
     if (stats) *stats = st;
-    goto out;
-oom:
-    set_err(err, errlen, "blend: out of memory");
 out:
-    for (int c = 0; c < n_chunks; c++) {
-        cb_kvmem_entry_release(&rs[c].entry);
-        cb_kvfile_destroy(&rs[c].file);
-    }
+    if (ret != CB_ENGINE_OK) cb_seq_clear(seq);
+    for (int c = 0; c < n_chunks; c++) cb_kvstore_chunk_release(&rs[c]);
     release_srcs(b);
+    b->seq = NULL;
     free(rs);
     free(force);
     return ret;

@@ -123,6 +123,8 @@ typedef struct {
     void *ctx;
     int max_rows;           /* rows per call the scratch was sized for */
     int max_keys;           /* keys per attention row */
+    int kv_value_bytes;     /* bytes of one K or V value in the pool (4 = f32 on the CPU, 2 = bf16 on CUDA;
+                               0 is read as 4): what the engine's byte budget divides by */
 } cb_backend_t;
 
 /* Destroys a backend of any kind (ops->destroy), nulls *self_p; NULL-safe. (Constructors: cb_backend_select in

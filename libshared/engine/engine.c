@@ -1,5 +1,11 @@
-/* engine.c: run state, KV cache and the llama forward pass as a composition of layer-stage
- * primitives over a backend (see engine.h). Owns every buffer below; borrows the model.
+/* engine.c: run state, the KV pool's block accounting, sequences, and the llama forward pass as a
+ * composition of layer-stage primitives over a backend (see engine.h). Owns every buffer below and the
+ * backend (which owns the pool's memory); borrows the model.
+ *
+ * Block accounting: refs[b] counts the sequences whose table holds block b (0 = free). Free blocks sit on a
+ * stack; a sequence returns its blocks last-to-first, so the next sequence gets them back in ascending
+ * order, and a fresh pool hands out 0, 1, 2, ...: tables stay runs of consecutive blocks, which the
+ * kernels read as one strided range.
  */
 #include "engine/engine.h"
 
@@ -12,8 +18,13 @@
 
 #include "engine/backend.h"
 #include "engine/backend_select.h"
-#include "cpu/cpu_ops.h"
 #include "base/log.h"
+
+struct cb_seq {
+    cb_engine_t *e;
+    int32_t *blocks;         /* [max_blocks_per_seq] block table */
+    int n_blocks;            /* blocks in the table */
+};
 
 struct cb_engine {
     const cb_model_t *model;
@@ -23,8 +34,14 @@ struct cb_engine {
     int max_ctx, max_rows, nt, nt_max; /* threads in use; most the scratch allows */
     int E, QD, KVD, F;       /* n_embd, n_head*head_dim, n_head_kv*head_dim, n_ff */
 
-    float *kcache;           /* [n_layer][max_ctx][KVD] post-RoPE K */
-    float *vcache;           /* [n_layer][max_ctx][KVD] V */
+    /* the KV pool (memory in the backend) */
+    int bt;                  /* positions per block */
+    int n_blocks;            /* blocks in the pool */
+    int seq_max_blocks;      /* ceil(max_ctx / bt): a sequence's largest table */
+    size_t block_bytes;      /* K + V of every layer of one block */
+    int32_t *refs;           /* [n_blocks] sequences holding each block */
+    int32_t *free_stack;     /* [n_blocks] free block ids; top = free_stack[n_free - 1] */
+    int n_free, n_shared, n_seqs;
 
     /* prefill composition (cb_engine_prefill only) */
     float *x;                /* [max_rows][E] residual stream */
@@ -42,6 +59,16 @@ struct cb_engine {
     float *up;               /* [max_rows][F] */
 };
 
+const char *cb_engine_status_str(int status) {
+    switch (status) {
+    case CB_ENGINE_OK: return "ok";
+    case CB_ENGINE_EINVAL: return "bad argument";
+    case CB_ENGINE_EPOOL: return "KV pool exhausted";
+    case CB_ENGINE_EBACKEND: return "backend failure";
+    default: return "error";
+    }
+}
+
 static int env_threads(void) {
     const char *s = getenv("CB_THREADS");
     if (s && *s) {
@@ -53,14 +80,21 @@ static int env_threads(void) {
     return n < 1 ? 1 : n > 256 ? 256 : (int)n;
 }
 
-cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size_t errlen) {
+static void *buf(cb_engine_t *e, size_t bytes) { return e->be->ops->host_alloc(e->be->ctx, bytes); }
+
+cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t *o, char *err, size_t errlen) {
     char berr[128] = "";
-    if (!model) {
+    if (!model || !o) {
         snprintf(err, errlen, "engine: no model");
         return NULL;
     }
+    const int max_ctx = o->max_ctx, bt = o->block_tokens ? o->block_tokens : CB_ENGINE_BLOCK_TOKENS;
     if (max_ctx < 1 || max_ctx > (1 << 20)) {
         snprintf(err, errlen, "engine: max_ctx %d out of range 1..%d", max_ctx, 1 << 20);
+        return NULL;
+    }
+    if (bt < 1 || bt > 4096) {
+        snprintf(err, errlen, "engine: block_tokens %d out of range 1..4096", bt);
         return NULL;
     }
     cb_engine_t *e = calloc(1, sizeof *e);
@@ -86,49 +120,71 @@ cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size
         goto fail;
     }
     e->be->ops->set_threads(e->be->ctx, e->nt);
-    const size_t R = (size_t)e->max_rows, kv = (size_t)hp->n_layer * max_ctx * e->KVD;
-    e->kcache = cb_cpu_alloc_huge(sizeof(float) * kv, true);
-    e->vcache = cb_cpu_alloc_huge(sizeof(float) * kv, true);
-    e->x = cb_cpu_alloc_huge(sizeof(float) * R * e->E, true);
-    e->q = cb_cpu_alloc_huge(sizeof(float) * R * e->QD, true);
-    e->k = cb_cpu_alloc_huge(sizeof(float) * R * e->KVD, true);
-    e->v = cb_cpu_alloc_huge(sizeof(float) * R * e->KVD, true);
-    e->pos = calloc(R, sizeof(int32_t));
-    e->limit = calloc(R, sizeof(int32_t));
-    e->xb = cb_cpu_alloc_huge(sizeof(float) * R * e->E, true);
-    e->att = cb_cpu_alloc_huge(sizeof(float) * R * e->QD, true);
-    e->proj = cb_cpu_alloc_huge(sizeof(float) * R * e->E, true);
-    e->gate = cb_cpu_alloc_huge(sizeof(float) * R * e->F, true);
-    e->up = cb_cpu_alloc_huge(sizeof(float) * R * e->F, true);
-    if (!e->kcache || !e->vcache || !e->x || !e->q || !e->k || !e->v || !e->pos || !e->limit || !e->xb ||
-        !e->att || !e->proj || !e->gate || !e->up) {
-        snprintf(err, errlen, "engine: out of memory (KV cache %zu MB for %d positions)",
-                 2 * sizeof(float) * kv >> 20, max_ctx);
+    /* the pool: as many blocks as the budget holds (default: two sequences of max_ctx) */
+    e->bt = bt;
+    e->seq_max_blocks = (max_ctx + bt - 1) / bt;
+    const size_t vb = e->be->kv_value_bytes > 0 ? (size_t)e->be->kv_value_bytes : 4;
+    e->block_bytes = 2 * vb * (size_t)hp->n_layer * bt * e->KVD;
+    size_t nb = o->kv_pool_bytes ? o->kv_pool_bytes / e->block_bytes : 2 * (size_t)e->seq_max_blocks + 1;
+    if (nb < 1) {
+        snprintf(err, errlen, "engine: KV pool budget %zu bytes is below one block (%zu bytes)", o->kv_pool_bytes,
+                 e->block_bytes);
         goto fail;
     }
+    if (nb > (1u << 30)) nb = 1u << 30;
+    e->n_blocks = (int)nb;
+    if (e->be->ops->kv_pool_init(e->be->ctx, hp->n_layer, e->KVD, bt, e->n_blocks, berr, sizeof berr) != 0) {
+        snprintf(err, errlen, "engine: %s", berr);
+        goto fail;
+    }
+    e->refs = calloc((size_t)e->n_blocks, sizeof(int32_t));
+    e->free_stack = malloc(sizeof(int32_t) * (size_t)e->n_blocks);
+    if (!e->refs || !e->free_stack) goto oom;
+    for (int i = 0; i < e->n_blocks; i++) e->free_stack[i] = e->n_blocks - 1 - i; /* pops 0, 1, 2, ... */
+    e->n_free = e->n_blocks;
+    const size_t R = (size_t)e->max_rows;
+    e->x = buf(e, sizeof(float) * R * e->E);
+    e->q = buf(e, sizeof(float) * R * e->QD);
+    e->k = buf(e, sizeof(float) * R * e->KVD);
+    e->v = buf(e, sizeof(float) * R * e->KVD);
+    e->pos = calloc(R, sizeof(int32_t));
+    e->limit = calloc(R, sizeof(int32_t));
+    e->xb = buf(e, sizeof(float) * R * e->E);
+    e->att = buf(e, sizeof(float) * R * e->QD);
+    e->proj = buf(e, sizeof(float) * R * e->E);
+    e->gate = buf(e, sizeof(float) * R * e->F);
+    e->up = buf(e, sizeof(float) * R * e->F);
+    if (!e->x || !e->q || !e->k || !e->v || !e->pos || !e->limit || !e->xb || !e->att || !e->proj || !e->gate || !e->up)
+        goto oom;
     return e;
+oom:
+    snprintf(err, errlen, "engine: out of memory");
 fail:
     cb_engine_destroy(&e);
     return NULL;
 }
 
+cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size_t errlen) {
+    cb_engine_opts_t o = {max_ctx, 0, 0};
+    return cb_engine_new_opts(model, &o, err, errlen);
+}
+
 void cb_engine_destroy(cb_engine_t **self_p) {
     if (!self_p || !*self_p) return;
     cb_engine_t *e = *self_p;
+    if (e->n_seqs) CB_WARN("engine: destroyed with %d live sequences", e->n_seqs);
+    if (e->be) {
+        void (*hf)(void *, void *) = e->be->ops->host_free;
+        void *ctx = e->be->ctx;
+        float *bufs[] = {e->x, e->q, e->k, e->v, e->xb, e->att, e->proj, e->gate, e->up};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            if (bufs[i]) hf(ctx, bufs[i]);
+    }
     cb_backend_destroy(&e->be);
-    free(e->kcache);
-    free(e->vcache);
-    free(e->x);
-    free(e->q);
-    free(e->k);
-    free(e->v);
+    free(e->refs);
+    free(e->free_stack);
     free(e->pos);
     free(e->limit);
-    free(e->xb);
-    free(e->att);
-    free(e->proj);
-    free(e->gate);
-    free(e->up);
     free(e);
     *self_p = NULL;
 }
@@ -143,17 +199,138 @@ int cb_engine_threads(const cb_engine_t *self) { return self->nt; }
 int cb_engine_max_ctx(const cb_engine_t *self) { return self->max_ctx; }
 int cb_engine_max_rows(const cb_engine_t *self) { return self->max_rows; }
 const cb_model_t *cb_engine_model(const cb_engine_t *self) { return self->model; }
+const char *cb_engine_backend_name(const cb_engine_t *self) { return self->be->ops->name; }
 
-float *cb_engine_kcache(cb_engine_t *self, int layer) {
-    assert(layer >= 0 && layer < self->hp->n_layer);
-    return self->kcache + (size_t)layer * self->max_ctx * self->KVD;
+void cb_engine_pool_stats(const cb_engine_t *self, cb_engine_pool_stats_t *out) {
+    memset(out, 0, sizeof *out);
+    out->n_blocks = self->n_blocks;
+    out->blocks_free = self->n_free;
+    out->blocks_used = self->n_blocks - self->n_free;
+    out->blocks_shared = self->n_shared;
+    out->block_tokens = self->bt;
+    out->block_bytes = self->block_bytes;
+    out->n_seqs = self->n_seqs;
 }
-float *cb_engine_vcache(cb_engine_t *self, int layer) {
-    assert(layer >= 0 && layer < self->hp->n_layer);
-    return self->vcache + (size_t)layer * self->max_ctx * self->KVD;
+
+/* ---------------------------------------------------------------- blocks and sequences */
+
+static int32_t block_take(cb_engine_t *e) {
+    assert(e->n_free > 0);
+    int32_t b = e->free_stack[--e->n_free];
+    assert(e->refs[b] == 0);
+    e->refs[b] = 1;
+    return b;
+}
+
+static void block_ref(cb_engine_t *e, int32_t b) {
+    assert(e->refs[b] > 0);
+    if (++e->refs[b] == 2) e->n_shared++;
+}
+
+static void block_unref(cb_engine_t *e, int32_t b) {
+    assert(e->refs[b] > 0);
+    if (--e->refs[b] == 1) e->n_shared--;
+    if (e->refs[b] == 0) e->free_stack[e->n_free++] = b;
+}
+
+static cb_kv_table_t table_of(const cb_seq_t *s) {
+    return (cb_kv_table_t){s->blocks, s->n_blocks * s->e->bt};
+}
+
+cb_seq_t *cb_seq_new(cb_engine_t *engine) {
+    if (!engine) return NULL;
+    cb_seq_t *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->blocks = malloc(sizeof(int32_t) * (size_t)engine->seq_max_blocks);
+    if (!s->blocks) {
+        free(s);
+        return NULL;
+    }
+    s->e = engine;
+    engine->n_seqs++;
+    return s;
+}
+
+void cb_seq_truncate(cb_seq_t *self, int n_pos) {
+    if (!self) return;
+    int keep = n_pos <= 0 ? 0 : (n_pos + self->e->bt - 1) / self->e->bt;
+    while (self->n_blocks > keep) block_unref(self->e, self->blocks[--self->n_blocks]); /* last first */
+}
+
+void cb_seq_clear(cb_seq_t *self) { cb_seq_truncate(self, 0); }
+
+void cb_seq_destroy(cb_seq_t **self_p) {
+    if (!self_p || !*self_p) return;
+    cb_seq_t *s = *self_p;
+    cb_seq_clear(s);
+    s->e->n_seqs--;
+    free(s->blocks);
+    free(s);
+    *self_p = NULL;
+}
+
+int cb_seq_capacity(const cb_seq_t *self) { return self->n_blocks * self->e->bt; }
+int cb_seq_blocks(const cb_seq_t *self) { return self->n_blocks; }
+
+/* Blocks of positions [from, to) that another sequence also holds. */
+static int shared_in(const cb_seq_t *s, int from, int to) {
+    const int bt = s->e->bt;
+    int n = 0, b1 = (to + bt - 1) / bt;
+    for (int b = from / bt; b < b1 && b < s->n_blocks; b++) n += s->e->refs[s->blocks[b]] > 1;
+    return n;
+}
+
+int cb_seq_reserve(cb_seq_t *self, int from, int n_pos) {
+    if (!self || from < 0 || n_pos < 0 || n_pos > self->e->max_ctx) return CB_ENGINE_EINVAL;
+    cb_engine_t *e = self->e;
+    if (from >= n_pos) from = n_pos;
+    const int need = (n_pos + e->bt - 1) / e->bt, grow = need > self->n_blocks ? need - self->n_blocks : 0;
+    const int copies = shared_in(self, from, n_pos);
+    if (grow + copies > e->n_free) return CB_ENGINE_EPOOL;
+    /* copy on write: a shared block of [from, n_pos) becomes this sequence's own copy */
+    for (int b = from / e->bt; b < self->n_blocks && b * e->bt < n_pos; b++) {
+        int32_t old = self->blocks[b];
+        if (e->refs[old] < 2) continue;
+        int32_t nb = block_take(e);
+        if (e->be->ops->kv_copy_block(e->be->ctx, nb, old) != 0) {
+            block_unref(e, nb);
+            return CB_ENGINE_EBACKEND;
+        }
+        self->blocks[b] = nb;
+        block_unref(e, old);
+    }
+    while (self->n_blocks < need) self->blocks[self->n_blocks++] = block_take(e);
+    return CB_ENGINE_OK;
+}
+
+int cb_seq_share(cb_seq_t *dst, const cb_seq_t *src, int n_pos) {
+    if (!dst || !src || dst == src || dst->e != src->e || n_pos < 0 || n_pos > cb_seq_capacity(src))
+        return CB_ENGINE_EINVAL;
+    cb_engine_t *e = dst->e;
+    cb_seq_clear(dst);
+    const int full = n_pos / e->bt, part = n_pos % e->bt != 0;
+    if (part > e->n_free) return CB_ENGINE_EPOOL;
+    for (int b = 0; b < full; b++) {
+        block_ref(e, src->blocks[b]);
+        dst->blocks[dst->n_blocks++] = src->blocks[b];
+    }
+    if (part) {
+        int32_t nb = block_take(e);
+        dst->blocks[dst->n_blocks++] = nb;
+        if (e->be->ops->kv_copy_block(e->be->ctx, nb, src->blocks[full]) != 0) {
+            cb_seq_clear(dst);
+            return CB_ENGINE_EBACKEND;
+        }
+    }
+    return CB_ENGINE_OK;
 }
 
 /* ---------------------------------------------------------------- primitives */
+
+void *cb_engine_alloc(cb_engine_t *self, size_t bytes) { return buf(self, bytes); }
+void cb_engine_free(cb_engine_t *self, void *p) {
+    if (p) self->be->ops->host_free(self->be->ctx, p);
+}
 
 /* Several products of the same x: one backend call when it offers matmul_multi. */
 static void matmul_parts(cb_engine_t *e, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
@@ -180,16 +357,59 @@ void cb_engine_layer_qkv(cb_engine_t *self, int layer, const float *x, int n, fl
     matmul_parts(self, parts, 3, self->xb, n);
 }
 
-void cb_engine_layer_attn_mlp(cb_engine_t *self, int layer, float *x, const float *q, int n,
+void cb_engine_rope(cb_engine_t *self, float *x, int n, int n_heads, const int32_t *pos) {
+    self->be->ops->rope(self->be->ctx, x, n, n_heads, self->hp->head_dim, pos, self->hp->rope_base);
+}
+
+int cb_engine_kv_write(cb_engine_t *self, cb_seq_t *seq, int layer, const int32_t *pos, int n, const float *k,
+                       const float *v) {
+    if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer || n < 0) return CB_ENGINE_EINVAL;
+    int lo = self->max_ctx, hi = -1;
+    for (int i = 0; i < n; i++) {
+        if (pos[i] < 0 || pos[i] >= self->max_ctx) return CB_ENGINE_EINVAL;
+        lo = pos[i] < lo ? pos[i] : lo;
+        hi = pos[i] > hi ? pos[i] : hi;
+    }
+    if (n == 0) return CB_ENGINE_OK;
+    if (hi >= cb_seq_capacity(seq) || shared_in(seq, lo, hi + 1)) {
+        int rc = cb_seq_reserve(seq, lo, hi + 1);
+        if (rc) return rc;
+    }
+    cb_kv_table_t t = table_of(seq);
+    return self->be->ops->kv_write(self->be->ctx, layer, &t, pos, n, k, v) ? CB_ENGINE_EBACKEND : CB_ENGINE_OK;
+}
+
+int cb_engine_kv_load(cb_engine_t *self, cb_seq_t *seq, int layer, int pos0, int n, const void *k, const void *v,
+                      cb_kv_dtype_t dtype) {
+    if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer || n < 0 || pos0 < 0 ||
+        pos0 > cb_seq_capacity(seq) - n)
+        return CB_ENGINE_EINVAL; /* never allocates: the caller reserved the rows */
+    cb_kv_table_t t = table_of(seq);
+    return self->be->ops->kv_load(self->be->ctx, layer, &t, pos0, n, k, v, dtype, self->hp->rope_base)
+               ? CB_ENGINE_EBACKEND
+               : CB_ENGINE_OK;
+}
+
+int cb_engine_kv_read(cb_engine_t *self, const cb_seq_t *seq, int layer, int pos0, int n, float *k, float *v) {
+    if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer || n < 0 || pos0 < 0 ||
+        pos0 > cb_seq_capacity(seq) - n)
+        return CB_ENGINE_EINVAL;
+    cb_kv_table_t t = table_of(seq);
+    return self->be->ops->kv_read(self->be->ctx, layer, &t, pos0, n, k, v) ? CB_ENGINE_EBACKEND : CB_ENGINE_OK;
+}
+
+void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
                               const int32_t *key_limit) {
     assert(n >= 1 && n <= self->max_rows);
+    assert(seq && seq->e == self);
     const cb_backend_ops_t *ops = self->be->ops;
     void *ctx = self->be->ctx;
     const cb_layer_weights_t *L = cb_model_layer(self->model, layer);
     assert(L);
     const size_t nE = (size_t)n * self->E;
-    ops->attention(ctx, &self->geom, q, n, cb_engine_kcache(self, layer), cb_engine_vcache(self, layer), key_limit,
-                   self->att);
+    cb_kv_table_t t = table_of(seq);
+    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t.n_pos);
+    ops->attention(ctx, &self->geom, q, n, layer, &t, key_limit, self->att);
     ops->matmul(ctx, &L->wo, self->att, n, self->proj, self->E);
     ops->add(ctx, x, self->proj, nE);
     ops->rmsnorm(ctx, x, L->ffn_norm, n, self->E, self->hp->rms_eps, self->xb);
@@ -200,6 +420,28 @@ void cb_engine_layer_attn_mlp(cb_engine_t *self, int layer, float *x, const floa
     ops->add(ctx, x, self->proj, nE);
 }
 
+int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
+                        const int32_t *key_limit, float *mass) {
+    if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer) return CB_ENGINE_EINVAL;
+    cb_kv_table_t t = table_of(seq);
+    return self->be->ops->attn_mass(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, mass) ? CB_ENGINE_EBACKEND
+                                                                                                  : CB_ENGINE_OK;
+}
+
+int cb_engine_kv_deviation(cb_engine_t *self, int n, const float *fresh, const void *const *cached,
+                           cb_kv_dtype_t dtype, double *dev) {
+    return self->be->ops->kv_deviation(self->be->ctx, n, self->KVD, fresh, cached, dtype, dev) ? CB_ENGINE_EBACKEND
+                                                                                               : CB_ENGINE_OK;
+}
+
+int cb_engine_topk(cb_engine_t *self, int n, const double *score, int k, int32_t *out) {
+    return self->be->ops->topk(self->be->ctx, n, score, k, out) ? CB_ENGINE_EBACKEND : CB_ENGINE_OK;
+}
+
+void cb_engine_compact_rows(cb_engine_t *self, float *x, size_t row_len, const int32_t *keep, int n_keep) {
+    self->be->ops->compact_rows(self->be->ctx, x, row_len, keep, n_keep);
+}
+
 void cb_engine_logits(cb_engine_t *self, const float *x_row, float *logits) {
     const cb_backend_ops_t *ops = self->be->ops;
     ops->rmsnorm(self->be->ctx, x_row, cb_model_output_norm(self->model), 1, self->E, self->hp->rms_eps, self->xb);
@@ -207,16 +449,13 @@ void cb_engine_logits(cb_engine_t *self, const float *x_row, float *logits) {
     ops->matmul(self->be->ctx, w, self->xb, 1, logits, w->rows);
 }
 
-void cb_rope(float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base) {
-    cb_cpu_rope(x, n, n_heads, head_dim, pos, base);
-}
-
 /* ---------------------------------------------------------------- prefill / decode */
 
-/* One ubatch of n <= max_rows rows at positions pos0.. (validated by the caller). */
-static void forward_ubatch(cb_engine_t *e, const int32_t *tokens, int n, int pos0, float *logits) {
+/* One ubatch of n <= max_rows rows at positions pos0.. (validated, blocks reserved by the caller); capture:
+ * the rows' pre-RoPE K and V of each layer into cap_k[l], cap_v[l] + row0 (NULL: none). */
+static int forward_ubatch(cb_engine_t *e, cb_seq_t *s, const int32_t *tokens, int n, int pos0, float *const *cap_k,
+                          float *const *cap_v, int row0, float *logits) {
     const cb_hparams_t *hp = e->hp;
-    const cb_backend_ops_t *ops = e->be->ops;
     for (int i = 0; i < n; i++) {
         e->pos[i] = pos0 + i;
         e->limit[i] = pos0 + i + 1;
@@ -224,27 +463,42 @@ static void forward_ubatch(cb_engine_t *e, const int32_t *tokens, int n, int pos
     cb_engine_embed(e, tokens, n, e->x);
     for (int l = 0; l < hp->n_layer; l++) {
         cb_engine_layer_qkv(e, l, e->x, n, e->q, e->k, e->v);
-        ops->rope(e->be->ctx, e->q, n, hp->n_head, hp->head_dim, e->pos, hp->rope_base);
-        ops->rope(e->be->ctx, e->k, n, hp->n_head_kv, hp->head_dim, e->pos, hp->rope_base);
-        /* rows pos0..pos0+n-1 are contiguous in the cache */
-        memcpy(cb_engine_kcache(e, l) + (size_t)pos0 * e->KVD, e->k, sizeof(float) * (size_t)n * e->KVD);
-        memcpy(cb_engine_vcache(e, l) + (size_t)pos0 * e->KVD, e->v, sizeof(float) * (size_t)n * e->KVD);
-        cb_engine_layer_attn_mlp(e, l, e->x, e->q, n, e->limit);
+        if (cap_k) {
+            memcpy(cap_k[l] + (size_t)row0 * e->KVD, e->k, sizeof(float) * (size_t)n * e->KVD);
+            memcpy(cap_v[l] + (size_t)row0 * e->KVD, e->v, sizeof(float) * (size_t)n * e->KVD);
+        }
+        cb_engine_rope(e, e->q, n, hp->n_head, e->pos);
+        cb_engine_rope(e, e->k, n, hp->n_head_kv, e->pos);
+        int rc = cb_engine_kv_write(e, s, l, e->pos, n, e->k, e->v);
+        if (rc) return rc;
+        if (l == hp->n_layer - 1 && !logits) break; /* the last layer's output feeds only the logits */
+        cb_engine_layer_attn_mlp(e, s, l, e->x, e->q, n, e->limit);
     }
     if (logits) cb_engine_logits(e, e->x + (size_t)(n - 1) * e->E, logits);
+    return CB_ENGINE_OK;
 }
 
-int cb_engine_prefill(cb_engine_t *self, const int32_t *tokens, int n, int pos0, float *logits) {
-    if (!self || !tokens || n < 1 || pos0 < 0 || pos0 > self->max_ctx - n) return -1;
+int cb_engine_prefill_capture(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0,
+                              float *const *cap_k, float *const *cap_v, float *logits) {
+    if (!self || !seq || seq->e != self || !tokens || n < 1 || pos0 < 0 || pos0 > self->max_ctx - n ||
+        (!cap_k) != (!cap_v))
+        return CB_ENGINE_EINVAL;
     for (int i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= self->hp->n_vocab) return -1;
+        if (tokens[i] < 0 || tokens[i] >= self->hp->n_vocab) return CB_ENGINE_EINVAL;
+    int rc = cb_seq_reserve(seq, pos0, pos0 + n); /* every block first: EPOOL before any compute */
+    if (rc) return rc;
     for (int i = 0; i < n; i += self->max_rows) {
         int k = n - i < self->max_rows ? n - i : self->max_rows;
-        forward_ubatch(self, tokens + i, k, pos0 + i, i + k == n ? logits : NULL);
+        rc = forward_ubatch(self, seq, tokens + i, k, pos0 + i, cap_k, cap_v, i, i + k == n ? logits : NULL);
+        if (rc) return rc;
     }
-    return 0;
+    return CB_ENGINE_OK;
 }
 
-int cb_engine_decode(cb_engine_t *self, int32_t token, int pos, float *logits) {
-    return cb_engine_prefill(self, &token, 1, pos, logits);
+int cb_engine_prefill(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0, float *logits) {
+    return cb_engine_prefill_capture(self, seq, tokens, n, pos0, NULL, NULL, logits);
+}
+
+int cb_engine_decode(cb_engine_t *self, cb_seq_t *seq, int32_t token, int pos, float *logits) {
+    return cb_engine_prefill(self, seq, &token, 1, pos, logits);
 }

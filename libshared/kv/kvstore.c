@@ -1,0 +1,439 @@
+/* kvstore.c: chunk keys, the precompute context's KV, and the memory tier -> file -> compute -> store walk
+ * (see kvstore.h). Owns: the context's token copy and sequence, a work sequence for chunk computes, the
+ * kv_dir copy. Borrows: the engine, the memory tier.
+ */
+#include "kv/kvstore.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "base/err.h"
+#include "base/log.h"
+#include "format/quant.h"
+
+struct cb_kvstore {
+    cb_engine_t *e;
+    const cb_model_t *model;
+    const cb_hparams_t *hp;
+    cb_kvmem_t *mem;           /* borrowed, may be NULL */
+    char *kv_dir;              /* owned copy, may be NULL */
+    cb_kv_dtype_t dtype;
+    uint8_t model_fp[32];
+    int L, KVD, HD;
+
+    /* the precompute context */
+    cb_seq_t *ctx_seq;         /* its exact KV, positions [0, ctx_n) */
+    int32_t *ctx_tokens;       /* [ctx_n] */
+    int ctx_n;                 /* 0 = none yet */
+    uint8_t ctx_fp[32];
+
+    cb_seq_t *work;            /* chunk computes: shares the context's blocks, then the chunk */
+    float **cap_k, **cap_v;    /* [L] capture pointers of one compute */
+};
+
+const char *cb_kvstore_src_str(cb_kvstore_src_t s) {
+    return s == CB_KVSTORE_MEM ? "mem" : s == CB_KVSTORE_FILE ? "file" : s == CB_KVSTORE_COMPUTED ? "computed" : "?";
+}
+
+/* ---------------------------------------------------------------- lifetime */
+
+cb_kvstore_t *cb_kvstore_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t *mem, cb_kv_dtype_t dtype,
+                             char *err, size_t errlen) {
+    if (!engine) {
+        cb_set_err(err, errlen, "kvstore: no engine");
+        return NULL;
+    }
+    if (dtype != CB_KV_F32 && dtype != CB_KV_F16 && dtype != CB_KV_BF16) {
+        cb_set_err(err, errlen, "kvstore: unknown KV dtype %d", (int)dtype);
+        return NULL;
+    }
+    if (kv_dir) {
+        struct stat st;
+        if (stat(kv_dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            cb_set_err(err, errlen, "kvstore: kv dir %s: not a directory", kv_dir);
+            return NULL;
+        }
+    }
+    cb_kvstore_t *s = calloc(1, sizeof *s);
+    if (!s) {
+        cb_set_err(err, errlen, "kvstore: out of memory");
+        return NULL;
+    }
+    s->e = engine;
+    s->model = cb_engine_model(engine);
+    s->hp = cb_model_hparams(s->model);
+    s->mem = mem;
+    s->dtype = dtype;
+    cb_model_fingerprint(s->model, s->model_fp);
+    s->L = s->hp->n_layer;
+    s->HD = s->hp->head_dim;
+    s->KVD = s->hp->n_head_kv * s->HD;
+    if (s->L > CB_KV_MAX_LAYERS || s->hp->n_head_kv > CB_KV_MAX_HEADS_KV || s->HD > CB_KV_MAX_HEAD_DIM ||
+        s->KVD > CB_KV_MAX_KV_DIM || (s->HD & 1)) {
+        cb_set_err(err, errlen, "kvstore: model geometry outside the KV file limits");
+        goto fail;
+    }
+    if (kv_dir && !(s->kv_dir = strdup(kv_dir))) goto oom;
+    s->ctx_seq = cb_seq_new(engine);
+    s->work = cb_seq_new(engine);
+    s->cap_k = calloc((size_t)s->L, sizeof(float *));
+    s->cap_v = calloc((size_t)s->L, sizeof(float *));
+    if (!s->ctx_seq || !s->work || !s->cap_k || !s->cap_v) goto oom;
+    return s;
+oom:
+    cb_set_err(err, errlen, "kvstore: out of memory");
+fail:
+    cb_kvstore_destroy(&s);
+    return NULL;
+}
+
+void cb_kvstore_destroy(cb_kvstore_t **self_p) {
+    if (!self_p || !*self_p) return;
+    cb_kvstore_t *s = *self_p;
+    cb_seq_destroy(&s->ctx_seq);
+    cb_seq_destroy(&s->work);
+    free(s->ctx_tokens);
+    free(s->kv_dir);
+    free(s->cap_k);
+    free(s->cap_v);
+    free(s);
+    *self_p = NULL;
+}
+
+cb_engine_t *cb_kvstore_engine(const cb_kvstore_t *self) { return self->e; }
+cb_kvmem_t *cb_kvstore_mem(const cb_kvstore_t *self) { return self->mem; }
+cb_kv_dtype_t cb_kvstore_dtype(const cb_kvstore_t *self) { return self->dtype; }
+const cb_seq_t *cb_kvstore_context_seq(const cb_kvstore_t *self) { return self->ctx_seq; }
+int cb_kvstore_context_len(const cb_kvstore_t *self) { return self->ctx_n; }
+
+/* ---------------------------------------------------------------- keys and checks */
+
+void cb_kvstore_chunk_key(const cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
+                          uint8_t key[32]) {
+    uint8_t fp[32];
+    cb_kvfile_ctx_fp(self->model_fp, ctx, n_ctx, fp);
+    cb_kvfile_key(self->model_fp, fp, tokens, n, key);
+}
+
+int cb_kvstore_path(const cb_kvstore_t *self, const uint8_t key[32], char *path, size_t cap) {
+    if (!self->kv_dir) return -1;
+    return cb_kvfile_path(self->kv_dir, key, path, cap);
+}
+
+static int check_tokens(const cb_kvstore_t *s, const int32_t *t, int n, const char *what, char *err, size_t errlen) {
+    if (!t || n < 1) {
+        cb_set_err(err, errlen, "kvstore: %s is empty", what);
+        return -1;
+    }
+    for (int i = 0; i < n; i++)
+        if (t[i] < 0 || t[i] >= s->hp->n_vocab) {
+            cb_set_err(err, errlen, "kvstore: %s token %d = %d outside the vocabulary (%d)", what, i, (int)t[i],
+                    s->hp->n_vocab);
+            return -1;
+        }
+    return 0;
+}
+
+static int check_ctx_chunk(const cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
+                           char *err, size_t errlen) {
+    if (check_tokens(s, ctx, n_ctx, "context", err, errlen) || check_tokens(s, tokens, n, "chunk", err, errlen))
+        return -1;
+    const int max_ctx = cb_engine_max_ctx(s->e);
+    if (n_ctx > max_ctx || n > max_ctx - n_ctx) {
+        cb_set_err(err, errlen, "kvstore: context %d + chunk %d tokens exceed max_ctx %d", n_ctx, n, max_ctx);
+        return -1;
+    }
+    if (n > CB_KV_MAX_TOKENS) {
+        cb_set_err(err, errlen, "kvstore: chunk of %d tokens exceeds the KV file limit", n);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the context */
+
+int cb_kvstore_set_context(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, char *err, size_t errlen) {
+    if (!self) return -1;
+    if (self->ctx_n == n_ctx && n_ctx > 0 && !memcmp(self->ctx_tokens, ctx, sizeof(int32_t) * (size_t)n_ctx))
+        return 0;
+    if (check_tokens(self, ctx, n_ctx, "context", err, errlen)) return -1;
+    if (n_ctx > cb_engine_max_ctx(self->e)) {
+        cb_set_err(err, errlen, "kvstore: context of %d tokens exceeds max_ctx %d", n_ctx, cb_engine_max_ctx(self->e));
+        return -1;
+    }
+    /* requests still holding the old context's blocks keep them (reference counts) */
+    cb_seq_clear(self->ctx_seq);
+    free(self->ctx_tokens);
+    self->ctx_tokens = NULL;
+    self->ctx_n = 0;
+    int32_t *copy = malloc(sizeof(int32_t) * (size_t)n_ctx);
+    if (!copy) {
+        cb_set_err(err, errlen, "kvstore: out of memory");
+        return -1;
+    }
+    memcpy(copy, ctx, sizeof(int32_t) * (size_t)n_ctx);
+    int rc = cb_engine_prefill(self->e, self->ctx_seq, copy, n_ctx, 0, NULL);
+    if (rc) {
+        cb_set_err(err, errlen, "kvstore: computing the context of %d tokens: %s", n_ctx, cb_engine_status_str(rc));
+        cb_seq_clear(self->ctx_seq);
+        free(copy);
+        return rc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
+    }
+    self->ctx_tokens = copy;
+    self->ctx_n = n_ctx;
+    cb_kvfile_ctx_fp(self->model_fp, copy, n_ctx, self->ctx_fp);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- compute and store */
+
+/* Stores an entry as a KV file (if kv_dir) and in the memory tier (if mem). 0, or -1 when the file write
+ * failed (err). */
+static int store_entry(cb_kvstore_t *s, const uint8_t key[32], cb_kvmem_entry_t *ent, char *err, size_t errlen) {
+    int rc = 0;
+    if (s->kv_dir) {
+        char path[4096];
+        if (cb_kvstore_path(s, key, path, sizeof path) != 0) {
+            cb_set_err(err, errlen, "kvstore: kv dir path too long");
+            rc = -1;
+        } else {
+            cb_kv_meta_t meta;
+            memset(&meta, 0, sizeof meta);
+            memcpy(meta.model_fp, s->model_fp, 32);
+            memcpy(meta.ctx_fp, s->ctx_fp, 32);
+            meta.n_layer = s->L;
+            meta.n_head_kv = s->hp->n_head_kv;
+            meta.head_dim = s->HD;
+            meta.dtype = s->dtype;
+            for (int l = 0; l < s->L; l++) {
+                s->cap_k[l] = (float *)cb_kvmem_entry_k(ent, l);
+                s->cap_v[l] = (float *)cb_kvmem_entry_v(ent, l);
+            }
+            char werr[256] = "";
+            if (cb_kvfile_write_layers(path, &meta, cb_kvmem_entry_tokens(ent), cb_kvmem_entry_n_tokens(ent),
+                                       (const float *const *)s->cap_k, (const float *const *)s->cap_v, werr,
+                                       sizeof werr) != 0) {
+                cb_set_err(err, errlen, "kvstore: writing %s: %s", path, werr);
+                rc = -1;
+            }
+        }
+    }
+    if (s->mem) cb_kvmem_put(s->mem, key, ent);
+    return rc;
+}
+
+/* Rounds an entry's K/V through the storage dtype, so that a chunk computed now gives exactly what the same
+ * chunk read back from its file gives. */
+static void round_to_dtype(const cb_kvstore_t *s, cb_kvmem_entry_t *ent) {
+    if (s->dtype == CB_KV_F32) return;
+    size_t cnt = (size_t)cb_kvmem_entry_n_tokens(ent) * s->KVD;
+    for (int l = 0; l < s->L; l++) {
+        float *p[2] = {cb_kvmem_entry_k_mut(ent, l), cb_kvmem_entry_v_mut(ent, l)};
+        for (int t = 0; t < 2; t++)
+            for (size_t i = 0; i < cnt; i++)
+                p[t][i] = s->dtype == CB_KV_F16 ? cb_f16_to_f32(cb_f32_to_f16(p[t][i]))
+                                                : cb_bf16_to_f32(cb_f32_to_bf16(p[t][i]));
+    }
+}
+
+/* Computes chunk tokens [n] after the current context: a plain prefill at positions ctx_n.. of a sequence
+ * sharing the context's blocks, capturing pre-RoPE K and V; rounded to the dtype. */
+static cb_kvmem_entry_t *compute_chunk(cb_kvstore_t *s, const int32_t *tokens, int n, char *err, size_t errlen) {
+    cb_kvmem_entry_t *ent = cb_kvmem_entry_new(s->L, s->hp->n_head_kv, s->HD, n);
+    if (!ent) {
+        cb_set_err(err, errlen, "kvstore: out of memory (chunk KV of %d tokens)", n);
+        return NULL;
+    }
+    memcpy(cb_kvmem_entry_tokens_mut(ent), tokens, sizeof(int32_t) * (size_t)n);
+    for (int l = 0; l < s->L; l++) {
+        s->cap_k[l] = cb_kvmem_entry_k_mut(ent, l);
+        s->cap_v[l] = cb_kvmem_entry_v_mut(ent, l);
+    }
+    int rc = cb_seq_share(s->work, s->ctx_seq, s->ctx_n);
+    if (rc == 0) rc = cb_engine_prefill_capture(s->e, s->work, tokens, n, s->ctx_n, s->cap_k, s->cap_v, NULL);
+    cb_seq_clear(s->work);
+    if (rc) {
+        cb_set_err(err, errlen, "kvstore: computing a chunk of %d tokens: %s", n, cb_engine_status_str(rc));
+        cb_kvmem_entry_release(&ent);
+        return NULL;
+    }
+    round_to_dtype(s, ent);
+    return ent;
+}
+
+cb_kvmem_entry_t *cb_kvstore_compute(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens,
+                                     int n, bool store, char *err, size_t errlen) {
+    if (!self) return NULL;
+    if (check_ctx_chunk(self, ctx, n_ctx, tokens, n, err, errlen)) return NULL;
+    if (cb_kvstore_set_context(self, ctx, n_ctx, err, errlen)) return NULL;
+    cb_kvmem_entry_t *ent = compute_chunk(self, tokens, n, err, errlen);
+    if (!ent) return NULL;
+    if (store) {
+        uint8_t key[32];
+        cb_kvfile_key(self->model_fp, self->ctx_fp, tokens, n, key);
+        if (store_entry(self, key, ent, err, errlen) != 0) {
+            cb_kvmem_entry_release(&ent);
+            return NULL;
+        }
+    }
+    return ent;
+}
+
+/* ---------------------------------------------------------------- lookup */
+
+/* Opens key's file against this model, context and tokens. NULL = miss (*why). */
+static cb_kvfile_t *open_chunk_file(cb_kvstore_t *s, const uint8_t key[32], const int32_t *tokens, int n,
+                                    cb_kv_miss_t *why) {
+    char path[4096];
+    if (cb_kvstore_path(s, key, path, sizeof path) != 0) {
+        *why = CB_KV_MISS_NOT_FOUND;
+        return NULL;
+    }
+    cb_kv_expect_t ex;
+    memset(&ex, 0, sizeof ex);
+    memcpy(ex.model_fp, s->model_fp, 32);
+    memcpy(ex.ctx_fp, s->ctx_fp, 32);
+    ex.n_layer = s->L;
+    ex.n_head_kv = s->hp->n_head_kv;
+    ex.head_dim = s->HD;
+    ex.tokens = tokens;
+    ex.n_tokens = n;
+    char err[256] = "";
+    cb_kvfile_t *f = cb_kvfile_open(path, &ex, why, err, sizeof err);
+    if (!f && *why != CB_KV_MISS_NOT_FOUND) CB_WARN("kvstore: chunk file miss (%s): %s", cb_kv_miss_str(*why), err);
+    return f;
+}
+
+/* Whether a memory-tier entry fits this model and these tokens (the key makes a mismatch unlikely; an entry
+ * that does not fit is dropped and counts as a miss). */
+static bool entry_fits(const cb_kvstore_t *s, const cb_kvmem_entry_t *e, const int32_t *tokens, int n) {
+    return cb_kvmem_entry_n_layer(e) == s->L && cb_kvmem_entry_n_head_kv(e) == s->hp->n_head_kv &&
+           cb_kvmem_entry_head_dim(e) == s->HD && cb_kvmem_entry_n_tokens(e) == n &&
+           !memcmp(cb_kvmem_entry_tokens(e), tokens, sizeof(int32_t) * (size_t)n);
+}
+
+/* The memory tier's entry for key, validated (NULL: miss). */
+static cb_kvmem_entry_t *mem_get(cb_kvstore_t *s, const uint8_t key[32], const int32_t *tokens, int n) {
+    if (!s->mem) return NULL;
+    cb_kvmem_entry_t *e = cb_kvmem_get(s->mem, key);
+    if (e && !entry_fits(s, e, tokens, n)) {
+        CB_WARN("kvstore: memory-tier entry does not fit its key; dropped");
+        cb_kvmem_remove(s->mem, key);
+        cb_kvmem_entry_release(&e);
+    }
+    return e;
+}
+
+void cb_kvstore_remember(cb_kvstore_t *self, const uint8_t key[32], cb_kvmem_entry_t *entry) {
+    if (self->mem && entry) cb_kvmem_put(self->mem, key, entry);
+}
+
+void cb_kvstore_chunk_release(cb_kvstore_chunk_t *c) {
+    if (!c) return;
+    cb_kvmem_entry_release(&c->entry);
+    cb_kvfile_destroy(&c->file);
+}
+
+int cb_kvstore_resolve(cb_kvstore_t *self, const int32_t *tokens, int n, bool skip_cached, cb_kvstore_chunk_t *rs,
+                       char *err, size_t errlen) {
+    memset(rs, 0, sizeof *rs);
+    if (!self || self->ctx_n == 0) {
+        cb_set_err(err, errlen, "kvstore: no precompute context");
+        return -1;
+    }
+    if (check_ctx_chunk(self, self->ctx_tokens, self->ctx_n, tokens, n, err, errlen)) return -1;
+    cb_kvfile_key(self->model_fp, self->ctx_fp, tokens, n, rs->key);
+    rs->why = CB_KV_OK;
+    if (!skip_cached) {
+        rs->entry = mem_get(self, rs->key, tokens, n);
+        if (rs->entry) {
+            rs->src = CB_KVSTORE_MEM;
+            return 0;
+        }
+        cb_kv_miss_t w = CB_KV_MISS_NOT_FOUND;
+        rs->file = open_chunk_file(self, rs->key, tokens, n, &w);
+        if (rs->file) {
+            rs->src = CB_KVSTORE_FILE;
+            return 0;
+        }
+        rs->why = w;
+    } else if (self->mem) {
+        cb_kvmem_remove(self->mem, rs->key);
+    }
+    rs->entry = compute_chunk(self, tokens, n, err, errlen);
+    if (!rs->entry) return -1;
+    char serr[256] = "";
+    if (store_entry(self, rs->key, rs->entry, serr, sizeof serr) != 0)
+        CB_WARN("%s (the chunk is used from memory)", serr);
+    rs->src = CB_KVSTORE_COMPUTED;
+    return 0;
+}
+
+/* Shared by ensure/load: find (mem, file) or compute + store. With want_entry the decoded KV is returned. */
+static int find_chunk(cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n, bool want_entry,
+                      cb_kvmem_entry_t **out, cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
+    cb_kv_miss_t w = CB_KV_MISS_NOT_FOUND;
+    if (check_ctx_chunk(s, ctx, n_ctx, tokens, n, err, errlen)) return -1;
+    if (cb_kvstore_set_context(s, ctx, n_ctx, err, errlen)) return -1;
+    uint8_t key[32];
+    cb_kvfile_key(s->model_fp, s->ctx_fp, tokens, n, key);
+    cb_kvmem_entry_t *ent = mem_get(s, key, tokens, n);
+    if (ent) {
+        if (src) *src = CB_KVSTORE_MEM;
+        if (why) *why = CB_KV_OK;
+        if (want_entry) *out = ent;
+        else cb_kvmem_entry_release(&ent);
+        return 0;
+    }
+    cb_kvfile_t *f = open_chunk_file(s, key, tokens, n, &w);
+    if (f) {
+        if (want_entry || s->mem) {
+            ent = cb_kvmem_entry_from_file(f, &w);
+            if (ent) {
+                if (s->mem) cb_kvmem_put(s->mem, key, ent);
+                cb_kvfile_destroy(&f);
+                if (src) *src = CB_KVSTORE_FILE;
+                if (why) *why = CB_KV_OK;
+                if (want_entry) *out = ent;
+                else cb_kvmem_entry_release(&ent);
+                return 0;
+            }
+        } else {
+            w = cb_kvfile_verify(f);
+            if (w == CB_KV_OK) {
+                cb_kvfile_destroy(&f);
+                if (src) *src = CB_KVSTORE_FILE;
+                if (why) *why = CB_KV_OK;
+                return 0;
+            }
+        }
+        CB_WARN("kvstore: chunk file miss (%s)", cb_kv_miss_str(w));
+        cb_kvfile_destroy(&f);
+    }
+    if (why) *why = w;
+    ent = compute_chunk(s, tokens, n, err, errlen);
+    if (!ent) return -1;
+    if (store_entry(s, key, ent, err, errlen) != 0) {
+        cb_kvmem_entry_release(&ent);
+        return -1;
+    }
+    if (src) *src = CB_KVSTORE_COMPUTED;
+    if (want_entry) *out = ent;
+    else cb_kvmem_entry_release(&ent);
+    return 0;
+}
+
+int cb_kvstore_ensure(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
+                      cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
+    if (!self) return -1;
+    return find_chunk(self, ctx, n_ctx, tokens, n, false, NULL, src, why, err, errlen);
+}
+
+cb_kvmem_entry_t *cb_kvstore_load(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
+                                  cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
+    cb_kvmem_entry_t *ent = NULL;
+    if (!self || find_chunk(self, ctx, n_ctx, tokens, n, true, &ent, src, why, err, errlen) != 0) return NULL;
+    return ent;
+}
