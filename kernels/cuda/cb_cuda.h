@@ -213,6 +213,17 @@ typedef struct {
 
 int cb_cuda_attention(cb_cuda_t *self, const cb_cuda_attn_t *a, cb_cuda_attn_algo_t algo);
 
+/* Attention mass (the blend's query-aware selection, metric 'a'): for every query row r and head h, the
+ * softmax probabilities p_rh(j) of q_rh over keys [0, limit[r] + limit_add) (scores as attention computes
+ * them: bf16 q and K, f32 dot products, times scale) summed over rows and heads:
+ *     mass[j] = sum_h sum_r p_rh(j)   for j < n_keys = (max_limit ? max_limit : n_kv);
+ * mass device f32 [n_keys] (written, not accumulated). Uses q, ldq, k, ldkv, limit, limit_add, n_q, n_kv,
+ * n_heads, n_kv_heads, head_dim, max_limit and scale of a (v and out are not read). Deterministic: one
+ * pass takes each (row, head)'s max and sum with a fixed per-thread order and a fixed merge, a second
+ * gives one thread per key that sums heads then rows in order; no atomics. head_dim even <= 256, GQA
+ * group <= 16; scratch: 8 * n_q * n_heads bytes of the context's workspace. */
+int cb_cuda_attn_mass(cb_cuda_t *self, const cb_cuda_attn_t *a, float *mass);
+
 /* ---------------------------------------------------------------- blend kernels */
 
 /* dev[i] = sum_j (f32(a[i][j]) - f32(b[r_i][j]))^2 over j < width, r_i = b_rows ? b_rows[i] : i, f32

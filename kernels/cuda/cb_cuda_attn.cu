@@ -10,8 +10,12 @@
  *          for all query heads of the GQA group (K/V read once per group), writes a partial
  *          (max, sum, unnormalized O) to the scratch area; a second kernel merges the chunks.
  *  simple  one warp per (row, head) on CUDA cores; any head_dim <= 256; the fallback.
+ *  mass    the blend's attention mass (metric 'a'): per (row, kv head) the softmax max and sum of every
+ *          head of the group (one read of K), then one thread per key summing the probabilities over
+ *          heads and rows in a fixed order (deterministic, no atomics).
  */
 #include <math.h>
+#include <string.h>
 
 #include "cuda/cb_cuda_impl.h"
 
@@ -630,4 +634,151 @@ extern "C" int cb_cuda_attention(cb_cuda_t *self, const cb_cuda_attn_t *a, cb_cu
         CB_LAUNCHED(self, "simple attention kernel");
         return CB_CUDA_OK;
     }
+}
+
+/* ------------------------------------------------------------------ attention mass (blend metric 'a') */
+
+#define AM_THREADS 128
+#define AM_ROWS 16        /* query rows per shared-memory tile of the per-key pass */
+#define AM_MAX_D 256
+#define AM_MAX_G 16
+
+/* q (f32, shared) . k (bf16 row) in sequential order with explicit FMAs: both passes must get the very
+ * same score for a (row, head, key). */
+__device__ __forceinline__ float cb_am_score(const float *q, const uint16_t *k, int D, float scale_log2) {
+    float acc = 0.0f;
+    for (int d = 0; d < D; d += 2) {
+        uint32_t w = *(const uint32_t *)(k + d);
+        acc = __fmaf_rn(q[d], __uint_as_float(w << 16), acc);
+        acc = __fmaf_rn(q[d + 1], __uint_as_float(w & 0xffff0000u), acc);
+    }
+    return __fmul_rn(acc, scale_log2);
+}
+
+/* One block per (row, kv head): every head of the group, each thread an online (max, sum) over its keys
+ * (j = tid, tid + 128, ...), merged in thread order: stats[(row * n_heads + h) * 2] = (max, sum). */
+__global__ void __launch_bounds__(AM_THREADS) k_mass_stats(cb_attn_p p, int D, float *stats) {
+    extern __shared__ float am_smem[];
+    const int G = p.group;
+    float *qs = am_smem;                          /* [G][D] */
+    float *sm = am_smem + G * D;                  /* [G][AM_THREADS] per-thread max */
+    float *sl = sm + G * AM_THREADS;              /* [G][AM_THREADS] per-thread sum */
+    const int row = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
+    const int lim = cb_row_limit(p, row);
+    for (int i = tid; i < G * D; i += AM_THREADS) {
+        int g = i / D, d = i % D;
+        qs[i] = cb_bf2f(p.q[(size_t)row * p.ldq + (size_t)(kvh * G + g) * D + d]);
+    }
+    __syncthreads();
+    float m[AM_MAX_G], l[AM_MAX_G];
+#pragma unroll
+    for (int g = 0; g < AM_MAX_G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    const uint16_t *kb = p.k + (size_t)kvh * D;
+    for (int j = tid; j < lim; j += AM_THREADS) {
+        const uint16_t *kr = kb + (size_t)j * p.ldkv;
+#pragma unroll
+        for (int g = 0; g < AM_MAX_G; g++) {
+            if (g >= G) break;
+            float s = cb_am_score(qs + g * D, kr, D, p.scale_log2);
+            if (s > m[g]) {
+                l[g] = l[g] * exp2f(m[g] - s) + 1.0f;
+                m[g] = s;
+            } else {
+                l[g] += exp2f(s - m[g]);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < AM_MAX_G; g++) {
+        if (g >= G) break;
+        sm[g * AM_THREADS + tid] = m[g];
+        sl[g * AM_THREADS + tid] = l[g];
+    }
+    __syncthreads();
+    if (tid < G) {
+        float M = -INFINITY, L = 0.0f;
+        for (int t = 0; t < AM_THREADS; t++) M = fmaxf(M, sm[tid * AM_THREADS + t]);
+        for (int t = 0; t < AM_THREADS; t++) {
+            float lt = sl[tid * AM_THREADS + t];
+            if (lt > 0.0f) L += lt * exp2f(sm[tid * AM_THREADS + t] - M);
+        }
+        float *st = stats + ((size_t)row * p.n_heads + (size_t)kvh * G + tid) * 2;
+        st[0] = M;
+        st[1] = L;
+    }
+}
+
+/* One thread per key j: mass[j] = sum over heads h, then rows r (both ascending) of exp2(s - max) / sum. */
+__global__ void __launch_bounds__(AM_THREADS) k_mass_sum(cb_attn_p p, int D, int n_keys, const float *stats,
+                                                         float *mass) {
+    __shared__ float qs[AM_ROWS][AM_MAX_D];
+    __shared__ int lims[AM_ROWS];
+    __shared__ float st[AM_ROWS][2];
+    const int tid = threadIdx.x, j = blockIdx.x * AM_THREADS + tid;
+    float acc = 0.0f;
+    for (int h = 0; h < p.n_heads; h++) {
+        const uint16_t *kr = p.k + (size_t)(j < n_keys ? j : 0) * p.ldkv + (size_t)(h / p.group) * D;
+        for (int r0 = 0; r0 < p.n_q; r0 += AM_ROWS) {
+            const int nr = min(AM_ROWS, p.n_q - r0);
+            __syncthreads();   /* the previous tile is no longer read */
+            for (int i = tid; i < nr * D; i += AM_THREADS) {
+                int rr = i / D, d = i % D;
+                qs[rr][d] = cb_bf2f(p.q[(size_t)(r0 + rr) * p.ldq + (size_t)h * D + d]);
+            }
+            if (tid < nr) {
+                const float *s2 = stats + ((size_t)(r0 + tid) * p.n_heads + h) * 2;
+                lims[tid] = cb_row_limit(p, r0 + tid);
+                st[tid][0] = s2[0];
+                st[tid][1] = s2[1];
+            }
+            __syncthreads();
+            if (j < n_keys)
+                for (int rr = 0; rr < nr; rr++)
+                    if (j < lims[rr] && st[rr][1] > 0.0f) {
+                        float s = cb_am_score(qs[rr], kr, D, p.scale_log2);
+                        acc += __fdiv_rn(exp2f(__fsub_rn(s, st[rr][0])), st[rr][1]);
+                    }
+        }
+    }
+    if (j < n_keys) mass[j] = acc;
+}
+
+extern "C" int cb_cuda_attn_mass(cb_cuda_t *self, const cb_cuda_attn_t *a, float *mass) {
+    if (!a || a->n_q < 0 || a->n_kv < 0 || a->n_heads <= 0 || a->n_kv_heads <= 0 || a->head_dim <= 0 ||
+        a->head_dim % 2 || a->head_dim > AM_MAX_D || a->n_heads % a->n_kv_heads ||
+        a->n_heads / a->n_kv_heads > AM_MAX_G || a->ldq < a->n_heads * a->head_dim ||
+        a->ldkv < a->n_kv_heads * a->head_dim || a->ldkv % 2 || !a->q || !a->k || !a->limit || !mass ||
+        ((uintptr_t)a->k & 3))
+        return cb_cuda_inval_(self, "attn_mass: bad shapes (n_q %d, n_kv %d, heads %d/%d, head_dim %d; even head_dim "
+                              "<= %d, GQA group <= %d, 4-byte aligned K rows)", a ? a->n_q : 0, a ? a->n_kv : 0,
+                              a ? a->n_heads : 0, a ? a->n_kv_heads : 0, a ? a->head_dim : 0, AM_MAX_D, AM_MAX_G);
+    const int n_keys = a->max_limit > 0 && a->max_limit < a->n_kv ? a->max_limit : a->n_kv;
+    if (n_keys == 0) return CB_CUDA_OK;
+    if (a->n_q == 0) {
+        CB_CU(self, cudaMemsetAsync(mass, 0, sizeof(float) * (size_t)n_keys, self->stream));
+        return CB_CUDA_OK;
+    }
+    if ((size_t)a->n_q * a->n_heads * 2 * sizeof(float) > self->ws_bytes || a->n_kv_heads > 65535)
+        return cb_cuda_inval_(self, "attn_mass: %d rows x %d heads exceed the scratch area", a->n_q, a->n_heads);
+    cb_attn_p p;
+    memset(&p, 0, sizeof p);
+    p.q = a->q;
+    p.k = a->k;
+    p.limit = a->limit;
+    p.ldq = a->ldq;
+    p.ldkv = a->ldkv;
+    p.limit_add = a->limit_add;
+    p.n_q = a->n_q;
+    p.n_kv = a->n_kv;
+    p.n_heads = a->n_heads;
+    p.group = a->n_heads / a->n_kv_heads;
+    p.scale_log2 = (a->scale > 0.0f ? a->scale : 1.0f / sqrtf((float)a->head_dim)) * CB_LOG2E;
+    float *stats = (float *)self->ws;
+    const size_t smem = ((size_t)p.group * a->head_dim + 2 * (size_t)p.group * AM_THREADS) * sizeof(float);
+    k_mass_stats<<<dim3(a->n_q, a->n_kv_heads), AM_THREADS, smem, self->stream>>>(p, a->head_dim, stats);
+    CB_LAUNCHED(self, "attn_mass stats kernel");
+    k_mass_sum<<<cb_blocks((size_t)n_keys, AM_THREADS), AM_THREADS, 0, self->stream>>>(p, a->head_dim, n_keys, stats,
+                                                                                       mass);
+    CB_LAUNCHED(self, "attn_mass sum kernel");
+    return CB_CUDA_OK;
 }

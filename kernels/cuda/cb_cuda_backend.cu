@@ -1,12 +1,23 @@
-/* cb_cuda_backend.cu: the CUDA instance of backend.h's table (see cb_cuda_backend.h): each operation copies
- * its host inputs to device scratch, converts f32 -> bf16, runs the cb_cuda kernel and copies the result
- * back as f32. Scratch is allocated once at creation for max_rows rows and max_keys keys. */
+/* cb_cuda_backend.cu: the CUDA instance of backend.h's table (see cb_cuda_backend.h).
+ *
+ * Dense operations copy their host inputs to device scratch, convert f32 -> bf16, run the cb_cuda kernel
+ * and copy the result back as f32. The KV pool lives on the device (bf16, [n_layer][n_blocks][bt][kv_dim]
+ * for K and the same for V): writes and layer loads scatter into it, attention and attention mass read
+ * it in place (consecutive blocks) or through one device-to-device gather of the table's blocks.
+ * Everything runs on the context's compute stream and every operation ends synchronized (its outputs, or
+ * its inputs read, before it returns), under one mutex (the blend's loader thread calls kv_load). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <new>
 #include <unordered_map>
+
+#include <cuda_runtime.h>
 
 #include "cuda/cb_cuda.h"
 #include "cuda/cb_cuda_backend.h"
@@ -14,29 +25,54 @@
 namespace {
 
 struct be_ctx {
-    cb_cuda_t *cu;
-    int max_rows, max_keys, kvd, max_dim;
-    size_t cap_in, cap_out;   /* elements of the input / output scratch */
-    float *d_in, *d_in2;      /* f32 [cap_in] */
-    cb_bf16_t *b_in, *b_in2;  /* bf16 [cap_in] */
-    float *d_out;             /* f32 [cap_out] */
-    cb_bf16_t *b_out;         /* bf16 [cap_out] */
-    float *d_w;               /* f32 [max_dim] norm weights */
-    int32_t *d_i;             /* int32 [max_rows] tokens, positions, limits */
-    float *d_kv;              /* f32 [max_keys][kvd] staging */
-    cb_bf16_t *b_k, *b_v;     /* bf16 [max_keys][kvd] */
-    std::unordered_map<const void *, cb_bf16_t *> *wcache;
-    bool failed;
+    std::mutex mu;                 /* one operation at a time (cb_cuda_t is single-threaded) */
+    cb_cuda_t *cu = nullptr;
+    int device = 0;
+    int max_rows = 0, max_keys = 0, kvd = 0, max_dim = 0, n_head = 0, n_head_kv = 0, head_dim = 0;
+    size_t cap_in = 0, cap_out = 0;    /* elements of the input / output scratch */
+    float *d_in = nullptr, *d_in2 = nullptr;      /* f32 [cap_in] (also raw bytes of a layer load) */
+    cb_bf16_t *b_in = nullptr, *b_in2 = nullptr;  /* bf16 [cap_in] */
+    float *d_out = nullptr;                       /* f32 [cap_out] */
+    cb_bf16_t *b_out = nullptr;                   /* bf16 [cap_out] */
+    float *d_w = nullptr;                         /* f32 [max_dim] norm weights */
+    int32_t *d_i = nullptr;                       /* int32 [max_rows] tokens, positions, limits */
+    float *d_mass = nullptr;                      /* f32 [max_keys] attention mass of one call */
+    float *h_mass = nullptr;                      /* host [max_keys] */
+    int32_t *topk_idx = nullptr;                  /* host [max_keys] */
+    /* the KV pool (kv_pool_init) */
+    int n_layer = 0, bt = 0, n_blocks = 0;
+    size_t plane = 0;                             /* elements of one layer: n_blocks * bt * kvd */
+    cb_bf16_t *pool_k = nullptr, *pool_v = nullptr;  /* [n_layer][n_blocks][bt][kvd] */
+    int g_blocks = 0;                             /* ceil(max_keys / bt) */
+    cb_bf16_t *g_k = nullptr, *g_v = nullptr;     /* gather scratch [g_blocks * bt][kvd] */
+    int idx_cap = 0;
+    int32_t *d_idx = nullptr;                     /* device [idx_cap] block ids / pool rows */
+    int32_t *h_idx = nullptr;                     /* host (pageable: h2d copies it before returning) */
+    std::unordered_map<const void *, cb_bf16_t *> wcache;   /* weight storage address -> bf16 copy */
+    bool failed = false;
 };
 
 #define BE(ctx) ((be_ctx *)(ctx))
+
+/* Locks the context for one operation and makes its device current on the calling thread (the loader
+ * thread's current device is not necessarily ours). */
+struct be_lock {
+    std::lock_guard<std::mutex> g;
+    explicit be_lock(be_ctx *c) : g(c->mu) {
+        int cur = -1;
+        if (cudaGetDevice(&cur) != cudaSuccess || cur != c->device) cudaSetDevice(c->device);
+    }
+};
 
 bool be_fail(be_ctx *c, const char *what) {
     if (!c->failed) fprintf(stderr, "cuda backend: %s failed: %s\n", what, cb_cuda_error(c->cu));
     c->failed = true;
     return false;
 }
+/* void operations: jump to `bad` (NaN outputs) on a failed call or an earlier failure */
 #define TRYB(x) do { if (c->failed || (x) != 0) { be_fail(c, #x); goto bad; } } while (0)
+/* int operations: -1 on a failed call (the backend is then marked failed) */
+#define TRYI(x) do { if ((x) != 0) { be_fail(c, #x); return -1; } } while (0)
 
 void nan_fill(float *p, size_t n) {
     for (size_t i = 0; i < n; i++) p[i] = NAN;
@@ -49,17 +85,17 @@ int up_bf16(be_ctx *c, const float *h, size_t n, float *stage, cb_bf16_t *dst) {
     return rc;
 }
 
-/* Device bf16 [n] -> host f32 through d_out. */
-int down_f32(be_ctx *c, const cb_bf16_t *src, size_t n, float *h) {
-    int rc = cb_cuda_convert(c->cu, src, CB_CUDA_BF16, c->d_out, CB_CUDA_F32, n);
-    if (!rc) rc = cb_cuda_d2h(c->cu, h, c->d_out, n * sizeof(float));
+/* Device bf16 [n] -> host f32 through f32 scratch f (>= n). Returns after the copy (d2h waits). */
+int down_f32(be_ctx *c, const cb_bf16_t *src, size_t n, float *f, float *h) {
+    int rc = cb_cuda_convert(c->cu, src, CB_CUDA_BF16, f, CB_CUDA_F32, n);
+    if (!rc) rc = cb_cuda_d2h(c->cu, h, f, n * sizeof(float));
     return rc;
 }
 
 /* The bf16 device copy of a weight, uploaded on first use. */
 const cb_bf16_t *weight(be_ctx *c, const cb_weight_t *w) {
-    auto it = c->wcache->find(w->q);
-    if (it != c->wcache->end()) return it->second;
+    auto it = c->wcache.find(w->q);
+    if (it != c->wcache.end()) return it->second;
     size_t n = (size_t)w->rows * (size_t)w->cols;
     cb_bf16_t *d = (cb_bf16_t *)cb_cuda_malloc(c->cu, n * 2);
     if (!d) return NULL;
@@ -67,12 +103,15 @@ const cb_bf16_t *weight(be_ctx *c, const cb_weight_t *w) {
         cb_cuda_free(c->cu, d);
         return NULL;
     }
-    (*c->wcache)[w->q] = d;
+    c->wcache[w->q] = d;
     return d;
 }
 
+/* ------------------------------------------------------------------ dense operations */
+
 void be_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, float *y, int ldy) {
     be_ctx *c = BE(ctx);
+    be_lock lk(c);
     const size_t nin = (size_t)n * w->cols, nout = (size_t)n * w->rows;
     const cb_bf16_t *dw = NULL;
     if (n < 1 || nin > c->cap_in || nout > c->cap_out || ldy < w->rows) {
@@ -89,17 +128,49 @@ void be_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, float *y,
     TRYB(cb_cuda_sync(c->cu));
     return;
 bad:
-    for (int i = 0; i < n; i++) nan_fill(y + (size_t)i * ldy, (size_t)w->rows);
+    if (n > 0)
+        for (int i = 0; i < n; i++) nan_fill(y + (size_t)i * ldy, (size_t)w->rows);
+}
+
+/* One upload of x for several weights (Q|K|V, gate|up): the parts' GEMMs and copies back in stream order. */
+void be_matmul_multi(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    const int cols = n_parts > 0 ? parts[0].w->cols : 0;
+    const size_t nin = (size_t)n * cols;
+    bool ok = n >= 1 && n_parts >= 1 && nin <= c->cap_in;
+    for (int p = 0; ok && p < n_parts; p++)
+        ok = parts[p].w->cols == cols && (size_t)n * parts[p].w->rows <= c->cap_out && parts[p].ldy >= parts[p].w->rows;
+    if (!ok) {
+        fprintf(stderr, "cuda backend: matmul_multi of %d parts x %d rows exceeds the scratch\n", n_parts, n);
+        c->failed = true;
+        goto bad;
+    }
+    TRYB(up_bf16(c, x, nin, c->d_in, c->b_in));
+    for (int p = 0; p < n_parts; p++) {
+        const cb_weight_t *w = parts[p].w;
+        const cb_bf16_t *dw = weight(c, w);
+        if (!dw) { be_fail(c, "weight upload"); goto bad; }
+        TRYB(cb_cuda_gemm(c->cu, n, w->rows, cols, c->b_in, cols, dw, cols, c->d_out, CB_CUDA_F32, w->rows, 0.0f));
+        TRYB(cb_cuda_copy_2d(c->cu, CB_CUDA_STREAM_COMPUTE, parts[p].y, (size_t)parts[p].ldy * 4, c->d_out,
+                             (size_t)w->rows * 4, (size_t)w->rows * 4, (size_t)n));
+    }
+    TRYB(cb_cuda_sync(c->cu));
+    return;
+bad:
+    for (int p = 0; p < n_parts && n > 0; p++)
+        for (int i = 0; i < n; i++) nan_fill(parts[p].y + (size_t)i * parts[p].ldy, (size_t)parts[p].w->rows);
 }
 
 void be_rmsnorm(void *ctx, const float *x, const float *w, int n, int dim, float eps, float *y) {
     be_ctx *c = BE(ctx);
-    const size_t ne = (size_t)n * dim;
-    if (n < 1 || ne > c->cap_in || dim > c->max_dim) { c->failed = true; goto bad; }
+    be_lock lk(c);
+    const size_t ne = (size_t)(n > 0 ? n : 0) * dim;
+    if (n < 1 || ne > c->cap_in || ne > c->cap_out || dim > c->max_dim) { c->failed = true; goto bad; }
     TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_in, x, ne * 4));
     TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_w, w, (size_t)dim * 4));
     TRYB(cb_cuda_rmsnorm(c->cu, n, dim, c->d_in, dim, NULL, c->d_w, eps, c->b_out, dim));
-    TRYB(down_f32(c, c->b_out, ne, y));
+    TRYB(down_f32(c, c->b_out, ne, c->d_out, y));
     return;
 bad:
     nan_fill(y, ne);
@@ -107,57 +178,27 @@ bad:
 
 void be_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base) {
     be_ctx *c = BE(ctx);
-    const size_t ne = (size_t)n * n_heads * head_dim;
-    if (n < 1 || ne > c->cap_in || n > c->max_rows) { c->failed = true; goto bad; }
+    be_lock lk(c);
+    const size_t ne = (size_t)(n > 0 ? n : 0) * n_heads * head_dim;
+    if (n < 1 || ne > c->cap_in || ne > c->cap_out || n > c->max_rows) { c->failed = true; goto bad; }
     TRYB(up_bf16(c, x, ne, c->d_in, c->b_in));
     TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_i, pos, (size_t)n * 4));
     TRYB(cb_cuda_rope(c->cu, n, n_heads, head_dim, c->b_in, n_heads * head_dim, c->b_in, n_heads * head_dim, c->d_i, 0,
                       base));
-    TRYB(down_f32(c, c->b_in, ne, x));
+    TRYB(down_f32(c, c->b_in, ne, c->d_out, x));
     return;
 bad:
     nan_fill(x, ne);
 }
 
-void be_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, const float *kc, const float *vc,
-                  const int32_t *key_limit, float *out) {
-    be_ctx *c = BE(ctx);
-    const int qd = g->n_head * g->head_dim, kvd = g->n_head_kv * g->head_dim;
-    const size_t nq = (size_t)n * qd;
-    int maxlim = 0;
-    for (int i = 0; i < n; i++) maxlim = key_limit[i] > maxlim ? key_limit[i] : maxlim;
-    if (n < 1 || n > c->max_rows || nq > c->cap_in || nq > c->cap_out || maxlim > c->max_keys || kvd > c->kvd) {
-        c->failed = true;
-        goto bad;
-    }
-    {
-        const size_t nkv = (size_t)maxlim * kvd;
-        if (nkv) {
-            TRYB(up_bf16(c, kc, nkv, c->d_kv, c->b_k));
-            TRYB(up_bf16(c, vc, nkv, c->d_kv, c->b_v));
-        }
-        TRYB(up_bf16(c, q, nq, c->d_in, c->b_in));
-        TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_i, key_limit, (size_t)n * 4));
-        cb_cuda_attn_t a;
-        memset(&a, 0, sizeof a);
-        a.q = c->b_in, a.ldq = qd, a.k = c->b_k, a.v = c->b_v, a.ldkv = kvd, a.out = c->b_out, a.ldo = qd;
-        a.limit = c->d_i, a.limit_add = 0, a.n_q = n, a.n_kv = maxlim, a.n_heads = g->n_head;
-        a.n_kv_heads = g->n_head_kv, a.head_dim = g->head_dim, a.max_limit = maxlim, a.scale = g->scale;
-        TRYB(cb_cuda_attention(c->cu, &a, CB_CUDA_ATTN_AUTO));
-        TRYB(down_f32(c, c->b_out, nq, out));
-    }
-    return;
-bad:
-    nan_fill(out, nq);
-}
-
 void be_swiglu(void *ctx, const float *gate, const float *up, size_t n, float *out) {
     be_ctx *c = BE(ctx);
-    if (n < 1 || n > c->cap_in || n > 0x7fffffff) { c->failed = true; goto bad; }
+    be_lock lk(c);
+    if (n < 1 || n > c->cap_in || n > c->cap_out || n > 0x7fffffff) { c->failed = true; goto bad; }
     TRYB(up_bf16(c, gate, n, c->d_in, c->b_in));
     TRYB(up_bf16(c, up, n, c->d_in2, c->b_in2));
     TRYB(cb_cuda_swiglu(c->cu, 1, (int)n, c->b_in, c->b_in2, (int)n, c->b_out, (int)n));
-    TRYB(down_f32(c, c->b_out, n, out));
+    TRYB(down_f32(c, c->b_out, n, c->d_out, out));
     return;
 bad:
     nan_fill(out, n);
@@ -165,6 +206,7 @@ bad:
 
 void be_add(void *ctx, float *x, const float *y, size_t n) {
     be_ctx *c = BE(ctx);
+    be_lock lk(c);
     if (n < 1 || n > c->cap_in || n > 0x7fffffff) { c->failed = true; goto bad; }
     TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_in, x, n * 4));
     TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_in2, y, n * 4));
@@ -177,7 +219,8 @@ bad:
 
 void be_embed(void *ctx, const cb_weight_t *table, const int32_t *tokens, int n, float *x) {
     be_ctx *c = BE(ctx);
-    const size_t ne = (size_t)n * table->cols;
+    be_lock lk(c);
+    const size_t ne = (size_t)(n > 0 ? n : 0) * table->cols;
     const cb_bf16_t *dt = NULL;
     if (n < 1 || n > c->max_rows || ne > c->cap_out) { c->failed = true; goto bad; }
     dt = weight(c, table);
@@ -190,6 +233,380 @@ bad:
     nan_fill(x, ne);
 }
 
+/* ------------------------------------------------------------------ host buffers */
+
+void *be_host_alloc(void *ctx, size_t bytes) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    /* pinned (page-aligned, so 64-byte aligned): the copies of every operation DMA from/to it directly */
+    void *p = cb_cuda_host_alloc(c->cu, bytes ? bytes : 1);
+    if (p) memset(p, 0, bytes ? bytes : 1);
+    return p;
+}
+
+void be_host_free(void *ctx, void *p) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    cb_cuda_host_free(c->cu, p);
+}
+
+/* ------------------------------------------------------------------ the KV pool */
+
+cb_bf16_t *plane_k(be_ctx *c, int layer) { return c->pool_k + (size_t)layer * c->plane; }
+cb_bf16_t *plane_v(be_ctx *c, int layer) { return c->pool_v + (size_t)layer * c->plane; }
+
+int be_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens, int n_blocks, char *err, size_t errlen) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    if (c->pool_k) {
+        snprintf(err, errlen, "cuda backend: KV pool already initialised");
+        return -1;
+    }
+    if (n_layer < 1 || block_tokens < 1 || n_blocks < 1 || kv_dim != c->kvd ||
+        (long long)n_blocks * block_tokens > 0x7fffffffLL) {
+        snprintf(err, errlen, "cuda backend: bad KV pool geometry (%d layers, kv_dim %d (model %d), %d blocks of %d)",
+                 n_layer, kv_dim, c->kvd, n_blocks, block_tokens);
+        return -1;
+    }
+    const size_t plane = (size_t)n_blocks * block_tokens * kv_dim;
+    const size_t bytes = plane * (size_t)n_layer * sizeof(cb_bf16_t);
+    const int g_blocks = (c->max_keys + block_tokens - 1) / block_tokens;
+    const size_t g_elems = (size_t)g_blocks * block_tokens * kv_dim;
+    const int idx_cap = std::max(std::max(g_blocks, c->max_rows), (int)(c->cap_in / (size_t)kv_dim));
+    c->pool_k = (cb_bf16_t *)cb_cuda_malloc(c->cu, bytes);
+    c->pool_v = c->pool_k ? (cb_bf16_t *)cb_cuda_malloc(c->cu, bytes) : NULL;
+    if (!c->pool_k || !c->pool_v) {
+        snprintf(err, errlen,
+                 "cuda backend: the KV pool (%d blocks x %d positions x %d layers, K and V: 2 x %.2f GiB bf16) does not "
+                 "fit the device: %s",
+                 n_blocks, block_tokens, n_layer, (double)bytes / (1u << 30), cb_cuda_error(c->cu));
+        goto fail;
+    }
+    c->g_k = (cb_bf16_t *)cb_cuda_malloc(c->cu, g_elems * 2);
+    c->g_v = (cb_bf16_t *)cb_cuda_malloc(c->cu, g_elems * 2);
+    c->d_idx = (int32_t *)cb_cuda_malloc(c->cu, (size_t)idx_cap * 4);
+    c->h_idx = (int32_t *)malloc((size_t)idx_cap * 4);
+    if (!c->g_k || !c->g_v || !c->d_idx || !c->h_idx) {
+        snprintf(err, errlen, "cuda backend: KV gather scratch (2 x %.1f MB): %s", (double)g_elems * 2 / 1e6,
+                 c->h_idx ? cb_cuda_error(c->cu) : "out of host memory");
+        goto fail;
+    }
+    /* zeros: a row never written reads as 0, not as whatever the allocation held */
+    if (cb_cuda_memset(c->cu, c->pool_k, 0, bytes) != 0 || cb_cuda_memset(c->cu, c->pool_v, 0, bytes) != 0 ||
+        cb_cuda_sync(c->cu) != 0) {
+        snprintf(err, errlen, "cuda backend: clearing the KV pool: %s", cb_cuda_error(c->cu));
+        goto fail;
+    }
+    c->n_layer = n_layer;
+    c->bt = block_tokens;
+    c->n_blocks = n_blocks;
+    c->plane = plane;
+    c->g_blocks = g_blocks;
+    c->idx_cap = idx_cap;
+    return 0;
+fail:
+    cb_cuda_free(c->cu, c->pool_k), cb_cuda_free(c->cu, c->pool_v);
+    cb_cuda_free(c->cu, c->g_k), cb_cuda_free(c->cu, c->g_v), cb_cuda_free(c->cu, c->d_idx);
+    free(c->h_idx);
+    c->pool_k = c->pool_v = c->g_k = c->g_v = NULL;
+    c->d_idx = c->h_idx = NULL;
+    return -1;
+}
+
+/* c->h_idx[i] = pool row (within a layer) of position pos[i] (pos != NULL) or pos0 + i; false when a
+ * position is outside the table or the table names a block outside the pool. n <= idx_cap. */
+bool table_rows(be_ctx *c, const cb_kv_table_t *t, const int32_t *pos, int pos0, int n) {
+    if (!t || !t->blocks || n > c->idx_cap) return false;
+    for (int i = 0; i < n; i++) {
+        const int p = pos ? pos[i] : pos0 + i;
+        if (p < 0 || p >= t->n_pos) return false;
+        const int32_t b = t->blocks[p / c->bt];
+        if (b < 0 || b >= c->n_blocks) return false;
+        c->h_idx[i] = b * c->bt + p % c->bt;
+    }
+    return true;
+}
+
+/* Device K and V rows of positions [0, n_keys) of a layer in position order, [n_keys][kvd]: the pool
+ * itself when the table's blocks there are consecutive ids, else a gather of whole blocks into g_k/g_v
+ * (device to device; the K/V never cross the host). n_keys in 1..min(max_keys, t->n_pos). */
+int kv_view(be_ctx *c, int layer, const cb_kv_table_t *t, int n_keys, const cb_bf16_t **k, const cb_bf16_t **v) {
+    const int nb = (n_keys + c->bt - 1) / c->bt;
+    if (!t || !t->blocks || n_keys < 1 || n_keys > t->n_pos || nb > c->g_blocks) return -1;
+    bool consecutive = true;
+    for (int j = 0; j < nb; j++) {
+        const int32_t b = t->blocks[j];
+        if (b < 0 || b >= c->n_blocks) return -1;
+        consecutive = consecutive && b == t->blocks[0] + j;
+        c->h_idx[j] = b;
+    }
+    const size_t off = (size_t)t->blocks[0] * c->bt * c->kvd, blk = (size_t)c->bt * c->kvd * 2;
+    if (consecutive) {
+        *k = plane_k(c, layer) + off;
+        *v = plane_v(c, layer) + off;
+        return 0;
+    }
+    TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_idx, c->h_idx, (size_t)nb * 4));
+    TRYI(cb_cuda_copy_rows(c->cu, nb, blk, c->g_k, blk, NULL, plane_k(c, layer), blk, c->d_idx));
+    TRYI(cb_cuda_copy_rows(c->cu, nb, blk, c->g_v, blk, NULL, plane_v(c, layer), blk, c->d_idx));
+    *k = c->g_k;
+    *v = c->g_v;
+    return 0;
+}
+
+int be_kv_copy_block(void *ctx, int dst, int src) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    if (!c->pool_k || c->failed || dst < 0 || src < 0 || dst >= c->n_blocks || src >= c->n_blocks) return -1;
+    if (dst == src) return 0;
+    /* one 2-D copy per pool half: a block's rows in every layer (row = one block, pitch = one layer) */
+    const size_t blk = (size_t)c->bt * c->kvd, pitch = c->plane * 2;
+    TRYI(cb_cuda_copy_2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->pool_k + (size_t)dst * blk, pitch,
+                         c->pool_k + (size_t)src * blk, pitch, blk * 2, (size_t)c->n_layer));
+    TRYI(cb_cuda_copy_2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->pool_v + (size_t)dst * blk, pitch,
+                         c->pool_v + (size_t)src * blk, pitch, blk * 2, (size_t)c->n_layer));
+    TRYI(cb_cuda_sync(c->cu));
+    return 0;
+}
+
+int be_kv_write(void *ctx, int layer, const cb_kv_table_t *t, const int32_t *pos, int n, const float *k,
+                const float *v) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    if (!c->pool_k || c->failed || layer < 0 || layer >= c->n_layer || n < 0 || !pos || !k || !v) return -1;
+    const size_t rb = (size_t)c->kvd * 2;
+    const int piece = (int)std::min(c->cap_in / (size_t)c->kvd, (size_t)c->idx_cap);
+    for (int r0 = 0; r0 < n; r0 += piece) {
+        const int nr = std::min(piece, n - r0);
+        if (!table_rows(c, t, pos + r0, 0, nr)) return -1;
+        const size_t ne = (size_t)nr * c->kvd;
+        TRYI(up_bf16(c, k + (size_t)r0 * c->kvd, ne, c->d_in, c->b_in));
+        TRYI(up_bf16(c, v + (size_t)r0 * c->kvd, ne, c->d_in2, c->b_in2));
+        TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_idx, c->h_idx, (size_t)nr * 4));
+        TRYI(cb_cuda_copy_rows(c->cu, nr, rb, plane_k(c, layer), rb, c->d_idx, c->b_in, rb, NULL));
+        TRYI(cb_cuda_copy_rows(c->cu, nr, rb, plane_v(c, layer), rb, c->d_idx, c->b_in2, rb, NULL));
+    }
+    TRYI(cb_cuda_sync(c->cu));   /* k and v are read before the caller reuses them */
+    return 0;
+}
+
+/* The raw rows (f32, f16 or bf16: the ggml type ids of the same dtypes) are copied to the device as they
+ * are and converted there (cb_cuda_dequant), then K is rotated from position 0 to pos0 + i in bf16. */
+int be_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
+               cb_kv_dtype_t dtype, float rope_base) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    if (!c->pool_k || c->failed || layer < 0 || layer >= c->n_layer || n < 0 || pos0 < 0 || !t ||
+        pos0 > t->n_pos - n || !k || !v || !(rope_base > 0.0f))
+        return -1;
+    if (dtype != CB_KV_F32 && dtype != CB_KV_F16 && dtype != CB_KV_BF16) return -1;
+    const size_t esz = dtype == CB_KV_F32 ? 4 : 2, rb = (size_t)c->kvd * 2;
+    const int piece = (int)std::min(c->cap_in / (size_t)c->kvd, (size_t)c->idx_cap);
+    for (int r0 = 0; r0 < n; r0 += piece) {
+        const int nr = std::min(piece, n - r0);
+        if (!table_rows(c, t, NULL, pos0 + r0, nr)) return -1;
+        const size_t ne = (size_t)nr * c->kvd, off = (size_t)r0 * c->kvd * esz;
+        TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_in, (const char *)k + off, ne * esz));
+        TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_in2, (const char *)v + off, ne * esz));
+        TRYI(cb_cuda_dequant(c->cu, (uint32_t)dtype, c->d_in, ne, c->b_in, CB_CUDA_BF16));
+        TRYI(cb_cuda_dequant(c->cu, (uint32_t)dtype, c->d_in2, ne, c->b_in2, CB_CUDA_BF16));
+        TRYI(cb_cuda_rope(c->cu, nr, c->n_head_kv, c->head_dim, c->b_in, c->kvd, c->b_in, c->kvd, NULL, pos0 + r0,
+                          rope_base));
+        TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_idx, c->h_idx, (size_t)nr * 4));
+        TRYI(cb_cuda_copy_rows(c->cu, nr, rb, plane_k(c, layer), rb, c->d_idx, c->b_in, rb, NULL));
+        TRYI(cb_cuda_copy_rows(c->cu, nr, rb, plane_v(c, layer), rb, c->d_idx, c->b_in2, rb, NULL));
+    }
+    TRYI(cb_cuda_sync(c->cu));   /* the source (a memory-tier entry, a file mapping) may go after return */
+    return 0;
+}
+
+int be_kv_read(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, float *k, float *v) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    if (!c->pool_k || c->failed || layer < 0 || layer >= c->n_layer || n < 0 || pos0 < 0 || !t || pos0 > t->n_pos - n)
+        return -1;
+    const size_t rb = (size_t)c->kvd * 2;
+    const int piece = (int)std::min(std::min(c->cap_out / (size_t)c->kvd, (size_t)c->g_blocks * c->bt),
+                                    (size_t)c->idx_cap);
+    for (int r0 = 0; r0 < n; r0 += piece) {
+        const int nr = std::min(piece, n - r0);
+        if (!table_rows(c, t, NULL, pos0 + r0, nr)) return -1;
+        const size_t ne = (size_t)nr * c->kvd;
+        TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_idx, c->h_idx, (size_t)nr * 4));
+        for (int half = 0; half < 2; half++) {
+            float *dst = half ? v : k;
+            if (!dst) continue;
+            TRYI(cb_cuda_copy_rows(c->cu, nr, rb, c->g_k, rb, NULL, half ? plane_v(c, layer) : plane_k(c, layer), rb,
+                                   c->d_idx));
+            TRYI(down_f32(c, c->g_k, ne, c->d_out, dst + (size_t)r0 * c->kvd));
+        }
+    }
+    TRYI(cb_cuda_sync(c->cu));
+    return 0;
+}
+
+/* ------------------------------------------------------------------ attention over the pool */
+
+bool geom_ok(const be_ctx *c, const cb_attn_geom_t *g) {
+    return g && g->n_head == c->n_head && g->n_head_kv == c->n_head_kv && g->head_dim == c->head_dim;
+}
+
+/* Largest key limit, or -1 when a limit is outside 1..min(max_keys, t->n_pos). */
+int max_limit(const be_ctx *c, const cb_kv_table_t *t, const int32_t *key_limit, int n) {
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (key_limit[i] < 1 || key_limit[i] > c->max_keys || !t || key_limit[i] > t->n_pos) return -1;
+        m = key_limit[i] > m ? key_limit[i] : m;
+    }
+    return m;
+}
+
+void be_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
+                  const int32_t *key_limit, float *out) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    const int qd = g->n_head * g->head_dim;
+    const size_t nq = (size_t)(n > 0 ? n : 0) * qd;
+    const int maxlim = n > 0 ? max_limit(c, t, key_limit, n) : -1;
+    const cb_bf16_t *dk = NULL, *dv = NULL;
+    if (n < 1 || n > c->max_rows || nq > c->cap_in || nq > c->cap_out || maxlim < 1 || !geom_ok(c, g) || !c->pool_k ||
+        layer < 0 || layer >= c->n_layer) {
+        if (!c->failed)
+            fprintf(stderr, "cuda backend: attention of %d rows (layer %d, max key limit %d) is outside its limits\n",
+                    n, layer, maxlim);
+        c->failed = true;
+        goto bad;
+    }
+    TRYB(kv_view(c, layer, t, maxlim, &dk, &dv));
+    TRYB(up_bf16(c, q, nq, c->d_in, c->b_in));
+    TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_i, key_limit, (size_t)n * 4));
+    {
+        cb_cuda_attn_t a;
+        memset(&a, 0, sizeof a);
+        a.q = c->b_in, a.ldq = qd, a.k = dk, a.v = dv, a.ldkv = c->kvd, a.out = c->b_out, a.ldo = qd;
+        a.limit = c->d_i, a.limit_add = 0, a.n_q = n, a.n_kv = maxlim, a.n_heads = g->n_head;
+        a.n_kv_heads = g->n_head_kv, a.head_dim = g->head_dim, a.max_limit = maxlim, a.scale = g->scale;
+        TRYB(cb_cuda_attention(c->cu, &a, CB_CUDA_ATTN_AUTO));
+    }
+    TRYB(down_f32(c, c->b_out, nq, c->d_out, out));
+    return;
+bad:
+    nan_fill(out, nq);
+}
+
+int be_attn_mass(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
+                 const int32_t *key_limit, float *mass) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    if (n == 0) return 0;
+    const int qd = g->n_head * g->head_dim;
+    const size_t nq = (size_t)(n > 0 ? n : 0) * qd;
+    const int maxlim = n > 0 ? max_limit(c, t, key_limit, n) : -1;
+    if (n < 0 || n > c->max_rows || nq > c->cap_in || maxlim < 1 || !geom_ok(c, g) || !c->pool_k || c->failed ||
+        layer < 0 || layer >= c->n_layer || !mass)
+        return -1;
+    const cb_bf16_t *dk = NULL, *dv = NULL;
+    if (kv_view(c, layer, t, maxlim, &dk, &dv) != 0) return -1;
+    TRYI(up_bf16(c, q, nq, c->d_in, c->b_in));
+    TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_i, key_limit, (size_t)n * 4));
+    cb_cuda_attn_t a;
+    memset(&a, 0, sizeof a);
+    a.q = c->b_in, a.ldq = qd, a.k = dk, a.v = dv, a.ldkv = c->kvd, a.out = NULL, a.ldo = qd;
+    a.limit = c->d_i, a.limit_add = 0, a.n_q = n, a.n_kv = maxlim, a.n_heads = g->n_head;
+    a.n_kv_heads = g->n_head_kv, a.head_dim = g->head_dim, a.max_limit = maxlim, a.scale = g->scale;
+    TRYI(cb_cuda_attn_mass(c->cu, &a, c->d_mass));
+    TRYI(cb_cuda_d2h(c->cu, c->h_mass, c->d_mass, (size_t)maxlim * 4));
+    for (int j = 0; j < maxlim; j++) mass[j] += c->h_mass[j];   /* accumulated, as the table says */
+    return 0;
+}
+
+/* ------------------------------------------------------------------ host-side CacheBlend operations
+ *
+ * kv_deviation, topk and compact_rows run on the host. Their inputs are host memory by the table's
+ * contract (activations and scores are host buffers; the cached rows of kv_deviation are memory-tier
+ * entries or KV file mappings), each is a few microseconds of arithmetic over n rows, and a device pass
+ * would add two copies and a synchronization to move the same bytes. On the host they give the CPU
+ * reference's results bit for bit (the same double accumulation in j order, the same order of ranks), so
+ * which rows a blend selects does not depend on the backend beyond the fresh K/V it measured. */
+
+float h_f16(uint16_t h) {   /* IEEE binary16 -> f32, exact (subnormals, inf, NaN) */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    if (e == 0x1f) bits = sign | 0x7f800000u | (m << 13);
+    else if (e) bits = sign | ((e + 112u) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else {
+        e = 113;
+        while (!(m & 0x400u)) m <<= 1, e--;
+        bits = sign | (e << 23) | ((m & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+float h_bf16(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+float cached_at(const void *row, cb_kv_dtype_t dtype, int j) {
+    if (dtype == CB_KV_F32) return ((const float *)row)[j];
+    uint16_t h;
+    memcpy(&h, (const uint8_t *)row + 2 * (size_t)j, 2);
+    return dtype == CB_KV_F16 ? h_f16(h) : h_bf16(h);
+}
+
+int be_kv_deviation(void *ctx, int n, int width, const float *fresh, const void *const *cached, cb_kv_dtype_t dtype,
+                    double *dev) {
+    (void)ctx;   /* host only: no device state, no lock needed */
+    if (n < 0 || width < 0 || (n && (!fresh || !cached || !dev))) return -1;
+    if (dtype != CB_KV_F32 && dtype != CB_KV_F16 && dtype != CB_KV_BF16) return -1;
+    for (int i = 0; i < n; i++) {
+        const float *a = fresh + (size_t)i * width;
+        double s = 0.0;
+        for (int j = 0; j < width; j++) {
+            double d = (double)a[j] - (double)cached_at(cached[i], dtype, j);
+            s += d * d;
+        }
+        dev[i] = s;
+    }
+    return 0;
+}
+
+int be_topk(void *ctx, int n, const double *score, int k, int32_t *out) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);   /* topk_idx is the context's */
+    if (n < 0) return -1;
+    if (k > n) k = n;
+    if (k <= 0) return 0;
+    if (n > c->max_keys || !score || !out) return -1;
+    int32_t *idx = c->topk_idx;
+    for (int i = 0; i < n; i++) idx[i] = i;
+    /* a strict total order (NaN first, then descending score, then ascending index): one answer */
+    auto before = [score](int32_t a, int32_t b) {
+        const double sa = score[a], sb = score[b];
+        const bool na = std::isnan(sa), nb = std::isnan(sb);
+        if (na != nb) return na;
+        if (!na && sa != sb) return sa > sb;
+        return a < b;
+    };
+    if (k < n) std::partial_sort(idx, idx + k, idx + n, before);
+    else std::sort(idx, idx + n, before);
+    memcpy(out, idx, sizeof(int32_t) * (size_t)k);
+    return 0;
+}
+
+void be_compact_rows(void *ctx, float *x, size_t row_len, const int32_t *keep, int n_keep) {
+    (void)ctx;   /* host only */
+    for (int i = 0; i < n_keep; i++)
+        if (keep[i] != i) memmove(x + (size_t)i * row_len, x + (size_t)keep[i] * row_len, sizeof(float) * row_len);
+}
+
+/* ------------------------------------------------------------------ lifetime */
+
 void be_set_threads(void *ctx, int n_threads) {
     (void)ctx;
     (void)n_threads;
@@ -199,12 +616,13 @@ void be_destroy(void *ctx) {
     be_ctx *c = BE(ctx);
     if (!c) return;
     if (c->cu) {
-        if (c->wcache)
-            for (auto &kv : *c->wcache) cb_cuda_free(c->cu, kv.second);
-        cb_cuda_destroy(&c->cu);   /* frees the scratch too */
+        for (auto &kv : c->wcache) cb_cuda_free(c->cu, kv.second);
+        cb_cuda_destroy(&c->cu);   /* frees the scratch and the pool too */
     }
-    delete c->wcache;
-    free(c);
+    free(c->h_mass);
+    free(c->topk_idx);
+    free(c->h_idx);
+    delete c;
 }
 
 cb_backend_ops_t make_ops() {
@@ -218,6 +636,18 @@ cb_backend_ops_t make_ops() {
     o.swiglu = be_swiglu;
     o.add = be_add;
     o.embed = be_embed;
+    o.matmul_multi = be_matmul_multi;
+    o.host_alloc = be_host_alloc;
+    o.host_free = be_host_free;
+    o.kv_pool_init = be_kv_pool_init;
+    o.kv_copy_block = be_kv_copy_block;
+    o.kv_write = be_kv_write;
+    o.kv_load = be_kv_load;
+    o.kv_read = be_kv_read;
+    o.attn_mass = be_attn_mass;
+    o.kv_deviation = be_kv_deviation;
+    o.topk = be_topk;
+    o.compact_rows = be_compact_rows;
     o.set_threads = be_set_threads;
     o.destroy = be_destroy;
     return o;
@@ -228,26 +658,30 @@ const cb_backend_ops_t CUDA_OPS = make_ops();
 
 extern "C" cb_backend_t *cb_backend_cuda_new(const cb_hparams_t *hp, int max_rows, int max_keys, int device, char *err,
                                              size_t errlen) {
-    if (!hp || max_rows < 1 || max_keys < 1) {
+    if (!hp || max_rows < 1 || max_keys < 1 || hp->n_head < 1 || hp->n_head_kv < 1 || hp->head_dim < 2 ||
+        hp->head_dim % 2 || hp->n_head % hp->n_head_kv) {
         snprintf(err, errlen, "cuda backend: bad arguments");
         return NULL;
     }
-    be_ctx *c = (be_ctx *)calloc(1, sizeof *c);
+    be_ctx *c = new (std::nothrow) be_ctx();
     cb_backend_t *be = (cb_backend_t *)calloc(1, sizeof *be);
     if (!c || !be) {
-        free(c);
+        delete c;
         free(be);
         snprintf(err, errlen, "cuda backend: out of host memory");
         return NULL;
     }
-    c->wcache = new std::unordered_map<const void *, cb_bf16_t *>();
     c->cu = cb_cuda_new(device, err, errlen);
     if (!c->cu) {
         be_destroy(c);
         free(be);
         return NULL;
     }
+    c->device = device;
     const int qd = hp->n_head * hp->head_dim;
+    c->n_head = hp->n_head;
+    c->n_head_kv = hp->n_head_kv;
+    c->head_dim = hp->head_dim;
     c->kvd = hp->n_head_kv * hp->head_dim;
     c->max_rows = max_rows;
     c->max_keys = max_keys;
@@ -256,18 +690,25 @@ extern "C" cb_backend_t *cb_backend_cuda_new(const cb_hparams_t *hp, int max_row
     c->cap_in = (size_t)max_rows * c->max_dim;
     c->cap_out = c->cap_in > (size_t)hp->n_vocab ? c->cap_in : (size_t)hp->n_vocab;
     if ((size_t)max_rows * (size_t)hp->n_embd > c->cap_out) c->cap_out = (size_t)max_rows * hp->n_embd;
-    const size_t kv = (size_t)max_keys * c->kvd;
-    bool ok = (c->d_in = (float *)cb_cuda_malloc(c->cu, c->cap_in * 4)) && (c->d_in2 = (float *)cb_cuda_malloc(c->cu, c->cap_in * 4)) &&
+    bool ok = (c->d_in = (float *)cb_cuda_malloc(c->cu, c->cap_in * 4)) &&
+              (c->d_in2 = (float *)cb_cuda_malloc(c->cu, c->cap_in * 4)) &&
               (c->b_in = (cb_bf16_t *)cb_cuda_malloc(c->cu, c->cap_in * 2)) &&
               (c->b_in2 = (cb_bf16_t *)cb_cuda_malloc(c->cu, c->cap_in * 2)) &&
               (c->d_out = (float *)cb_cuda_malloc(c->cu, c->cap_out * 4)) &&
               (c->b_out = (cb_bf16_t *)cb_cuda_malloc(c->cu, c->cap_out * 2)) &&
               (c->d_w = (float *)cb_cuda_malloc(c->cu, (size_t)c->max_dim * 4)) &&
               (c->d_i = (int32_t *)cb_cuda_malloc(c->cu, (size_t)max_rows * 4)) &&
-              (c->d_kv = (float *)cb_cuda_malloc(c->cu, kv * 4)) && (c->b_k = (cb_bf16_t *)cb_cuda_malloc(c->cu, kv * 2)) &&
-              (c->b_v = (cb_bf16_t *)cb_cuda_malloc(c->cu, kv * 2));
+              (c->d_mass = (float *)cb_cuda_malloc(c->cu, (size_t)max_keys * 4));
     if (!ok) {
         snprintf(err, errlen, "cuda backend: %s", cb_cuda_error(c->cu));
+        be_destroy(c);
+        free(be);
+        return NULL;
+    }
+    c->h_mass = (float *)malloc((size_t)max_keys * 4);
+    c->topk_idx = (int32_t *)malloc((size_t)max_keys * 4);
+    if (!c->h_mass || !c->topk_idx) {
+        snprintf(err, errlen, "cuda backend: out of host memory");
         be_destroy(c);
         free(be);
         return NULL;
@@ -276,9 +717,13 @@ extern "C" cb_backend_t *cb_backend_cuda_new(const cb_hparams_t *hp, int max_row
     be->ctx = c;
     be->max_rows = max_rows;
     be->max_keys = max_keys;
+    be->kv_value_bytes = 2;   /* bf16 pool */
     return be;
 }
 
 extern "C" bool cb_backend_cuda_failed(const cb_backend_t *be) {
-    return be && be->ops == &CUDA_OPS && ((const be_ctx *)be->ctx)->failed;
+    if (!be || be->ops != &CUDA_OPS) return false;
+    be_ctx *c = (be_ctx *)be->ctx;
+    std::lock_guard<std::mutex> g(c->mu);
+    return c->failed;
 }

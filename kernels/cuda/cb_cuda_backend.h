@@ -1,17 +1,31 @@
-/* cb_cuda_backend: a CUDA instance of libshared/backend.h's operation table (cb_backend_ops_t).
+/* cb_cuda_backend: a CUDA instance of engine/backend.h's operation table (cb_backend_ops_t).
  *
- * The table's contract is host memory: the engine owns f32 buffers and its KV cache in host memory and
- * passes them to every operation. This backend therefore copies each operation's inputs to the device,
- * computes with the cb_cuda kernels (bf16 operands, f32 accumulation — the CUDA backend's precision per
- * DESIGN.md §5) and copies the outputs back: a drop-in for correctness (the GPU tests run it against the
- * CPU backend op by op), not for speed. Weight matrices are dequantized to bf16 on the device once, on
- * first use, and cached by their storage address (cb_weight_t.q), which must stay valid (the model
- * outlives the backend). The fast path keeps every buffer on the device: cb_cuda_llama.h (whole forward
- * and blend on the GPU), or a future table with device buffers (see the report in the issue notes).
+ * What lives on the device: the KV pool (kv_pool_init: bf16, K and V each [n_layer][n_blocks]
+ * [block_tokens][kv_dim], so the blocks of one layer are contiguous), the bf16 weights (dequantized once,
+ * on first use, cached by their storage address cb_weight_t.q, which must stay valid: the model outlives
+ * the backend) and fixed scratch sized at creation for max_rows rows and max_keys keys (plus, at
+ * kv_pool_init, a gather area of max_keys rows). K/V never cross the host on the hot path: kv_write and
+ * kv_load scatter rows into the pool (kv_load converts f32/f16/bf16 and rotates pre-RoPE K on the device),
+ * attention and attn_mass read a layer's rows in place when the table's blocks are consecutive and
+ * otherwise through one device-to-device gather of its blocks; kv_copy_block is device to device.
  *
- * Operations return void (the table's signature): a CUDA failure is printed once to stderr, the
- * operation's outputs are filled with NaN, and cb_backend_cuda_failed() turns true; the owner should
- * then destroy the backend and fall back to the CPU one. Available only when CB_HAVE_CUDA.
+ * What still round-trips: activations. The table's contract keeps them in host buffers (host_alloc gives
+ * pinned memory), so every dense operation (matmul, rmsnorm, rope, attention's q and output, swiglu, add,
+ * embed) copies its inputs in and its outputs out, computing in bf16 operands with f32 accumulation (the
+ * CUDA backend's precision, DESIGN.md §5). kv_deviation, topk and compact_rows run on the host: their
+ * inputs are host memory by that same contract (see the .cu for why that is also the cheaper place), and
+ * there they give the CPU reference's results bit for bit. The fully device-resident schedules (prefill,
+ * decode) are cb_cuda_llama.h.
+ *
+ * Every operation ends synchronized: outputs are in host memory and host inputs have been read when it
+ * returns. Threads: one mutex serializes the operations, so kv_load may come from the blend's loader
+ * thread while another thread runs the others (backend.h); the device is made current on each call.
+ *
+ * Failure: void operations print the CUDA error once to stderr, fill their outputs with NaN and make
+ * cb_backend_cuda_failed() true; int operations return -1 (bad arguments leave the backend usable; a
+ * device error marks it failed). After a failure the owner should destroy the backend and fall back to
+ * the CPU one. kv_pool_init reports a pool that does not fit the device with its size and the driver's
+ * out-of-memory message. Available only when CB_HAVE_CUDA.
  */
 #ifndef CB_CUDA_BACKEND_H
 #define CB_CUDA_BACKEND_H
@@ -26,8 +40,8 @@ extern "C" {
 #endif
 
 /* A CUDA backend on `device` for model geometry hp: up to max_rows rows per call, attention over up to
- * max_keys keys. NULL with a message when there is no device or memory is short. Destroy with
- * cb_backend_destroy (backend.h). */
+ * max_keys keys. NULL with a message when there is no device or memory is short. The pool comes later
+ * (ops->kv_pool_init). Caller owns the result: cb_backend_destroy (backend.h). */
 cb_backend_t *cb_backend_cuda_new(const cb_hparams_t *hp, int max_rows, int max_keys, int device, char *err,
                                   size_t errlen);
 /* True once any operation of this (CUDA) backend has failed. */
