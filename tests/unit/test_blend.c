@@ -1,8 +1,14 @@
-/* test_blend: the CacheBlend fused prefill on the real model with small synthetic prompts (prefix + a few
- * chunks + suffix, ~200 tokens; smaller under sanitizers): exactness of full/prefix/reuse/blend(1.0)
- * against full, re-positioning of pre-RoPE K, selection (forced rows, determinism, counts, gradual),
- * exact causal key limits (hook and a behavioural check), the loader overlap, KV file misses
- * (missing, corrupt payload, truncated) and the memory tier. Skips without the model.
+/* test_blend: the CacheBlend fused prefill with small synthetic prompts (prefix + a few chunks + suffix,
+ * ~200 tokens; smaller under sanitizers): exactness of full/prefix/reuse/blend(1.0) against full,
+ * re-positioning of pre-RoPE K, selection (forced rows, determinism, counts, gradual), exact causal key
+ * limits (hook and a behavioural check), the loader overlap, KV file misses (missing, corrupt payload,
+ * truncated), the memory tier, and the prefix's blocks shared by reference between the store's context
+ * sequence and the request's.
+ *
+ * Model: the real SmolLM2 model (test_model_path()) when present, else a synthetic llama model
+ * (model/synth.h, Q4_1 like the real file: 6 layers, 3/1 heads of 64, vocabulary 16384 so the prompts' token
+ * ids exist) written to a temporary directory; CB_TEST_SYNTH=1 forces the synthetic model. Every assertion
+ * runs on both: they are about structure and exactness, not about the real model's numbers.
  *
  * Tolerance: logits that must be "the same" may differ only by the summation order of GEMMs over
  * different row batches (rows computed in another ubatch composition) and the 1-row GEMV of the last
@@ -13,19 +19,26 @@
 #include "engine/engine.h"
 #include "format/kvfile.h"
 #include "kv/kvmem.h"
+#include "kv/kvstore.h"
 #include "model/model.h"
+#include "model/synth.h"
 #include "test.h"
 
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #define LOGIT_TOL 2e-3
+#define MAX_CTX 320
 
 static cb_model_t *g_model;
 static cb_engine_t *g_eng;
 static const cb_hparams_t *g_hp;
+static int g_synth;            /* the synthetic model stands in for the real one */
+static char g_setup_err[512];
 static int g_np, g_nc, g_k, g_ns; /* prefix, chunk length, chunks, suffix */
 
 static int32_t g_prefix[64], g_chunks[4][128], g_suffix[32];
@@ -37,19 +50,65 @@ static int32_t rnd_tok(void) {
     return (int32_t)(300 + (g_rng >> 8) % 15000);
 }
 
+static int synth_forced(void) {
+    const char *s = getenv("CB_TEST_SYNTH");
+    return s && *s && strcmp(s, "0") != 0;
+}
+
+/* The synthetic stand-in: small, but with the real model's GQA ratio, head size and weight types, enough
+ * layers for the check/gradual/probe layers the tests name, and every token id the prompts use
+ * (rnd_tok: 300..15299). Written to a temporary directory, loaded, and the file removed. */
+static cb_model_t *synth_model(char *err, size_t errlen) {
+    cb_synth_shape_t s;
+    memset(&s, 0, sizeof s);
+    snprintf(s.name, sizeof s.name, "test-blend");
+    s.n_layer = 6, s.n_embd = 192, s.n_head = 3, s.n_head_kv = 1, s.n_ff = 256, s.n_vocab = 16384;
+    s.n_ctx = 2 * MAX_CTX, s.rope_base = 100000.0f, s.rms_eps = 1e-5f, s.tied = true;
+    char dir[64], path[128];
+    snprintf(dir, sizeof dir, "/tmp/test_blend_model.XXXXXX");
+    if (!mkdtemp(dir)) {
+        snprintf(err, errlen, "mkdtemp: %s", strerror(errno));
+        return NULL;
+    }
+    snprintf(path, sizeof path, "%s/synth.gguf", dir);
+    cb_model_t *m = NULL;
+    if (cb_synth_write(path, &s, CB_SYNTH_Q4_1, 2024, err, errlen) == 0) m = cb_model_load(path, err, errlen);
+    unlink(path);
+    rmdir(dir);
+    return m;
+}
+
+/* Loads the model (once) and makes the engine and the prompts; 0 with g_setup_err on failure. */
 static int setup(void) {
     if (g_eng) return 1;
-    const char *path = test_model_path();
-    if (!path) return 0;
-    char err[256];
-    g_model = cb_model_load(path, err, sizeof err);
-    if (!g_model) {
-        fprintf(stderr, "  %s\n", err);
-        return 0;
+    if (g_setup_err[0]) return 0; /* failed before */
+    char err[256] = "";
+    const char *path = synth_forced() ? NULL : test_model_path();
+    if (path) {
+        g_model = cb_model_load(path, err, sizeof err);
+        if (!g_model) {
+            snprintf(g_setup_err, sizeof g_setup_err, "load %s: %s", path, err);
+            return 0;
+        }
+    } else {
+        g_synth = 1;
+        g_model = synth_model(err, sizeof err);
+        if (!g_model) {
+            snprintf(g_setup_err, sizeof g_setup_err, "synthetic model: %s", err);
+            return 0;
+        }
     }
     g_hp = cb_model_hparams(g_model);
-    g_eng = cb_engine_new(g_model, 320, err, sizeof err);
-    if (!g_eng) return 0;
+    fprintf(stderr, "  model: %s (%d layers, vocabulary %d)\n", g_synth ? "synthetic" : path, g_hp->n_layer,
+            g_hp->n_vocab);
+    /* room for a few sequences of MAX_CTX at once (the store's context and chunk sequences, requests) */
+    const size_t per_pos = (size_t)2 * g_hp->n_layer * g_hp->n_head_kv * g_hp->head_dim * sizeof(float);
+    cb_engine_opts_t eo = {.max_ctx = MAX_CTX, .kv_pool_bytes = 6 * MAX_CTX * per_pos, .block_tokens = 0};
+    g_eng = cb_engine_new_opts(g_model, &eo, err, sizeof err);
+    if (!g_eng) {
+        snprintf(g_setup_err, sizeof g_setup_err, "engine: %s", err);
+        return 0;
+    }
     cb_engine_set_threads(g_eng, 1); /* tiny batches: one thread avoids OpenMP barriers on a busy machine */
     g_np = TEST_SANITIZED ? 6 : 16;
     g_nc = TEST_SANITIZED ? 16 : 40;
@@ -63,6 +122,31 @@ static int setup(void) {
     }
     for (int i = 0; i < g_ns; i++) g_suffix[i] = rnd_tok();
     return 1;
+}
+
+#define SETUP() CHECK_MSG(setup(), "setup: %s", g_setup_err)
+
+/* A store, a blend over it and a request sequence. */
+typedef struct {
+    cb_kvstore_t *store;
+    cb_blend_t *b;
+    cb_seq_t *seq;
+} fix_t;
+
+static int fix_open(fix_t *f, const char *dir, cb_kvmem_t *mem, cb_kv_dtype_t dtype) {
+    char err[256] = "";
+    memset(f, 0, sizeof *f);
+    f->store = cb_kvstore_new(g_eng, dir, mem, dtype, err, sizeof err);
+    if (f->store) f->b = cb_blend_new(f->store, err, sizeof err);
+    if (f->b) f->seq = cb_seq_new(g_eng);
+    if (!f->seq) fprintf(stderr, "  fixture: %s\n", err[0] ? err : "no sequence");
+    return f->seq ? 0 : -1;
+}
+
+static void fix_close(fix_t *f) {
+    cb_seq_destroy(&f->seq);
+    cb_blend_destroy(&f->b);
+    cb_kvstore_destroy(&f->store);
 }
 
 static int n_total(int k) { return g_np + k * g_nc + g_ns; }
@@ -94,18 +178,18 @@ static cb_blend_opts_t opts_mode(cb_blend_mode_t m) {
     return o;
 }
 
-/* Runs one prefill; 0 on success. */
-static int run(cb_blend_t *b, int k, const cb_blend_opts_t *o, float *logits, cb_blend_stats_t *st) {
+/* Runs one prefill of the fixture's blend into its sequence; 0 on success. */
+static int run(fix_t *f, int k, const cb_blend_opts_t *o, float *logits, cb_blend_stats_t *st) {
     char err[256] = "";
-    int rc = cb_blend_prefill(b, g_prefix, g_np, g_ch, k, g_suffix, g_ns, o, logits, st, err, sizeof err);
-    if (rc) fprintf(stderr, "  prefill: %s\n", err);
+    int rc = cb_blend_prefill(f->b, f->seq, g_prefix, g_np, g_ch, k, g_suffix, g_ns, o, logits, st, err, sizeof err);
+    if (rc) fprintf(stderr, "  prefill: %s (%s)\n", err, cb_engine_status_str(rc));
     return rc;
 }
 
-static int ensure_all(cb_blend_t *b, int k) {
+static int ensure_all(fix_t *f, int k) {
     char err[256] = "";
     for (int c = 0; c < k; c++)
-        if (cb_blend_ensure_chunk(b, g_prefix, g_np, g_ch[c].tokens, g_ch[c].n, NULL, NULL, err, sizeof err)) {
+        if (cb_kvstore_ensure(f->store, g_prefix, g_np, g_ch[c].tokens, g_ch[c].n, NULL, NULL, err, sizeof err)) {
             fprintf(stderr, "  ensure: %s\n", err);
             return -1;
         }
@@ -114,7 +198,7 @@ static int ensure_all(cb_blend_t *b, int k) {
 
 /* full through the blend path = the engine's own prefill; the fused KV then serves decoding */
 TEST(test_full_equals_engine_prefill) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     int V = g_hp->n_vocab, N = n_total(g_k);
     float *a = malloc(sizeof(float) * V), *b2 = malloc(sizeof(float) * V), *d1 = malloc(sizeof(float) * V),
           *d2 = malloc(sizeof(float) * V);
@@ -125,44 +209,45 @@ TEST(test_full_equals_engine_prefill) {
         for (int i = 0; i < g_nc; i++) all[r++] = g_chunks[c][i];
     for (int i = 0; i < g_ns; i++) all[r++] = g_suffix[i];
     all[N] = 1234;
-    char err[256];
-    cb_blend_t *b = cb_blend_new(g_eng, NULL, NULL, CB_KV_F16, err, sizeof err);
-    CHECK(b);
-    CHECK(cb_engine_prefill(g_eng, all, N, 0, a) == 0);
-    CHECK(cb_engine_decode(g_eng, all[N], N, d1) == 0);
+    fix_t f;
+    CHECK(fix_open(&f, NULL, NULL, CB_KV_F16) == 0);
+    CHECK(cb_blend_store(f.b) == f.store && cb_kvstore_engine(f.store) == g_eng);
+    CHECK(cb_engine_prefill(g_eng, f.seq, all, N, 0, a) == CB_ENGINE_OK);
+    CHECK(cb_engine_decode(g_eng, f.seq, all[N], N, d1) == CB_ENGINE_OK);
     cb_blend_opts_t o = opts_mode(CB_BLEND_FULL);
     cb_blend_stats_t st;
-    CHECK(run(b, g_k, &o, b2, &st) == 0);
+    CHECK(run(&f, g_k, &o, b2, &st) == 0); /* into the same sequence: cleared first */
     CHECK(st.tokens_recomputed == N && st.tokens_reused == 0 && st.n_tokens == N);
     double d = max_diff(a, b2, V);
     fprintf(stderr, "  full vs engine prefill: max |dlogit| = %.3g\n", d);
     CHECK_NEAR(d, 0, LOGIT_TOL);
-    CHECK(cb_engine_decode(g_eng, all[N], N, d2) == 0);
+    CHECK(cb_engine_decode(g_eng, f.seq, all[N], N, d2) == CB_ENGINE_OK);
     d = max_diff(d1, d2, V);
     fprintf(stderr, "  decode after full blend vs after prefill: %.3g\n", d);
     CHECK_NEAR(d, 0, LOGIT_TOL);
-    cb_blend_destroy(&b);
-    cb_blend_destroy(&b);
+    cb_blend_destroy(&f.b);
+    cb_blend_destroy(&f.b); /* NULL-safe */
+    fix_close(&f);
     free(a), free(b2), free(d1), free(d2), free(all);
 }
 
 /* blend at ratio 1.0 recomputes every chunk row: the same as full (f16 files; cached values only rank) */
 TEST(test_blend_ratio1_equals_full) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     int V = g_hp->n_vocab;
     const char *dir = make_dir();
     CHECK(dir);
     char err[256];
-    cb_blend_t *b = cb_blend_new(g_eng, dir, NULL, CB_KV_F16, err, sizeof err);
-    CHECK(b);
-    CHECK(ensure_all(b, g_k) == 0);
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
     float *full = malloc(sizeof(float) * V), *bl = malloc(sizeof(float) * V);
     cb_blend_opts_t o = opts_mode(CB_BLEND_FULL);
-    CHECK(run(b, g_k, &o, full, NULL) == 0);
+    CHECK(run(&f, g_k, &o, full, NULL) == 0);
     o = opts_mode(CB_BLEND_BLEND);
     o.ratio = 1.0f;
     cb_blend_stats_t st;
-    CHECK(run(b, g_k, &o, bl, &st) == 0);
+    CHECK(run(&f, g_k, &o, bl, &st) == 0);
     CHECK(st.chunks_file == g_k && st.chunks_computed == 0);
     CHECK(st.tokens_recomputed == n_total(g_k) - g_np); /* everything but the (exact) prefix */
     double d = max_diff(full, bl, V);
@@ -170,7 +255,7 @@ TEST(test_blend_ratio1_equals_full) {
     CHECK_NEAR(d, 0, LOGIT_TOL);
     /* the attention metric at ratio 1.0 is exact too (its probe pass only chooses rows) */
     o.metric = 'a';
-    CHECK(run(b, g_k, &o, bl, &st) == 0);
+    CHECK(run(&f, g_k, &o, bl, &st) == 0);
     CHECK(st.tokens_recomputed == n_total(g_k) - g_np);
     CHECK(st.t_probe_ms == 0.0); /* nothing to choose: no probe */
     d = max_diff(full, bl, V);
@@ -180,50 +265,52 @@ TEST(test_blend_ratio1_equals_full) {
     /* and with gradual filtering from 1.0 down to 1.0 is not allowed (start must exceed ratio) */
     o.gradual_ratio = 1.0f;
     o.gradual_end_layer = 3;
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, bl, NULL, err, sizeof err) == -1);
-    cb_blend_destroy(&b);
+    CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, bl, NULL, err, sizeof err) ==
+          CB_ENGINE_EINVAL);
+    fix_close(&f);
     rm_dir(dir);
     free(full), free(bl);
 }
 
 /* reuse with one chunk precomputed right after the prefix is exact (f32 files) */
 TEST(test_reuse_single_chunk_equals_full) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     int V = g_hp->n_vocab;
     const char *dir = make_dir();
     CHECK(dir);
     char err[256];
-    cb_blend_t *b = cb_blend_new(g_eng, dir, NULL, CB_KV_F32, err, sizeof err);
-    CHECK(b);
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F32) == 0);
     float *full = malloc(sizeof(float) * V), *re = malloc(sizeof(float) * V);
     cb_blend_opts_t o = opts_mode(CB_BLEND_FULL);
-    CHECK(run(b, 1, &o, full, NULL) == 0);
+    CHECK(run(&f, 1, &o, full, NULL) == 0);
     o = opts_mode(CB_BLEND_REUSE);
     cb_blend_stats_t st;
-    CHECK(run(b, 1, &o, re, &st) == 0); /* the miss is computed, stored, then used */
+    CHECK(run(&f, 1, &o, re, &st) == 0); /* the miss is computed, stored, then used */
     CHECK(st.chunks_computed == 1 && st.tokens_recomputed == g_ns);
     double d = max_diff(full, re, V);
     fprintf(stderr, "  reuse(1 chunk, computed now) vs full: %.3g\n", d);
     CHECK_NEAR(d, 0, LOGIT_TOL);
-    CHECK(run(b, 1, &o, re, &st) == 0); /* now from the file */
+    CHECK(run(&f, 1, &o, re, &st) == 0); /* now from the file */
     CHECK(st.chunks_file == 1 && st.chunks_computed == 0);
     d = max_diff(full, re, V);
     fprintf(stderr, "  reuse(1 chunk, from file) vs full: %.3g\n", d);
     CHECK_NEAR(d, 0, LOGIT_TOL);
     /* so is blend with the attention metric whatever it selects, also when its probe stops after the
      * first layer: the probe must still place every layer's cached rows, or the main pass reads what the
-     * previous prompt left there */
+     * previous prompt left there (the same sequence: its blocks go back to the pool and come out again) */
     int L = g_hp->n_layer;
     for (int pl = 0; pl <= L; pl += L > 1 ? L - 1 : 1) {
         for (int pl2 = pl; pl2 <= pl + 1 && pl2 <= L; pl2++) {
             o = opts_mode(CB_BLEND_FULL); /* other tokens into the cache rows the chunk will occupy */
-            CHECK(cb_blend_prefill(b, g_prefix, g_np, g_ch + 1, 1, g_suffix, g_ns, &o, re, NULL, err, sizeof err) == 0);
+            CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch + 1, 1, g_suffix, g_ns, &o, re, NULL, err,
+                                   sizeof err) == CB_ENGINE_OK);
             o = opts_mode(CB_BLEND_BLEND);
             o.metric = 'a';
             o.ratio = 0.3f;
             o.probe_layers = pl2;
             o.no_overlap = pl2 % 2; /* the loader thread and the serial loads */
-            CHECK(run(b, 1, &o, re, &st) == 0);
+            CHECK(run(&f, 1, &o, re, &st) == 0);
             CHECK(st.t_probe_ms > 0.0 && st.tokens_recomputed > g_ns && st.tokens_reused > 0);
             d = max_diff(full, re, V);
             fprintf(stderr, "  blend(1 chunk, metric a, probe layers %d) vs full: %.3g\n", pl2, d);
@@ -235,82 +322,83 @@ TEST(test_reuse_single_chunk_equals_full) {
     const int psufs[3] = {1, g_ns - 1, g_ns + 3};
     for (int i = 0; i < 3; i++) {
         o = opts_mode(CB_BLEND_FULL);
-        CHECK(cb_blend_prefill(b, g_prefix, g_np, g_ch + 1, 1, g_suffix, g_ns, &o, re, NULL, err, sizeof err) == 0);
+        CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch + 1, 1, g_suffix, g_ns, &o, re, NULL, err, sizeof err) ==
+              CB_ENGINE_OK);
         o = opts_mode(CB_BLEND_BLEND);
         o.metric = 'a';
         o.ratio = 0.3f;
         o.probe_suffix = psufs[i];
-        CHECK(run(b, 1, &o, re, &st) == 0);
+        CHECK(run(&f, 1, &o, re, &st) == 0);
         CHECK(st.t_probe_ms > 0.0 && st.tokens_recomputed > g_ns && st.tokens_reused > 0);
         d = max_diff(full, re, V);
         fprintf(stderr, "  blend(1 chunk, metric a, probe suffix %d) vs full: %.3g\n", psufs[i], d);
         CHECK_NEAR(d, 0, LOGIT_TOL);
     }
     /* with several chunks reuse is not exact (each chunk saw only the prefix) */
-    CHECK(ensure_all(b, g_k) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
     float *full3 = malloc(sizeof(float) * V);
     o = opts_mode(CB_BLEND_FULL);
-    CHECK(run(b, g_k, &o, full3, NULL) == 0);
+    CHECK(run(&f, g_k, &o, full3, NULL) == 0);
     o = opts_mode(CB_BLEND_REUSE);
-    CHECK(run(b, g_k, &o, re, NULL) == 0);
+    CHECK(run(&f, g_k, &o, re, NULL) == 0);
     fprintf(stderr, "  reuse(%d chunks) vs full: %.3g (expected > 0)\n", g_k, max_diff(full3, re, V));
     CHECK(max_diff(full3, re, V) > LOGIT_TOL);
-    cb_blend_destroy(&b);
+    fix_close(&f);
     rm_dir(dir);
     free(full), free(re), free(full3);
 }
 
 /* prefix mode (P and C1 loaded, the rest computed) is exact */
 TEST(test_prefix_equals_full) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     int V = g_hp->n_vocab;
     const char *dir = make_dir();
     CHECK(dir);
-    char err[256];
-    cb_blend_t *b = cb_blend_new(g_eng, dir, NULL, CB_KV_F32, err, sizeof err);
-    CHECK(b);
-    CHECK(ensure_all(b, g_k) == 0);
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F32) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
     float *full = malloc(sizeof(float) * V), *pf = malloc(sizeof(float) * V);
     cb_blend_opts_t o = opts_mode(CB_BLEND_FULL);
-    CHECK(run(b, g_k, &o, full, NULL) == 0);
+    CHECK(run(&f, g_k, &o, full, NULL) == 0);
     o = opts_mode(CB_BLEND_PREFIX);
     cb_blend_stats_t st;
-    CHECK(run(b, g_k, &o, pf, &st) == 0);
+    CHECK(run(&f, g_k, &o, pf, &st) == 0);
     CHECK(st.chunks_file == 1 && st.tokens_reused == g_np + g_nc);
     double d = max_diff(full, pf, V);
     fprintf(stderr, "  prefix vs full: %.3g\n", d);
     CHECK_NEAR(d, 0, LOGIT_TOL);
-    cb_blend_destroy(&b);
+    fix_close(&f);
     rm_dir(dir);
     free(full), free(pf);
 }
 
 /* pre-RoPE K computed at position p, rotated to q, equals K computed at q */
 TEST(test_repositioning) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     char err[256];
-    cb_blend_t *b = cb_blend_new(g_eng, NULL, NULL, CB_KV_F32, err, sizeof err);
-    CHECK(b);
-    const int n = g_nc, KVD = g_hp->n_head_kv * g_hp->head_dim, L = g_hp->n_layer;
+    fix_t f;
+    CHECK(fix_open(&f, NULL, NULL, CB_KV_F32) == 0);
+    const int n = g_nc, KVD = g_hp->n_head_kv * g_hp->head_dim, L = g_hp->n_layer, HKV = g_hp->n_head_kv;
     /* the chunk computed after the prefix: positions g_np.. */
-    cb_kvmem_entry_t *ent = cb_blend_precompute_chunk(b, g_prefix, g_np, g_chunks[0], n, false, err, sizeof err);
+    cb_kvmem_entry_t *ent = cb_kvstore_compute(f.store, g_prefix, g_np, g_chunks[0], n, false, err, sizeof err);
     CHECK_MSG(ent, "%s", err);
     CHECK(cb_kvmem_entry_n_tokens(ent) == n);
-    float *k = malloc(sizeof(float) * n * KVD);
+    float *k = malloc(sizeof(float) * n * KVD), *ek = malloc(sizeof(float) * n * KVD), *ev = malloc(sizeof(float) * n * KVD);
     int32_t *pos = malloc(sizeof(int32_t) * n);
     /* (a) the engine's prefill of prefix + chunk holds rope(K_pre, p) at every layer */
     int32_t all[256];
     for (int i = 0; i < g_np; i++) all[i] = g_prefix[i];
     for (int i = 0; i < n; i++) all[g_np + i] = g_chunks[0][i];
-    CHECK(cb_engine_prefill(g_eng, all, g_np + n, 0, NULL) == 0);
+    CHECK(cb_engine_prefill(g_eng, f.seq, all, g_np + n, 0, NULL) == CB_ENGINE_OK);
     double worst = 0;
     for (int l = 0; l < L; l++) {
         memcpy(k, cb_kvmem_entry_k(ent, l), sizeof(float) * n * KVD);
         for (int i = 0; i < n; i++) pos[i] = g_np + i;
-        cb_blend_rotate_k(b, k, n, pos);
-        double d = max_diff(k, cb_engine_kcache(g_eng, l) + (size_t)g_np * KVD, n * KVD);
+        cb_engine_rope(g_eng, k, n, HKV, pos);
+        CHECK(cb_engine_kv_read(g_eng, f.seq, l, g_np, n, ek, ev) == CB_ENGINE_OK);
+        double d = max_diff(k, ek, n * KVD);
         if (d > worst) worst = d;
-        CHECK(max_diff(cb_kvmem_entry_v(ent, l), cb_engine_vcache(g_eng, l) + (size_t)g_np * KVD, n * KVD) < 1e-3);
+        CHECK(max_diff(cb_kvmem_entry_v(ent, l), ev, n * KVD) < 1e-3);
     }
     fprintf(stderr, "  rope(K_pre, p) vs engine K at p, all layers: %.3g\n", worst);
     CHECK(worst < 1e-3);
@@ -318,30 +406,31 @@ TEST(test_repositioning) {
      * equals the engine's K computed at q (the chunk prefilled at pos0 = 100 after other tokens) */
     int32_t filler[100];
     for (int i = 0; i < 100; i++) filler[i] = (int32_t)(500 + i);
-    CHECK(cb_engine_prefill(g_eng, filler, 100, 0, NULL) == 0);
-    CHECK(cb_engine_prefill(g_eng, g_chunks[0], n, 100, NULL) == 0);
+    CHECK(cb_engine_prefill(g_eng, f.seq, filler, 100, 0, NULL) == CB_ENGINE_OK);
+    CHECK(cb_engine_prefill(g_eng, f.seq, g_chunks[0], n, 100, NULL) == CB_ENGINE_OK);
     memcpy(k, cb_kvmem_entry_k(ent, 0), sizeof(float) * n * KVD);
     for (int i = 0; i < n; i++) pos[i] = 100 + i;
-    cb_blend_rotate_k(b, k, n, pos);
-    double d = max_diff(k, cb_engine_kcache(g_eng, 0) + (size_t)100 * KVD, n * KVD);
+    cb_engine_rope(g_eng, k, n, HKV, pos);
+    CHECK(cb_engine_kv_read(g_eng, f.seq, 0, 100, n, ek, NULL) == CB_ENGINE_OK);
+    double d = max_diff(k, ek, n * KVD);
     fprintf(stderr, "  layer 0: K at p rotated to q vs K computed at q: %.3g\n", d);
     CHECK(d < 1e-4);
     /* (c) rotations compose: rope(rope(k, p), q - p) = rope(k, q) */
     float *k2 = malloc(sizeof(float) * n * KVD);
-    memcpy(k, cb_kvmem_entry_k(ent, 5), sizeof(float) * n * KVD);
+    memcpy(k, cb_kvmem_entry_k(ent, L > 5 ? 5 : L - 1), sizeof(float) * n * KVD);
     memcpy(k2, k, sizeof(float) * n * KVD);
     for (int i = 0; i < n; i++) pos[i] = 37 + i;
-    cb_blend_rotate_k(b, k, n, pos);
+    cb_engine_rope(g_eng, k, n, HKV, pos);
     for (int i = 0; i < n; i++) pos[i] = 200;
-    cb_blend_rotate_k(b, k, n, pos);
+    cb_engine_rope(g_eng, k, n, HKV, pos);
     for (int i = 0; i < n; i++) pos[i] = 237 + i;
-    cb_blend_rotate_k(b, k2, n, pos);
+    cb_engine_rope(g_eng, k2, n, HKV, pos);
     d = max_diff(k, k2, n * KVD);
     fprintf(stderr, "  rotation composition: %.3g\n", d);
     CHECK(d < 1e-3);
     cb_kvmem_entry_release(&ent);
-    cb_blend_destroy(&b);
-    free(k), free(k2), free(pos);
+    fix_close(&f);
+    free(k), free(k2), free(ek), free(ev), free(pos);
 }
 
 static int in_list(const int32_t *l, int n, int v) {
@@ -353,14 +442,13 @@ static int in_list(const int32_t *l, int n, int v) {
 /* the selected set holds every suffix row and forced lead rows; its size is forced + floor(r * cand);
  * selection and logits are deterministic, with or without the loader thread */
 TEST(test_selection) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     int V = g_hp->n_vocab, N = n_total(g_k);
     const char *dir = make_dir();
     CHECK(dir);
-    char err[256];
-    cb_blend_t *b = cb_blend_new(g_eng, dir, NULL, CB_KV_F16, err, sizeof err);
-    CHECK(b);
-    CHECK(ensure_all(b, g_k) == 0);
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
     float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
     int32_t *sel = malloc(sizeof(int32_t) * N);
     for (int metric = 0; metric < 3; metric++) {
@@ -369,7 +457,7 @@ TEST(test_selection) {
         o.lead_tokens = 2;
         o.metric = "vka"[metric];
         cb_blend_stats_t st;
-        CHECK(run(b, g_k, &o, l1, &st) == 0);
+        CHECK(run(&f, g_k, &o, l1, &st) == 0);
         int cand = g_k * (g_nc - 2), forced = g_k * 2 + g_ns;
         CHECK(st.n_candidates == cand && st.n_forced == forced);
         CHECK(st.tokens_recomputed == forced + (int)floor(0.2 * cand + 1e-6));
@@ -382,11 +470,11 @@ TEST(test_selection) {
         for (int i = 0; i < g_np; i++) CHECK(!in_list(sel, n_sel, i));
         CHECK((o.metric == 'a') == (st.t_probe_ms > 0.0));
         o.no_overlap = true;
-        CHECK(run(b, g_k, &o, l2, &st) == 0);
+        CHECK(run(&f, g_k, &o, l2, &st) == 0);
         CHECK(st.tokens_recomputed == n_sel && !memcmp(st.selected, sel, sizeof(int32_t) * n_sel));
         CHECK(!memcmp(l1, l2, sizeof(float) * V));
         o.no_overlap = false;
-        CHECK(run(b, g_k, &o, l2, &st) == 0);
+        CHECK(run(&f, g_k, &o, l2, &st) == 0);
         CHECK(!memcmp(st.selected, sel, sizeof(int32_t) * n_sel));
         CHECK(!memcmp(l1, l2, sizeof(float) * V));
         fprintf(stderr, "  metric %c: %d of %d rows recomputed, load %.1f ms (wait %.1f), select %.2f ms\n", o.metric,
@@ -397,17 +485,17 @@ TEST(test_selection) {
     o.ratio = 0.0f;
     o.lead_tokens = 0;
     cb_blend_stats_t st;
-    CHECK(run(b, g_k, &o, l1, &st) == 0);
+    CHECK(run(&f, g_k, &o, l1, &st) == 0);
     CHECK(st.tokens_recomputed == g_ns);
     /* gradual filtering (a deviation metric) ends at the same count */
     o.metric = 'v';
     o.ratio = 0.1f;
     o.gradual_ratio = 0.5f;
     o.gradual_end_layer = 5;
-    CHECK(run(b, g_k, &o, l1, &st) == 0);
+    CHECK(run(&f, g_k, &o, l1, &st) == 0);
     CHECK(st.tokens_recomputed == g_ns + (int)floor(0.1 * g_k * g_nc + 1e-6));
     CHECK(isfinite(l1[0]));
-    cb_blend_destroy(&b);
+    fix_close(&f);
     rm_dir(dir);
     free(l1), free(l2), free(sel);
 }
@@ -428,14 +516,13 @@ static void key_hook(void *ud, int layer, int n, const int32_t *pos, const int32
 /* a selected row never attends to a later position: every key limit is pos + 1, and changing the
  * suffix (same length) leaves the fused KV of every earlier row bit-identical */
 TEST(test_causal_limits) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     int V = g_hp->n_vocab, N = n_total(g_k), L = g_hp->n_layer, KVD = g_hp->n_head_kv * g_hp->head_dim;
     const char *dir = make_dir();
     CHECK(dir);
-    char err[256];
-    cb_blend_t *b = cb_blend_new(g_eng, dir, NULL, CB_KV_F16, err, sizeof err);
-    CHECK(b);
-    CHECK(ensure_all(b, g_k) == 0);
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
     float *lg = malloc(sizeof(float) * V);
     hook_state_t h = {0, 0, 0};
     cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
@@ -446,50 +533,50 @@ TEST(test_causal_limits) {
     /* metric a: probe pass and main pass both use exact limits */
     o.metric = 'a';
     o.probe_suffix = 0; /* the whole suffix */
-    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(run(&f, g_k, &o, lg, &st) == 0);
     CHECK(h.calls >= 2 * L - 1 && h.bad == 0); /* the probe skips the last layer's attention */
     /* a probe of the last 2 suffix rows computes g_ns - 2 rows fewer in each of its L - 1 layers, with exact
      * limits at their moved-up positions */
     int rows_all = h.rows;
     o.probe_suffix = 2;
     h = (hook_state_t){0, 0, 0};
-    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(run(&f, g_k, &o, lg, &st) == 0);
     CHECK(h.bad == 0);
     CHECK_MSG(rows_all - h.rows == (g_ns - 2) * (L - 1), "probe rows: %d with the whole suffix, %d with 2 of %d",
               rows_all, h.rows, g_ns);
     /* a deviation metric chooses rows from earlier rows only, so the suffix cannot change them */
     o.metric = 'v';
     h = (hook_state_t){0, 0, 0};
-    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(run(&f, g_k, &o, lg, &st) == 0);
     CHECK(h.calls >= L && h.bad == 0);
     int m = N - g_ns; /* rows before the suffix */
     size_t per = (size_t)m * KVD;
-    float *kv = malloc(sizeof(float) * per * 2 * L);
-    for (int l = 0; l < L; l++) {
-        memcpy(kv + (size_t)2 * l * per, cb_engine_kcache(g_eng, l), sizeof(float) * per);
-        memcpy(kv + (size_t)(2 * l + 1) * per, cb_engine_vcache(g_eng, l), sizeof(float) * per);
-    }
+    float *kv = malloc(sizeof(float) * per * 2 * L), *kv2 = malloc(sizeof(float) * per * 2 * L);
+    for (int l = 0; l < L; l++)
+        CHECK(cb_engine_kv_read(g_eng, f.seq, l, 0, m, kv + (size_t)2 * l * per, kv + (size_t)(2 * l + 1) * per) ==
+              CB_ENGINE_OK);
     int32_t save[32];
     memcpy(save, g_suffix, sizeof(int32_t) * g_ns);
     for (int i = 0; i < g_ns; i++) g_suffix[i] = (int32_t)(7000 + i);
-    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(run(&f, g_k, &o, lg, &st) == 0);
     memcpy(g_suffix, save, sizeof(int32_t) * g_ns);
-    int same = 1;
-    for (int l = 0; l < L; l++) {
-        same &= !memcmp(kv + (size_t)2 * l * per, cb_engine_kcache(g_eng, l), sizeof(float) * per);
-        same &= !memcmp(kv + (size_t)(2 * l + 1) * per, cb_engine_vcache(g_eng, l), sizeof(float) * per);
-    }
+    for (int l = 0; l < L; l++)
+        CHECK(cb_engine_kv_read(g_eng, f.seq, l, 0, m, kv2 + (size_t)2 * l * per, kv2 + (size_t)(2 * l + 1) * per) ==
+              CB_ENGINE_OK);
+    int same = !memcmp(kv, kv2, sizeof(float) * per * 2 * L);
     CHECK_MSG(same, "the fused KV of rows before the suffix depends on the suffix");
-    cb_blend_destroy(&b);
+    fix_close(&f);
     rm_dir(dir);
-    free(lg), free(kv);
+    free(lg), free(kv), free(kv2);
 }
 
 /* Path of chunk c's file. */
-static void chunk_path(cb_blend_t *b, const char *dir, int c, char *path, size_t len) {
+static void chunk_path(const fix_t *f, const char *dir, int c, char *path, size_t len) {
     uint8_t key[32];
-    cb_blend_chunk_key(b, g_prefix, g_np, g_ch[c].tokens, g_ch[c].n, key);
-    CHECK(cb_kvfile_path(dir, key, path, len) == 0);
+    cb_kvstore_chunk_key(f->store, g_prefix, g_np, g_ch[c].tokens, g_ch[c].n, key);
+    CHECK(cb_kvstore_path(f->store, key, path, len) == 0);
+    char old[512]; /* the store names files as kvfile does */
+    CHECK(cb_kvfile_path(dir, key, old, sizeof old) == 0 && !strcmp(old, path));
 }
 
 static int flip_byte(const char *path, long off_from_end) {
@@ -509,56 +596,56 @@ static int flip_byte(const char *path, long off_from_end) {
 /* a corrupt (payload or header), truncated or missing chunk file is a miss: recomputed, stored, and the
  * result equals the one with good files */
 TEST(test_file_miss_recomputed) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     int V = g_hp->n_vocab;
     const char *dir = make_dir();
     CHECK(dir);
     char err[256], path[512];
-    cb_blend_t *b = cb_blend_new(g_eng, dir, NULL, CB_KV_F16, err, sizeof err);
-    CHECK(b);
-    CHECK(ensure_all(b, g_k) == 0);
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
     float *good = malloc(sizeof(float) * V), *lg = malloc(sizeof(float) * V);
     cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
     cb_blend_stats_t st;
-    CHECK(run(b, g_k, &o, good, &st) == 0);
+    CHECK(run(&f, g_k, &o, good, &st) == 0);
     CHECK(st.chunks_file == g_k && st.restarts == 0);
     /* payload corruption in the last layer: found while streaming, the prefill restarts */
-    chunk_path(b, dir, 1, path, sizeof path);
+    chunk_path(&f, dir, 1, path, sizeof path);
     CHECK(flip_byte(path, 10) == 0);
-    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(run(&f, g_k, &o, lg, &st) == 0);
     CHECK(st.restarts == 1 && st.chunks_computed == 1);
     CHECK(!memcmp(good, lg, sizeof(float) * V));
-    CHECK(run(b, g_k, &o, lg, &st) == 0); /* rewritten: a hit again */
+    CHECK(run(&f, g_k, &o, lg, &st) == 0); /* rewritten: a hit again */
     CHECK(st.chunks_file == g_k && st.restarts == 0 && st.chunks_computed == 0);
     /* header corruption: a miss at open */
-    chunk_path(b, dir, 0, path, sizeof path);
+    chunk_path(&f, dir, 0, path, sizeof path);
     struct stat s;
     CHECK(stat(path, &s) == 0);
     CHECK(flip_byte(path, s.st_size - 20) == 0);
-    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(run(&f, g_k, &o, lg, &st) == 0);
     CHECK(st.chunks_computed == 1 && st.restarts == 0);
     CHECK(!memcmp(good, lg, sizeof(float) * V));
     /* truncated */
-    chunk_path(b, dir, 2, path, sizeof path);
+    chunk_path(&f, dir, 2, path, sizeof path);
     CHECK(truncate(path, 100) == 0);
-    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(run(&f, g_k, &o, lg, &st) == 0);
     CHECK(st.chunks_computed == 1);
     CHECK(!memcmp(good, lg, sizeof(float) * V));
     /* missing */
-    chunk_path(b, dir, 1, path, sizeof path);
+    chunk_path(&f, dir, 1, path, sizeof path);
     CHECK(unlink(path) == 0);
-    CHECK(run(b, g_k, &o, lg, &st) == 0);
+    CHECK(run(&f, g_k, &o, lg, &st) == 0);
     CHECK(st.chunks_computed == 1);
     CHECK(!memcmp(good, lg, sizeof(float) * V));
     /* ensure_chunk reports the reason of a miss */
     CHECK(flip_byte(path, 10) == 0);
-    cb_blend_src_t src;
+    cb_kvstore_src_t src;
     cb_kv_miss_t why;
-    CHECK(cb_blend_ensure_chunk(b, g_prefix, g_np, g_ch[1].tokens, g_ch[1].n, &src, &why, err, sizeof err) == 0);
-    CHECK(src == CB_BLEND_SRC_COMPUTED && why == CB_KV_MISS_PAYLOAD_CHECKSUM);
-    CHECK(cb_blend_ensure_chunk(b, g_prefix, g_np, g_ch[1].tokens, g_ch[1].n, &src, &why, err, sizeof err) == 0);
-    CHECK(src == CB_BLEND_SRC_FILE && why == CB_KV_OK);
-    cb_blend_destroy(&b);
+    CHECK(cb_kvstore_ensure(f.store, g_prefix, g_np, g_ch[1].tokens, g_ch[1].n, &src, &why, err, sizeof err) == 0);
+    CHECK(src == CB_KVSTORE_COMPUTED && why == CB_KV_MISS_PAYLOAD_CHECKSUM);
+    CHECK(cb_kvstore_ensure(f.store, g_prefix, g_np, g_ch[1].tokens, g_ch[1].n, &src, &why, err, sizeof err) == 0);
+    CHECK(src == CB_KVSTORE_FILE && why == CB_KV_OK);
+    fix_close(&f);
     rm_dir(dir);
     free(good), free(lg);
 }
@@ -566,95 +653,194 @@ TEST(test_file_miss_recomputed) {
 /* the memory tier: files stream into it, the next prefill hits it, results are identical (bf16 files:
  * the blend's own conversion of streamed rows equals kvfile's decoding into the tier) */
 TEST(test_memory_tier) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     int V = g_hp->n_vocab;
     const char *dir = make_dir();
     CHECK(dir);
     char err[256];
-    cb_blend_t *b0 = cb_blend_new(g_eng, dir, NULL, CB_KV_BF16, err, sizeof err);
-    CHECK(b0);
-    CHECK(ensure_all(b0, g_k) == 0);
+    fix_t f0, f;
+    CHECK(fix_open(&f0, dir, NULL, CB_KV_BF16) == 0);
+    CHECK(ensure_all(&f0, g_k) == 0);
     float *a = malloc(sizeof(float) * V), *c = malloc(sizeof(float) * V);
     cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
-    CHECK(run(b0, g_k, &o, a, NULL) == 0);
-    cb_blend_destroy(&b0);
+    CHECK(run(&f0, g_k, &o, a, NULL) == 0);
+    fix_close(&f0);
     cb_kvmem_t *mem = cb_kvmem_new(64u << 20);
-    cb_blend_t *b = cb_blend_new(g_eng, dir, mem, CB_KV_BF16, err, sizeof err);
-    CHECK(b);
+    CHECK(fix_open(&f, dir, mem, CB_KV_BF16) == 0);
+    CHECK(cb_kvstore_mem(f.store) == mem && cb_kvstore_dtype(f.store) == CB_KV_BF16);
     cb_blend_stats_t st;
-    CHECK(run(b, g_k, &o, c, &st) == 0);
+    CHECK(run(&f, g_k, &o, c, &st) == 0);
     CHECK(st.chunks_file == g_k);
     CHECK(!memcmp(a, c, sizeof(float) * V));
-    CHECK(run(b, g_k, &o, c, &st) == 0);
+    CHECK(run(&f, g_k, &o, c, &st) == 0);
     CHECK(st.chunks_mem == g_k && st.chunks_file == 0);
     CHECK(!memcmp(a, c, sizeof(float) * V));
-    cb_kvmem_entry_t *e = cb_blend_load_chunk(b, g_prefix, g_np, g_ch[0].tokens, g_ch[0].n, NULL, NULL, err, sizeof err);
-    CHECK(e && cb_kvmem_entry_n_tokens(e) == g_nc);
+    cb_kvstore_src_t src;
+    cb_kvmem_entry_t *e = cb_kvstore_load(f.store, g_prefix, g_np, g_ch[0].tokens, g_ch[0].n, &src, NULL, err, sizeof err);
+    CHECK(e && cb_kvmem_entry_n_tokens(e) == g_nc && src == CB_KVSTORE_MEM);
     cb_kvmem_entry_release(&e);
-    cb_blend_destroy(&b);
+    fix_close(&f);
     cb_kvmem_destroy(&mem);
     rm_dir(dir);
     free(a), free(c);
 }
 
 TEST(test_bad_args) {
-    if (!setup()) SKIP("no model");
+    SETUP();
     char err[256];
-    CHECK(cb_blend_new(NULL, NULL, NULL, CB_KV_F16, err, sizeof err) == NULL);
-    CHECK(cb_blend_new(g_eng, "/nonexistent/dir", NULL, CB_KV_F16, err, sizeof err) == NULL);
-    CHECK(cb_blend_new(g_eng, NULL, NULL, (cb_kv_dtype_t)7, err, sizeof err) == NULL);
-    cb_blend_t *b = cb_blend_new(g_eng, NULL, NULL, CB_KV_F16, err, sizeof err);
-    CHECK(b);
+    CHECK(cb_blend_new(NULL, err, sizeof err) == NULL);
+    CHECK(cb_kvstore_new(NULL, NULL, NULL, CB_KV_F16, err, sizeof err) == NULL);
+    CHECK(cb_kvstore_new(g_eng, "/nonexistent/dir", NULL, CB_KV_F16, err, sizeof err) == NULL);
+    CHECK(cb_kvstore_new(g_eng, NULL, NULL, (cb_kv_dtype_t)7, err, sizeof err) == NULL);
+    fix_t f;
+    CHECK(fix_open(&f, NULL, NULL, CB_KV_F16) == 0);
+    cb_blend_t *b = f.b;
+    cb_seq_t *q = f.seq;
     float *lg = malloc(sizeof(float) * g_hp->n_vocab);
     cb_blend_opts_t o = opts_mode(CB_BLEND_FULL);
     int32_t bad[2] = {1, g_hp->n_vocab};
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, bad, 2, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, bad, 2, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
     CHECK(strstr(err, "vocabulary"));
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, 0, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, 0, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
+    CHECK(cb_blend_prefill(b, NULL, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) ==
+          CB_ENGINE_EINVAL); /* no sequence */
     cb_blend_chunk_t big[24];
     for (int i = 0; i < 24; i++) big[i] = g_ch[0];
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, big, 24, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, big, 24, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) ==
+          CB_ENGINE_EINVAL);
     CHECK(strstr(err, "max_ctx"));
     cb_blend_chunk_t empty = {g_chunks[0], 0};
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, &empty, 1, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, &empty, 1, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) ==
+          CB_ENGINE_EINVAL);
     o.ratio = 1.5f;
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
     o = opts_mode(CB_BLEND_BLEND);
     o.check_layer = g_hp->n_layer;
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
     o = opts_mode(CB_BLEND_BLEND);
     o.metric = 'q';
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
     o = opts_mode(CB_BLEND_BLEND);
     o.metric = 'a'; /* gradual filtering re-measures a deviation: not with the attention metric */
     o.ratio = 0.1f;
     o.gradual_ratio = 0.5f;
     o.gradual_end_layer = 3;
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
     CHECK(strstr(err, "gradual"));
     o = opts_mode(CB_BLEND_BLEND);
     o.probe_layers = g_hp->n_layer + 1;
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
     CHECK(strstr(err, "probe layers"));
     o.probe_layers = -1;
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
     o = opts_mode(CB_BLEND_BLEND);
     o.probe_suffix = -1;
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
     CHECK(strstr(err, "probe suffix"));
     o = opts_mode(CB_BLEND_BLEND);
     o.mode = (cb_blend_mode_t)9;
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == -1);
-    CHECK(cb_blend_precompute_chunk(b, g_prefix, g_np, bad, 2, false, err, sizeof err) == NULL);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
+    CHECK(cb_kvstore_compute(f.store, g_prefix, g_np, bad, 2, false, err, sizeof err) == NULL);
+    CHECK(cb_kvstore_set_context(f.store, g_prefix, 0, err, sizeof err) == -1);
+    CHECK(cb_kvstore_set_context(f.store, bad, 2, err, sizeof err) == -1);
     CHECK(cb_blend_mode_parse("blend") == CB_BLEND_BLEND && cb_blend_mode_parse("x") == -1);
     CHECK(cb_blend_metric_parse("a") == 'a' && cb_blend_metric_parse("v") == 'v' && cb_blend_metric_parse("k") == 'k');
     CHECK(!cb_blend_metric_parse("q") && !cb_blend_metric_parse("") && !cb_blend_metric_parse("kv") && !cb_blend_metric_parse(NULL));
     CHECK(!strcmp(cb_blend_mode_str(CB_BLEND_REUSE), "reuse"));
+    CHECK(!strcmp(cb_kvstore_src_str(CB_KVSTORE_FILE), "file"));
     /* no chunks at all: prefix + suffix works in every mode */
     o = opts_mode(CB_BLEND_BLEND);
-    CHECK(cb_blend_prefill(b, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == 0);
-    cb_blend_destroy(&b);
+    CHECK(cb_blend_prefill(b, q, g_prefix, g_np, NULL, 0, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_OK);
+    fix_close(&f);
     free(lg);
+}
+
+/* The prefix's whole blocks are the store's context sequence's, shared by reference into the request's
+ * sequence during and after a blend (not loaded or computed again); when the request's sequence goes, only
+ * the context's blocks stay in use. */
+typedef struct {
+    cb_engine_t *eng;
+    int calls, min_shared;
+} share_probe_t;
+
+static void share_hook(void *ud, int layer, int n, const int32_t *pos, const int32_t *lim) {
+    share_probe_t *p = ud;
+    (void)layer, (void)n, (void)pos, (void)lim;
+    cb_engine_pool_stats_t st;
+    cb_engine_pool_stats(p->eng, &st);
+    p->calls++;
+    if (st.blocks_shared < p->min_shared) p->min_shared = st.blocks_shared;
+}
+
+TEST(test_prefix_blocks_shared) {
+    SETUP();
+    const int V = g_hp->n_vocab, L = g_hp->n_layer, KVD = g_hp->n_head_kv * g_hp->head_dim;
+    cb_engine_pool_stats_t st0, st;
+    cb_engine_pool_stats(g_eng, &st0);
+    const int bt = st0.block_tokens, np = 2 * bt + bt / 2; /* a prefix of 2.5 blocks */
+    CHECK(np <= 64);
+    if (st0.blocks_used) fprintf(stderr, "  %d blocks in use before the test (an earlier failure)\n", st0.blocks_used);
+    int32_t prefix[64];
+    for (int i = 0; i < np; i++) prefix[i] = rnd_tok();
+    char err[256] = "";
+    fix_t f;
+    CHECK(fix_open(&f, NULL, NULL, CB_KV_F16) == 0);
+    float *lg = malloc(sizeof(float) * V), *lf = malloc(sizeof(float) * V);
+    share_probe_t pr = {g_eng, 0, INT_MAX};
+    for (int mode = 0; mode < 2; mode++) { /* blend (metric a: a probe pass, then the main pass), and reuse */
+        cb_blend_opts_t o = opts_mode(mode ? CB_BLEND_REUSE : CB_BLEND_BLEND);
+        o.ratio = 0.3f;
+        o.attn_hook = share_hook;
+        o.attn_hook_ud = &pr;
+        cb_blend_stats_t bs;
+        CHECK_MSG(cb_blend_prefill(f.b, f.seq, prefix, np, g_ch, 2, g_suffix, g_ns, &o, lg, &bs, err, sizeof err) ==
+                      CB_ENGINE_OK, "%s", err);
+        const cb_seq_t *ctx = cb_kvstore_context_seq(f.store);
+        CHECK(ctx && cb_kvstore_context_len(f.store) == np && cb_seq_capacity(ctx) >= np);
+        CHECK_MSG(pr.calls > 0 && pr.min_shared >= np / bt, "%s: %d attention calls, fewest shared blocks %d",
+                  cb_blend_mode_str(o.mode), pr.calls, pr.min_shared);
+        cb_engine_pool_stats(g_eng, &st);
+        CHECK_MSG(st.blocks_shared - st0.blocks_shared == np / bt, "%d blocks shared after the blend, want %d",
+                  st.blocks_shared - st0.blocks_shared, np / bt);
+        CHECK_MSG(st.blocks_used - st0.blocks_used == cb_seq_blocks(ctx) + cb_seq_blocks(f.seq) - np / bt,
+                  "%d blocks used: context %d, request %d", st.blocks_used - st0.blocks_used, cb_seq_blocks(ctx),
+                  cb_seq_blocks(f.seq));
+        CHECK(cb_seq_blocks(f.seq) == (bs.n_tokens + bt - 1) / bt);
+        /* the request reads the context's rows of the prefix, bit for bit */
+        float *a = malloc(sizeof(float) * (size_t)np * KVD * 2), *c = malloc(sizeof(float) * (size_t)np * KVD * 2);
+        int same = 1;
+        for (int l = 0; l < L; l++) {
+            same &= cb_engine_kv_read(g_eng, ctx, l, 0, np, a, a + (size_t)np * KVD) == CB_ENGINE_OK;
+            same &= cb_engine_kv_read(g_eng, f.seq, l, 0, np, c, c + (size_t)np * KVD) == CB_ENGINE_OK;
+            same &= !memcmp(a, c, sizeof(float) * (size_t)np * KVD * 2);
+        }
+        free(a);
+        free(c);
+        CHECK_MSG(same, "the request's prefix rows differ from the context's");
+        pr.calls = 0, pr.min_shared = INT_MAX;
+    }
+    /* the request goes: only the context's blocks stay */
+    const int ctx_blocks = cb_seq_blocks(cb_kvstore_context_seq(f.store));
+    cb_seq_destroy(&f.seq);
+    cb_engine_pool_stats(g_eng, &st);
+    CHECK_MSG(st.blocks_used - st0.blocks_used == ctx_blocks && st.blocks_shared == st0.blocks_shared,
+              "%d blocks used (context: %d), %d shared", st.blocks_used - st0.blocks_used, ctx_blocks, st.blocks_shared);
+    /* a new request over the same context shares again, and prefix mode over it is exact */
+    f.seq = cb_seq_new(g_eng);
+    CHECK(f.seq);
+    cb_blend_opts_t o = opts_mode(CB_BLEND_FULL);
+    CHECK(cb_blend_prefill(f.b, f.seq, prefix, np, g_ch, 2, g_suffix, g_ns, &o, lf, NULL, err, sizeof err) == CB_ENGINE_OK);
+    o = opts_mode(CB_BLEND_PREFIX);
+    CHECK(cb_blend_prefill(f.b, f.seq, prefix, np, g_ch, 2, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_OK);
+    cb_engine_pool_stats(g_eng, &st);
+    CHECK(st.blocks_shared - st0.blocks_shared == np / bt);
+    double d = max_diff(lf, lg, V);
+    fprintf(stderr, "  prefix (2.5 shared blocks) vs full: %.3g\n", d);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
+    fix_close(&f);
+    cb_engine_pool_stats(g_eng, &st);
+    CHECK(st.blocks_used == st0.blocks_used && st.n_seqs == st0.n_seqs);
+    free(lg), free(lf);
 }
 
 int main(void) {
@@ -668,6 +854,7 @@ int main(void) {
     RUN(test_file_miss_recomputed);
     RUN(test_memory_tier);
     RUN(test_bad_args);
+    RUN(test_prefix_blocks_shared);
     cb_engine_destroy(&g_eng);
     cb_model_destroy(&g_model);
     return test_summary();
