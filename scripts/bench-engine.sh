@@ -11,7 +11,9 @@
 #
 # Environment: CB_MODEL, BENCH_THREADS (2), BENCH_LENS (512,2048,8000), BENCH_DECODE (128),
 # BENCH_REPS (1: best of N per prefill), BENCH_FA ("0 1": llama.cpp flash-attention settings to try),
-# BENCH_OUT (build/bench-engine.json).
+# BENCH_OUT (build/bench-engine.json), BENCH_BASE (another cb-bench binary, e.g. one built from an earlier
+# commit: run right after ours with the same arguments and shown as a "base" column with ours/base, so a
+# change is measured side by side in one run).
 # Timings on a shared machine are noisy: compare the two columns of one run, not runs of different days.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +33,11 @@ mkdir -p "$(dirname "$OUT")"
 echo "bench-engine: $MODEL, $THREADS threads, prompt lengths $LENS, $DECODE decode steps" >&2
 echo "  ours ..." >&2
 ours=$(build/bin/cb-bench --model "$MODEL" --threads "$THREADS" --lens "$LENS" --decode "$DECODE" --reps "$REPS" --json)
+base=null
+if [ -n "${BENCH_BASE:-}" ]; then
+  echo "  base ($BENCH_BASE) ..." >&2
+  base=$("$BENCH_BASE" --model "$MODEL" --threads "$THREADS" --lens "$LENS" --decode "$DECODE" --reps "$REPS" --json)
+fi
 
 llama_runs=()
 if python3 -c "import llama_cpp" 2>/dev/null; then
@@ -85,26 +92,30 @@ else
   echo "bench-engine: python3 cannot import llama_cpp (pip install llama-cpp-python); ours only" >&2
 fi
 
-python3 - "$OUT" "$ours" "${llama_runs[@]}" <<'PY'
+python3 - "$OUT" "$ours" "$base" "${llama_runs[@]}" <<'PY'
 import json, sys
-out, ours, runs = sys.argv[1], json.loads(sys.argv[2]), [json.loads(r) for r in sys.argv[3:]]
+out, ours, base, runs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), [json.loads(r) for r in sys.argv[4:]]
 def best(key_fn):
     vals = [(key_fn(r), r["flash_attn"]) for r in runs]
     return max(vals) if vals else (None, None)
 rows = []
 for i, p in enumerate(ours["prefill"]):
     ref, fa = best(lambda r: r["prefill"][i]["tok_s"])
-    rows.append(("prefill %d tok/s" % p["n"], p["tok_s"], ref, fa))
+    rows.append(("prefill %d tok/s" % p["n"], p["tok_s"], ref, fa, base["prefill"][i]["tok_s"] if base else None))
 ref, fa = best(lambda r: r["decode_tok_s"])
-rows.append(("decode tok/s (after %d)" % ours["decode_after"], ours["decode_tok_s"], ref, fa))
+rows.append(("decode tok/s (after %d)" % ours["decode_after"], ours["decode_tok_s"], ref, fa,
+             base["decode_tok_s"] if base else None))
 rss_ref = min((r["peak_rss_mb"] for r in runs), default=None)
-print("\n%-28s %12s %12s %8s" % ("threads=%d" % ours["threads"], "ours", "llama.cpp", "ratio"))
-for name, a, b, fa in rows:
-    print("%-28s %12.1f %12s %8s%s" % (name, a, "%.1f" % b if b else "-", "%.2fx" % (a / b) if b else "-",
-                                       "  (llama.cpp fa=%s)" % ("on" if fa else "off") if b else ""))
-print("%-28s %12.0f %12s %8s" % ("peak RSS MB", ours["peak_rss_mb"], "%.0f" % rss_ref if rss_ref else "-",
-                                 "%.2fx" % (ours["peak_rss_mb"] / rss_ref) if rss_ref else "-"))
+bcols = lambda a, b: " %10s %9s" % ("%.1f" % b, "%.3fx" % (a / b)) if base else ""
+print("\n%-28s %12s %12s %8s%s" % ("threads=%d" % ours["threads"], "ours", "llama.cpp", "ratio",
+                                   " %10s %9s" % ("base", "ours/base") if base else ""))
+for name, a, b, fa, bb in rows:
+    print("%-28s %12.1f %12s %8s%s%s" % (name, a, "%.1f" % b if b else "-", "%.2fx" % (a / b) if b else "-",
+                                         bcols(a, bb), "  (llama.cpp fa=%s)" % ("on" if fa else "off") if b else ""))
+print("%-28s %12.0f %12s %8s%s" % ("peak RSS MB", ours["peak_rss_mb"], "%.0f" % rss_ref if rss_ref else "-",
+                                   "%.2fx" % (ours["peak_rss_mb"] / rss_ref) if rss_ref else "-",
+                                   bcols(ours["peak_rss_mb"], base["peak_rss_mb"]) if base else ""))
 print("(llama.cpp RSS includes the Python interpreter; ours includes f32 weight copies and an f32 KV cache)")
-json.dump({"ours": ours, "llama_cpp": runs}, open(out, "w"), indent=1)
+json.dump({"ours": ours, "base": base, "llama_cpp": runs}, open(out, "w"), indent=1)
 print("wrote " + out)
 PY
