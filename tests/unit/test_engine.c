@@ -308,8 +308,8 @@ static int check_attn_mass_bt(int H, int HKV, int hd, int n, int keys, int bt) {
     int same = memcmp(mass, mass2, sizeof(float) * (size_t)keys) == 0;
     int ok = d <= 1e-4 * n && fabs(tot - (double)n * H) <= 1e-3 * n * H && same;
     if (!ok)
-        fprintf(stderr, "  attn mass H%d/%d hd%d n%d keys%d bt%d: max diff %g, total %g, shuffled blocks %s\n", H, HKV, hd,
-                n, keys, bt, d, tot, same ? "identical" : "DIFFER");
+        fprintf(stderr, "  attn mass H%d/%d hd%d n%d keys%d bt%d: max diff %g, total %g, shuffled blocks %s (max %g)\n", H,
+                HKV, hd, n, keys, bt, d, tot, same ? "identical" : "DIFFER", maxdiff(mass, mass2, (size_t)keys));
     kv_pool_free(&pc);
     kv_pool_free(&ps);
     free(q); free(kc); free(mass); free(mass2); free(ref); free(s); free(lim); free(scr);
@@ -321,12 +321,14 @@ static int check_attn_mass(int H, int HKV, int hd, int n, int keys) {
 }
 
 TEST(test_attn_mass) {
-    CHECK(check_attn_mass(4, 2, 16, 1, 30));
-    CHECK(check_attn_mass(9, 3, 64, 16, 500));   /* SmolLM2 geometry, one block */
-    CHECK(check_attn_mass(9, 3, 64, 37, 1300));  /* several blocks, partial last */
-    CHECK(check_attn_mass(4, 1, 32, 5, 5));      /* limits < n */
-    CHECK(check_attn_mass_bt(9, 3, 64, 16, 500, 7));
-    CHECK(check_attn_mass_bt(4, 2, 16, 3, 40, 1));
+    int ok = 1; /* every case runs (and reports), then the verdict */
+    ok &= check_attn_mass(4, 2, 16, 1, 30);
+    ok &= check_attn_mass(9, 3, 64, 16, 500);   /* SmolLM2 geometry, one block of rows */
+    ok &= check_attn_mass(9, 3, 64, 37, 1300);  /* several blocks, partial last */
+    ok &= check_attn_mass(4, 1, 32, 5, 5);      /* limits < n */
+    ok &= check_attn_mass_bt(9, 3, 64, 16, 500, 7);
+    ok &= check_attn_mass_bt(4, 2, 16, 3, 40, 1);
+    CHECK(ok);
 }
 
 /* Random Q4_1 / Q8_0 rows: our AVX-512 dequantization is bit-identical to cb_dequant. */
