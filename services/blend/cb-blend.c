@@ -5,7 +5,8 @@
  * sends a `heartbeat` to every query that has heard nothing for blend.heartbeat_ms, so a client can tell
  * a slow answer from a dead service. A client that went away (a send fails: ROUTER_MANDATORY gives
  * EHOSTUNREACH, a full pipe EAGAIN after the send timeout) has its query cancelled: it never stalls the
- * others.
+ * others. A query the engine's KV pool (blend.kv_pool_bytes) cannot hold also ends with `overloaded` (in
+ * its `done`), and the service goes on. `stats` adds the queue, the counters of gen.h and the KV pool.
  *
  *   cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...
  *
@@ -258,7 +259,15 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_uint(w, "cache_hits", atomic_load(&s->cache_hits));
     cb_msg_put_uint(w, "cache_misses", atomic_load(&s->cache_misses));
     cb_msg_put_uint(w, "cache_corrupt", atomic_load(&s->cache_corrupt));
+    cb_msg_put_uint(w, "queries_overloaded", atomic_load(&s->queries_overloaded));
     cb_msg_put_uint(w, "cacheindex_unavailable", atomic_load(&s->index_unavailable));
+    cb_msg_put_uint(w, "cacheindex_dropped", atomic_load(&s->index_dropped));
+    cb_msg_put_int(w, "pool_blocks_total", atomic_load(&s->pool_blocks));
+    cb_msg_put_int(w, "pool_blocks_used", atomic_load(&s->pool_blocks_used));
+    cb_msg_put_int(w, "pool_blocks_free", atomic_load(&s->pool_blocks_free));
+    cb_msg_put_int(w, "pool_blocks_shared", atomic_load(&s->pool_blocks_shared));
+    cb_msg_put_int(w, "pool_blocks_peak", atomic_load(&s->pool_blocks_peak));
+    cb_msg_put_int(w, "pool_block_tokens", atomic_load(&s->pool_block_tokens));
     cb_kvmem_stats_t ms;
     cb_kvmem_stats(b->mem, &ms);
     cb_msg_put_uint(w, "hot_entries", ms.entries);
@@ -272,7 +281,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves query/ping/stats (docs/protocol.md §7) on blend.endpoint. Keys: endpoint, bind, mode, ratio,\n"
                "  check_layer, metric, leading_tokens, k, max_tokens, temperature, top_p, seed, ctx_size, max_queue,\n"
-               "  hot_cache_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
+               "  hot_cache_bytes, kv_pool_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
                "  cacheindex_timeout_ms, and common.* (data_dir, kv_dir, model, threads, ...).\n"
                "  Environment CB_BLEND_<KEY> overrides the file.\n");
 }
@@ -287,7 +296,7 @@ int main(int argc, char **argv) {
     static gen_args_t ga;
     int rc = 1;
     const char *mode, *metric, *model, *sys, *backend;
-    int64_t ctx, threads, check, lead, hot, rt, ct;
+    int64_t ctx, threads, check, lead, hot, pool, rt, ct;
     bool store;
     if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "ratio", 0.0, 1.0, 0.15, &b.def.ratio, err, sizeof err) ||
@@ -305,6 +314,7 @@ int main(int argc, char **argv) {
         !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "leading_tokens", 0, 1 << 20, CB_BLEND_DEFAULT_LEAD, &lead, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "kv_pool_bytes", 0, INT64_MAX, 0, &pool, err, sizeof err) ||
         !cb_config_bool(cfg, SECTION, "store_misses", true, &store, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "system_prompt", "", &sys, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
@@ -334,6 +344,7 @@ int main(int argc, char **argv) {
     snprintf(ga.model_path, sizeof ga.model_path, "%s", model);
     snprintf(ga.system_prompt, sizeof ga.system_prompt, "%s", sys);
     ga.ctx_size = (int)ctx;
+    ga.kv_pool_bytes = (size_t)pool;
     ga.threads = (int)threads;
     ga.check_layer = (int)check;
     ga.metric = metric[0];

@@ -8,17 +8,21 @@
 #include <sys/stat.h>
 
 #include "base/clock.h"
+#include "base/log.h"
 #include "base/utf8.h"
 #include "engine/engine.h"
-#include "format/kvfile.h"
-#include "base/log.h"
-#include "model/model.h"
-#include "wire/msg.h"
-#include "rag/ragprompt.h"
 #include "engine/sampler.h"
+#include "format/kvfile.h"
+#include "kv/kvstore.h"
+#include "model/model.h"
 #include "model/tokenizer.h"
+#include "notify.h"
+#include "rag/ragprompt.h"
+#include "wire/msg.h"
 
 #define MAX_CONTEXT_BYTES 262144
+
+_Static_assert(NOTIFY_MAX_CHUNKS >= GEN_MAX_CONTEXTS, "one notice holds every chunk of a query");
 
 void gen_query_free(gen_query_t **q_p) {
     if (!q_p || !*q_p) return;
@@ -37,15 +41,18 @@ typedef struct {
     cb_model_t *model;
     cb_tokenizer_t *tok;
     cb_ragprompt_t *rp;
-    cb_engine_t *engine;
+    cb_engine_t *engine;          /* owns the KV pool */
+    cb_kvstore_t *store;          /* chunk KV: memory tier (a->mem) -> KV files (a->kv_dir) -> compute */
     cb_blend_t *blend;
-    cb_bus_client_t *retriever, *cacheindex;
+    cb_seq_t *seq;                /* the running query's KV; cleared after every query */
+    cb_bus_client_t *retriever;
+    notify_args_t na;             /* the notifier's arguments (it borrows them) */
+    zactor_t *notifier;           /* cache-index touches and puts, off the token path (notify.h) */
     cb_msg_writer_t *w;
-    const int32_t *prefix;        /* [n_prefix] P */
+    const int32_t *prefix;        /* [n_prefix] P, the store's precompute context */
     int n_prefix;
     int n_vocab;
     float *logits;                /* [n_vocab] */
-    char fp_hex[CB_KV_HEX_BYTES];
 } gen_t;
 
 /* ---- pipe ------------------------------------------------------------------------------------------ */
@@ -97,17 +104,51 @@ static void to_loop(gen_t *g, const char *what, gen_query_t *q, const void *data
 
 /* ---- setup ----------------------------------------------------------------------------------------- */
 
+/* Publishes the KV pool's accounting for the loop's `stats`. */
+static void publish_pool(gen_t *g) {
+    cb_engine_pool_stats_t ps;
+    cb_engine_pool_stats(g->engine, &ps);
+    gen_stats_t *s = g->a->stats;
+    atomic_store(&s->pool_blocks, ps.n_blocks);
+    atomic_store(&s->pool_blocks_used, ps.blocks_used);
+    atomic_store(&s->pool_blocks_free, ps.blocks_free);
+    atomic_store(&s->pool_blocks_shared, ps.blocks_shared);
+    atomic_store(&s->pool_block_tokens, ps.block_tokens);
+    if (ps.blocks_used > atomic_load(&s->pool_blocks_peak)) atomic_store(&s->pool_blocks_peak, ps.blocks_used);
+}
+
 static void gen_free(gen_t *g) {
+    zactor_destroy(&g->notifier); /* after the touch/put in progress, if any */
     cb_bus_client_destroy(&g->retriever);
-    cb_bus_client_destroy(&g->cacheindex);
     cb_msg_writer_destroy(&g->w);
+    cb_seq_destroy(&g->seq);
     cb_blend_destroy(&g->blend);
+    cb_kvstore_destroy(&g->store);
     cb_engine_destroy(&g->engine);
     cb_ragprompt_destroy(&g->rp);
     cb_tokenizer_destroy(&g->tok);
     cb_model_destroy(&g->model);
     free(g->logits);
     zlist_destroy(&g->fifo);
+}
+
+/* The cache-index notifier (notify.h), with the model's fingerprint for its puts. */
+static int start_notifier(gen_t *g, char *err, size_t errlen) {
+    const gen_args_t *a = g->a;
+    notify_args_t *na = &g->na;
+    na->cfg = a->cfg;
+    snprintf(na->kv_dir, sizeof na->kv_dir, "%s", a->kv_dir);
+    uint8_t fp[32];
+    cb_model_fingerprint(g->model, fp);
+    cb_kvfile_hex(fp, na->fp_hex);
+    na->timeout_ms = a->cacheindex_timeout_ms;
+    na->store = a->store_misses;
+    na->unavailable = &a->stats->index_unavailable;
+    if (!(g->notifier = zactor_new(notify_actor, na))) {
+        snprintf(err, errlen, "cannot start the cache-index notifier thread");
+        return -1;
+    }
+    return 0;
 }
 
 static int gen_init(gen_t *g, char *err, size_t errlen) {
@@ -122,33 +163,27 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
         snprintf(err, errlen, "blend.ctx_size %d is too small for the prompt prefix (%d tokens)", ctx, g->n_prefix);
         return -1;
     }
-    if (!(g->engine = cb_engine_new(g->model, ctx, err, errlen))) return -1;
+    cb_engine_opts_t eo = {.max_ctx = ctx, .kv_pool_bytes = a->kv_pool_bytes, .block_tokens = 0};
+    if (!(g->engine = cb_engine_new_opts(g->model, &eo, err, errlen))) return -1;
     if (a->threads > 0) cb_engine_set_threads(g->engine, a->threads);
-    if (!(g->blend = cb_blend_new(g->engine, a->kv_dir, a->mem, CB_KV_F16, err, errlen))) return -1;
+    if (!(g->store = cb_kvstore_new(g->engine, a->kv_dir, a->mem, CB_KV_F16, err, errlen))) return -1;
+    if (!(g->blend = cb_blend_new(g->store, err, errlen))) return -1;
     if (!(g->retriever = cb_bus_client_from_config(a->cfg, "blend", "retriever", err, errlen))) return -1;
-    if (!(g->cacheindex = cb_bus_client_from_config(a->cfg, "blend", "cacheindex", err, errlen))) return -1;
-    /* queries wait on these: one attempt each for the cache index (degrade to files + recompute), one
-     * retry for the retriever */
+    /* queries wait on it: one retry */
     cb_bus_client_set_timeout(g->retriever, a->retriever_timeout_ms, 1);
-    cb_bus_client_set_timeout(g->cacheindex, a->cacheindex_timeout_ms, 0);
     g->n_vocab = hp->n_vocab;
+    g->seq = cb_seq_new(g->engine);
     g->w = cb_msg_writer_new();
     g->logits = malloc((size_t)g->n_vocab * sizeof(float));
     g->fifo = zlist_new();
-    if (!g->w || !g->logits || !g->fifo) {
+    if (!g->seq || !g->w || !g->logits || !g->fifo) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    uint8_t fp[32];
-    cb_model_fingerprint(g->model, fp);
-    cb_kvfile_hex(fp, g->fp_hex);
-    /* compute P's KV now, so the first query does not pay for it */
-    int32_t tok0 = g->prefix[0];
-    cb_blend_opts_t o;
-    cb_blend_opts_default(&o);
-    o.mode = CB_BLEND_REUSE;
-    if (cb_blend_prefill(g->blend, g->prefix, g->n_prefix, NULL, 0, &tok0, 1, &o, NULL, NULL, err, errlen) != 0)
-        return -1;
+    if (start_notifier(g, err, errlen) != 0) return -1;
+    /* P's KV now (its blocks are shared into every query's sequence), so the first query does not pay */
+    if (cb_kvstore_set_context(g->store, g->prefix, g->n_prefix, err, errlen) != 0) return -1;
+    publish_pool(g);
     return 0;
 }
 
@@ -205,10 +240,55 @@ typedef struct {
     cb_blend_stats_t bs;
 } qmetrics_t;
 
+/* A chunk's KV file as seen before and after the prefill: a file the prefill replaced was rewritten
+ * (the chunk was computed now). */
+typedef struct {
+    bool exists;
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    struct timespec mtime;
+} file_state_t;
+
+/* One query, from its pieces to its `done`. */
+typedef struct {
+    gen_query_t *q;
+    qmetrics_t mt;
+    char *rtexts[GEN_MAX_CONTEXTS];          /* retrieved contexts (owned) */
+    size_t rlens[GEN_MAX_CONTEXTS];
+    char **texts;                            /* [n] the contexts: q's or rtexts */
+    size_t *lens;
+    int n;
+    int32_t *ctoks[GEN_MAX_CONTEXTS];        /* [n] chunk tokens (owned) */
+    int cn[GEN_MAX_CONTEXTS];
+    int32_t *suffix;                         /* [n_suffix] S (owned) */
+    int n_suffix;
+    int N;                                   /* prompt tokens */
+    int max_new;
+    bool need[GEN_MAX_CONTEXTS];             /* the mode reads chunk i from the store */
+    uint8_t key[GEN_MAX_CONTEXTS][32];       /* chunk keys (kvstore.h) */
+    char hex[GEN_MAX_CONTEXTS][CB_KV_HEX_BYTES];
+    file_state_t before[GEN_MAX_CONTEXTS];   /* chunk i's KV file before the prefill */
+    notify_note_t note;                      /* what cb-cacheindex is told */
+    bool prefilled, noticed;
+    char *text;                              /* the answer so far (owned) */
+    size_t text_len, text_cap;
+} query_t;
+
+static void query_free(query_t *r) {
+    for (int i = 0; i < GEN_MAX_CONTEXTS; i++) {
+        free(r->rtexts[i]);
+        free(r->ctoks[i]);
+    }
+    free(r->suffix);
+    free(r->text);
+}
+
 static void send_error(gen_t *g, gen_query_t *q, cb_err_t code, const char *msg) {
     size_t len;
     const void *d = cb_msg_write_error(g->w, "done", q->id, code, &len, "%s", msg);
     atomic_fetch_add(&g->a->stats->queries_failed, 1);
+    if (code == CB_ERR_OVERLOADED) atomic_fetch_add(&g->a->stats->queries_overloaded, 1);
     cb_log(CB_LOG_WARN, q->id, "query failed: %s: %s", cb_err_name(code), msg);
     to_loop(g, "DONE", q, d, d ? len : 0);
 }
@@ -251,214 +331,214 @@ static int retrieve(gen_t *g, gen_query_t *q, char **texts, size_t *lens, cb_err
     return got;
 }
 
-/* Registers a chunk's KV file with cb-cacheindex (best effort). */
-static void put_chunk(gen_t *g, gen_query_t *q, const char *hex, int n_tokens) {
-    char rel[CB_KV_HEX_BYTES + 8], path[4400];
-    snprintf(rel, sizeof rel, "%.2s/%.64s.kv", hex, hex);
-    snprintf(path, sizeof path, "%s/%s", g->a->kv_dir, rel);
-    struct stat sb;
-    if (stat(path, &sb) != 0) {
-        cb_log(CB_LOG_WARN, q->id, "chunk %.16s: no KV file to register (%s)", hex, strerror(errno));
-        return;
-    }
-    char id[CB_MSG_MAX_ID + 1];
-    snprintf(id, sizeof id, "%.40s.p", q->id);
-    cb_msg_begin(g->w, "put", id);
-    cb_msg_put_str(g->w, "key", hex);
-    cb_msg_put_str(g->w, "path", rel);
-    cb_msg_put_int(g->w, "bytes", (int64_t)sb.st_size);
-    cb_msg_put_int(g->w, "tokens", n_tokens);
-    cb_msg_put_str(g->w, "fingerprint", g->fp_hex);
-    cb_err_t code;
-    char e[512];
-    cb_msg_t *r = cb_bus_call_ok(g->cacheindex, g->w, &code, e, sizeof e);
-    if (!r) {
-        if (code == CB_ERR_TIMEOUT || code == CB_ERR_UNAVAILABLE) atomic_fetch_add(&g->a->stats->index_unavailable, 1);
-        cb_log(CB_LOG_WARN, q->id, "chunk %.16s: put: %s", hex, e);
-    }
-    cb_msg_destroy(&r);
-}
-
-/* Looks the needed keys up in cb-cacheindex (which marks them used for its LRU); in_index[i] says
- * whether the index knows chunk i. The blend itself checks the memory tier and the files, so the index
- * only informs the LRU, the metrics and which chunks to register. Returns -1 when unreachable. */
-static int lookup(gen_t *g, gen_query_t *q, char (*hex)[CB_KV_HEX_BYTES], const bool *need, int n, bool *in_index) {
-    char id[CB_MSG_MAX_ID + 1];
-    snprintf(id, sizeof id, "%.40s.l", q->id);
-    cb_msg_begin(g->w, "lookup", id);
-    cb_msg_begin_array(g->w, "keys");
-    int nk = 0;
-    for (int i = 0; i < n; i++) {
-        in_index[i] = false;
-        if (need[i]) {
-            cb_msg_put_str(g->w, NULL, hex[i]);
-            nk++;
-        }
-    }
-    cb_msg_end_array(g->w);
-    if (nk == 0) return 0;
-    cb_err_t code;
-    char e[512];
-    cb_msg_t *r = cb_bus_call_ok(g->cacheindex, g->w, &code, e, sizeof e);
-    if (!r) {
-        if (code == CB_ERR_TIMEOUT || code == CB_ERR_UNAVAILABLE) atomic_fetch_add(&g->a->stats->index_unavailable, 1);
-        cb_log(CB_LOG_WARN, q->id, "lookup: %s (going on with the KV files)", e);
-        return -1;
-    }
-    size_t nh = 0;
-    cb_msg_array_len(r, "hits", 256, &nh);
-    for (size_t h = 0; h < nh; h++) {
-        const cb_msg_t *hm = cb_msg_at_map(r, "hits", h);
-        const char *k;
-        size_t kl;
-        if (!hm || !cb_msg_str(hm, "key", 128, &k, &kl)) continue;
-        for (int i = 0; i < n; i++)
-            if (need[i] && kl == 64 && memcmp(k, hex[i], 64) == 0) in_index[i] = true;
-    }
-    cb_msg_destroy(&r);
-    return (int)nh;
-}
-
-static void run_query(gen_t *g, gen_query_t *q) {
-    const gen_args_t *a = g->a;
-    qmetrics_t mt = {0};
-    double t_start = cb_now_ms();
-    mt.queue_ms = t_start - q->t_recv_ms;
-    char err[1024];
-    cb_err_t code = CB_ERR_INTERNAL;
-    char *rtexts[GEN_MAX_CONTEXTS] = {0};
-    size_t rlens[GEN_MAX_CONTEXTS] = {0};
-    int32_t *ctoks[GEN_MAX_CONTEXTS] = {0};
-    int cn[GEN_MAX_CONTEXTS] = {0};
-    char hex[GEN_MAX_CONTEXTS][CB_KV_HEX_BYTES];
-    bool need[GEN_MAX_CONTEXTS] = {0};
-    int32_t *suffix = NULL;
-    cb_sampler_t *sampler = NULL;
-    char *text = NULL;
-    size_t text_len = 0, text_cap = 0;
-
-    /* 1. the contexts: given, or retrieved */
-    char **texts = q->contexts;
-    size_t *lens = q->context_lens;
-    int n = q->n_contexts;
+/* 1. The contexts: the query's, or the top k from cb-retriever. 0, or -1 with *code and err. */
+static int gather_contexts(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errlen) {
+    gen_query_t *q = r->q;
+    r->texts = q->contexts;
+    r->lens = q->context_lens;
+    r->n = q->n_contexts;
     if (q->retrieve) {
         double t = cb_now_ms();
-        n = retrieve(g, q, rtexts, rlens, &code, err, sizeof err);
-        mt.retrieve_ms = cb_now_ms() - t;
-        if (n < 0) goto fail;
-        texts = rtexts;
-        lens = rlens;
+        r->n = retrieve(g, q, r->rtexts, r->rlens, code, err, errlen);
+        r->mt.retrieve_ms = cb_now_ms() - t;
+        if (r->n < 0) return -1;
+        r->texts = r->rtexts;
+        r->lens = r->rlens;
     }
-    mt.n_chunks = n;
-    /* 2. the prompt pieces */
-    int n_suffix = 0, N = g->n_prefix;
-    for (int i = 0; i < n; i++) {
-        if (!(ctoks[i] = cb_ragprompt_chunk(g->rp, texts[i], lens[i], &cn[i]))) {
-            snprintf(err, sizeof err, "cannot tokenize context %d", i);
-            goto fail;
+    r->mt.n_chunks = r->n;
+    return 0;
+}
+
+/* 2. The prompt pieces (P is the store's context): chunk and suffix tokens, N, the decode budget. 0, or -1
+ * with *code and err. */
+static int build_prompt(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errlen) {
+    r->N = g->n_prefix;
+    for (int i = 0; i < r->n; i++) {
+        if (!(r->ctoks[i] = cb_ragprompt_chunk(g->rp, r->texts[i], r->lens[i], &r->cn[i]))) {
+            snprintf(err, errlen, "cannot tokenize context %d", i);
+            return -1;
         }
-        N += cn[i];
+        r->N += r->cn[i];
     }
-    if (!(suffix = cb_ragprompt_suffix(g->rp, q->question, &n_suffix))) {
-        snprintf(err, sizeof err, "cannot tokenize the question");
-        goto fail;
+    if (!(r->suffix = cb_ragprompt_suffix(g->rp, r->q->question, &r->n_suffix))) {
+        snprintf(err, errlen, "cannot tokenize the question");
+        return -1;
     }
-    N += n_suffix;
-    mt.n_prompt = N;
+    r->N += r->n_suffix;
+    r->mt.n_prompt = r->N;
     int max_ctx = cb_engine_max_ctx(g->engine);
-    if (N >= max_ctx) {
-        code = CB_ERR_TOO_LARGE;
-        snprintf(err, sizeof err, "the prompt has %d tokens; blend.ctx_size allows %d", N, max_ctx - 1);
-        goto fail;
+    if (r->N >= max_ctx) {
+        *code = CB_ERR_TOO_LARGE;
+        snprintf(err, errlen, "the prompt has %d tokens; blend.ctx_size allows %d", r->N, max_ctx - 1);
+        return -1;
     }
-    int max_new = q->max_tokens < max_ctx - N ? q->max_tokens : max_ctx - N;
-    /* 3. which chunks the mode reads from the cache; their keys; the index lookup */
-    for (int i = 0; i < n; i++) {
-        need[i] = q->mode == CB_BLEND_REUSE || q->mode == CB_BLEND_BLEND || (q->mode == CB_BLEND_PREFIX && i == 0);
-        uint8_t key[32];
-        cb_blend_chunk_key(g->blend, g->prefix, g->n_prefix, ctoks[i], cn[i], key);
-        cb_kvfile_hex(key, hex[i]);
+    r->max_new = r->q->max_tokens < max_ctx - r->N ? r->q->max_tokens : max_ctx - r->N;
+    return 0;
+}
+
+static void file_state(const char *path, file_state_t *st) {
+    struct stat sb;
+    *st = (file_state_t){0};
+    if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) return;
+    *st = (file_state_t){true, sb.st_dev, sb.st_ino, sb.st_size, sb.st_mtim};
+}
+
+static bool file_replaced(const file_state_t *a, const file_state_t *b) {
+    return a->exists != b->exists || a->dev != b->dev || a->ino != b->ino || a->size != b->size ||
+           a->mtime.tv_sec != b->mtime.tv_sec || a->mtime.tv_nsec != b->mtime.tv_nsec;
+}
+
+/* The relative part of a KV file path under kv_dir; NULL when it is not under it. */
+static const char *kv_rel(const gen_t *g, const char *path) {
+    size_t nd = strlen(g->a->kv_dir);
+    return strncmp(path, g->a->kv_dir, nd) == 0 && path[nd] == '/' ? path + nd + 1 : NULL;
+}
+
+/* 3. Which chunks the mode reads from the store, their keys, and the state of their KV files (local
+ * stat calls: nothing is asked of cb-cacheindex before the prefill). */
+static void chunk_files_before(gen_t *g, query_t *r) {
+    cb_blend_mode_t mode = r->q->mode;
+    for (int i = 0; i < r->n; i++) {
+        r->need[i] = mode == CB_BLEND_REUSE || mode == CB_BLEND_BLEND || (mode == CB_BLEND_PREFIX && i == 0);
+        cb_kvstore_chunk_key(g->store, g->prefix, g->n_prefix, r->ctoks[i], r->cn[i], r->key[i]);
+        cb_kvfile_hex(r->key[i], r->hex[i]);
+        char path[4400];
+        if (r->need[i] && cb_kvstore_path(g->store, r->key[i], path, sizeof path) == 0) file_state(path, &r->before[i]);
     }
-    bool in_index[GEN_MAX_CONTEXTS] = {0};
-    int index_rc;
-    {
-        double t = cb_now_ms();
-        index_rc = lookup(g, q, hex, need, n, in_index);
-        mt.lookup_ms = cb_now_ms() - t;
-    }
-    /* 4. the fused prefill: it takes each needed chunk from the memory tier, else streams its KV file
-     * (checked layer by layer, loading overlapped with compute), else computes it and writes the file; a
-     * file that fails any check is a miss */
-    if (atomic_load(&q->cancelled)) goto cancelled;
+}
+
+/* 4. The fused prefill into the query's sequence. 0, or -1 with *code (`overloaded` when the KV pool has
+ * no room for the query) and err. */
+static int prefill(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errlen) {
+    const gen_args_t *a = g->a;
     cb_blend_chunk_t chunks[GEN_MAX_CONTEXTS];
-    for (int i = 0; i < n; i++) chunks[i] = (cb_blend_chunk_t){ctoks[i], cn[i]};
+    for (int i = 0; i < r->n; i++) chunks[i] = (cb_blend_chunk_t){r->ctoks[i], r->cn[i]};
     cb_blend_opts_t o;
     cb_blend_opts_default(&o);
-    o.mode = q->mode;
-    o.ratio = (float)q->ratio;
+    o.mode = r->q->mode;
+    o.ratio = (float)r->q->ratio;
     o.check_layer = a->check_layer;
     o.metric = a->metric;
     o.lead_tokens = a->lead_tokens;
-    double t_blend = cb_now_ms();
-    if (cb_blend_prefill(g->blend, g->prefix, g->n_prefix, chunks, n, suffix, n_suffix, &o, g->logits, &mt.bs, err,
-                         sizeof err) != 0)
-        goto fail;
-    mt.blend_ms = cb_now_ms() - t_blend;
-    mt.hits = mt.bs.chunks_mem + mt.bs.chunks_file;
-    mt.misses = mt.bs.chunks_computed;
-    mt.load_ms = mt.bs.t_load_ms;
-    if (mt.misses > 0) {
-        /* chunks computed now: register their files. A chunk the index knew but that had to be computed had
-         * a file that failed its checks (rewritten now): count it and register it again. */
-        int index_misses = 0;
-        for (int i = 0; i < n; i++) index_misses += need[i] && !in_index[i];
-        if (index_rc >= 0 && mt.misses > index_misses) {
-            mt.corrupt = mt.misses - index_misses;
-            cb_log(CB_LOG_WARN, q->id, "%d chunk file(s) rejected (corrupt or stale): recomputed and rewritten",
-                   mt.corrupt);
-        }
-        if (a->store_misses)
-            for (int i = 0; i < n; i++)
-                if (need[i] && (!in_index[i] || mt.corrupt > 0 || index_rc < 0)) put_chunk(g, q, hex[i], cn[i]);
-    } else {
-        for (int i = 0; i < n; i++)
-            if (need[i] && !in_index[i] && index_rc >= 0 && a->store_misses) put_chunk(g, q, hex[i], cn[i]);
+    double t = cb_now_ms();
+    int st = cb_blend_prefill(g->blend, g->seq, g->prefix, g->n_prefix, chunks, r->n, r->suffix, r->n_suffix, &o,
+                              g->logits, &r->mt.bs, err, errlen);
+    r->mt.blend_ms = cb_now_ms() - t;
+    publish_pool(g);
+    if (st == CB_ENGINE_EPOOL) {
+        cb_engine_pool_stats_t ps;
+        cb_engine_pool_stats(g->engine, &ps);
+        *code = CB_ERR_OVERLOADED;
+        snprintf(err, errlen, "the KV pool has no room for a %d-token prompt now (%d blocks of %d tokens, %d free); "
+                 "retry later", r->N, ps.n_blocks, ps.block_tokens, ps.blocks_free);
+        return -1;
     }
-    /* 6. decode, streaming */
-    cb_sampler_params_t sp = {.temperature = (float)q->temperature, .top_k = 0, .top_p = (float)q->top_p, .seed = q->seed};
-    if (!(sampler = cb_sampler_new(&sp, g->n_vocab))) {
-        snprintf(err, sizeof err, "cannot create the sampler");
-        goto fail;
+    if (st != CB_ENGINE_OK) {
+        *code = CB_ERR_INTERNAL;
+        return -1;
     }
+    r->prefilled = true;
+    r->mt.hits = r->mt.bs.chunks_mem + r->mt.bs.chunks_file;
+    r->mt.misses = r->mt.bs.chunks_computed;
+    r->mt.load_ms = r->mt.bs.t_load_ms;
+    return 0;
+}
+
+/* 5. After the prefill: each needed chunk whose KV file the prefill replaced was computed now (put it),
+ * the others were read (touch them). A file that had its full size before and was rewritten failed a
+ * content check (corrupted bytes, another model's file): that counts as cache_corrupt; a missing or
+ * truncated file is a plain miss. Fills r->note (each key once). */
+static void chunk_files_after(gen_t *g, query_t *r) {
+    notify_note_t *nt = &r->note;
+    snprintf(nt->id, sizeof nt->id, "%s", r->q->id);
+    nt->n = 0;
+    int corrupt = 0;
+    for (int i = 0; i < r->n; i++) {
+        if (!r->need[i]) continue;
+        bool seen = false;
+        for (int j = 0; j < nt->n && !seen; j++) seen = strcmp(nt->chunks[j].key, r->hex[i]) == 0;
+        if (seen) continue;
+        char path[4400];
+        if (cb_kvstore_path(g->store, r->key[i], path, sizeof path) != 0) continue;
+        const char *rel = kv_rel(g, path);
+        file_state_t after;
+        file_state(path, &after);
+        if (!rel || strlen(rel) >= NOTIFY_REL_MAX || !after.exists) continue; /* no file to touch or put */
+        bool rewritten = file_replaced(&r->before[i], &after);
+        if (rewritten && r->before[i].exists && r->before[i].size == after.size) corrupt++;
+        notify_chunk_t *c = &nt->chunks[nt->n++];
+        snprintf(c->key, sizeof c->key, "%s", r->hex[i]);
+        snprintf(c->rel, sizeof c->rel, "%s", rel);
+        c->tokens = r->cn[i];
+        c->kind = rewritten ? NOTIFY_PUT : NOTIFY_TOUCH;
+    }
+    r->mt.corrupt = corrupt < r->mt.misses ? corrupt : r->mt.misses;
+    if (r->mt.corrupt > 0)
+        cb_log(CB_LOG_WARN, r->q->id, "%d chunk file(s) rejected (corrupt or stale): recomputed and rewritten",
+               r->mt.corrupt);
+}
+
+/* Hands the query's notice to the notifier (once; never blocks). */
+static void notify_index(gen_t *g, query_t *r) {
+    if (r->noticed || !r->prefilled) return;
+    r->noticed = true;
+    if (r->note.n == 0) return;
+    if (!notify_post(g->notifier, &r->note)) {
+        atomic_fetch_add(&g->a->stats->index_dropped, 1);
+        cb_log(CB_LOG_WARN, r->q->id, "cache index notice dropped (the notifier is behind)");
+    }
+}
+
+/* Appends a piece of the answer to r->text. 0, or -1 when out of memory. */
+static int append_text(query_t *r, const char *piece, size_t pl) {
+    if (r->text_len + pl + 1 > r->text_cap) {
+        size_t cap = r->text_cap ? r->text_cap * 2 : 1024;
+        while (cap < r->text_len + pl + 1) cap *= 2;
+        char *t2 = realloc(r->text, cap);
+        if (!t2) return -1;
+        r->text = t2;
+        r->text_cap = cap;
+    }
+    memcpy(r->text + r->text_len, piece, pl);
+    r->text_len += pl;
+    r->text[r->text_len] = 0;
+    return 0;
+}
+
+typedef enum { DECODE_OK = 0, DECODE_FAIL, DECODE_CANCELLED, DECODE_TERM } decode_t;
+
+/* 6. Sampling and decoding, streaming each piece of text; the cache index hears of the chunks once the
+ * first token has gone out. DECODE_FAIL with *code and err. */
+static decode_t decode(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errlen) {
+    gen_query_t *q = r->q;
+    cb_sampler_params_t sp = {.temperature = (float)q->temperature, .top_k = 0, .top_p = (float)q->top_p,
+                              .seed = q->seed};
+    cb_sampler_t *sampler = cb_sampler_new(&sp, g->n_vocab);
+    if (!sampler) {
+        snprintf(err, errlen, "cannot create the sampler");
+        return DECODE_FAIL;
+    }
+    decode_t rc = DECODE_OK;
     double t_dec = cb_now_ms();
     utf8_stream_t u = {0};
     char piece[3 * (1024 + 4)];
     int index = 0;
     int32_t tok = cb_sampler_sample(sampler, g->logits);
-    mt.ttft_ms = cb_now_ms() - q->t_recv_ms;
+    r->mt.ttft_ms = cb_now_ms() - q->t_recv_ms;
     for (;;) {
         bool eog = cb_model_is_eog(g->model, tok) || cb_tokenizer_is_eog(g->tok, tok);
         size_t blen = 0;
         const char *bytes = eog ? NULL : cb_tokenizer_token_bytes(g->tok, tok, false, &blen);
         if (blen > 1024) blen = 1024; /* vocabulary strings are short; bound the scratch anyway */
-        if (!eog) mt.n_gen++;
-        bool last = eog || mt.n_gen >= max_new;
+        if (!eog) r->mt.n_gen++;
+        bool last = eog || r->mt.n_gen >= r->max_new;
         size_t pl = utf8_feed(&u, (const unsigned char *)(bytes ? bytes : ""), blen, last, piece);
         if (pl > 0) {
-            if (text_len + pl + 1 > text_cap) {
-                size_t cap = text_cap ? text_cap * 2 : 1024;
-                while (cap < text_len + pl + 1) cap *= 2;
-                char *t2 = realloc(text, cap);
-                if (!t2) {
-                    snprintf(err, sizeof err, "out of memory");
-                    goto fail;
-                }
-                text = t2;
-                text_cap = cap;
+            if (append_text(r, piece, pl) != 0) {
+                snprintf(err, errlen, "out of memory");
+                rc = DECODE_FAIL;
+                break;
             }
-            memcpy(text + text_len, piece, pl);
-            text_len += pl;
-            text[text_len] = 0;
             cb_msg_begin_reply_as(g->w, "token", q->id);
             cb_msg_put_strn(g->w, "text", piece, pl);
             cb_msg_put_int(g->w, "index", index++);
@@ -466,85 +546,131 @@ static void run_query(gen_t *g, gen_query_t *q) {
             const void *d = cb_msg_end(g->w, &len);
             if (d) to_loop(g, "SEND", q, d, len);
         }
+        notify_index(g, r); /* after the first token: a no-op from then on */
         if (last) break;
-        if (poll_pipe(g, 0)) goto term;
-        if (atomic_load(&q->cancelled)) goto cancelled;
-        if (cb_engine_decode(g->engine, tok, N + mt.n_gen - 1, g->logits) != 0) {
-            snprintf(err, sizeof err, "decode failed at position %d", N + mt.n_gen - 1);
-            goto fail;
+        if (poll_pipe(g, 0)) {
+            rc = DECODE_TERM;
+            break;
+        }
+        if (atomic_load(&q->cancelled)) {
+            rc = DECODE_CANCELLED;
+            break;
+        }
+        int pos = r->N + r->mt.n_gen - 1;
+        int st = cb_engine_decode(g->engine, g->seq, tok, pos, g->logits);
+        if (st == CB_ENGINE_EPOOL) {
+            *code = CB_ERR_OVERLOADED;
+            snprintf(err, errlen, "the KV pool ran out of blocks at position %d; retry later", pos);
+            rc = DECODE_FAIL;
+            break;
+        }
+        if (st != CB_ENGINE_OK) {
+            snprintf(err, errlen, "decode failed at position %d: %s", pos, cb_engine_status_str(st));
+            rc = DECODE_FAIL;
+            break;
         }
         tok = cb_sampler_sample(sampler, g->logits);
     }
-    mt.decode_ms = cb_now_ms() - t_dec;
-    atomic_fetch_add(&a->stats->tokens_generated, (uint64_t)mt.n_gen);
-    atomic_fetch_add(&a->stats->cache_hits, (uint64_t)mt.hits);
-    atomic_fetch_add(&a->stats->cache_misses, (uint64_t)mt.misses);
-    atomic_fetch_add(&a->stats->cache_corrupt, (uint64_t)mt.corrupt);
+    r->mt.decode_ms = cb_now_ms() - t_dec;
+    publish_pool(g);
+    cb_sampler_destroy(&sampler);
+    return rc;
+}
+
+/* 7. The `done` message with the answer and the metrics (docs/protocol.md §7). 0, or -1 with err. */
+static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
+    const gen_args_t *a = g->a;
+    gen_query_t *q = r->q;
+    const qmetrics_t *mt = &r->mt;
+    atomic_fetch_add(&a->stats->tokens_generated, (uint64_t)mt->n_gen);
+    atomic_fetch_add(&a->stats->cache_hits, (uint64_t)mt->hits);
+    atomic_fetch_add(&a->stats->cache_misses, (uint64_t)mt->misses);
+    atomic_fetch_add(&a->stats->cache_corrupt, (uint64_t)mt->corrupt);
     atomic_fetch_add(&a->stats->queries_done, 1);
-    /* 7. done */
     cb_msg_writer_t *w = g->w;
     cb_msg_begin_reply_as(w, "done", q->id);
-    cb_msg_put_strn(w, "text", text ? text : "", text_len);
+    cb_msg_put_strn(w, "text", r->text ? r->text : "", r->text_len);
     cb_msg_begin_map(w, "metrics");
     cb_msg_put_str(w, "mode", cb_blend_mode_str(q->mode));
     cb_msg_put_double(w, "ratio", q->ratio);
-    cb_msg_put_double(w, "ttft_ms", mt.ttft_ms);
-    cb_msg_put_double(w, "queue_ms", mt.queue_ms);
-    cb_msg_put_double(w, "retrieve_ms", mt.retrieve_ms);
-    cb_msg_put_double(w, "lookup_ms", mt.lookup_ms);
-    cb_msg_put_double(w, "load_ms", mt.load_ms);
-    cb_msg_put_double(w, "load_wait_ms", mt.bs.t_load_wait_ms);
-    cb_msg_put_double(w, "resolve_ms", mt.bs.t_resolve_ms);
-    cb_msg_put_double(w, "compute_ms", mt.bs.t_compute_ms);
-    cb_msg_put_double(w, "blend_ms", mt.blend_ms);
-    cb_msg_put_double(w, "decode_ms", mt.decode_ms);
+    cb_msg_put_double(w, "ttft_ms", mt->ttft_ms);
+    cb_msg_put_double(w, "queue_ms", mt->queue_ms);
+    cb_msg_put_double(w, "retrieve_ms", mt->retrieve_ms);
+    cb_msg_put_double(w, "lookup_ms", mt->lookup_ms);
+    cb_msg_put_double(w, "load_ms", mt->load_ms);
+    cb_msg_put_double(w, "load_wait_ms", mt->bs.t_load_wait_ms);
+    cb_msg_put_double(w, "resolve_ms", mt->bs.t_resolve_ms);
+    cb_msg_put_double(w, "compute_ms", mt->bs.t_compute_ms);
+    cb_msg_put_double(w, "blend_ms", mt->blend_ms);
+    cb_msg_put_double(w, "decode_ms", mt->decode_ms);
     cb_msg_put_double(w, "total_ms", cb_now_ms() - q->t_recv_ms);
-    cb_msg_put_int(w, "tokens_reused", mt.bs.tokens_reused);
-    cb_msg_put_int(w, "tokens_recomputed", mt.bs.tokens_recomputed);
-    cb_msg_put_int(w, "cache_hits", mt.hits);
-    cb_msg_put_int(w, "cache_misses", mt.misses);
-    cb_msg_put_int(w, "cache_corrupt", mt.corrupt);
-    cb_msg_put_int(w, "n_chunks", mt.n_chunks);
-    cb_msg_put_int(w, "n_prompt_tokens", mt.n_prompt);
-    cb_msg_put_int(w, "n_generated", mt.n_gen);
+    cb_msg_put_int(w, "tokens_reused", mt->bs.tokens_reused);
+    cb_msg_put_int(w, "tokens_recomputed", mt->bs.tokens_recomputed);
+    cb_msg_put_int(w, "cache_hits", mt->hits);
+    cb_msg_put_int(w, "cache_misses", mt->misses);
+    cb_msg_put_int(w, "cache_corrupt", mt->corrupt);
+    cb_msg_put_int(w, "n_chunks", mt->n_chunks);
+    cb_msg_put_int(w, "n_prompt_tokens", mt->n_prompt);
+    cb_msg_put_int(w, "n_generated", mt->n_gen);
     cb_msg_end_map(w);
     cb_msg_begin_array(w, "chunk_ids");
-    for (int i = 0; i < n; i++) cb_msg_put_str(w, NULL, hex[i]);
+    for (int i = 0; i < r->n; i++) cb_msg_put_str(w, NULL, r->hex[i]);
     cb_msg_end_array(w);
     size_t len;
     const void *d = cb_msg_end(w, &len);
     if (!d) {
-        snprintf(err, sizeof err, "cannot encode the done message: %s", cb_msg_writer_error(w));
-        goto fail;
+        snprintf(err, errlen, "cannot encode the done message: %s", cb_msg_writer_error(w));
+        return -1;
     }
     cb_log(CB_LOG_INFO, q->id,
            "query %s r=%.2f: %d chunks (%d hits: %d memory, %d file; %d misses%s), %d prompt tokens (%d recomputed), "
-           "ttft %.1f ms (queue %.1f, retrieve %.1f, lookup %.1f, blend %.1f: resolve %.1f, load %.1f), %d tokens in "
+           "ttft %.1f ms (queue %.1f, retrieve %.1f, files %.1f, blend %.1f: resolve %.1f, load %.1f), %d tokens in "
            "%.1f ms",
-           cb_blend_mode_str(q->mode), q->ratio, n, mt.hits, mt.bs.chunks_mem, mt.bs.chunks_file, mt.misses,
-           mt.corrupt ? ", rejected files" : "", N, mt.bs.tokens_recomputed, mt.ttft_ms, mt.queue_ms, mt.retrieve_ms,
-           mt.lookup_ms, mt.blend_ms, mt.bs.t_resolve_ms, mt.load_ms, mt.n_gen, mt.decode_ms);
+           cb_blend_mode_str(q->mode), q->ratio, r->n, mt->hits, mt->bs.chunks_mem, mt->bs.chunks_file, mt->misses,
+           mt->corrupt ? ", rejected files" : "", r->N, mt->bs.tokens_recomputed, mt->ttft_ms, mt->queue_ms,
+           mt->retrieve_ms, mt->lookup_ms, mt->blend_ms, mt->bs.t_resolve_ms, mt->load_ms, mt->n_gen, mt->decode_ms);
     to_loop(g, "DONE", q, d, len);
-    goto out;
+    return 0;
+}
 
+static void run_query(gen_t *g, gen_query_t *q) {
+    query_t r = {.q = q};
+    r.mt.queue_ms = cb_now_ms() - q->t_recv_ms;
+    char err[1024] = "";
+    cb_err_t code = CB_ERR_INTERNAL;
+    decode_t dr = DECODE_FAIL;
+    if (gather_contexts(g, &r, &code, err, sizeof err) != 0 || build_prompt(g, &r, &code, err, sizeof err) != 0)
+        goto fail;
+    double t = cb_now_ms();
+    chunk_files_before(g, &r);
+    r.mt.lookup_ms = cb_now_ms() - t;
+    if (atomic_load(&q->cancelled)) {
+        dr = DECODE_CANCELLED;
+        goto ended;
+    }
+    if (prefill(g, &r, &code, err, sizeof err) != 0) goto fail;
+    chunk_files_after(g, &r);
+    if ((dr = decode(g, &r, &code, err, sizeof err)) != DECODE_OK) goto ended;
+    if (send_done(g, &r, err, sizeof err) != 0) goto fail;
+    goto out;
+ended:
+    if (dr == DECODE_CANCELLED) {
+        atomic_fetch_add(&g->a->stats->queries_cancelled, 1);
+        cb_log(CB_LOG_INFO, q->id, "query cancelled (the client went away) after %d tokens", r.mt.n_gen);
+        to_loop(g, "DONE", q, NULL, 0);
+        goto out;
+    }
+    if (dr == DECODE_TERM) {
+        cb_log(CB_LOG_INFO, q->id, "query interrupted by shutdown after %d tokens", r.mt.n_gen);
+        goto out;
+    }
 fail:
     send_error(g, q, code, err);
-    goto out;
-cancelled:
-    atomic_fetch_add(&a->stats->queries_cancelled, 1);
-    cb_log(CB_LOG_INFO, q->id, "query cancelled (the client went away) after %d tokens", mt.n_gen);
-    to_loop(g, "DONE", q, NULL, 0);
-    goto out;
-term:
-    cb_log(CB_LOG_INFO, q->id, "query interrupted by shutdown after %d tokens", mt.n_gen);
 out:
-    for (int i = 0; i < GEN_MAX_CONTEXTS; i++) {
-        free(rtexts[i]);
-        free(ctoks[i]);
-    }
-    free(suffix);
-    free(text);
-    cb_sampler_destroy(&sampler);
+    notify_index(g, &r); /* the chunks were used (or computed and written) even when the answer was not */
+    cb_seq_clear(g->seq); /* the query's blocks go back to the pool (P's shared ones stay with the store) */
+    publish_pool(g);
+    query_free(&r);
 }
 
 void gen_actor(zsock_t *pipe, void *args) {
@@ -558,8 +684,13 @@ void gen_actor(zsock_t *pipe, void *args) {
         while (!g.term) poll_pipe(&g, 1000);
         return;
     }
-    cb_log(CB_LOG_INFO, NULL, "worker ready: prompt prefix %d tokens, context %d, kv_dir %s", g.n_prefix,
-           cb_engine_max_ctx(g.engine), g.a->kv_dir);
+    cb_engine_pool_stats_t ps;
+    cb_engine_pool_stats(g.engine, &ps);
+    cb_log(CB_LOG_INFO, NULL,
+           "worker ready: prompt prefix %d tokens, context %d, KV pool %d blocks of %d tokens (%zu bytes each) on %s, "
+           "kv_dir %s",
+           g.n_prefix, cb_engine_max_ctx(g.engine), ps.n_blocks, ps.block_tokens, ps.block_bytes,
+           cb_engine_backend_name(g.engine), g.a->kv_dir);
     zstr_send(pipe, "READY");
     while (!g.term) {
         gen_query_t *q = zlist_pop(g.fifo);

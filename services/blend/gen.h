@@ -1,12 +1,16 @@
-/* gen: cb-blend's generation worker, a zactor thread that owns the engine, the blend and the clients of
- * cb-retriever and cb-cacheindex, and answers queries one at a time in arrival order (FIFO).
+/* gen: cb-blend's generation worker, a zactor thread that owns the engine (and its KV pool), the chunk
+ * store, the blend, one engine sequence for the running query, the client of cb-retriever and the
+ * cache-index notifier (notify.h), and answers queries one at a time in arrival order (FIFO).
  *
  * For each query: retrieve the top k chunks when the query has no contexts; build the prompt pieces
- * (ragprompt.h); look the chunk keys up in cb-cacheindex; load each chunk the mode needs through the
- * memory tier, then its KV file (kvmem.h, kvfile.h via blend.h cb_blend_load_chunk); a chunk that is not
- * there, or whose file fails any check (a corrupted file is a miss), is computed, written and `put`; then
- * the fused prefill (cb_blend_prefill) and the decode loop, streaming each piece of text as it is made.
- * Metrics: docs/protocol.md §7.
+ * (ragprompt.h); then the fused prefill into the query's sequence (cb_blend_prefill), which takes each
+ * chunk the mode needs from the store (kvstore.h: memory tier, then its KV file; a chunk that is not there,
+ * or whose file fails any check, is computed and written), and the decode loop, streaming each piece of text
+ * as it is made. Nothing waits for cb-cacheindex: the chunks' sources come from the store (the blend's
+ * stats, and whether each chunk's KV file was rewritten), and once the first token has gone out the
+ * notifier is told to `touch` the chunks that were read and `put` the ones computed now. A query the KV pool
+ * cannot hold (CB_ENGINE_EPOOL, in the prefill or a decode step) ends with `overloaded`; the sequence is
+ * cleared after every query, so its blocks go back to the pool. Metrics: docs/protocol.md §7.
  *
  * Threads and ownership: the loop thread allocates a gen_query_t, sends its pointer to the actor
  * ("QUERY"), and keeps ownership: it frees the query only after the actor's "DONE" for it (or after the
@@ -30,9 +34,9 @@
 #include <stdint.h>
 
 #include "blend/blend.h"
+#include "kv/kvmem.h"
 #include "wire/bus.h"
 #include "wire/config.h"
-#include "kv/kvmem.h"
 
 #define GEN_MAX_CONTEXTS 32
 
@@ -65,9 +69,15 @@ void gen_query_free(gen_query_t **q_p);
 /* Counters the actor updates and the loop reads (stats). */
 typedef struct {
     atomic_uint_fast64_t queries_done, queries_failed, queries_cancelled;
+    atomic_uint_fast64_t queries_overloaded; /* failed with `overloaded`: the KV pool had no room (also failed) */
     atomic_uint_fast64_t tokens_generated;
     atomic_uint_fast64_t cache_hits, cache_misses, cache_corrupt;
-    atomic_uint_fast64_t index_unavailable;  /* lookups/puts that could not reach cb-cacheindex */
+    atomic_uint_fast64_t index_unavailable;  /* touches/puts that could not reach cb-cacheindex */
+    atomic_uint_fast64_t index_dropped;      /* cache-index notices dropped (the notifier's pipe was full) */
+    /* the engine's KV pool (cb_engine_pool_stats), as of the worker's last update: after its start, after
+     * each prefill and at the end of each query */
+    atomic_int pool_blocks, pool_blocks_used, pool_blocks_free, pool_blocks_shared, pool_block_tokens;
+    atomic_int pool_blocks_peak;             /* the most blocks used at any of those points */
 } gen_stats_t;
 
 typedef struct {
@@ -76,13 +86,14 @@ typedef struct {
     char kv_dir[4096];           /* must exist */
     char system_prompt[2048];
     int ctx_size;
+    size_t kv_pool_bytes;        /* engine KV pool budget; 0 = the engine's default (two ctx_size sequences) */
     int threads;
     int check_layer;
     char metric;                 /* 'a', 'k' or 'v' (blend.h) */
     int lead_tokens;
     bool store_misses;           /* `put` computed chunks into cb-cacheindex */
     int retriever_timeout_ms;
-    int cacheindex_timeout_ms;
+    int cacheindex_timeout_ms;   /* per touch/put of the notifier (one attempt) */
     cb_kvmem_t *mem;             /* borrowed, thread-safe: the in-memory tier */
     gen_stats_t *stats;          /* borrowed */
 } gen_args_t;

@@ -353,39 +353,70 @@ static void on_lookup(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
     cb_bus_reply(req, w);
 }
 
+/* touch {keys, hit?}: marks the existing entries as just used (LRU). With hit true (cb-blend, for the
+ * chunks it read from its memory tier or a KV file) each existing key also counts as a hit (the entry's hit
+ * counter and stats.hits) and each unknown key as a miss, as a lookup would. Reply: touched (keys that
+ * exist), unknown (the keys no row has, in request order). */
 static void on_touch(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
     cacheindex_t *c = arg;
     size_t n;
     char err[256];
+    bool hit;
     if (!get_keys(c, req, m, &n)) return;
+    if (!cb_msg_bool_or(m, "hit", false, &hit)) {
+        cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "%s", cb_msg_last_error(m));
+        return;
+    }
+    bool *known = calloc(n, sizeof *known);
+    if (!known) {
+        cb_bus_reply_error(req, CB_ERR_INTERNAL, "out of memory");
+        return;
+    }
     if (begin(c, err, sizeof err) != 0) {
+        free(known);
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "touch failed: %s", err);
         return;
     }
+    sqlite3_stmt *st = hit ? c->use : c->touch;
     int64_t now = now_unix_ms(), touched = 0;
     for (size_t i = 0; i < n; i++) {
         const char *key;
         size_t klen;
         cb_msg_at_hex(m, "keys", i, KEY_MIN, KEY_MAX, &key, &klen);
-        sqlite3_bind_text(c->touch, 1, key, (int)klen, SQLITE_STATIC);
-        sqlite3_bind_int64(c->touch, 2, now);
-        sqlite3_bind_int64(c->touch, 3, ++c->seq);
-        if (step_done(c->touch) != SQLITE_DONE) {
+        sqlite3_bind_text(st, 1, key, (int)klen, SQLITE_STATIC);
+        sqlite3_bind_int64(st, 2, now);
+        sqlite3_bind_int64(st, 3, ++c->seq);
+        if (step_done(st) != SQLITE_DONE) {
             snprintf(err, sizeof err, "SQLite: %s", sqlite3_errmsg(c->db));
             rollback(c);
+            free(known);
             cb_bus_reply_error(req, CB_ERR_INTERNAL, "touch failed: %s", err);
             return;
         }
-        touched += sqlite3_changes(c->db);
+        known[i] = sqlite3_changes(c->db) > 0;
+        touched += known[i];
     }
     if (commit(c, err, sizeof err) != 0) {
         rollback(c);
+        free(known);
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "touch failed: %s", err);
         return;
     }
     cb_msg_writer_t *w = cb_bus_service_writer(svc);
     cb_msg_begin_reply(w, m);
     cb_msg_put_int(w, "touched", touched);
+    cb_msg_begin_array(w, "unknown");
+    for (size_t i = 0; i < n; i++) {
+        if (hit && known[i]) c->hits++;
+        else if (hit) c->misses++;
+        if (known[i]) continue;
+        const char *key;
+        size_t klen;
+        cb_msg_at_hex(m, "keys", i, KEY_MIN, KEY_MAX, &key, &klen);
+        cb_msg_put_strn(w, NULL, key, klen);
+    }
+    cb_msg_end_array(w);
+    free(known);
     cb_bus_reply(req, w);
 }
 
