@@ -2,8 +2,8 @@
  * ~200 tokens; smaller under sanitizers): exactness of full/prefix/reuse/blend(1.0) against full,
  * re-positioning of pre-RoPE K, selection (forced rows, determinism, counts, gradual), exact causal key
  * limits (hook and a behavioural check), the loader overlap, KV file misses (missing, corrupt payload,
- * truncated), the memory tier, and the prefix's blocks shared by reference between the store's context
- * sequence and the request's.
+ * truncated), the memory tier, the prefix's blocks shared by reference between the store's context
+ * sequence and the request's, and a full KV pool (CB_ENGINE_EPOOL).
  *
  * Model: the real SmolLM2 model (test_model_path()) when present, else a synthetic llama model
  * (model/synth.h, Q4_1 like the real file: 6 layers, 3/1 heads of 64, vocabulary 16384 so the prompts' token
@@ -843,6 +843,61 @@ TEST(test_prefix_blocks_shared) {
     free(lg), free(lf);
 }
 
+/* A full KV pool is CB_ENGINE_EPOOL from the blend (the service's `overloaded`), with nothing held by the
+ * request; once blocks come back the same blend succeeds with the same logits. */
+TEST(test_pool_full) {
+    SETUP();
+    const int V = g_hp->n_vocab, max_ctx = 128;
+    char err[256] = "";
+    cb_engine_pool_stats_t st;
+    cb_engine_pool_stats(g_eng, &st); /* the block size of this backend */
+    /* a pool of one sequence of max_ctx */
+    cb_engine_opts_t eo = {.max_ctx = max_ctx, .kv_pool_bytes = (size_t)max_ctx / st.block_tokens * st.block_bytes};
+    cb_engine_t *e = cb_engine_new_opts(g_model, &eo, err, sizeof err);
+    CHECK_MSG(e, "%s", err);
+    cb_engine_set_threads(e, 1);
+    cb_engine_pool_stats(e, &st);
+    CHECK(st.n_blocks == max_ctx / st.block_tokens && st.blocks_free == st.n_blocks);
+    cb_kvmem_t *mem = cb_kvmem_new(64u << 20); /* the chunk stays here: no recompute needs blocks later */
+    cb_kvstore_t *store = cb_kvstore_new(e, NULL, mem, CB_KV_F16, err, sizeof err);
+    cb_blend_t *b = store ? cb_blend_new(store, err, sizeof err) : NULL;
+    cb_seq_t *r = cb_seq_new(e), *hog = cb_seq_new(e);
+    CHECK_MSG(b && r && hog, "%s", err);
+    float *l0 = malloc(sizeof(float) * V), *l1 = malloc(sizeof(float) * V);
+    cb_blend_opts_t o = opts_mode(CB_BLEND_REUSE);
+    CHECK(n_total(1) <= max_ctx);
+    CHECK_MSG(cb_blend_prefill(b, r, g_prefix, g_np, g_ch, 1, g_suffix, g_ns, &o, l0, NULL, err, sizeof err) ==
+                  CB_ENGINE_OK, "%s", err);
+    cb_seq_clear(r);
+    /* another sequence takes every block the context leaves */
+    cb_engine_pool_stats(e, &st);
+    int32_t filler[128];
+    for (int i = 0; i < 128; i++) filler[i] = (int32_t)(500 + i);
+    CHECK(cb_engine_prefill(e, hog, filler, st.blocks_free * st.block_tokens, 0, NULL) == CB_ENGINE_OK);
+    cb_engine_pool_stats(e, &st);
+    CHECK(st.blocks_free == 0);
+    const int used = st.blocks_used;
+    err[0] = 0;
+    int rc = cb_blend_prefill(b, r, g_prefix, g_np, g_ch, 1, g_suffix, g_ns, &o, l1, NULL, err, sizeof err);
+    CHECK_MSG(rc == CB_ENGINE_EPOOL, "blend into a full pool: %d (%s)", rc, err);
+    CHECK(err[0] != 0);
+    cb_engine_pool_stats(e, &st);
+    CHECK(cb_seq_blocks(r) == 0 && st.blocks_used == used);
+    /* blocks back: the same blend works, bit for bit as before */
+    cb_seq_destroy(&hog);
+    CHECK_MSG(cb_blend_prefill(b, r, g_prefix, g_np, g_ch, 1, g_suffix, g_ns, &o, l1, NULL, err, sizeof err) ==
+                  CB_ENGINE_OK, "%s", err);
+    CHECK(!memcmp(l0, l1, sizeof(float) * V));
+    cb_seq_destroy(&r);
+    cb_blend_destroy(&b);
+    cb_kvstore_destroy(&store);
+    cb_kvmem_destroy(&mem);
+    cb_engine_pool_stats(e, &st);
+    CHECK(st.blocks_used == 0 && st.n_seqs == 0);
+    cb_engine_destroy(&e);
+    free(l0), free(l1);
+}
+
 int main(void) {
     RUN(test_full_equals_engine_prefill);
     RUN(test_blend_ratio1_equals_full);
@@ -855,6 +910,7 @@ int main(void) {
     RUN(test_memory_tier);
     RUN(test_bad_args);
     RUN(test_prefix_blocks_shared);
+    RUN(test_pool_full);
     cb_engine_destroy(&g_eng);
     cb_model_destroy(&g_model);
     return test_summary();
