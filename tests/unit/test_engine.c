@@ -836,9 +836,14 @@ TEST(test_pool_exhausted) {
     cb_model_t *m = load_tiny(NULL, err, sizeof err);
     CHECK_MSG(m, "%s", err);
     enum { bt = CB_ENGINE_BLOCK_TOKENS, KVD = TINY_HKV * TINY_HD };
-    const size_t block_bytes = (size_t)2 * TINY_L * KVD * sizeof(float) * bt;
+    cb_engine_t *e = cb_engine_new(m, 4 * bt, err, sizeof err); /* the block size of this backend */
+    CHECK_MSG(e, "%s", err);
+    const size_t block_bytes = pool_stats(e).block_bytes;
+    if (!strcmp(cb_engine_backend_name(e), "cpu")) /* f32 K and V of every layer */
+        CHECK(block_bytes == (size_t)2 * TINY_L * KVD * sizeof(float) * bt);
+    cb_engine_destroy(&e);
     cb_engine_opts_t o = {.max_ctx = 4 * bt, .kv_pool_bytes = 4 * block_bytes + block_bytes / 2, .block_tokens = 0};
-    cb_engine_t *e = cb_engine_new_opts(m, &o, err, sizeof err);
+    e = cb_engine_new_opts(m, &o, err, sizeof err);
     CHECK_MSG(e, "%s", err);
     cb_engine_pool_stats_t st = pool_stats(e);
     CHECK_MSG(st.n_blocks == 4 && st.block_bytes == block_bytes && st.block_tokens == bt && st.blocks_free == 4,
