@@ -2,19 +2,15 @@
  * a bf16 KV cache, activations sized once) and its forward schedules, composed from cb_cuda.h:
  *
  *   prefill      full prefill of n tokens (layer by layer, rows in chunks of max_rows), optionally
- *                capturing each layer's pre-RoPE K and V (chunk precompute);
- *   blend        CacheBlend (ALGORITHM.md §1.12, the row classes of libshared/blend.h) with the exact
- *                causal limit: candidate and computed rows run layers 0..check, the deviation of the
- *                candidates' fresh KV from the cached KV picks the top ratio on the device, then only
- *                those plus the computed rows run the remaining layers; loaded rows are never computed.
- *                Cached K (pre-RoPE) is rotated to its fused position in place; each layer's cached KV
- *                is copied host->device on the copy stream while earlier layers compute (per-layer
- *                events, no host waits);
+ *                capturing each layer's pre-RoPE K and V;
  *   decode       one token at a device-resident position, greedy or top-p on the device; every call
  *                is graph-capturable (cb_cuda_graph_begin/end around it).
  *
+ * These are the device-resident reference schedules the GPU benchmark measures against the hardware
+ * (prefill vs the cuBLAS GEMM rate, decode vs the HBM bound). CacheBlend is not here: the one CacheBlend
+ * is libshared/blend, which runs on the GPU through the CUDA backend (cb_cuda_backend.h).
+ *
  * Everything is enqueued on the context's compute stream; results (tokens, logits) are device memory.
- * No host round trip inside a layer; the blend reads the host only for its request arguments.
  * One model is used by one thread at a time. Available only when CB_HAVE_CUDA.
  */
 #ifndef CB_CUDA_LLAMA_H
@@ -69,45 +65,6 @@ float *cb_cuda_llama_logits(cb_cuda_llama_t *self);
  * and its V are also written there, [n][n_head_kv*head_dim] (chunk precompute). */
 int cb_cuda_llama_prefill(cb_cuda_llama_t *self, const int32_t *tokens, int n, int pos0, cb_bf16_t *const *cap_k,
                           cb_bf16_t *const *cap_v, int32_t *out_token);
-
-/* A reused span of the fused prompt: rows [row0, row0+n) take cached pre-RoPE K and V; layer l's K is at
- * k + l*layer_stride and its V at v + l*layer_stride (elements), each [n][n_head_kv*head_dim] bf16.
- * host = true: pinned (or pageable, staged) host memory, copied on the copy stream; false: device
- * memory (e.g. a KV pool slot), copied on the compute stream. */
-typedef struct {
-    int row0, n;
-    const cb_bf16_t *k, *v;
-    size_t layer_stride;
-    bool host;
-} cb_cuda_kv_span_t;
-
-/* Row classes of a blend: the same values and meaning as libshared/blend.h's CB_ROW_*. */
-enum { CB_CL_ROW_LOADED = 0, CB_CL_ROW_COMPUTED = 1, CB_CL_ROW_CANDIDATE = 2 };
-
-typedef struct {
-    const int32_t *tokens;       /* device int32 [n]: the fused prompt at positions 0..n-1 */
-    int n;
-    const uint8_t *row_class;    /* host uint8 [n] (may be NULL):
-                                      LOADED     cached KV at every layer, never computed (e.g. the prefix);
-                                      COMPUTED   recomputed at every layer (suffix, lead tokens, misses);
-                                      CANDIDATE  recomputed at layers 0..check_layer; afterwards only if
-                                                 selected by KV deviation at check_layer.
-                                    NULL: rows inside a span are CANDIDATE, the others COMPUTED. A LOADED or
-                                    CANDIDATE row outside every span becomes COMPUTED; row n-1 is always
-                                    COMPUTED. (full: all COMPUTED; reuse: chunks LOADED; blend: CANDIDATE.) */
-    const cb_cuda_kv_span_t *spans;
-    int n_spans;
-    float ratio;                 /* floor(ratio * #CANDIDATE) candidates stay (0..1); ties: lower position */
-    int check_layer;             /* 0..n_layer-1 (CacheBlend default 1) */
-    bool metric_k;               /* deviation of pre-RoPE K against the cached pre-RoPE K; else of V */
-    int32_t *out_token;          /* device int32 [1]: greedy next token (may be NULL) */
-    int32_t *out_selected;       /* device int32 [n] (may be NULL): positions active after the check
-                                    layer (selected candidates and COMPUTED rows), ascending */
-    int *n_selected;             /* host (may be NULL): their count */
-} cb_cuda_blend_req_t;
-
-/* CacheBlend prefill; the fused KV cache then serves decode as a plain cache. */
-int cb_cuda_llama_blend(cb_cuda_llama_t *self, const cb_cuda_blend_req_t *req);
 
 /* One decode step: token (device int32 [1]) at position pos (device int32 [1]); writes K/V at pos,
  * samples the next token into token (greedy when temperature <= 0; rng device uint64 [1], may be NULL
