@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One GPU run for ISSUE 5, sized for a short lease (a few minutes): builds (make cuda), runs make test-gpu
-# (kernels vs CPU references, causal limit, top-k determinism, OOM, pool, graphs, whole forwards vs the CPU
-# engine) and the benchmark (scripts/bench-gpu.sh), and writes into RESULTS_DIR (default build/gpu-check):
-#   env.txt (nvidia-smi, toolkit), build.log, test-gpu.log, bench.log, summary.txt (status lines, the
-#   benchmark table and the targets).
+# One GPU run, sized for a short lease: it covers ISSUE 11's cross-backend tests and ISSUE 5's benchmark.
+# Builds (make cuda, then the GPU test program), runs make test-gpu's tests (kernels vs CPU references,
+# causal limit, deterministic top-k and attention mass, OOM, pools, graphs; the backend table op by op, CUDA
+# vs the CPU reference, KV pool through shuffled block tables; whole forwards vs the CPU engine; and the one
+# CacheBlend in every mode on a CPU and a CUDA engine, comparing selected rows, logits and greedy tokens)
+# and the benchmark (scripts/bench-gpu.sh: device-resident prefill vs cuBLAS and decode vs HBM; blend vs
+# full TTFT at 4K/8K/32K and a 64K blend through the CUDA engine), and writes into RESULTS_DIR (default
+# build/gpu-check):
+#   env.txt (nvidia-smi, toolkit), build.log, test-gpu.log, gpu-test_gpu.err (the test's details),
+#   bench.log, summary.txt (status lines, the cross-backend lines, the benchmark tables and the targets).
 # If the tree cannot be built there (the GPU image lacks this project's libraries) and build/gpu-bundle
 # was carried along (scripts/gpu-bundle.sh, built where the dependencies are), its binaries are used.
 # Extra arguments after RESULTS_DIR go to the benchmark. Exit 0 when everything ran and passed.
-# Time: steps are capped (build 200 s, tests 150 s, benchmark 210 s) so the whole check fits one 600 s
-# device command; expect about 3 minutes. At most 6 files are written (a device run returns up to 8).
+# Time: every step is capped (build 180 s + 40 s, tests 140 s, benchmark 170 s) so the whole check stays
+# under 9 minutes; expect about 4. At most 6 files are written (a device run returns up to 8).
 set -u
 cd "$(dirname "$0")/.."
 R=${1:-build/gpu-check}
@@ -29,8 +34,8 @@ jobs=$(nproc 2>/dev/null || echo 4)
 status=0
 
 # 1. build
-if timeout 200 make -j"$jobs" cuda > "$R/build.log" 2>&1 && \
-   timeout 60 make -j"$jobs" -f Makefile -f mk/cuda.mk CB_CUDA=1 gpu-tests >> "$R/build.log" 2>&1; then
+if timeout 180 make -j"$jobs" cuda > "$R/build.log" 2>&1 && \
+   timeout 40 make -j"$jobs" -f Makefile -f mk/cuda.mk CB_CUDA=1 gpu-tests >> "$R/build.log" 2>&1; then
   say "build: ok (make cuda)"
   unset CB_GPU_BIN_DIR
 elif [ -x build/gpu-bundle/bin/test_gpu ] && [ -x build/gpu-bundle/bin/cb-bench-gpu ]; then
@@ -43,16 +48,18 @@ fi
 
 # 2. tests
 # what `make test-gpu` runs (without rebuilding `all`); with CB_GPU_BIN_DIR set it runs the bundle
-timeout 150 tests/run-gpu.sh > "$R/test-gpu.log" 2>&1; rc=$?
+timeout 140 tests/run-gpu.sh > "$R/test-gpu.log" 2>&1; rc=$?
 cp build/test-logs/gpu-*.err "$R/" 2>/dev/null
 say "tests: $(grep 'test-gpu:' "$R/test-gpu.log" | tail -1) (exit $rc)"
 grep -E '^\[test_.*FAIL' "$R/test-gpu.log" | sed 's/^/  /' | tee -a "$R/summary.txt"
+# the cross-backend blend (ISSUE 11): one line per mode; and the backend-table and forward comparisons
+grep -hE 'selected overlap|backend kv:|forward vs CPU:|tie between' "$R"/gpu-*.err 2>/dev/null | sed 's/^ */  /' >> "$R/summary.txt"
 [ $rc -eq 0 ] || status=1
 
 # 3. benchmark
-timeout 210 scripts/bench-gpu.sh "$@" > "$R/bench.log" 2>&1; rc=$?
+timeout 170 scripts/bench-gpu.sh "$@" > "$R/bench.log" 2>&1; rc=$?
 say "benchmark: exit $rc"
-grep -E '^(\||  cuBLAS|  device|  host|  best|  precomputed|targets|  blend|  prefill|  decode|  [0-9]+-token)' "$R/bench.log" >> "$R/summary.txt"
+grep -E '^(\||cb-bench-gpu|device-resident|CacheBlend|  cuBLAS|  device|  host|  best|  engine|  precomputed|targets|  blend|  prefill|  decode|  [0-9]+-token|  .* failed)' "$R/bench.log" >> "$R/summary.txt"
 [ $rc -eq 0 ] || status=1
 say "done in $(( $(date +%s) - t0 ))s; logs in $R"
 exit $status
