@@ -1,5 +1,6 @@
 /* cbctl stats [--json] [SERVICE...]: every service's statistics (all four by default), asked in
- * parallel. Services that do not answer are reported (exit 3); the others are still printed. */
+ * parallel. Services that do not answer are reported (exit 3); the others are still printed. In the text
+ * form, cb-blend's KV pool fields are also summed up in one line ("kv pool"). */
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,6 +9,18 @@
 #include "client.h"
 
 static const char *const s_skip[] = {"v", "type", "id", "ok", NULL};
+
+/* "kv pool  U of T blocks used (P%), S shared, peak K; B tokens per block" from the pool_* fields. */
+static void print_pool(json_t *o) {
+    json_t *total = json_object_get(o, "pool_blocks_total");
+    if (!json_is_integer(total)) return;
+    json_int_t t = json_integer_value(total), u = json_integer_value(json_object_get(o, "pool_blocks_used"));
+    printf("  %-20s %lld of %lld blocks used (%.1f%%), %lld shared, peak %lld; %lld tokens per block\n", "kv pool",
+           (long long)u, (long long)t, t > 0 ? 100.0 * (double)u / (double)t : 0.0,
+           (long long)json_integer_value(json_object_get(o, "pool_blocks_shared")),
+           (long long)json_integer_value(json_object_get(o, "pool_blocks_peak")),
+           (long long)json_integer_value(json_object_get(o, "pool_block_tokens")));
+}
 
 static int run_stats(cbctl_t *ctl, int argc, char **argv) {
     const char *names[CBCTL_N_SERVICES * 4];
@@ -52,6 +65,7 @@ static int run_stats(cbctl_t *ctl, int argc, char **argv) {
                     free(s);
                 }
             }
+            print_pool(o);
         }
         json_decref(o);
     }
