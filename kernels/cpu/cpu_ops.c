@@ -559,8 +559,9 @@ static float softmax_row(float *s, int lim, int L) {
 }
 
 size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys) {
-    size_t rows = (size_t)CB_CPU_MASS_ROWS * (size_t)(g->n_head / g->n_head_kv);
-    return rows * (size_t)g->head_dim + rows * (size_t)(max_keys > 0 ? max_keys : 1);
+    size_t rows = (size_t)CB_CPU_MASS_ROWS * (size_t)(g->n_head / g->n_head_kv), keys = max_keys > 0 ? max_keys : 1;
+    /* Q block, score rows, and one KV head's keys gathered when the table is not one run */
+    return rows * (size_t)g->head_dim + rows * keys + keys * (size_t)g->head_dim;
 }
 
 void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
@@ -571,17 +572,25 @@ void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_c
         for (int i = 0; i < nr; i++) L = key_limit[i0 + i] > L ? key_limit[i0 + i] : L;
         float *Q = scratch;                        /* [G*nr][hd] */
         float *S = Q + (size_t)CB_CPU_MASS_ROWS * G * hd; /* [G*nr][L] */
+        float *GK = S + (size_t)CB_CPU_MASS_ROWS * G * L; /* [L][hd] keys of one KV head, gathered */
+        const bool one_run = kv_run(kv, 0, L) == L;
         for (int kvh = 0; kvh < g->n_head_kv; kvh++) {
             for (int hh = 0; hh < G; hh++)
                 for (int i = 0; i < nr; i++)
                     memcpy(Q + ((size_t)hh * nr + i) * hd, q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
                            sizeof(float) * (size_t)hd);
-            /* scores of each run of keys that follow each other in the pool: columns [p, p + w) of S */
-            for (int p = 0, w; p < L; p += w) {
-                w = kv_run(kv, p, L);
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, w, hd, g->scale, Q, hd,
-                            kv->k + kv_row(kv, p) * kvd + (size_t)kvh * hd, kvd, 0.0f, S + p, L);
+            /* one GEMM over keys [0, L) whatever the placement (in place when they are one run, else
+             * gathered), so the scores are the same bits either way */
+            const float *K = kv->k + (size_t)kvh * hd;
+            int ldk = kvd;
+            if (!one_run) {
+                for (int p = 0; p < L; p++)
+                    memcpy(GK + (size_t)p * hd, kv->k + kv_row(kv, p) * kvd + (size_t)kvh * hd, sizeof(float) * (size_t)hd);
+                K = GK, ldk = hd;
+            } else {
+                K = kv->k + kv_row(kv, 0) * kvd + (size_t)kvh * hd;
             }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, K, ldk, 0.0f, S, L);
             for (int r = 0; r < M; r++) {
                 float *s = S + (size_t)r * L;
                 int lim = key_limit[i0 + r % nr];

@@ -70,7 +70,8 @@ typedef struct {
 } cb_engine_opts_t;
 
 /* Creates an engine: sequences of up to o->max_ctx positions, a KV pool of floor(kv_pool_bytes /
- * block_bytes) blocks (at least one sequence of max_ctx). Threads: $CB_THREADS if set, else one per online
+ * block_bytes) blocks (a budget below one block is an error; a pool smaller than one max_ctx sequence is
+ * allowed and gives CB_ENGINE_EPOOL when a request does not fit). Threads: $CB_THREADS if set, else one per online
  * CPU. Memory: the pool (2 * n_layer * n_head_kv * head_dim * 4 bytes per position on the CPU, 45 KiB for
  * SmolLM2; reserved address space, touched as blocks are first used), ~15 MB of scratch and a RoPE table
  * of max_ctx * head_dim floats. NULL + err on failure. Caller owns the result (cb_engine_destroy), and
