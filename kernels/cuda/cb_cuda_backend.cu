@@ -359,12 +359,14 @@ int be_kv_copy_block(void *ctx, int dst, int src) {
     be_lock lk(c);
     if (!c->pool_k || c->failed || dst < 0 || src < 0 || dst >= c->n_blocks || src >= c->n_blocks) return -1;
     if (dst == src) return 0;
-    /* one 2-D copy per pool half: a block's rows in every layer (row = one block, pitch = one layer) */
-    const size_t blk = (size_t)c->bt * c->kvd, pitch = c->plane * 2;
-    TRYI(cb_cuda_copy_2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->pool_k + (size_t)dst * blk, pitch,
-                         c->pool_k + (size_t)src * blk, pitch, blk * 2, (size_t)c->n_layer));
-    TRYI(cb_cuda_copy_2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->pool_v + (size_t)dst * blk, pitch,
-                         c->pool_v + (size_t)src * blk, pitch, blk * 2, (size_t)c->n_layer));
+    /* one device copy per layer and half (a 2-D copy with the layer as pitch would exceed the driver's pitch
+     * limit, 2^31 bytes, for a large pool); copy on write is rare: a shared partial block */
+    const size_t blk = (size_t)c->bt * c->kvd;
+    for (int l = 0; l < c->n_layer; l++) {
+        cb_bf16_t *kp = plane_k(c, l), *vp = plane_v(c, l);
+        TRYI(cb_cuda_d2d(c->cu, CB_CUDA_STREAM_COMPUTE, kp + (size_t)dst * blk, kp + (size_t)src * blk, blk * 2));
+        TRYI(cb_cuda_d2d(c->cu, CB_CUDA_STREAM_COMPUTE, vp + (size_t)dst * blk, vp + (size_t)src * blk, blk * 2));
+    }
     TRYI(cb_cuda_sync(c->cu));
     return 0;
 }
