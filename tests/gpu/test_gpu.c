@@ -1154,6 +1154,18 @@ TEST(test_backend_kv) {
         CHECK(!memcmp(x1, x2, sizeof x1) && x2[7] == 14.0f && x2[4 * 7 + 6] == 69.0f);
     }
     CHECK(!cb_backend_cuda_failed(gpu));
+    /* a pool larger than the device: a clear error, and the backend can still make a pool */
+    {
+        cb_backend_t *g2 = cb_backend_cuda_new(&hp, 64, 256, 0, err, sizeof err);
+        CHECK_MSG(g2 != NULL, "%s", err);
+        int rc = g2->ops->kv_pool_init(g2->ctx, NL, KVD, BT, 100000000, err, sizeof err);   /* 2 x 205 GB */
+        int msg_ok = strstr(err, "KV pool") && strstr(err, "out of memory");
+        fprintf(stderr, "  oversized pool: %s\n", err);
+        int rc2 = g2->ops->kv_pool_init(g2->ctx, NL, KVD, BT, NB, err, sizeof err);
+        cb_backend_destroy(&g2);
+        CHECK_MSG(rc == -1 && msg_ok, "oversized pool: rc %d, message: %s", rc, err);
+        CHECK_MSG(rc2 == 0, "a pool after the failed one: %s", err);
+    }
     fprintf(stderr, "  backend kv: kv_read max |d| %.2e, attn_mass max |d| %.2e (sum %.6f of %d)\n",
             rd_max, vmax_diff(m1, m2, NK), sum2, N * hp.n_head);
     cb_backend_destroy(&gpu);
