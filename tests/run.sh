@@ -34,6 +34,13 @@ for t in build/asan/tests/test_*; do
   [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue
   run_unit "$t" "asan-$(basename "$t")"
 done
+# test_blend once more on its synthetic model (what runs where the real model is absent)
+for t in build/tests/test_blend build/asan/tests/test_blend; do
+  [ -x "$t" ] || continue
+  [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue
+  label="synth-$(basename "$t")"; [[ "$t" == build/asan/* ]] && label="synth-asan-$(basename "$t")"
+  CB_TEST_SYNTH=1 run_unit "$t" "$label"
+done
 for t in tests/integration/*.sh; do
   [ -f "$t" ] || continue
   [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue
