@@ -966,211 +966,287 @@ static double vmax_diff(const float *a, const float *b, size_t n) {
 
 /* The KV pool and the CacheBlend operations of the table, CUDA vs CPU, through a shuffled block table
  * (pool blocks {3, 0, 5, 1, 9, 11, 2, 7, 4, 10}: the CUDA backend gathers them on the device) and a
- * consecutive one (blocks 0..9 of layer 1: read in place), in a pool of 14 blocks. Tolerances: the pool holds bf16 on CUDA, so a
- * row read back is within one bf16 rounding (2^-9 relative; 4e-3 allowed); a loaded K is rounded to bf16,
- * rotated and rounded again: 8e-3 of its rotation pair's magnitude; attention as test_backend_ops' note
- * (scores of unit values over 32 dims move by ~1e-2: 3e-2 absolute); attention mass sums probabilities
- * that move by ~1e-3 relative: 3e-2 relative allowed, and every row and head adds 1 (1e-3). kv_deviation,
- * topk and compact_rows run on the host on both backends: bit-identical results required. */
-TEST(test_backend_kv) {
+ * consecutive one (blocks 0..9 of layer 1: read in place), in a pool of 14 blocks. Tolerances: the pool
+ * holds bf16 on CUDA, so a row read back is within one bf16 rounding (2^-9 relative; 4e-3 allowed); a
+ * loaded K is rounded to bf16, rotated and rounded again: 8e-3 of its rotation pair's magnitude; attention
+ * as test_backend_ops' note (scores of unit values over 32 dims move by ~1e-2: 3e-2 absolute); attention
+ * mass sums probabilities that move by ~1e-3 relative: 3e-2 relative allowed, and every row and head adds
+ * 1 (1e-3). kv_deviation, topk and compact_rows run on the host on both backends: bit-identical results
+ * required. */
+enum { KV_NL = 2, KV_D = 64, KV_BT = 16, KV_NB = 14, KV_NK = 150, KV_N = 20, KV_QD = 128 };
+static const int32_t g_shuf[10] = {3, 0, 5, 1, 9, 11, 2, 7, 4, 10}, g_cons[10] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+
+typedef struct {
+    cb_hparams_t hp;
+    cb_backend_t *cpu, *gpu;
+    cb_kv_table_t ts, tc;    /* shuffled (layer 0), consecutive (layer 1); 160 positions each */
+    float *kw, *vw;          /* [KV_NK][KV_D]: what both layers hold at positions 0..KV_NK-1 */
+} kvfix_t;
+
+static void kvfix_close(kvfix_t *f) {
+    cb_backend_destroy(&f->gpu);
+    cb_backend_destroy(&f->cpu);
+    free(f->kw), free(f->vw);
+    f->kw = f->vw = NULL;
+}
+
+/* Both backends with a pool each, and the same random K/V written to positions [0, KV_NK) of both layers
+ * (in a scrambled order, 64 + 64 + 22 rows per call). 0, or -1 with a message. */
+static int kvfix_open(kvfix_t *f) {
+    char err[256] = "";
+    memset(f, 0, sizeof *f);
+    f->hp = be_hp();
+    f->ts = (cb_kv_table_t){g_shuf, 10 * KV_BT};
+    f->tc = (cb_kv_table_t){g_cons, 10 * KV_BT};
+    f->cpu = cb_backend_cpu_new(&f->hp, 64, 256, 2, err, sizeof err);
+    if (f->cpu) f->gpu = cb_backend_cuda_new(&f->hp, 64, 256, 0, err, sizeof err);
+    f->kw = malloc(sizeof(float) * KV_NK * KV_D);
+    f->vw = malloc(sizeof(float) * KV_NK * KV_D);
+    float *ko = malloc(sizeof(float) * KV_NK * KV_D), *vo = malloc(sizeof(float) * KV_NK * KV_D);
+    int rc = -1;
+    if (!f->gpu || !f->kw || !f->vw || !ko || !vo) goto done;
+    if (f->cpu->ops->kv_pool_init(f->cpu->ctx, KV_NL, KV_D, KV_BT, KV_NB, err, sizeof err) != 0 ||
+        f->gpu->ops->kv_pool_init(f->gpu->ctx, KV_NL, KV_D, KV_BT, KV_NB, err, sizeof err) != 0)
+        goto done;
+    for (int i = 0; i < KV_NK * KV_D; i++) f->kw[i] = frand(1.0f), f->vw[i] = frand(1.0f);
+    int32_t order[KV_NK];
+    for (int i = 0; i < KV_NK; i++) order[i] = (i * 61 + 17) % KV_NK;   /* 61 is prime to 150: a permutation */
+    for (int i = 0; i < KV_NK; i++) {
+        memcpy(ko + (size_t)i * KV_D, f->kw + (size_t)order[i] * KV_D, sizeof(float) * KV_D);
+        memcpy(vo + (size_t)i * KV_D, f->vw + (size_t)order[i] * KV_D, sizeof(float) * KV_D);
+    }
+    cb_backend_t *bes[2] = {f->cpu, f->gpu};
+    for (int bi = 0; bi < 2; bi++)
+        for (int l = 0; l < KV_NL; l++)
+            for (int r0 = 0; r0 < KV_NK; r0 += 64) {
+                int n = KV_NK - r0 < 64 ? KV_NK - r0 : 64;
+                if (bes[bi]->ops->kv_write(bes[bi]->ctx, l, l ? &f->tc : &f->ts, order + r0, n, ko + (size_t)r0 * KV_D,
+                                           vo + (size_t)r0 * KV_D) != 0) {
+                    snprintf(err, sizeof err, "%s: kv_write failed", bes[bi]->ops->name);
+                    goto done;
+                }
+            }
+    rc = 0;
+done:
+    if (rc) fprintf(stderr, "  fixture: %s\n", err[0] ? err : "out of memory");
+    free(ko), free(vo);
+    return rc;
+}
+
+/* Writes, reads, layer loads in every dtype, block copies, bad arguments, and an oversized pool. */
+TEST(test_backend_pool) {
+    kvfix_t f;
+    if (kvfix_open(&f) != 0) {
+        kvfix_close(&f);
+        CHECK(0);
+    }
+    enum { NK = KV_NK, KVD = KV_D, BT = KV_BT };
+    char err[256] = "";
+    cb_backend_t *cpu = f.cpu, *gpu = f.gpu;
+    float *k1 = malloc(sizeof(float) * NK * KVD), *v1 = malloc(sizeof(float) * NK * KVD);
+    float *k2 = malloc(sizeof(float) * NK * KVD), *v2 = malloc(sizeof(float) * NK * KVD);
+    double *sc = malloc(sizeof(double) * NK * KVD);
+    uint16_t *h16 = malloc(2 * NK * KVD * 2);
+    int ok = k1 && v1 && k2 && v2 && sc && h16;
+    /* the pool is made once; bad arguments fail without marking the backend failed */
+    int32_t bad_pos = 10 * BT;
+    ok = ok && gpu->ops->kv_pool_init(gpu->ctx, KV_NL, KVD, BT, KV_NB, err, sizeof err) == -1;
+    ok = ok && gpu->ops->kv_write(gpu->ctx, 0, &f.ts, &bad_pos, 1, f.kw, f.vw) == -1;        /* outside the table */
+    ok = ok && gpu->ops->kv_write(gpu->ctx, KV_NL, &f.ts, &bad_pos, 0, f.kw, f.vw) == -1;    /* no such layer */
+    ok = ok && gpu->ops->kv_load(gpu->ctx, 1, &f.tc, 10 * BT - 5, 6, f.kw, f.vw, CB_KV_F32, 1e4f) == -1;
+    ok = ok && gpu->ops->kv_load(gpu->ctx, 1, &f.tc, 0, 1, f.kw, f.vw, (cb_kv_dtype_t)7, 1e4f) == -1;
+    ok = ok && gpu->ops->kv_copy_block(gpu->ctx, KV_NB, 0) == -1 && !cb_backend_cuda_failed(gpu);
+    if (!ok) goto out;
+    /* kv_read: CPU exact, CUDA one bf16 rounding */
+    double rd_max = 0;
+    for (int l = 0; l < KV_NL && ok; l++) {
+        const cb_kv_table_t *t = l ? &f.tc : &f.ts;
+        ok = cpu->ops->kv_read(cpu->ctx, l, t, 0, NK, k1, v1) == 0 && gpu->ops->kv_read(gpu->ctx, l, t, 0, NK, k2, v2) == 0;
+        ok = ok && !memcmp(k1, f.kw, sizeof(float) * NK * KVD) && !memcmp(v1, f.vw, sizeof(float) * NK * KVD);
+        ok = ok && close_enough("kv_read K", k2, f.kw, NK * KVD, NULL, 4e-3, 1e-7) &&
+             close_enough("kv_read V", v2, f.vw, NK * KVD, NULL, 4e-3, 1e-7);
+        rd_max = fmax(rd_max, fmax(vmax_diff(k2, f.kw, NK * KVD), vmax_diff(v2, f.vw, NK * KVD)));
+    }
+    ok = ok && gpu->ops->kv_read(gpu->ctx, 0, &f.ts, 5, 7, NULL, v2) == 0;   /* one half only */
+    if (!ok) goto out;
+    /* kv_load of pre-RoPE rows at positions 20..89 of layer 1, in each dtype; read back and compared */
+    enum { P0 = 20, NLD = 70 };
+    const cb_kv_dtype_t dts[3] = {CB_KV_F32, CB_KV_F16, CB_KV_BF16};
+    for (int di = 0; di < 3 && ok; di++) {
+        const void *sk = f.kw, *sv = f.vw;
+        if (dts[di] != CB_KV_F32) {
+            for (int i = 0; i < NLD * KVD; i++) {
+                h16[i] = dts[di] == CB_KV_F16 ? cb_f32_to_f16(f.kw[i]) : bf(f.kw[i]);
+                h16[NLD * KVD + i] = dts[di] == CB_KV_F16 ? cb_f32_to_f16(f.vw[i]) : bf(f.vw[i]);
+            }
+            sk = h16, sv = h16 + NLD * KVD;
+        }
+        ok = cpu->ops->kv_load(cpu->ctx, 1, &f.tc, P0, NLD, sk, sv, dts[di], f.hp.rope_base) == 0 &&
+             gpu->ops->kv_load(gpu->ctx, 1, &f.tc, P0, NLD, sk, sv, dts[di], f.hp.rope_base) == 0 &&
+             cpu->ops->kv_read(cpu->ctx, 1, &f.tc, P0, NLD, k1, v1) == 0 &&
+             gpu->ops->kv_read(gpu->ctx, 1, &f.tc, P0, NLD, k2, v2) == 0;
+        for (int i = 0; i < NLD * KVD; i++) sc[i] = fabs(k1[i]) + fabs(k1[i ^ 1]);   /* the rotation pair */
+        ok = ok && close_enough("kv_load K", k2, k1, NLD * KVD, sc, 8e-3, 1e-6) &&
+             close_enough("kv_load V", v2, v1, NLD * KVD, NULL, 4e-3, 1e-7);
+        if (!ok) fprintf(stderr, "  kv_load of dtype %d\n", (int)dts[di]);
+    }
+    /* kv_copy_block: block 5 -> 12 (unused by both tables), every layer; the tables with 12 in 5's place
+     * read the same rows, bit for bit on each backend */
+    int32_t shuf2[10], cons2[10];
+    memcpy(shuf2, g_shuf, sizeof shuf2), memcpy(cons2, g_cons, sizeof cons2);
+    shuf2[2] = 12, cons2[5] = 12;
+    const cb_kv_table_t ts2 = {shuf2, 10 * BT}, tc2 = {cons2, 10 * BT};
+    cb_backend_t *bes[2] = {cpu, gpu};
+    for (int bi = 0; bi < 2 && ok; bi++) {
+        cb_backend_t *be = bes[bi];
+        ok = be->ops->kv_copy_block(be->ctx, 12, 5) == 0;
+        for (int l = 0; l < KV_NL && ok; l++) {
+            ok = be->ops->kv_read(be->ctx, l, l ? &f.tc : &f.ts, 0, NK, k1, v1) == 0 &&
+                 be->ops->kv_read(be->ctx, l, l ? &tc2 : &ts2, 0, NK, k2, v2) == 0 &&
+                 !memcmp(k1, k2, sizeof(float) * NK * KVD) && !memcmp(v1, v2, sizeof(float) * NK * KVD);
+            if (!ok) fprintf(stderr, "  %s: layer %d differs after kv_copy_block\n", be->ops->name, l);
+        }
+    }
+    ok = ok && !cb_backend_cuda_failed(gpu);
+    /* a pool larger than the device: a clear error, and the backend can still make a pool */
+    if (ok) {
+        cb_backend_t *g2 = cb_backend_cuda_new(&f.hp, 64, 256, 0, err, sizeof err);
+        int rc = g2 ? g2->ops->kv_pool_init(g2->ctx, KV_NL, KVD, BT, 100000000, err, sizeof err) : 0; /* 2 x 205 GB */
+        int msg_ok = strstr(err, "KV pool") && strstr(err, "out of memory");
+        fprintf(stderr, "  oversized pool: %s\n", err);
+        int rc2 = g2 ? g2->ops->kv_pool_init(g2->ctx, KV_NL, KVD, BT, KV_NB, err, sizeof err) : -1;
+        cb_backend_destroy(&g2);
+        ok = rc == -1 && msg_ok && rc2 == 0;
+        if (!ok) fprintf(stderr, "  oversized pool: rc %d, then %d: %s\n", rc, rc2, err);
+    }
+    fprintf(stderr, "  backend pool: kv_read max |d| %.2e\n", rd_max);
+out:
+    free(k1), free(v1), free(k2), free(v2), free(sc), free(h16);
+    kvfix_close(&f);
+    CHECK(ok);
+}
+
+/* Attention and attention mass over the pool: gathered (shuffled table) and in place (consecutive). */
+TEST(test_backend_attention) {
+    kvfix_t f;
+    if (kvfix_open(&f) != 0) {
+        kvfix_close(&f);
+        CHECK(0);
+    }
+    enum { N = KV_N, QD = KV_QD, NK = KV_NK };
+    cb_backend_t *cpu = f.cpu, *gpu = f.gpu;
+    float *q = malloc(sizeof(float) * N * QD), *o1 = malloc(sizeof(float) * N * QD);
+    float *o2 = malloc(sizeof(float) * N * QD), *o3 = malloc(sizeof(float) * N * QD);
+    int ok = q && o1 && o2 && o3;
+    for (int i = 0; ok && i < N * QD; i++) q[i] = frand(1.0f);
+    /* rows at positions 130..149 over the layer's keys (exact causal limits), both layers (the same data) */
+    int32_t lim[N];
+    for (int i = 0; i < N; i++) lim[i] = NK - N + i + 1;
+    cb_attn_geom_t g = {f.hp.n_head, f.hp.n_head_kv, f.hp.head_dim, 1.0f / sqrtf((float)f.hp.head_dim)};
+    if (ok) {
+        cpu->ops->attention(cpu->ctx, &g, q, N, 0, &f.ts, lim, o1);
+        gpu->ops->attention(gpu->ctx, &g, q, N, 0, &f.ts, lim, o2);
+        gpu->ops->attention(gpu->ctx, &g, q, N, 1, &f.tc, lim, o3);
+        ok = close_enough("attention (shuffled table)", o2, o1, N * QD, NULL, 0.0, 3e-2);
+        /* the gathered copy and the pool in place give the same bits */
+        if (ok && memcmp(o2, o3, sizeof(float) * N * QD)) {
+            fprintf(stderr, "  attention over the consecutive table differs from the gathered one\n");
+            ok = 0;
+        }
+    }
+    /* a few rows, short limits (decode-like) */
+    int32_t lim2[3] = {1, 17, 33};
+    if (ok) {
+        cpu->ops->attention(cpu->ctx, &g, q, 3, 0, &f.ts, lim2, o1);
+        gpu->ops->attention(gpu->ctx, &g, q, 3, 0, &f.ts, lim2, o2);
+        ok = close_enough("attention (3 rows)", o2, o1, 3 * QD, NULL, 0.0, 3e-2);
+    }
+    /* attention mass, accumulated over 0.25; deterministic on a second run */
+    float m1[NK], m2[NK], m3[NK], m4[NK];
+    for (int j = 0; j < NK; j++) m1[j] = m2[j] = 0.25f, m3[j] = m4[j] = 0.0f;
+    double sum2 = 0;
+    if (ok) {
+        ok = cpu->ops->attn_mass(cpu->ctx, &g, q, N, 0, &f.ts, lim, m1) == 0 &&
+             gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &f.ts, lim, m2) == 0 &&
+             gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &f.ts, lim, m3) == 0 &&
+             gpu->ops->attn_mass(gpu->ctx, &g, q, N, 1, &f.tc, lim, m4) == 0;
+        for (int j = 0; j < NK; j++) m1[j] -= 0.25f, m2[j] -= 0.25f, sum2 += m2[j];
+        ok = ok && close_enough("attn_mass", m2, m1, NK, NULL, 3e-2, 2e-4);
+        if (ok && !(fabs(sum2 - N * f.hp.n_head) <= 1e-3 * N * f.hp.n_head)) {
+            fprintf(stderr, "  attn_mass sums to %g, not %d\n", sum2, N * f.hp.n_head);
+            ok = 0;
+        }
+        if (ok && memcmp(m3, m4, sizeof m3)) {
+            fprintf(stderr, "  attn_mass: the consecutive table (or a second run) gives other bits\n");
+            ok = 0;
+        }
+    }
+    ok = ok && !cb_backend_cuda_failed(gpu);
+    fprintf(stderr, "  backend attention: attention max |d| %.2e, attn_mass max |d| %.2e (sum %.6f of %d)\n",
+            vmax_diff(o1, o2, 3 * QD), vmax_diff(m1, m2, NK), sum2, N * f.hp.n_head);
+    free(q), free(o1), free(o2), free(o3);
+    kvfix_close(&f);
+    CHECK(ok);
+}
+
+/* kv_deviation, topk and compact_rows: host operations on both backends, bit-identical. */
+TEST(test_backend_host_ops) {
     cb_hparams_t hp = be_hp();
     char err[256] = "";
     cb_backend_t *cpu = cb_backend_cpu_new(&hp, 64, 256, 2, err, sizeof err);
     CHECK_MSG(cpu != NULL, "%s", err);
     cb_backend_t *gpu = cb_backend_cuda_new(&hp, 64, 256, 0, err, sizeof err);
+    if (!gpu) cb_backend_destroy(&cpu);
     CHECK_MSG(gpu != NULL, "%s", err);
-    enum { NL = 2, KVD = 64, BT = 16, NB = 14, NK = 150, N = 20, QD = 128 };
-    CHECK_MSG(cpu->ops->kv_pool_init(cpu->ctx, NL, KVD, BT, NB, err, sizeof err) == 0, "%s", err);
-    CHECK_MSG(gpu->ops->kv_pool_init(gpu->ctx, NL, KVD, BT, NB, err, sizeof err) == 0, "%s", err);
-    CHECK(gpu->ops->kv_pool_init(gpu->ctx, NL, KVD, BT, NB, err, sizeof err) == -1);   /* once */
-    static const int32_t shuf[10] = {3, 0, 5, 1, 9, 11, 2, 7, 4, 10}, cons[10] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
-    const cb_kv_table_t ts = {shuf, 10 * BT}, tc = {cons, 10 * BT};
-    float *kw = malloc(sizeof(float) * NK * KVD), *vw = malloc(sizeof(float) * NK * KVD);
-    float *k1 = malloc(sizeof(float) * NK * KVD), *v1 = malloc(sizeof(float) * NK * KVD);
-    float *k2 = malloc(sizeof(float) * NK * KVD), *v2 = malloc(sizeof(float) * NK * KVD);
-    float *q = malloc(sizeof(float) * N * QD), *o1 = malloc(sizeof(float) * N * QD), *o2 = malloc(sizeof(float) * N * QD);
-    double *sc = malloc(sizeof(double) * NK * KVD);
-    CHECK(kw && vw && k1 && v1 && k2 && v2 && q && o1 && o2 && sc);
-    for (int i = 0; i < NK * KVD; i++) kw[i] = frand(1.0f), vw[i] = frand(1.0f);
-    for (int i = 0; i < N * QD; i++) q[i] = frand(1.0f);
-    /* kv_write in a scrambled position order, 64 + 64 + 22 rows, into layer 0 (shuffled) and 1 (consecutive) */
-    int32_t order[NK];
-    for (int i = 0; i < NK; i++) order[i] = (i * 61 + 17) % NK;   /* 61 is prime to 150: a permutation */
-    float *ko = malloc(sizeof(float) * NK * KVD), *vo = malloc(sizeof(float) * NK * KVD);
-    CHECK(ko && vo);
-    for (int i = 0; i < NK; i++) {
-        memcpy(ko + (size_t)i * KVD, kw + (size_t)order[i] * KVD, sizeof(float) * KVD);
-        memcpy(vo + (size_t)i * KVD, vw + (size_t)order[i] * KVD, sizeof(float) * KVD);
+    int ok = 1;
+    /* kv_deviation: fresh rows against cached rows of each dtype, through shuffled row pointers */
+    enum { ND = 12, KVD = KV_D };
+    float fresh[ND * KVD], cf[ND * KVD];
+    uint16_t c16[ND * KVD], cbf[ND * KVD];
+    for (int i = 0; i < ND * KVD; i++) {
+        fresh[i] = frand(2.0f);
+        cf[i] = fresh[i] + frand(0.3f);
+        c16[i] = cb_f32_to_f16(cf[i]);
+        cbf[i] = bf(cf[i]);
     }
-    for (int l = 0; l < NL; l++)
-        for (int r0 = 0; r0 < NK; r0 += 64) {
-            int n = NK - r0 < 64 ? NK - r0 : 64;
-            const cb_kv_table_t *tt = l ? &tc : &ts;
-            CHECK(cpu->ops->kv_write(cpu->ctx, l, tt, order + r0, n, ko + (size_t)r0 * KVD, vo + (size_t)r0 * KVD) == 0);
-            CHECK(gpu->ops->kv_write(gpu->ctx, l, tt, order + r0, n, ko + (size_t)r0 * KVD, vo + (size_t)r0 * KVD) == 0);
-        }
-    free(ko), free(vo);
-    int32_t bad_pos = 10 * BT;
-    CHECK(gpu->ops->kv_write(gpu->ctx, 0, &ts, &bad_pos, 1, kw, vw) == -1);   /* outside the table */
-    CHECK(gpu->ops->kv_write(gpu->ctx, NL, &ts, order, 1, kw, vw) == -1);      /* no such layer */
-    CHECK(!cb_backend_cuda_failed(gpu));                                       /* bad arguments only */
-    /* kv_read: CPU exact, CUDA one bf16 rounding */
-    double rd_max = 0;
-    for (int l = 0; l < NL; l++) {
-        CHECK(cpu->ops->kv_read(cpu->ctx, l, l ? &tc : &ts, 0, NK, k1, v1) == 0);
-        CHECK(gpu->ops->kv_read(gpu->ctx, l, l ? &tc : &ts, 0, NK, k2, v2) == 0);
-        CHECK(!memcmp(k1, kw, sizeof(float) * NK * KVD) && !memcmp(v1, vw, sizeof(float) * NK * KVD));
-        CHECK(close_enough("kv_read K", k2, kw, NK * KVD, NULL, 4e-3, 1e-7));
-        CHECK(close_enough("kv_read V", v2, vw, NK * KVD, NULL, 4e-3, 1e-7));
-        rd_max = fmax(rd_max, fmax(vmax_diff(k2, kw, NK * KVD), vmax_diff(v2, vw, NK * KVD)));
-    }
-    CHECK(gpu->ops->kv_read(gpu->ctx, 0, &ts, 5, 7, NULL, v2) == 0);   /* one half only */
-    /* attention: rows at positions 130..149 over the layer's keys (exact causal limits), both layers */
-    int32_t lim[N];
-    for (int i = 0; i < N; i++) lim[i] = NK - N + i + 1;
-    cb_attn_geom_t g = {hp.n_head, hp.n_head_kv, hp.head_dim, 1.0f / sqrtf((float)hp.head_dim)};
-    cpu->ops->attention(cpu->ctx, &g, q, N, 0, &ts, lim, o1);
-    gpu->ops->attention(gpu->ctx, &g, q, N, 0, &ts, lim, o2);
-    CHECK(close_enough("attention (shuffled table)", o2, o1, N * QD, NULL, 0.0, 3e-2));
-    float *o3 = malloc(sizeof(float) * N * QD);
-    CHECK(o3 != NULL);
-    gpu->ops->attention(gpu->ctx, &g, q, N, 1, &tc, lim, o3);
-    int same = !memcmp(o2, o3, sizeof(float) * N * QD);   /* gathered copy vs the pool in place: same bits */
-    free(o3);
-    CHECK_MSG(same, "attention over the consecutive table differs from the gathered one");
-    /* a few rows, short limits (decode-like) */
-    int32_t lim2[3] = {1, 17, 33};
-    cpu->ops->attention(cpu->ctx, &g, q, 3, 0, &ts, lim2, o1);
-    gpu->ops->attention(gpu->ctx, &g, q, 3, 0, &ts, lim2, o2);
-    CHECK(close_enough("attention (3 rows)", o2, o1, 3 * QD, NULL, 0.0, 3e-2));
-    /* attention mass, accumulated over 0.25 */
-    float m1[NK], m2[NK], m3[NK];
-    for (int j = 0; j < NK; j++) m1[j] = m2[j] = 0.25f, m3[j] = 0.0f;
-    CHECK(cpu->ops->attn_mass(cpu->ctx, &g, q, N, 0, &ts, lim, m1) == 0);
-    CHECK(gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &ts, lim, m2) == 0);
-    double sum2 = 0;
-    for (int j = 0; j < NK; j++) m1[j] -= 0.25f, m2[j] -= 0.25f, sum2 += m2[j];
-    CHECK(close_enough("attn_mass", m2, m1, NK, NULL, 3e-2, 2e-4));
-    CHECK_MSG(fabs(sum2 - N * hp.n_head) <= 1e-3 * N * hp.n_head, "attn_mass sums to %g, not %d", sum2, N * hp.n_head);
-    CHECK(gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &ts, lim, m3) == 0);
-    {
-        float m4[NK];
-        for (int j = 0; j < NK; j++) m4[j] = 0.0f;
-        CHECK(gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &ts, lim, m4) == 0);
-        CHECK_MSG(!memcmp(m3, m4, sizeof m3), "attn_mass is not deterministic");
-    }
-    /* kv_load of pre-RoPE rows at positions 20..89 of layer 1, in each dtype; read back and compared */
-    enum { P0 = 20, NLD = 70 };
-    uint16_t *h16 = malloc(2 * NLD * KVD * 2);
-    CHECK(h16 != NULL);
+    c16[5] = 0x0001, c16[6] = 0x83ff, c16[7] = 0x7c00;   /* f16 subnormals and inf */
     const cb_kv_dtype_t dts[3] = {CB_KV_F32, CB_KV_F16, CB_KV_BF16};
-    for (int di = 0; di < 3; di++) {
-        const void *sk = kw, *sv = vw;
-        if (dts[di] != CB_KV_F32) {
-            for (int i = 0; i < NLD * KVD; i++) {
-                h16[i] = dts[di] == CB_KV_F16 ? cb_f32_to_f16(kw[i]) : bf(kw[i]);
-                h16[NLD * KVD + i] = dts[di] == CB_KV_F16 ? cb_f32_to_f16(vw[i]) : bf(vw[i]);
-            }
-            sk = h16, sv = h16 + NLD * KVD;
+    for (int di = 0; di < 3 && ok; di++) {
+        const void *rows[ND];
+        for (int i = 0; i < ND; i++) {
+            int r = (i * 5 + 3) % ND;
+            rows[i] = di == 0 ? (const void *)(cf + r * KVD) : di == 1 ? (const void *)(c16 + r * KVD)
+                                                                        : (const void *)(cbf + r * KVD);
         }
-        CHECK(cpu->ops->kv_load(cpu->ctx, 1, &tc, P0, NLD, sk, sv, dts[di], hp.rope_base) == 0);
-        CHECK(gpu->ops->kv_load(gpu->ctx, 1, &tc, P0, NLD, sk, sv, dts[di], hp.rope_base) == 0);
-        CHECK(cpu->ops->kv_read(cpu->ctx, 1, &tc, P0, NLD, k1, v1) == 0);
-        CHECK(gpu->ops->kv_read(gpu->ctx, 1, &tc, P0, NLD, k2, v2) == 0);
-        for (int i = 0; i < NLD * KVD; i++) sc[i] = fabs(k1[i]) + fabs(k1[i ^ 1]);   /* the rotation pair */
-        CHECK_MSG(close_enough("kv_load K", k2, k1, NLD * KVD, sc, 8e-3, 1e-6), "dtype %d", (int)dts[di]);
-        CHECK_MSG(close_enough("kv_load V", v2, v1, NLD * KVD, NULL, 4e-3, 1e-7), "dtype %d", (int)dts[di]);
+        double d1[ND], d2[ND];
+        ok = cpu->ops->kv_deviation(cpu->ctx, ND, KVD, fresh, rows, dts[di], d1) == 0 &&
+             gpu->ops->kv_deviation(gpu->ctx, ND, KVD, fresh, rows, dts[di], d2) == 0 && !memcmp(d1, d2, sizeof d1);
+        if (!ok) fprintf(stderr, "  kv_deviation of dtype %d differs from the CPU\n", (int)dts[di]);
     }
-    free(h16);
-    CHECK(gpu->ops->kv_load(gpu->ctx, 1, &tc, 10 * BT - 5, 6, kw, vw, CB_KV_F32, hp.rope_base) == -1);
-    CHECK(gpu->ops->kv_load(gpu->ctx, 1, &tc, 0, 1, kw, vw, (cb_kv_dtype_t)7, hp.rope_base) == -1);
-    /* kv_copy_block: block 5 -> 12 (unused by both tables), every layer; the tables with 12 in 5's place
-     * read the same rows, bit for bit on each backend */
-    {
-        int32_t shuf2[10], cons2[10];
-        memcpy(shuf2, shuf, sizeof shuf2), memcpy(cons2, cons, sizeof cons2);
-        shuf2[2] = 12, cons2[5] = 12;
-        const cb_kv_table_t ts2 = {shuf2, 10 * BT}, tc2 = {cons2, 10 * BT};
-        cb_backend_t *bes[2] = {cpu, gpu};
-        for (int bi = 0; bi < 2; bi++) {
-            cb_backend_t *be = bes[bi];
-            CHECK(be->ops->kv_copy_block(be->ctx, 12, 5) == 0);
-            for (int l = 0; l < NL; l++) {
-                CHECK(be->ops->kv_read(be->ctx, l, l ? &tc : &ts, 0, NK, k1, v1) == 0);
-                CHECK(be->ops->kv_read(be->ctx, l, l ? &tc2 : &ts2, 0, NK, k2, v2) == 0);
-                CHECK_MSG(!memcmp(k1, k2, sizeof(float) * NK * KVD) && !memcmp(v1, v2, sizeof(float) * NK * KVD),
-                          "%s: layer %d differs after kv_copy_block", be->ops->name, l);
-            }
-        }
-        CHECK(gpu->ops->kv_copy_block(gpu->ctx, NB, 0) == -1);
+    /* topk: ties, NaN, infinities, k beyond n */
+    enum { NT = 200 };
+    double s[NT];
+    for (int i = 0; i < NT; i++) s[i] = (double)(int)(urand() * 9);
+    s[3] = NAN, s[77] = NAN, s[100] = INFINITY, s[101] = -INFINITY;
+    const int ks[5] = {0, 1, 37, NT, NT + 5};
+    for (int ki = 0; ki < 5 && ok; ki++) {
+        int32_t a1[NT], a2[NT];
+        memset(a1, 0xff, sizeof a1), memset(a2, 0xff, sizeof a2);
+        ok = cpu->ops->topk(cpu->ctx, NT, s, ks[ki], a1) == 0 && gpu->ops->topk(gpu->ctx, NT, s, ks[ki], a2) == 0 &&
+             !memcmp(a1, a2, sizeof a1);
+        if (!ok) fprintf(stderr, "  topk k=%d differs from the CPU\n", ks[ki]);
     }
-    /* kv_deviation (host): fresh rows against cached rows of each dtype, through shuffled row pointers */
-    {
-        enum { ND = 12 };
-        float fresh[ND * KVD], cf[ND * KVD];
-        uint16_t c16[ND * KVD], cbf[ND * KVD];
-        for (int i = 0; i < ND * KVD; i++) {
-            fresh[i] = frand(2.0f);
-            cf[i] = fresh[i] + frand(0.3f);
-            c16[i] = cb_f32_to_f16(cf[i]);
-            cbf[i] = bf(cf[i]);
-        }
-        c16[5] = 0x0001, c16[6] = 0x83ff, c16[7] = 0x7c00;   /* f16 subnormals and inf */
-        for (int di = 0; di < 3; di++) {
-            const void *rows[ND];
-            for (int i = 0; i < ND; i++) {
-                int r = (i * 5 + 3) % ND;
-                rows[i] = di == 0 ? (const void *)(cf + r * KVD) : di == 1 ? (const void *)(c16 + r * KVD)
-                                                                            : (const void *)(cbf + r * KVD);
-            }
-            double d1[ND], d2[ND];
-            CHECK(cpu->ops->kv_deviation(cpu->ctx, ND, KVD, fresh, rows, dts[di], d1) == 0);
-            CHECK(gpu->ops->kv_deviation(gpu->ctx, ND, KVD, fresh, rows, dts[di], d2) == 0);
-            CHECK_MSG(!memcmp(d1, d2, sizeof d1), "kv_deviation dtype %d differs from the CPU", (int)dts[di]);
-        }
-    }
-    /* topk (host): ties, NaN, k beyond n */
-    {
-        enum { NT = 200 };
-        double s[NT];
-        for (int i = 0; i < NT; i++) s[i] = (double)(int)(urand() * 9);
-        s[3] = NAN, s[77] = NAN, s[100] = INFINITY, s[101] = -INFINITY;
-        const int ks[5] = {0, 1, 37, NT, NT + 5};
-        for (int ki = 0; ki < 5; ki++) {
-            int32_t a1[NT], a2[NT];
-            memset(a1, 0xff, sizeof a1), memset(a2, 0xff, sizeof a2);
-            CHECK(cpu->ops->topk(cpu->ctx, NT, s, ks[ki], a1) == 0);
-            CHECK(gpu->ops->topk(gpu->ctx, NT, s, ks[ki], a2) == 0);
-            CHECK_MSG(!memcmp(a1, a2, sizeof a1), "topk k=%d differs from the CPU", ks[ki]);
-        }
-    }
-    /* compact_rows (host) */
-    {
-        float x1[10 * 7], x2[10 * 7];
-        for (int i = 0; i < 70; i++) x1[i] = x2[i] = (float)i;
-        const int32_t keep[5] = {0, 2, 3, 7, 9};
-        cpu->ops->compact_rows(cpu->ctx, x1, 7, keep, 5);
-        gpu->ops->compact_rows(gpu->ctx, x2, 7, keep, 5);
-        CHECK(!memcmp(x1, x2, sizeof x1) && x2[7] == 14.0f && x2[4 * 7 + 6] == 69.0f);
-    }
-    CHECK(!cb_backend_cuda_failed(gpu));
-    /* a pool larger than the device: a clear error, and the backend can still make a pool */
-    {
-        cb_backend_t *g2 = cb_backend_cuda_new(&hp, 64, 256, 0, err, sizeof err);
-        CHECK_MSG(g2 != NULL, "%s", err);
-        int rc = g2->ops->kv_pool_init(g2->ctx, NL, KVD, BT, 100000000, err, sizeof err);   /* 2 x 205 GB */
-        int msg_ok = strstr(err, "KV pool") && strstr(err, "out of memory");
-        fprintf(stderr, "  oversized pool: %s\n", err);
-        int rc2 = g2->ops->kv_pool_init(g2->ctx, NL, KVD, BT, NB, err, sizeof err);
-        cb_backend_destroy(&g2);
-        CHECK_MSG(rc == -1 && msg_ok, "oversized pool: rc %d, message: %s", rc, err);
-        CHECK_MSG(rc2 == 0, "a pool after the failed one: %s", err);
-    }
-    fprintf(stderr, "  backend kv: kv_read max |d| %.2e, attn_mass max |d| %.2e (sum %.6f of %d)\n",
-            rd_max, vmax_diff(m1, m2, NK), sum2, N * hp.n_head);
+    /* compact_rows */
+    float x1[10 * 7], x2[10 * 7];
+    for (int i = 0; i < 70; i++) x1[i] = x2[i] = (float)i;
+    const int32_t keep[5] = {0, 2, 3, 7, 9};
+    cpu->ops->compact_rows(cpu->ctx, x1, 7, keep, 5);
+    gpu->ops->compact_rows(gpu->ctx, x2, 7, keep, 5);
+    ok = ok && !memcmp(x1, x2, sizeof x1) && x2[7] == 14.0f && x2[4 * 7 + 6] == 69.0f;
+    ok = ok && !cb_backend_cuda_failed(gpu);
     cb_backend_destroy(&gpu);
     cb_backend_destroy(&cpu);
-    free(kw), free(vw), free(k1), free(v1), free(k2), free(v2), free(q), free(o1), free(o2), free(sc);
+    CHECK(ok);
 }
 
 /* ---------------------------------------------------------------- whole forwards */
@@ -1550,7 +1626,9 @@ int main(void) {
     RUN(test_synth_fill);
     RUN(test_attn_mass);
     RUN(test_backend_ops);
-    RUN(test_backend_kv);
+    RUN(test_backend_pool);
+    RUN(test_backend_attention);
+    RUN(test_backend_host_ops);
     RUN(test_forward_vs_cpu);
     RUN(test_blend_backends);
     RUN(test_decode_graph);
