@@ -1385,8 +1385,10 @@ TEST(test_forward_vs_cpu) {
  * default metric ('a') and blend with metric 'v'. Compared per mode:
  *   - the counts (rows, candidates, forced, recomputed) must be equal: they follow from the row classes;
  *   - the selected rows: equal for full, prefix and reuse (fixed by the classes); for blend the two
- *     backends rank attention mass / KV deviation computed in bf16 vs f32, so a row near the cut-off can
- *     change places: the overlap |CPU ∩ CUDA| / |CPU| must be >= 0.9 (reported);
+ *     backends rank scores computed in bf16 vs f32, so a row near the cut-off can change places, and the
+ *     overlap |CPU ∩ CUDA| / |CPU| (reported) must be >= 0.9 for metric 'a' (sums of attention
+ *     probabilities: ~1e-3 relative noise) and >= 0.8 for metric 'v' (a squared difference of fresh and
+ *     cached V, both sides carrying their own bf16 noise on CUDA: a few percent at the cut-off);
  *   - the logits: the CUDA backend rounds activations to bf16 (~2^-9 relative per rounding, ~7 per layer:
  *     a random walk of ~sqrt(42) * 2e-3 ~ 1.3 % over 6 layers), so rms(d) / std(CPU logits) <= 0.06 and
  *     max|d| <= 0.1 * (max - min of the CPU logits); 0.10 rms when the selected rows differ;
@@ -1512,7 +1514,8 @@ TEST(test_blend_backends) {
         const int nsel = sc.tokens_recomputed, ov = overlap(selc, nsel, sg.selected, nsel);
         const double frac = nsel ? (double)ov / nsel : 1.0;
         const bool exact_classes = o.mode != CB_BLEND_BLEND;
-        if (exact_classes ? ov != nsel : frac < 0.9) {
+        const double min_frac = o.metric == 'a' ? 0.9 : 0.8;
+        if (exact_classes ? ov != nsel : frac < min_frac) {
             fprintf(stderr, "  %s: selected rows overlap %d of %d (%.3f)\n", name, ov, nsel, frac);
             failed = 1;
             break;
