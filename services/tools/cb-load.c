@@ -7,8 +7,9 @@
  *
  * QUERIES.jsonl: one object per line {"question": str, "contexts": [str...]} (contexts optional: then
  * cb-blend retrieves). Queries are taken in order, round-robin over the file, by whichever client is free.
- * Output: a summary line, or with --json one object {"clients", "queries", "ok", "errors", "wall_s",
- * "qps", "ttft_ms": {"mean", "p50", "p90", "p99", "max"}, "total_ms": {...}}.
+ * Output: a summary line, or with --json one object {"clients", "queries", "ok", "errors", "overloaded"
+ * (of the errors, those cb-blend answered `overloaded`: queue full or KV pool full), "wall_s", "qps",
+ * "ttft_ms": {"mean", "p50", "p90", "p99", "max"}, "total_ms": {...}}.
  * Exit: 0 when every query was answered, 1 when some failed, 2 usage.
  */
 #include <jansson.h>
@@ -33,6 +34,7 @@ typedef struct {
     atomic_int next;
     double *ttft, *tot; /* [total] per query, -1 when it failed */
     atomic_int errors;
+    atomic_int overloaded; /* errors with code `overloaded` */
 } load_t;
 
 static void *client(void *arg) {
@@ -82,6 +84,7 @@ static void *client(void *arg) {
             if (!cb_msg_ok(m)) {
                 fprintf(stderr, "cb-load: query %d: %s: %s\n", i, cb_msg_err_code_name(m), cb_msg_err_message(m));
                 atomic_fetch_add(&L->errors, 1);
+                if (cb_msg_err_code(m) == CB_ERR_OVERLOADED) atomic_fetch_add(&L->overloaded, 1);
                 cb_msg_destroy(&m);
                 break;
             }
@@ -174,23 +177,24 @@ int main(int argc, char **argv) {
     L.tot = calloc((size_t)L.total, sizeof(double));
     atomic_init(&L.next, 0);
     atomic_init(&L.errors, 0);
+    atomic_init(&L.overloaded, 0);
     zsys_init();
     pthread_t th[MAX_CLIENTS];
     double t0 = cb_now_ms();
     for (int c = 0; c < clients; c++) pthread_create(&th[c], NULL, client, &L);
     for (int c = 0; c < clients; c++) pthread_join(th[c], NULL);
     double wall = (cb_now_ms() - t0) / 1000.0;
-    int errors = atomic_load(&L.errors), ok = L.total - errors;
-    json_t *out = json_pack("{s:i, s:i, s:i, s:i, s:f, s:f, s:o, s:o}", "clients", clients, "queries", L.total, "ok", ok,
-                            "errors", errors, "wall_s", wall, "qps", wall > 0 ? ok / wall : 0.0, "ttft_ms",
+    int errors = atomic_load(&L.errors), ok = L.total - errors, overloaded = atomic_load(&L.overloaded);
+    json_t *out = json_pack("{s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:o, s:o}", "clients", clients, "queries", L.total, "ok",
+                            ok, "errors", errors, "overloaded", overloaded, "wall_s", wall, "qps", wall > 0 ? ok / wall : 0.0, "ttft_ms",
                             summary(L.ttft, L.total), "total_ms", summary(L.tot, L.total));
     if (json) {
         json_dumpf(out, stdout, JSON_COMPACT);
         fputc('\n', stdout);
     } else {
         json_t *tt = json_object_get(out, "ttft_ms");
-        printf("%d clients, %d queries (%d ok) in %.2f s: %.3f queries/s, TTFT p50 %.1f ms, p99 %.1f ms\n", clients,
-               L.total, ok, wall, wall > 0 ? ok / wall : 0.0, json_real_value(json_object_get(tt, "p50")),
+        printf("%d clients, %d queries (%d ok, %d overloaded) in %.2f s: %.3f queries/s, TTFT p50 %.1f ms, p99 %.1f ms\n",
+               clients, L.total, ok, overloaded, wall, wall > 0 ? ok / wall : 0.0, json_real_value(json_object_get(tt, "p50")),
                json_real_value(json_object_get(tt, "p99")));
     }
     json_decref(out);
