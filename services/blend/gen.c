@@ -467,7 +467,7 @@ static void chunk_files_after(gen_t *g, query_t *r) {
         bool rewritten = file_replaced(&r->before[i], &after);
         if (rewritten && r->before[i].exists && r->before[i].size == after.size) corrupt++;
         notify_chunk_t *c = &nt->chunks[nt->n++];
-        snprintf(c->key, sizeof c->key, "%s", r->hex[i]);
+        memcpy(c->key, r->hex[i], sizeof c->key); /* both CB_KV_HEX_BYTES, NUL-terminated */
         snprintf(c->rel, sizeof c->rel, "%s", rel);
         c->tokens = r->cn[i];
         c->kind = rewritten ? NOTIFY_PUT : NOTIFY_TOUCH;
