@@ -855,7 +855,11 @@ int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int
         st.chunks_mem = st.chunks_file = 0;
         for (int c = 0; c < n_need; c++) {
             cb_kvstore_chunk_release(&rs[c]);
-            if (cb_kvstore_resolve(b->store, chunks[c].tokens, chunks[c].n, force[c], &rs[c], err, errlen)) goto out;
+            int rrc = cb_kvstore_resolve(b->store, chunks[c].tokens, chunks[c].n, force[c], &rs[c], err, errlen);
+            if (rrc) {
+                ret = rrc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
+                goto out;
+            }
             if (rs[c].src == CB_KVSTORE_MEM) st.chunks_mem++;
             else if (rs[c].src == CB_KVSTORE_FILE) st.chunks_file++;
             else st.chunks_computed++;

@@ -239,8 +239,11 @@ static void round_to_dtype(const cb_kvstore_t *s, cb_kvmem_entry_t *ent) {
 }
 
 /* Computes chunk tokens [n] after the current context: a plain prefill at positions ctx_n.. of a sequence
- * sharing the context's blocks, capturing pre-RoPE K and V; rounded to the dtype. */
-static cb_kvmem_entry_t *compute_chunk(cb_kvstore_t *s, const int32_t *tokens, int n, char *err, size_t errlen) {
+ * sharing the context's blocks, capturing pre-RoPE K and V; rounded to the dtype. NULL on failure, with
+ * *rc_out (may be NULL) = CB_ENGINE_EPOOL when the pool had no room, else -1. */
+static cb_kvmem_entry_t *compute_chunk(cb_kvstore_t *s, const int32_t *tokens, int n, int *rc_out, char *err,
+                                       size_t errlen) {
+    if (rc_out) *rc_out = -1;
     cb_kvmem_entry_t *ent = cb_kvmem_entry_new(s->L, s->hp->n_head_kv, s->HD, n);
     if (!ent) {
         cb_set_err(err, errlen, "kvstore: out of memory (chunk KV of %d tokens)", n);
@@ -256,6 +259,7 @@ static cb_kvmem_entry_t *compute_chunk(cb_kvstore_t *s, const int32_t *tokens, i
     cb_seq_clear(s->work);
     if (rc) {
         cb_set_err(err, errlen, "kvstore: computing a chunk of %d tokens: %s", n, cb_engine_status_str(rc));
+        if (rc_out && rc == CB_ENGINE_EPOOL) *rc_out = CB_ENGINE_EPOOL;
         cb_kvmem_entry_release(&ent);
         return NULL;
     }
@@ -268,7 +272,7 @@ cb_kvmem_entry_t *cb_kvstore_compute(cb_kvstore_t *self, const int32_t *ctx, int
     if (!self) return NULL;
     if (check_ctx_chunk(self, ctx, n_ctx, tokens, n, err, errlen)) return NULL;
     if (cb_kvstore_set_context(self, ctx, n_ctx, err, errlen)) return NULL;
-    cb_kvmem_entry_t *ent = compute_chunk(self, tokens, n, err, errlen);
+    cb_kvmem_entry_t *ent = compute_chunk(self, tokens, n, NULL, err, errlen);
     if (!ent) return NULL;
     if (store) {
         uint8_t key[32];
@@ -362,8 +366,9 @@ int cb_kvstore_resolve(cb_kvstore_t *self, const int32_t *tokens, int n, bool sk
     } else if (self->mem) {
         cb_kvmem_remove(self->mem, rs->key);
     }
-    rs->entry = compute_chunk(self, tokens, n, err, errlen);
-    if (!rs->entry) return -1;
+    int crc;
+    rs->entry = compute_chunk(self, tokens, n, &crc, err, errlen);
+    if (!rs->entry) return crc;
     char serr[256] = "";
     if (store_entry(self, rs->key, rs->entry, serr, sizeof serr) != 0)
         CB_WARN("%s (the chunk is used from memory)", serr);
@@ -376,7 +381,8 @@ static int find_chunk(cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int3
                       cb_kvmem_entry_t **out, cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
     cb_kv_miss_t w = CB_KV_MISS_NOT_FOUND;
     if (check_ctx_chunk(s, ctx, n_ctx, tokens, n, err, errlen)) return -1;
-    if (cb_kvstore_set_context(s, ctx, n_ctx, err, errlen)) return -1;
+    int crc = cb_kvstore_set_context(s, ctx, n_ctx, err, errlen);
+    if (crc) return crc;
     uint8_t key[32];
     cb_kvfile_key(s->model_fp, s->ctx_fp, tokens, n, key);
     cb_kvmem_entry_t *ent = mem_get(s, key, tokens, n);
@@ -413,8 +419,8 @@ static int find_chunk(cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int3
         cb_kvfile_destroy(&f);
     }
     if (why) *why = w;
-    ent = compute_chunk(s, tokens, n, err, errlen);
-    if (!ent) return -1;
+    ent = compute_chunk(s, tokens, n, &crc, err, errlen);
+    if (!ent) return crc;
     if (store_entry(s, key, ent, err, errlen) != 0) {
         cb_kvmem_entry_release(&ent);
         return -1;

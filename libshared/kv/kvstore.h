@@ -51,7 +51,8 @@ cb_kvmem_t *cb_kvstore_mem(const cb_kvstore_t *self);
 cb_kv_dtype_t cb_kvstore_dtype(const cb_kvstore_t *self);
 
 /* Makes ctx [n_ctx] (n_ctx >= 1) the precompute context: its exact KV is computed (unless it is the current
- * one) into the context sequence. 0, or -1 with err (bad tokens, pool exhausted, ...). */
+ * one) into the context sequence. 0, or with err CB_ENGINE_EPOOL (the pool has no room) or -1 (bad tokens,
+ * out of memory, ...). */
 int cb_kvstore_set_context(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, char *err, size_t errlen);
 /* The current context: its sequence (positions [0, n)), its length (0 = none yet), its fingerprint. */
 const cb_seq_t *cb_kvstore_context_seq(const cb_kvstore_t *self);
@@ -76,8 +77,8 @@ typedef struct {
 
 /* Resolves chunk tokens [n] after the current context (cb_kvstore_set_context first): memory tier, file,
  * or computed now and stored (a failed store is logged; the chunk is used from memory). skip_cached: a
- * file of this chunk failed mid-stream: forget the memory-tier entry, skip the file, recompute. 0, or -1
- * with err. Release with cb_kvstore_chunk_release. */
+ * file of this chunk failed mid-stream: forget the memory-tier entry, skip the file, recompute. 0, or with
+ * err CB_ENGINE_EPOOL (no room in the pool to compute it) or -1. Release with cb_kvstore_chunk_release. */
 int cb_kvstore_resolve(cb_kvstore_t *self, const int32_t *tokens, int n, bool skip_cached, cb_kvstore_chunk_t *out,
                        char *err, size_t errlen);
 void cb_kvstore_chunk_release(cb_kvstore_chunk_t *c);
@@ -94,7 +95,8 @@ cb_kvmem_entry_t *cb_kvstore_compute(cb_kvstore_t *self, const int32_t *ctx, int
 
 /* Makes sure the KV of chunk tokens [n] after ctx [n_ctx] is available: memory-tier hit, or a KV file that
  * opens and verifies (every checksum) against this model, context and tokens; otherwise (any miss reason,
- * in *why when why is not NULL) computes it and stores it. *src (may be NULL) says which. 0, or -1 + err. */
+ * in *why when why is not NULL) computes it and stores it. *src (may be NULL) says which. 0, or with err
+ * CB_ENGINE_EPOOL (no room in the pool to compute it) or -1. */
 int cb_kvstore_ensure(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
                       cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen);
 /* The same, returning the chunk's decoded KV (a new reference the caller releases): from the memory tier,
