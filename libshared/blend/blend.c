@@ -5,11 +5,11 @@
  * to load). A run:
  *   1. active set A = rows not LOADED (ascending positions); x[A] = embeddings;
  *   2. per layer l: wait until the loader has placed layer l's cached K/V (LOADED rows at every layer,
- *      CANDIDATE rows at layers > check_layer) in the engine's cache rows; QKV of A (ubatches), deviation
+ *      CANDIDATE rows at layers > check_layer) in the sequence; QKV of A (ubatches), deviation
  *      of the candidates on measuring layers (fresh pre-RoPE K or V vs the cached ones), RoPE, K/V of A
  *      into the sequence; on measuring layers narrow A (and x, q) to the forced rows + the most deviating
  *      candidates; attention (key limit pos + 1) + MLP for A; at the last layer only the last row (its
- *      residual feeds the logits; the K/V of every active row are already in the cache);
+ *      residual feeds the logits; the K/V of every active row are already in the sequence);
  *   3. logits of the last row.
  * The loader (a thread, or inline with no_overlap) runs ahead of the compute layer by layer: it hands the
  * cached K/V of a layer straight from the source (an f32 entry, or the KV file's mapping in its dtype) to
@@ -24,15 +24,11 @@
 #include "blend/blend.h"
 
 #include <assert.h>
-#include <errno.h>
 #include <math.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
 
 #include "base/clock.h"
 #include "base/err.h"
@@ -68,7 +64,7 @@ typedef struct {
     float *logits;             /* NULL: skip the LM head (and the last layer's attention/MLP) */
     cb_blend_attn_hook_t hook;
     void *hook_ud;
-    bool preloaded;            /* every LOADED row's K/V is already in the cache rows of every layer */
+    bool preloaded;            /* every LOADED row's K/V is already in the sequence, at every layer */
     int probe_rows;            /* > 0: a probe pass (metric 'a'); the last probe_rows active rows add their
                                   attention mass over keys into b->mass at every layer */
     int compute_layers;        /* > 0: layers [compute_layers, L) only place their cached rows (a probe that
@@ -311,7 +307,7 @@ static int add_src(cb_blend_t *b, src_t **out) {
 
 static bool measuring(const run_t *R, int l) { return R->blend && l >= R->check_layer && l <= R->grad_end; }
 
-/* Does a row of class c need its cached K/V in the cache rows of layer l? */
+/* Does a row of class c need its cached K/V in the sequence at layer l? */
 static bool row_needs_cache(const run_t *R, int c, int l) {
     return c == CB_ROW_LOADED || (c == CB_ROW_CANDIDATE && l > R->check_layer);
 }
@@ -623,7 +619,7 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
  * pass in which the last suffix rows measure the attention mass each key receives (summed over heads,
  * rows and layers); the `target` most attended candidates then become COMPUTED (recomputed at every
  * layer) and the others LOADED at every layer: no check layer, so R->blend is cleared. The probe leaves
- * every cached row's K/V in the cache, so the main pass loads nothing (R->preloaded). No probe when
+ * every cached row's K/V in the sequence, so the main pass loads nothing (R->preloaded). No probe when
  * the target is 0 or every candidate. Returns run_layers' code (1: a streamed layer failed; R->fail_*
  * set). */
 static int choose_by_attention(cb_blend_t *b, run_t *R, int N, const int32_t *suffix, int n_suffix,
@@ -681,7 +677,7 @@ static int choose_by_attention(cb_blend_t *b, run_t *R, int N, const int32_t *su
         cb_set_err(err, errlen, "blend: the backend failed (top-k)");
         return -1;
     }
-    /* the probe placed every cached row of every layer in the cache and verified the files: the main
+    /* the probe placed every cached row of every layer in the sequence and verified the files: the main
      * pass only overwrites its computed rows */
     R->preloaded = true;
     return 0;

@@ -15,7 +15,7 @@
  *              KV (metric 'v': sum over kv_dim of (v - v_cached)^2; 'k': the same on pre-RoPE K) keeps
  *              the floor(ratio * #candidates) most deviating rows (ties: lower position first) recomputed
  *              at later layers; the others are LOADED from check_layer + 1 on. At the check layer itself
- *              the fresh K/V of every candidate stay in the cache (they were computed anyway).
+ *              the fresh K/V of every candidate stay in the sequence (they were computed anyway).
  *   mode      P          chunk rows                                  S
  *   full      COMPUTED   COMPUTED                                    COMPUTED
  *   prefix    LOADED     C1 LOADED (it was computed right after P:   COMPUTED
@@ -33,7 +33,7 @@
  * uncached rows) computed, and the last CB_BLEND_PROBE_ROWS suffix rows sum, at every layer and head, the
  * attention probability each key receives (cb_engine_attn_mass). The floor(ratio * #candidates) candidates
  * with the most mass (ties: lower position first) are then recomputed at every layer, the others LOADED
- * at every layer. The probe leaves every cached row in the cache, so the main pass loads nothing more.
+ * at every layer. The probe leaves every cached row in the sequence, so the main pass loads nothing more.
  * Costs one pass over the suffix rows; saves the check layer's full recompute. opts.probe_layers > 0
  * stops the probe's compute (and its measurement) after that many layers; it still places every layer's
  * cached rows. opts.probe_suffix > 0 computes only the last probe_suffix suffix rows in the probe, moved
@@ -135,7 +135,7 @@ typedef struct {
     int restarts;               /* prefills restarted after a payload checksum failure */
     double t_total_ms;          /* the whole call */
     double t_resolve_ms;        /* chunk lookups (memory tier, file opens) and miss computation */
-    double t_load_ms;           /* loader work (decode, rotate, copy into the cache), on whichever thread */
+    double t_load_ms;           /* loader work (decode, rotate, place into the sequence), on whichever thread */
     double t_load_wait_ms;      /* compute thread blocked on the loader (= t_load_ms when serial) */
     double t_compute_ms;        /* layer compute (QKV, attention, MLP, logits) */
     double t_select_ms;         /* deviations and selection */
