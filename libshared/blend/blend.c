@@ -277,17 +277,9 @@ void cb_blend_destroy(cb_blend_t **self_p) {
 /* ---------------------------------------------------------------- small helpers */
 
 static int check_tokens(const cb_blend_t *b, const int32_t *t, int n, const char *what, char *err, size_t errlen) {
-    if (!t || n < 1) {
-        cb_set_err(err, errlen, "blend: %s is empty", what);
-        return -1;
-    }
-    for (int i = 0; i < n; i++)
-        if (t[i] < 0 || t[i] >= b->hp->n_vocab) {
-            cb_set_err(err, errlen, "blend: %s token %d = %d outside the vocabulary (%d)", what, i, (int)t[i],
-                    b->hp->n_vocab);
-            return -1;
-        }
-    return 0;
+    char w[48];
+    snprintf(w, sizeof w, "blend: %s", what);
+    return cb_model_check_tokens(cb_engine_model(b->e), t, n, w, err, errlen);
 }
 
 static int add_src(cb_blend_t *b, src_t **out) {

@@ -2,10 +2,10 @@
  * composition of layer-stage primitives over a backend (see engine.h). Owns every buffer below and the
  * backend (which owns the pool's memory); borrows the model.
  *
- * Block accounting: refs[b] counts the sequences whose table holds block b (0 = free). Free blocks sit on a
- * stack; a sequence returns its blocks last-to-first, so the next sequence gets them back in ascending
- * order, and a fresh pool hands out 0, 1, 2, ...: tables stay runs of consecutive blocks, which the
- * kernels read as one strided range.
+ * Block accounting: refs[b] counts the sequences whose table holds block b (0 = free). A sequence that grows
+ * takes the block after its last one when it is free, else the first run of free blocks long enough for the
+ * whole growth, else the lowest free blocks: tables stay runs of consecutive blocks, which the kernels read
+ * as one strided range (a break costs a gather of the attention tiles that span it).
  */
 #include "engine/engine.h"
 
@@ -40,7 +40,7 @@ struct cb_engine {
     int seq_max_blocks;      /* ceil(max_ctx / bt): a sequence's largest table */
     size_t block_bytes;      /* K + V of every layer of one block */
     int32_t *refs;           /* [n_blocks] sequences holding each block */
-    int32_t *free_stack;     /* [n_blocks] free block ids; top = free_stack[n_free - 1] */
+    int32_t free_lo;         /* no block below it is free */
     int n_free, n_shared, n_seqs;
 
     /* prefill composition (cb_engine_prefill only) */
@@ -138,9 +138,7 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
         goto fail;
     }
     e->refs = calloc((size_t)e->n_blocks, sizeof(int32_t));
-    e->free_stack = malloc(sizeof(int32_t) * (size_t)e->n_blocks);
-    if (!e->refs || !e->free_stack) goto oom;
-    for (int i = 0; i < e->n_blocks; i++) e->free_stack[i] = e->n_blocks - 1 - i; /* pops 0, 1, 2, ... */
+    if (!e->refs) goto oom;
     e->n_free = e->n_blocks;
     const size_t R = (size_t)e->max_rows;
     e->x = buf(e, sizeof(float) * R * e->E);
@@ -182,7 +180,6 @@ void cb_engine_destroy(cb_engine_t **self_p) {
     }
     cb_backend_destroy(&e->be);
     free(e->refs);
-    free(e->free_stack);
     free(e->pos);
     free(e->limit);
     free(e);
@@ -214,12 +211,35 @@ void cb_engine_pool_stats(const cb_engine_t *self, cb_engine_pool_stats_t *out) 
 
 /* ---------------------------------------------------------------- blocks and sequences */
 
-static int32_t block_take(cb_engine_t *e) {
+/* Takes block want when it is free, else the lowest free block (there is one). */
+static int32_t block_take(cb_engine_t *e, int32_t want) {
     assert(e->n_free > 0);
-    int32_t b = e->free_stack[--e->n_free];
-    assert(e->refs[b] == 0);
+    int32_t b = want;
+    if (b < 0 || b >= e->n_blocks || e->refs[b] != 0) {
+        b = e->free_lo;
+        while (e->refs[b] != 0) b++;
+        e->free_lo = b + 1;
+    }
     e->refs[b] = 1;
+    e->n_free--;
     return b;
+}
+
+/* The first block of the lowest run of k free blocks, or -1. */
+static int32_t free_run(const cb_engine_t *e, int k) {
+    for (int32_t b = e->free_lo, len = 0; b < e->n_blocks; b++) {
+        len = e->refs[b] == 0 ? len + 1 : 0;
+        if (len == k) return b - k + 1;
+    }
+    return -1;
+}
+
+/* Whether blocks [b, b + k) are all free. */
+static bool all_free(const cb_engine_t *e, int32_t b, int k) {
+    if (b < 0 || b > e->n_blocks - k) return false;
+    for (int i = 0; i < k; i++)
+        if (e->refs[b + i] != 0) return false;
+    return true;
 }
 
 static void block_ref(cb_engine_t *e, int32_t b) {
@@ -230,7 +250,10 @@ static void block_ref(cb_engine_t *e, int32_t b) {
 static void block_unref(cb_engine_t *e, int32_t b) {
     assert(e->refs[b] > 0);
     if (--e->refs[b] == 1) e->n_shared--;
-    if (e->refs[b] == 0) e->free_stack[e->n_free++] = b;
+    if (e->refs[b] == 0) {
+        e->n_free++;
+        if (b < e->free_lo) e->free_lo = b;
+    }
 }
 
 static cb_kv_table_t table_of(const cb_seq_t *s) {
@@ -254,7 +277,7 @@ cb_seq_t *cb_seq_new(cb_engine_t *engine) {
 void cb_seq_truncate(cb_seq_t *self, int n_pos) {
     if (!self) return;
     int keep = n_pos <= 0 ? 0 : (n_pos + self->e->bt - 1) / self->e->bt;
-    while (self->n_blocks > keep) block_unref(self->e, self->blocks[--self->n_blocks]); /* last first */
+    while (self->n_blocks > keep) block_unref(self->e, self->blocks[--self->n_blocks]);
 }
 
 void cb_seq_clear(cb_seq_t *self) { cb_seq_truncate(self, 0); }
@@ -291,7 +314,7 @@ int cb_seq_reserve(cb_seq_t *self, int from, int n_pos) {
     for (int b = from / e->bt; b < self->n_blocks && b * e->bt < n_pos; b++) {
         int32_t old = self->blocks[b];
         if (e->refs[old] < 2) continue;
-        int32_t nb = block_take(e);
+        int32_t nb = block_take(e, -1);
         if (e->be->ops->kv_copy_block(e->be->ctx, nb, old) != 0) {
             block_unref(e, nb);
             return CB_ENGINE_EBACKEND;
@@ -299,7 +322,16 @@ int cb_seq_reserve(cb_seq_t *self, int from, int n_pos) {
         self->blocks[b] = nb;
         block_unref(e, old);
     }
-    while (self->n_blocks < need) self->blocks[self->n_blocks++] = block_take(e);
+    if (grow > 0) {
+        /* right after the last block, else the first run that holds the whole growth, else anywhere */
+        int32_t want = self->n_blocks > 0 ? self->blocks[self->n_blocks - 1] + 1 : -1;
+        if (!all_free(e, want, grow)) want = free_run(e, grow);
+        while (self->n_blocks < need) {
+            int32_t b = block_take(e, want);
+            self->blocks[self->n_blocks++] = b;
+            want = b + 1;
+        }
+    }
     return CB_ENGINE_OK;
 }
 
@@ -315,7 +347,7 @@ int cb_seq_share(cb_seq_t *dst, const cb_seq_t *src, int n_pos) {
         dst->blocks[dst->n_blocks++] = src->blocks[b];
     }
     if (part) {
-        int32_t nb = block_take(e);
+        int32_t nb = block_take(e, -1);
         dst->blocks[dst->n_blocks++] = nb;
         if (e->be->ops->kv_copy_block(e->be->ctx, nb, src->blocks[full]) != 0) {
             cb_seq_clear(dst);

@@ -123,17 +123,9 @@ int cb_kvstore_path(const cb_kvstore_t *self, const uint8_t key[32], char *path,
 }
 
 static int check_tokens(const cb_kvstore_t *s, const int32_t *t, int n, const char *what, char *err, size_t errlen) {
-    if (!t || n < 1) {
-        cb_set_err(err, errlen, "kvstore: %s is empty", what);
-        return -1;
-    }
-    for (int i = 0; i < n; i++)
-        if (t[i] < 0 || t[i] >= s->hp->n_vocab) {
-            cb_set_err(err, errlen, "kvstore: %s token %d = %d outside the vocabulary (%d)", what, i, (int)t[i],
-                    s->hp->n_vocab);
-            return -1;
-        }
-    return 0;
+    char w[48];
+    snprintf(w, sizeof w, "kvstore: %s", what);
+    return cb_model_check_tokens(s->model, t, n, w, err, errlen);
 }
 
 static int check_ctx_chunk(const cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,

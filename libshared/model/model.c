@@ -572,3 +572,18 @@ bool cb_model_is_eog(const cb_model_t *self, int32_t id) {
 }
 
 void cb_model_fingerprint(const cb_model_t *self, uint8_t out[32]) { memcpy(out, self->fingerprint, 32); }
+
+int cb_model_check_tokens(const cb_model_t *self, const int32_t *t, int n, const char *what, char *err,
+                          size_t errlen) {
+    if (!t || n < 1) {
+        cb_set_err(err, errlen, "%s is empty", what);
+        return -1;
+    }
+    const int V = cb_model_hparams(self)->n_vocab;
+    for (int i = 0; i < n; i++)
+        if (t[i] < 0 || t[i] >= V) {
+            cb_set_err(err, errlen, "%s token %d = %d outside the vocabulary (%d)", what, i, (int)t[i], V);
+            return -1;
+        }
+    return 0;
+}

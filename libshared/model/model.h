@@ -90,6 +90,10 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen);
 void cb_model_destroy(cb_model_t **self_p);
 
 const cb_hparams_t *cb_model_hparams(const cb_model_t *self);
+/* Checks token ids from outside: t [n] with n >= 1, each in 0..n_vocab-1. 0, or -1 with err ("<what> is
+ * empty" / "<what> token i = id outside the vocabulary (n)"). */
+int cb_model_check_tokens(const cb_model_t *self, const int32_t *t, int n, const char *what, char *err,
+                          size_t errlen);
 /* The underlying GGUF reader (borrowed; lives as long as the model), e.g. to build the tokenizer. */
 const cb_gguf_t *cb_model_gguf(const cb_model_t *self);
 const cb_layer_weights_t *cb_model_layer(const cb_model_t *self, int layer);
