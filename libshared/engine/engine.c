@@ -430,18 +430,14 @@ int cb_engine_kv_read(cb_engine_t *self, const cb_seq_t *seq, int layer, int pos
     return self->be->ops->kv_read(self->be->ctx, layer, &t, pos0, n, k, v) ? CB_ENGINE_EBACKEND : CB_ENGINE_OK;
 }
 
-void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
-                              const int32_t *key_limit) {
-    assert(n >= 1 && n <= self->max_rows);
-    assert(seq && seq->e == self);
+/* o_proj + residual into x, FFN RMSNorm, SwiGLU MLP + residual into x, from the attention output in
+ * self->att:  x [n][n_embd] in/out. */
+static void layer_post_attn(cb_engine_t *self, int layer, float *x, int n) {
     const cb_backend_ops_t *ops = self->be->ops;
     void *ctx = self->be->ctx;
     const cb_layer_weights_t *L = cb_model_layer(self->model, layer);
     assert(L);
     const size_t nE = (size_t)n * self->E;
-    cb_kv_table_t t = table_of(seq);
-    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t.n_pos);
-    ops->attention(ctx, &self->geom, q, n, layer, &t, key_limit, self->att);
     ops->matmul(ctx, &L->wo, self->att, n, self->proj, self->E);
     ops->add(ctx, x, self->proj, nE);
     ops->rmsnorm(ctx, x, L->ffn_norm, n, self->E, self->hp->rms_eps, self->xb);
@@ -450,6 +446,16 @@ void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer,
     ops->swiglu(ctx, self->gate, self->up, (size_t)n * self->F, self->gate);
     ops->matmul(ctx, &L->w_down, self->gate, n, self->proj, self->E);
     ops->add(ctx, x, self->proj, nE);
+}
+
+void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
+                              const int32_t *key_limit) {
+    assert(n >= 1 && n <= self->max_rows);
+    assert(seq && seq->e == self);
+    cb_kv_table_t t = table_of(seq);
+    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t.n_pos);
+    self->be->ops->attention(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, self->att);
+    layer_post_attn(self, layer, x, n);
 }
 
 int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
@@ -533,4 +539,61 @@ int cb_engine_prefill(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, i
 
 int cb_engine_decode(cb_engine_t *self, cb_seq_t *seq, int32_t token, int pos, float *logits) {
     return cb_engine_prefill(self, seq, &token, 1, pos, logits);
+}
+
+/* Blocks the batch's new positions need (growth and copies of shared blocks), all or nothing. */
+static int reserve_batch(cb_engine_t *e, cb_seq_t *const *seqs, const int32_t *pos, int n) {
+    int need = 0;
+    for (int i = 0; i < n; i++) {
+        const int nb = pos[i] / e->bt + 1;
+        need += (nb > seqs[i]->n_blocks ? nb - seqs[i]->n_blocks : 0) + shared_in(seqs[i], pos[i], pos[i] + 1);
+    }
+    if (need > e->n_free) return CB_ENGINE_EPOOL;
+    for (int i = 0; i < n; i++) {
+        int rc = cb_seq_reserve(seqs[i], pos[i], pos[i] + 1);
+        if (rc) return rc; /* only a backend failure of a copy can get here */
+    }
+    return CB_ENGINE_OK;
+}
+
+int cb_engine_decode_batch(cb_engine_t *self, cb_seq_t *const *seqs, const int32_t *tokens, const int32_t *pos,
+                           int n, float *logits) {
+    if (!self || !seqs || !tokens || !pos || n < 1 || n > self->max_rows) return CB_ENGINE_EINVAL;
+    for (int i = 0; i < n; i++) {
+        if (!seqs[i] || seqs[i]->e != self || tokens[i] < 0 || tokens[i] >= self->hp->n_vocab || pos[i] < 0 ||
+            pos[i] >= self->max_ctx)
+            return CB_ENGINE_EINVAL;
+        for (int j = 0; j < i; j++)
+            if (seqs[j] == seqs[i]) return CB_ENGINE_EINVAL; /* one token per sequence and step */
+    }
+    int rc = reserve_batch(self, seqs, pos, n);
+    if (rc) return rc;
+    const cb_hparams_t *hp = self->hp;
+    const cb_backend_ops_t *ops = self->be->ops;
+    cb_engine_embed(self, tokens, n, self->x);
+    for (int l = 0; l < hp->n_layer; l++) {
+        cb_engine_layer_qkv(self, l, self->x, n, self->q, self->k, self->v); /* one product per weight */
+        cb_engine_rope(self, self->q, n, hp->n_head, pos);
+        cb_engine_rope(self, self->k, n, hp->n_head_kv, pos);
+        for (int i = 0; i < n; i++) {
+            rc = cb_engine_kv_write(self, seqs[i], l, &pos[i], 1, self->k + (size_t)i * self->KVD,
+                                    self->v + (size_t)i * self->KVD);
+            if (rc) return rc;
+        }
+        if (l == hp->n_layer - 1 && !logits) break;
+        /* each row attends its own sequence */
+        for (int i = 0; i < n; i++) {
+            cb_kv_table_t t = table_of(seqs[i]);
+            self->limit[i] = pos[i] + 1;
+            ops->attention(self->be->ctx, &self->geom, self->q + (size_t)i * self->QD, 1, l, &t, &self->limit[i],
+                           self->att + (size_t)i * self->QD);
+        }
+        layer_post_attn(self, l, self->x, n);
+    }
+    if (logits) {
+        ops->rmsnorm(self->be->ctx, self->x, cb_model_output_norm(self->model), n, self->E, hp->rms_eps, self->xb);
+        const cb_weight_t *w = cb_model_output(self->model);
+        ops->matmul(self->be->ctx, w, self->xb, n, logits, w->rows);
+    }
+    return CB_ENGINE_OK;
 }

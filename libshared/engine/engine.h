@@ -136,6 +136,14 @@ int cb_engine_prefill_capture(cb_engine_t *self, cb_seq_t *seq, const int32_t *t
                               float *const *cap_k, float *const *cap_v, float *logits);
 /* One token at pos; logits [n_vocab] (may be NULL). Same as prefill with n = 1. */
 int cb_engine_decode(cb_engine_t *self, cb_seq_t *seq, int32_t token, int pos, float *logits);
+/* One decode step of n sequences at once (1..max_rows, all distinct): token tokens[i] at position pos[i] of
+ * seqs[i]. The projections, MLP and LM head run once over the n rows (one product per weight, not one per
+ * sequence); each row attends its own sequence. logits [n][n_vocab] (NULL: skip the LM head). Up to 8
+ * rows give every row the logits cb_engine_decode gives it alone, bit for bit; more rows take the GEMM
+ * path (last-bit differences, as prefill). CB_ENGINE_OK, _EINVAL, or _EPOOL (no block for some row's new
+ * position; nothing is computed or allocated then). */
+int cb_engine_decode_batch(cb_engine_t *self, cb_seq_t *const *seqs, const int32_t *tokens, const int32_t *pos,
+                           int n, float *logits);
 
 /* ---- layer-stage primitives (n <= cb_engine_max_rows rows per call; callers validate tokens) ---- */
 

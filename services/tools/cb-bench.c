@@ -1,12 +1,14 @@
 /* cb-bench: engine throughput on synthetic prompts (our side of scripts/bench-engine.sh).
  *
- *   cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--json]
+ *   cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--batch B] [--json]
  *
  * For each prompt length L (ascending): prefill L pseudo-random token ids (the same ids the llama.cpp
  * side of the benchmark uses: id_i = (i * 7919) % 30000 + 100) at position 0 of one sequence (cleared
  * before each prefill) of an engine sized for the longest prompt; the best of R repetitions is reported. Decode: after a prompt of the first
  * length, N greedy steps. Peak RSS is the process's maximum resident set (getrusage), which includes
- * the model (mapping + f32 copies) and the KV pool blocks the longest prompt touched.
+ * the model (mapping + f32 copies) and the KV pool blocks the longest prompt touched. --batch B (> 0): after
+ * that, B sequences sharing the first prompt's blocks decode min(N, 64) greedy steps, once as one batch per
+ * step (cb_engine_decode_batch) and once one sequence at a time, both reported as total tokens/s.
  * Exit: 0 ok, 1 runtime error, 2 bad arguments.
  */
 #include <errno.h>
@@ -25,7 +27,8 @@
 
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-bench: %s\n", why);
-    fprintf(stderr, "usage: cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--json]\n");
+    fprintf(stderr, "usage: cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] "
+                    "[--batch B] [--json]\n");
     return 2;
 }
 
@@ -38,11 +41,64 @@ static bool parse_int(const char *s, long lo, long hi, long *out) {
     return true;
 }
 
+/* B sequences over base's first n positions (shared blocks) decode `steps` greedy tokens: as one batch per
+ * step, then one sequence at a time; total tokens/s of each. 0, or 1 after a message. */
+static int bench_batch(cb_engine_t *e, cb_seq_t *base, const cb_model_t *m, const int32_t *tok, int n, int B,
+                       int steps, double *batch_tok_s, double *serial_tok_s) {
+    const int V = cb_model_hparams(m)->n_vocab;
+    cb_seq_t *seqs[64] = {0};
+    int32_t t[64], pos[64];
+    float *lg = malloc(sizeof(float) * (size_t)B * V);
+    int rc = 1;
+    if (!lg) goto out;
+    cb_seq_clear(base);
+    if (cb_engine_prefill(e, base, tok, n, 0, lg) != CB_ENGINE_OK) goto out;
+    const int32_t first = cb_argmax(lg, V);
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < B; i++) {
+            if (!seqs[i] && !(seqs[i] = cb_seq_new(e))) goto out;
+            if (cb_seq_share(seqs[i], base, n) != CB_ENGINE_OK) goto out;
+            t[i] = first;
+            pos[i] = n;
+        }
+        double t0 = cb_now_ms();
+        for (int s = 0; s < steps; s++) {
+            if (pass == 0) {
+                int st = cb_engine_decode_batch(e, seqs, t, pos, B, lg);
+                if (st != CB_ENGINE_OK) {
+                    fprintf(stderr, "cb-bench: batched decode failed: %s\n", cb_engine_status_str(st));
+                    goto out;
+                }
+            } else {
+                for (int i = 0; i < B; i++) {
+                    int st = cb_engine_decode(e, seqs[i], t[i], pos[i], lg + (size_t)i * V);
+                    if (st != CB_ENGINE_OK) {
+                        fprintf(stderr, "cb-bench: decode failed: %s\n", cb_engine_status_str(st));
+                        goto out;
+                    }
+                }
+            }
+            for (int i = 0; i < B; i++) {
+                t[i] = cb_argmax(lg + (size_t)i * V, V);
+                pos[i]++;
+            }
+        }
+        double tps = (double)B * steps / ((cb_now_ms() - t0) / 1e3);
+        *(pass == 0 ? batch_tok_s : serial_tok_s) = tps;
+    }
+    rc = 0;
+out:
+    for (int i = 0; i < B; i++) cb_seq_destroy(&seqs[i]);
+    free(lg);
+    if (rc) fprintf(stderr, "cb-bench: the batch benchmark failed\n");
+    return rc;
+}
+
 int main(int argc, char **argv) {
     cb_log_set_component("cb-bench");
     const char *model_path = getenv("CB_MODEL");
     if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    long threads = 0, n_decode = 128, reps = 1, lens[16], n_lens = 0;
+    long threads = 0, n_decode = 128, reps = 1, lens[16], n_lens = 0, batch = 0;
     bool json = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -52,6 +108,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--threads")) { if (!parse_int(v, 1, 256, &threads)) return usage("bad --threads"); }
         else if (!strcmp(a, "--decode")) { if (!parse_int(v, 0, 100000, &n_decode)) return usage("bad --decode"); }
         else if (!strcmp(a, "--reps")) { if (!parse_int(v, 1, 100, &reps)) return usage("bad --reps"); }
+        else if (!strcmp(a, "--batch")) { if (!parse_int(v, 0, 64, &batch)) return usage("bad --batch"); }
         else if (!strcmp(a, "--lens")) {
             char buf[256];
             snprintf(buf, sizeof buf, "%s", v);
@@ -76,7 +133,13 @@ int main(int argc, char **argv) {
     double load_s = (cb_now_ms() - t0) / 1e3;
     const int V = cb_model_hparams(m)->n_vocab;
     long max_len = lens[n_lens - 1], ctx = max_len > lens[0] + n_decode ? max_len : lens[0] + n_decode;
-    cb_engine_t *e = cb_engine_new(m, (int)ctx, err, sizeof err);
+    /* the default pool (two sequences of ctx), plus room for the batch's own blocks (f32 K/V: more than
+     * enough where the backend stores less) */
+    const cb_hparams_t *bhp = cb_model_hparams(m);
+    const size_t per_pos = 2 * sizeof(float) * (size_t)bhp->n_layer * bhp->n_head_kv * bhp->head_dim;
+    cb_engine_opts_t eo = {(int)ctx, 0, 0};
+    if (batch > 0) eo.kv_pool_bytes = per_pos * ((size_t)2 * ctx + (size_t)batch * (64 + 2 * CB_ENGINE_BLOCK_TOKENS));
+    cb_engine_t *e = cb_engine_new_opts(m, &eo, err, sizeof err);
     cb_seq_t *seq = e ? cb_seq_new(e) : NULL;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)ctx);
     float *lg = malloc(sizeof(float) * (size_t)V);
@@ -122,6 +185,13 @@ int main(int argc, char **argv) {
             if (!json) printf("decode  %6ld steps after %ld: %8.1f tok/s\n", n_decode, lens[0], decode_tok_s);
         }
     }
+    double batch_tok_s = 0.0, serial_tok_s = 0.0;
+    if (batch > 0 && bench_batch(e, seq, m, tok, (int)lens[0], (int)batch, n_decode < 64 ? (int)n_decode : 64,
+                                 &batch_tok_s, &serial_tok_s) != 0)
+        return 1;
+    if (batch > 0 && !json)
+        printf("decode  %ld sequences x %ld steps: batched %.1f tok/s, one at a time %.1f tok/s (%.2fx)\n", batch,
+               n_decode < 64 ? n_decode : 64, batch_tok_s, serial_tok_s, batch_tok_s / serial_tok_s);
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     double rss_mb = ru.ru_maxrss / 1024.0;
@@ -134,6 +204,11 @@ int main(int argc, char **argv) {
         json_object_set_new(out, "decode_after", json_integer(lens[0]));
         json_object_set_new(out, "decode_tok_s", json_real(decode_tok_s));
         json_object_set_new(out, "peak_rss_mb", json_real(rss_mb));
+        if (batch > 0) {
+            json_object_set_new(out, "batch", json_integer(batch));
+            json_object_set_new(out, "batch_decode_tok_s", json_real(batch_tok_s));
+            json_object_set_new(out, "serial_decode_tok_s", json_real(serial_tok_s));
+        }
         char *s = json_dumps(out, JSON_COMPACT);
         puts(s);
         free(s);

@@ -15,6 +15,7 @@
 #include "cpu/cpu_backend.h"
 #include "cpu/cpu_ops.h"
 #include "engine/engine.h"
+#include "engine/sampler.h"
 #include "model/model.h"
 #include "format/quant.h"
 #include "test.h"
@@ -1057,6 +1058,129 @@ static cb_model_t *real_model(void) {
     return m;
 }
 
+/* Batched decode (issue 12's engine step): N sequences of different prompt lengths decode `steps` greedy
+ * tokens one batch per step; every sequence gets the tokens it gets decoding alone, and up to 8 rows (the
+ * matvec path) the same logits bit for bit. Returns 0, or -1 after printing why. */
+static int batch_matches_alone(cb_model_t *m, int N, int steps, int max_ctx) {
+    char err[256];
+    const int V = cb_model_hparams(m)->n_vocab;
+    cb_engine_t *e1 = cb_engine_new(m, max_ctx, err, sizeof err), *e = NULL;
+    if (e1) { /* a pool for N sequences of max_ctx */
+        cb_engine_pool_stats_t st = pool_stats(e1);
+        cb_engine_opts_t o = {max_ctx, (size_t)N * (size_t)((max_ctx + st.block_tokens - 1) / st.block_tokens) *
+                                           st.block_bytes, 0};
+        e = cb_engine_new_opts(m, &o, err, sizeof err);
+    }
+    cb_seq_t *seqs[16], *alone = e1 ? cb_seq_new(e1) : NULL;
+    float *lg = malloc(sizeof(float) * (size_t)N * V), *l1 = malloc(sizeof(float) * (size_t)V);
+    int32_t tok[16], pos[16], want[16][32], rc = -1;
+    for (int i = 0; i < 16; i++) seqs[i] = NULL;
+    if (!e || !e1 || !alone || !lg || !l1 || N > 16 || steps > 32) {
+        fprintf(stderr, "  N=%d: setup failed: %s\n", N, err);
+        goto out;
+    }
+    for (int i = 0; i < N; i++) {
+        const int n = 3 + (i * 7) % 29; /* prompt lengths 3..31, all different for N <= 16 */
+        int32_t prompt[40];
+        for (int j = 0; j < n; j++) prompt[j] = (int32_t)((i * 131 + j * 17 + 3) % (V < 200 ? V : 200));
+        /* alone: prefill, then `steps` greedy decodes */
+        cb_seq_clear(alone);
+        if (cb_engine_prefill(e1, alone, prompt, n, 0, l1) != CB_ENGINE_OK) goto out;
+        for (int s = 0; s < steps; s++) {
+            want[i][s] = cb_argmax(l1, V);
+            if (cb_engine_decode(e1, alone, want[i][s], n + s, l1) != CB_ENGINE_OK) goto out;
+        }
+        /* batched: the same prefill into its own sequence */
+        if (!(seqs[i] = cb_seq_new(e)) || cb_engine_prefill(e, seqs[i], prompt, n, 0, lg + (size_t)i * V)) goto out;
+        tok[i] = cb_argmax(lg + (size_t)i * V, V);
+        pos[i] = n;
+    }
+    for (int s = 0; s < steps; s++) {
+        for (int i = 0; i < N; i++)
+            if (tok[i] != want[i][s]) {
+                fprintf(stderr, "  N=%d: sequence %d step %d: token %d batched, %d alone\n", N, i, s, tok[i],
+                        want[i][s]);
+                goto out;
+            }
+        if (cb_engine_decode_batch(e, seqs, tok, pos, N, lg) != CB_ENGINE_OK) goto out;
+        for (int i = 0; i < N; i++) {
+            tok[i] = cb_argmax(lg + (size_t)i * V, V);
+            pos[i]++;
+        }
+    }
+    if (N <= CB_CPU_MATVEC_MAX_ROWS) {
+        /* the last step's logits against decoding each sequence alone once more, bit for bit */
+        for (int i = 0; i < N; i++) {
+            const int n = 3 + (i * 7) % 29;
+            int32_t prompt[40];
+            for (int j = 0; j < n; j++) prompt[j] = (int32_t)((i * 131 + j * 17 + 3) % (V < 200 ? V : 200));
+            cb_seq_clear(alone);
+            if (cb_engine_prefill(e1, alone, prompt, n, 0, l1) != CB_ENGINE_OK) goto out;
+            for (int s = 0; s < steps; s++)
+                if (cb_engine_decode(e1, alone, want[i][s], n + s, l1) != CB_ENGINE_OK) goto out;
+            if (memcmp(l1, lg + (size_t)i * V, sizeof(float) * (size_t)V)) {
+                fprintf(stderr, "  N=%d: sequence %d: batched logits differ from alone (max %g)\n", N, i,
+                        maxdiff(l1, lg + (size_t)i * V, V));
+                goto out;
+            }
+        }
+    }
+    rc = 0;
+out:
+    if (rc) fprintf(stderr, "  N=%d: failed\n", N);
+    for (int i = 0; i < 16; i++) cb_seq_destroy(&seqs[i]);
+    cb_seq_destroy(&alone);
+    cb_engine_destroy(&e);
+    cb_engine_destroy(&e1);
+    free(lg);
+    free(l1);
+    return rc;
+}
+
+TEST(test_decode_batch) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    static const int Ns[] = {1, 2, 7, 16};
+    for (size_t k = 0; k < sizeof Ns / sizeof Ns[0]; k++) CHECK_MSG(batch_matches_alone(m, Ns[k], 8, 96) == 0, "N=%d", Ns[k]);
+    /* bad batches and a pool that cannot hold the step */
+    cb_engine_opts_t o = {96, 0, 0};
+    cb_engine_t *probe = cb_engine_new(m, 96, err, sizeof err);
+    CHECK(probe);
+    o.kv_pool_bytes = 3 * pool_stats(probe).block_bytes;
+    cb_engine_destroy(&probe);
+    cb_engine_t *e = cb_engine_new_opts(m, &o, err, sizeof err);
+    CHECK_MSG(e, "%s", err);
+    const int bt = pool_stats(e).block_tokens;
+    cb_seq_t *a = cb_seq_new(e), *b = cb_seq_new(e), *two[2] = {a, b}, *dup[2] = {a, a};
+    int32_t prompt[64], tk[2] = {1, 2}, ps[2] = {bt, bt};
+    for (int i = 0; i < 64; i++) prompt[i] = i % 50;
+    float lg[2 * 80];
+    CHECK(a && b && cb_engine_prefill(e, a, prompt, bt, 0, NULL) == CB_ENGINE_OK);
+    CHECK(cb_engine_prefill(e, b, prompt, bt, 0, NULL) == CB_ENGINE_OK); /* 2 of 3 blocks used */
+    CHECK(cb_engine_decode_batch(e, dup, tk, ps, 2, lg) == CB_ENGINE_EINVAL);
+    int32_t badtok[2] = {1, 1 << 20};
+    CHECK(cb_engine_decode_batch(e, two, badtok, ps, 2, lg) == CB_ENGINE_EINVAL);
+    CHECK(cb_engine_decode_batch(e, two, tk, ps, 0, lg) == CB_ENGINE_EINVAL);
+    /* position bt needs a new block in each: 2 > 1 free: EPOOL, and nothing was taken */
+    CHECK(cb_engine_decode_batch(e, two, tk, ps, 2, lg) == CB_ENGINE_EPOOL);
+    CHECK(pool_stats(e).blocks_used == 2 && cb_seq_blocks(a) == 1 && cb_seq_blocks(b) == 1);
+    cb_seq_destroy(&b);
+    CHECK(cb_engine_decode_batch(e, two, tk, ps, 1, lg) == CB_ENGINE_OK && cb_seq_blocks(a) == 2);
+    cb_seq_destroy(&a);
+    CHECK(pool_stats(e).blocks_used == 0);
+    cb_engine_destroy(&e);
+    cb_model_destroy(&m);
+}
+
+TEST(test_real_decode_batch) {
+    cb_model_t *m = real_model();
+    if (!m) SKIP("model not present");
+    static const int Ns[] = {1, 2, 7, 16};
+    const int nk = TEST_SANITIZED ? 2 : 4, steps = TEST_SANITIZED ? 3 : 8;
+    for (int k = 0; k < nk; k++) CHECK_MSG(batch_matches_alone(m, Ns[k], steps, 64) == 0, "N=%d", Ns[k]);
+}
+
 TEST(test_real_hparams) {
     cb_model_t *m = real_model();
     if (!m) SKIP("model not present");
@@ -1104,8 +1228,10 @@ int main(void) {
     RUN(test_seq_blocks_return);
     RUN(test_capture_and_load);
     RUN(test_seq_bad_args);
+    RUN(test_decode_batch);
     RUN(test_real_hparams);
     RUN(test_real_engine_properties);
+    RUN(test_real_decode_batch);
     cb_model_t *m = real_model();
     cb_model_destroy(&m);
     return test_summary();
