@@ -117,8 +117,8 @@ static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
                        cb_kv_dtype_t dtype, float rope_base) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || layer < 0 || layer >= c->n_layer || pos0 < 0 || n < 0 || pos0 > t->n_pos - n) return -1;
-    if (dtype != CB_KV_F32 && dtype != CB_KV_F16 && dtype != CB_KV_BF16) return -1;
-    const size_t esz = dtype == CB_KV_F32 ? 4 : 2, kvd = (size_t)c->kvd;
+    const size_t esz = cb_kv_dtype_size(dtype), kvd = (size_t)c->kvd;
+    if (!esz) return -1;
     const int hd = c->rope_hd, nkv = c->kvd / hd;
     const bool table = rope_base == c->rope_base;
     float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
@@ -173,48 +173,19 @@ static int cpu_kv_deviation(void *ctx, int n, int width, const float *fresh, con
                             cb_kv_dtype_t dtype, double *dev) {
     cpu_ctx_t *c = ctx;
     if (width > c->max_cols) return -1;
-    float *row = c->mv_scratch; /* [max_cols]: the compute thread's */
-    for (int i = 0; i < n; i++) {
-        cb_cpu_kv_to_f32(dtype, cached[i], row, (size_t)width);
-        const float *a = fresh + (size_t)i * width;
-        double s = 0.0;
-        for (int j = 0; j < width; j++) {
-            double d = (double)a[j] - (double)row[j];
-            s += d * d;
-        }
-        dev[i] = s;
-    }
-    return 0;
-}
-
-/* Descending score (NaN first), then ascending index. */
-static int cmp_score(const void *pa, const void *pb, void *arg) {
-    const double *sc = arg;
-    int ia = *(const int32_t *)pa, ib = *(const int32_t *)pb;
-    double da = sc[ia], db = sc[ib];
-    bool na = isnan(da), nb = isnan(db);
-    if (na != nb) return na ? -1 : 1;
-    if (!na && da != db) return da > db ? -1 : 1;
-    return ia < ib ? -1 : ia > ib;
+    return cb_cpu_kv_deviation(n, width, fresh, cached, dtype, dev, c->mv_scratch); /* the compute thread's */
 }
 
 static int cpu_topk(void *ctx, int n, const double *score, int k, int32_t *out) {
-    if (n < 0) return -1;
-    if (k > n) k = n;
-    if (k <= 0) return 0;
     cpu_ctx_t *c = ctx;
-    if (n > c->max_keys) return -1;
-    int32_t *idx = c->topk_idx;
-    for (int i = 0; i < n; i++) idx[i] = i;
-    qsort_r(idx, (size_t)n, sizeof(int32_t), cmp_score, (void *)score);
-    memcpy(out, idx, sizeof(int32_t) * (size_t)k);
+    if (n < 0 || n > c->max_keys) return -1;
+    cb_cpu_topk(n, score, k, out, c->topk_idx);
     return 0;
 }
 
 static void cpu_compact_rows(void *ctx, float *x, size_t row_len, const int32_t *keep, int n_keep) {
     (void)ctx;
-    for (int i = 0; i < n_keep; i++)
-        if (keep[i] != i) memmove(x + (size_t)i * row_len, x + (size_t)keep[i] * row_len, sizeof(float) * row_len);
+    cb_cpu_compact_rows(x, row_len, keep, n_keep);
 }
 
 static void *cpu_host_alloc(void *ctx, size_t bytes) {

@@ -15,6 +15,10 @@
 #include "engine/backend.h"
 #include "format/kvfile.h"
 #include "cpu/cpu_pool.h"
+
+#ifdef __cplusplus
+extern "C" { /* the CUDA backend shares the host-side operations below */
+#endif
 #include "model/model.h"
 
 /* One-time process setup, idempotent and thread-safe: picks an AVX-512/AVX2 OpenBLAS kernel set when
@@ -106,6 +110,20 @@ size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys);
 void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *mass, float *scratch);
 
+/* The host-side CacheBlend operations of the backend table (backend.h: kv_deviation, topk, compact_rows),
+ * written once for every backend whose scores and activations are host buffers.
+ * dev[i] = sum_j (fresh[i][j] - f32(cached[i][j]))^2 over j < width in double, j in order; fresh [n][width],
+ * cached [n] row pointers in dtype; row: [width] floats of scratch. 0, or -1 for a bad dtype. */
+int cb_cpu_kv_deviation(int n, int width, const float *fresh, const void *const *cached, cb_kv_dtype_t dtype,
+                        double *dev, float *row);
+/* out [min(k, n)] = indices of the k largest score [n], NaN first, ties to the lower index; idx: [n] scratch. */
+void cb_cpu_topk(int n, const double *score, int k, int32_t *out, int32_t *idx);
+/* x[i] = x[keep[i]] for i < n_keep (rows of row_len floats; keep ascending, keep[i] >= i). */
+void cb_cpu_compact_rows(float *x, size_t row_len, const int32_t *keep, int n_keep);
+
 /* Vectorised expf used by the kernels (exposed for tests): dst[i] = exp(src[i]), |rel err| < 2e-7. */
 void cb_cpu_exp(const float *src, float *dst, size_t n);
+#ifdef __cplusplus
+}
+#endif
 #endif

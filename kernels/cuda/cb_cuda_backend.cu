@@ -19,6 +19,7 @@
 
 #include <cuda_runtime.h>
 
+#include "cpu/cpu_ops.h"   /* the host-side CacheBlend operations, shared with the CPU backend */
 #include "cuda/cb_cuda.h"
 #include "cuda/cb_cuda_backend.h"
 
@@ -39,6 +40,7 @@ struct be_ctx {
     float *d_mass = nullptr;                      /* f32 [max_keys] attention mass of one call */
     float *h_mass = nullptr;                      /* host [max_keys] */
     int32_t *topk_idx = nullptr;                  /* host [max_keys] */
+    float *dev_row = nullptr;                     /* host [kvd] one cached row as f32 (kv_deviation) */
     /* the KV pool (kv_pool_init) */
     int n_layer = 0, bt = 0, n_blocks = 0;
     size_t plane = 0;                             /* elements of one layer: n_blocks * bt * kvd */
@@ -109,57 +111,46 @@ const cb_bf16_t *weight(be_ctx *c, const cb_weight_t *w) {
 
 /* ------------------------------------------------------------------ dense operations */
 
-void be_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, float *y, int ldy) {
-    be_ctx *c = BE(ctx);
-    be_lock lk(c);
-    const size_t nin = (size_t)n * w->cols, nout = (size_t)n * w->rows;
-    const cb_bf16_t *dw = NULL;
-    if (n < 1 || nin > c->cap_in || nout > c->cap_out || ldy < w->rows) {
-        fprintf(stderr, "cuda backend: matmul of %d x %d x %d exceeds the scratch\n", n, w->rows, w->cols);
-        c->failed = true;
-        goto bad;
-    }
-    dw = weight(c, w);
-    if (!dw) { be_fail(c, "weight upload"); goto bad; }
-    TRYB(up_bf16(c, x, nin, c->d_in, c->b_in));
-    TRYB(cb_cuda_gemm(c->cu, n, w->rows, w->cols, c->b_in, w->cols, dw, w->cols, c->d_out, CB_CUDA_F32, w->rows, 0.0f));
-    TRYB(cb_cuda_copy_2d(c->cu, CB_CUDA_STREAM_COMPUTE, y, (size_t)ldy * 4, c->d_out, (size_t)w->rows * 4,
-                         (size_t)w->rows * 4, (size_t)n));
-    TRYB(cb_cuda_sync(c->cu));
-    return;
-bad:
-    if (n > 0)
-        for (int i = 0; i < n; i++) nan_fill(y + (size_t)i * ldy, (size_t)w->rows);
-}
-
-/* One upload of x for several weights (Q|K|V, gate|up): the parts' GEMMs and copies back in stream order. */
+/* One upload of x for several weights (Q|K|V, gate|up), the parts' GEMMs and copies back in stream order;
+ * rows go in pieces that fit the output scratch (the LM head of a decode batch: n x n_vocab). */
 void be_matmul_multi(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
     be_ctx *c = BE(ctx);
     be_lock lk(c);
     const int cols = n_parts > 0 ? parts[0].w->cols : 0;
-    const size_t nin = (size_t)n * cols;
-    bool ok = n >= 1 && n_parts >= 1 && nin <= c->cap_in;
-    for (int p = 0; ok && p < n_parts; p++)
-        ok = parts[p].w->cols == cols && (size_t)n * parts[p].w->rows <= c->cap_out && parts[p].ldy >= parts[p].w->rows;
-    if (!ok) {
-        fprintf(stderr, "cuda backend: matmul_multi of %d parts x %d rows exceeds the scratch\n", n_parts, n);
+    size_t piece = n > 0 && cols > 0 ? c->cap_in / (size_t)cols : 0; /* rows per upload */
+    bool ok = n >= 1 && n_parts >= 1 && cols > 0;
+    for (int p = 0; ok && p < n_parts; p++) {
+        ok = parts[p].w->cols == cols && parts[p].ldy >= parts[p].w->rows;
+        if (ok) piece = std::min(piece, c->cap_out / (size_t)parts[p].w->rows);
+    }
+    if (!ok || piece < 1) {
+        fprintf(stderr, "cuda backend: matmul of %d parts x %d rows does not fit the scratch\n", n_parts, n);
         c->failed = true;
         goto bad;
     }
-    TRYB(up_bf16(c, x, nin, c->d_in, c->b_in));
-    for (int p = 0; p < n_parts; p++) {
-        const cb_weight_t *w = parts[p].w;
-        const cb_bf16_t *dw = weight(c, w);
-        if (!dw) { be_fail(c, "weight upload"); goto bad; }
-        TRYB(cb_cuda_gemm(c->cu, n, w->rows, cols, c->b_in, cols, dw, cols, c->d_out, CB_CUDA_F32, w->rows, 0.0f));
-        TRYB(cb_cuda_copy_2d(c->cu, CB_CUDA_STREAM_COMPUTE, parts[p].y, (size_t)parts[p].ldy * 4, c->d_out,
-                             (size_t)w->rows * 4, (size_t)w->rows * 4, (size_t)n));
+    for (int r0 = 0; r0 < n; r0 += (int)piece) {
+        const int nr = (int)std::min(piece, (size_t)(n - r0));
+        TRYB(up_bf16(c, x + (size_t)r0 * cols, (size_t)nr * cols, c->d_in, c->b_in));
+        for (int p = 0; p < n_parts; p++) {
+            const cb_weight_t *w = parts[p].w;
+            const cb_bf16_t *dw = weight(c, w);
+            if (!dw) { be_fail(c, "weight upload"); goto bad; }
+            TRYB(cb_cuda_gemm(c->cu, nr, w->rows, cols, c->b_in, cols, dw, cols, c->d_out, CB_CUDA_F32, w->rows, 0.0f));
+            TRYB(cb_cuda_copy_2d(c->cu, CB_CUDA_STREAM_COMPUTE, parts[p].y + (size_t)r0 * parts[p].ldy,
+                                 (size_t)parts[p].ldy * 4, c->d_out, (size_t)w->rows * 4, (size_t)w->rows * 4,
+                                 (size_t)nr));
+        }
+        TRYB(cb_cuda_sync(c->cu)); /* d_out and b_in are reused by the next piece */
     }
-    TRYB(cb_cuda_sync(c->cu));
     return;
 bad:
     for (int p = 0; p < n_parts && n > 0; p++)
         for (int i = 0; i < n; i++) nan_fill(parts[p].y + (size_t)i * parts[p].ldy, (size_t)parts[p].w->rows);
+}
+
+void be_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, float *y, int ldy) {
+    const cb_matmul_part_t part = {w, y, ldy};
+    be_matmul_multi(ctx, &part, 1, x, n);
 }
 
 void be_rmsnorm(void *ctx, const float *x, const float *w, int n, int dim, float eps, float *y) {
@@ -401,8 +392,8 @@ int be_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, co
     if (!c->pool_k || c->failed || layer < 0 || layer >= c->n_layer || n < 0 || pos0 < 0 || !t ||
         pos0 > t->n_pos - n || !k || !v || !(rope_base > 0.0f))
         return -1;
-    if (dtype != CB_KV_F32 && dtype != CB_KV_F16 && dtype != CB_KV_BF16) return -1;
-    const size_t esz = dtype == CB_KV_F32 ? 4 : 2, rb = (size_t)c->kvd * 2;
+    const size_t esz = cb_kv_dtype_size(dtype), rb = (size_t)c->kvd * 2;
+    if (!esz) return -1;
     const int piece = (int)std::min(c->cap_in / (size_t)c->kvd, (size_t)c->idx_cap);
     for (int r0 = 0; r0 < n; r0 += piece) {
         const int nr = std::min(piece, n - r0);
@@ -467,7 +458,7 @@ void be_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int
                   const int32_t *key_limit, float *out) {
     be_ctx *c = BE(ctx);
     be_lock lk(c);
-    const int qd = g->n_head * g->head_dim;
+    const int qd = c->n_head * c->head_dim; /* g is checked against it below */
     const size_t nq = (size_t)(n > 0 ? n : 0) * qd;
     const int maxlim = n > 0 ? max_limit(c, t, key_limit, n) : -1;
     const cb_bf16_t *dk = NULL, *dv = NULL;
@@ -501,7 +492,7 @@ int be_attn_mass(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int 
     be_ctx *c = BE(ctx);
     be_lock lk(c);
     if (n == 0) return 0;
-    const int qd = g->n_head * g->head_dim;
+    const int qd = c->n_head * c->head_dim; /* g is checked against it below */
     const size_t nq = (size_t)(n > 0 ? n : 0) * qd;
     const int maxlim = n > 0 ? max_limit(c, t, key_limit, n) : -1;
     if (n < 0 || n > c->max_rows || nq > c->cap_in || maxlim < 1 || !geom_ok(c, g) || !c->pool_k || c->failed ||
@@ -531,80 +522,24 @@ int be_attn_mass(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int 
  * reference's results bit for bit (the same double accumulation in j order, the same order of ranks), so
  * which rows a blend selects does not depend on the backend beyond the fresh K/V it measured. */
 
-float h_f16(uint16_t h) {   /* IEEE binary16 -> f32, exact (subnormals, inf, NaN) */
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
-    if (e == 0x1f) bits = sign | 0x7f800000u | (m << 13);
-    else if (e) bits = sign | ((e + 112u) << 23) | (m << 13);
-    else if (!m) bits = sign;
-    else {
-        e = 113;
-        while (!(m & 0x400u)) m <<= 1, e--;
-        bits = sign | (e << 23) | ((m & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-float h_bf16(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-float cached_at(const void *row, cb_kv_dtype_t dtype, int j) {
-    if (dtype == CB_KV_F32) return ((const float *)row)[j];
-    uint16_t h;
-    memcpy(&h, (const uint8_t *)row + 2 * (size_t)j, 2);
-    return dtype == CB_KV_F16 ? h_f16(h) : h_bf16(h);
-}
-
 int be_kv_deviation(void *ctx, int n, int width, const float *fresh, const void *const *cached, cb_kv_dtype_t dtype,
                     double *dev) {
-    (void)ctx;   /* host only: no device state, no lock needed */
-    if (n < 0 || width < 0 || (n && (!fresh || !cached || !dev))) return -1;
-    if (dtype != CB_KV_F32 && dtype != CB_KV_F16 && dtype != CB_KV_BF16) return -1;
-    for (int i = 0; i < n; i++) {
-        const float *a = fresh + (size_t)i * width;
-        double s = 0.0;
-        for (int j = 0; j < width; j++) {
-            double d = (double)a[j] - (double)cached_at(cached[i], dtype, j);
-            s += d * d;
-        }
-        dev[i] = s;
-    }
-    return 0;
+    be_ctx *c = BE(ctx);   /* host only; dev_row is the compute thread's (the loader never calls this) */
+    if (n < 0 || width < 0 || width > c->kvd || (n && (!fresh || !cached || !dev))) return -1;
+    return cb_cpu_kv_deviation(n, width, fresh, cached, dtype, dev, c->dev_row);
 }
 
 int be_topk(void *ctx, int n, const double *score, int k, int32_t *out) {
     be_ctx *c = BE(ctx);
     be_lock lk(c);   /* topk_idx is the context's */
-    if (n < 0) return -1;
-    if (k > n) k = n;
-    if (k <= 0) return 0;
-    if (n > c->max_keys || !score || !out) return -1;
-    int32_t *idx = c->topk_idx;
-    for (int i = 0; i < n; i++) idx[i] = i;
-    /* a strict total order (NaN first, then descending score, then ascending index): one answer */
-    auto before = [score](int32_t a, int32_t b) {
-        const double sa = score[a], sb = score[b];
-        const bool na = std::isnan(sa), nb = std::isnan(sb);
-        if (na != nb) return na;
-        if (!na && sa != sb) return sa > sb;
-        return a < b;
-    };
-    if (k < n) std::partial_sort(idx, idx + k, idx + n, before);
-    else std::sort(idx, idx + n, before);
-    memcpy(out, idx, sizeof(int32_t) * (size_t)k);
+    if (n < 0 || n > c->max_keys || (k > 0 && n > 0 && (!score || !out))) return -1;
+    cb_cpu_topk(n, score, k, out, c->topk_idx);
     return 0;
 }
 
 void be_compact_rows(void *ctx, float *x, size_t row_len, const int32_t *keep, int n_keep) {
     (void)ctx;   /* host only */
-    for (int i = 0; i < n_keep; i++)
-        if (keep[i] != i) memmove(x + (size_t)i * row_len, x + (size_t)keep[i] * row_len, sizeof(float) * row_len);
+    cb_cpu_compact_rows(x, row_len, keep, n_keep);
 }
 
 /* ------------------------------------------------------------------ lifetime */
@@ -623,6 +558,7 @@ void be_destroy(void *ctx) {
     }
     free(c->h_mass);
     free(c->topk_idx);
+    free(c->dev_row);
     free(c->h_idx);
     delete c;
 }
@@ -661,8 +597,9 @@ const cb_backend_ops_t CUDA_OPS = make_ops();
 extern "C" cb_backend_t *cb_backend_cuda_new(const cb_hparams_t *hp, int max_rows, int max_keys, int device, char *err,
                                              size_t errlen) {
     if (!hp || max_rows < 1 || max_keys < 1 || hp->n_head < 1 || hp->n_head_kv < 1 || hp->head_dim < 2 ||
-        hp->head_dim % 2 || hp->n_head % hp->n_head_kv) {
-        snprintf(err, errlen, "cuda backend: bad arguments");
+        hp->head_dim % 2 || hp->n_head % hp->n_head_kv || hp->head_dim > 256 || hp->n_head / hp->n_head_kv > 16) {
+        snprintf(err, errlen, "cuda backend: bad arguments or a geometry its kernels do not take (head_dim <= 256, "
+                              "even; n_head / n_head_kv <= 16)");
         return NULL;
     }
     be_ctx *c = new (std::nothrow) be_ctx();
@@ -709,7 +646,8 @@ extern "C" cb_backend_t *cb_backend_cuda_new(const cb_hparams_t *hp, int max_row
     }
     c->h_mass = (float *)malloc((size_t)max_keys * 4);
     c->topk_idx = (int32_t *)malloc((size_t)max_keys * 4);
-    if (!c->h_mass || !c->topk_idx) {
+    c->dev_row = (float *)malloc((size_t)c->kvd * 4);
+    if (!c->h_mass || !c->topk_idx || !c->dev_row) {
         snprintf(err, errlen, "cuda backend: out of host memory");
         be_destroy(c);
         free(be);

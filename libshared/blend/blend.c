@@ -98,6 +98,8 @@ struct cb_blend {
 
     src_t *srcs;               /* [cap_srcs] */
     int n_srcs, cap_srcs;
+    cb_blend_chunk_info_t *info; /* [cap_info] the last call's chunks (stats.chunks) */
+    int cap_info;
 
     /* loader synchronisation of a run */
     pthread_mutex_t mu;
@@ -253,6 +255,7 @@ void cb_blend_destroy(cb_blend_t **self_p) {
     cb_blend_t *b = *self_p;
     release_srcs(b);
     free(b->srcs);
+    free(b->info);
     cb_engine_free(b->e, b->x);
     cb_engine_free(b->e, b->q);
     cb_engine_free(b->e, b->kb);
@@ -304,8 +307,6 @@ static bool row_needs_cache(const run_t *R, int c, int l) {
     return c == CB_ROW_LOADED || (c == CB_ROW_CANDIDATE && l > R->check_layer);
 }
 
-static size_t dtype_bytes(cb_kv_dtype_t dt) { return dt == CB_KV_F32 ? 4 : 2; }
-
 /* Pre-RoPE cached K or V row (which: 0 = K, 1 = V) of fused row r at layer l (valid once the loader has
  * done layer l), in host memory of dtype *dt. */
 static const void *cached_row(const cb_blend_t *b, int r, int l, int which, cb_kv_dtype_t *dt) {
@@ -318,7 +319,7 @@ static const void *cached_row(const cb_blend_t *b, int r, int l, int which, cb_k
     }
     const uint8_t *raw = which ? s->raw_v[l] : s->raw_k[l];
     *dt = s->dtype;
-    return raw + off * dtype_bytes(s->dtype);
+    return raw + off * cb_kv_dtype_size(s->dtype);
 }
 
 /* Places layer l's cached K/V of every row that needs them into the sequence (the backend's layer load: K
@@ -361,7 +362,7 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
             dt = s->dtype;
             if (!need_rows) continue;
         }
-        const size_t esz = dtype_bytes(dt);
+        const size_t esz = cb_kv_dtype_size(dt);
         /* contiguous runs of rows that need the cache: one layer load each */
         int i = 0;
         while (i < s->n) {
@@ -818,12 +819,17 @@ int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int
     int n_need = mode == CB_BLEND_FULL ? 0 : mode == CB_BLEND_PREFIX ? (n_chunks > 0 ? 1 : 0) : n_chunks;
     cb_kvstore_chunk_t *rs = calloc((size_t)(n_chunks > 0 ? n_chunks : 1), sizeof *rs);
     uint8_t *force = calloc((size_t)(n_chunks > 0 ? n_chunks : 1), 1);
-    if (!rs || !force) {
+    if (n_chunks > b->cap_info) {
+        cb_blend_chunk_info_t *p = realloc(b->info, sizeof *p * (size_t)n_chunks);
+        if (p) b->info = p, b->cap_info = n_chunks;
+    }
+    if (!rs || !force || n_chunks > b->cap_info) {
         free(rs);
         free(force);
         cb_set_err(err, errlen, "blend: out of memory");
         return -1;
     }
+    if (n_chunks > 0) memset(b->info, 0, sizeof *b->info * (size_t)n_chunks);
     cb_blend_stats_t st;
     memset(&st, 0, sizeof st);
     st.n_tokens = N;
@@ -840,7 +846,6 @@ int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int
                 goto out;
             }
         }
-        st.chunks_mem = st.chunks_file = 0;
         for (int c = 0; c < n_need; c++) {
             cb_kvstore_chunk_release(&rs[c]);
             int rrc = cb_kvstore_resolve(b->store, chunks[c].tokens, chunks[c].n, force[c], &rs[c], err, errlen);
@@ -848,9 +853,14 @@ int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int
                 ret = rrc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
                 goto out;
             }
-            if (rs[c].src == CB_KVSTORE_MEM) st.chunks_mem++;
-            else if (rs[c].src == CB_KVSTORE_FILE) st.chunks_file++;
-            else st.chunks_computed++;
+            cb_blend_chunk_info_t *in = &b->info[c];
+            memcpy(in->key, rs[c].key, 32);
+            if (rs[c].src == CB_KVSTORE_COMPUTED && in->src != CB_KVSTORE_COMPUTED) { /* first computed now */
+                in->src = CB_KVSTORE_COMPUTED;
+                if (!force[c]) in->why = rs[c].why; /* a forced one keeps the failure that forced it */
+            } else if (in->src != CB_KVSTORE_COMPUTED) {
+                in->src = rs[c].src;
+            }
         }
         st.t_resolve_ms += cb_now_ms() - tr;
         /* 2. rows, classes, sources; the sequence's blocks */
@@ -900,6 +910,7 @@ int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int
                 goto out;
             }
             force[fs->chunk] = 1;
+            b->info[fs->chunk].why = R.fail_why;
             st.restarts++;
             release_srcs(b);
             continue;
@@ -909,6 +920,13 @@ int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int
             if (b->srcs[i].fill) cb_kvstore_remember(b->store, b->srcs[i].key, b->srcs[i].fill);
         ret = CB_ENGINE_OK;
         break;
+    }
+    st.n_chunks_read = n_need;
+    st.chunks = b->info;
+    for (int c = 0; c < n_need; c++) {
+        if (b->info[c].src == CB_KVSTORE_MEM) st.chunks_mem++;
+        else if (b->info[c].src == CB_KVSTORE_FILE) st.chunks_file++;
+        else st.chunks_computed++;
     }
     st.tokens_recomputed = n_act;
     st.tokens_reused = N - n_act;

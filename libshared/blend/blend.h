@@ -123,6 +123,15 @@ int cb_blend_mode_parse(const char *s);
 /* Parses a metric name ("a", "k" or "v"); the metric character, or 0 when unknown. */
 char cb_blend_metric_parse(const char *s);
 
+/* Where one chunk's KV came from in a prefill. */
+typedef struct {
+    cb_kvstore_src_t src;       /* CB_KVSTORE_COMPUTED when it was computed in any attempt of the call (its KV
+                                   file is new); else MEM or FILE */
+    cb_kv_miss_t why;           /* COMPUTED: why the cached KV was not used (NOT_FOUND, a bad header, or the
+                                   checksum failure that restarted the prefill); CB_KV_OK otherwise */
+    uint8_t key[32];            /* the chunk key */
+} cb_blend_chunk_info_t;
+
 typedef struct {
     int n_tokens;               /* N */
     int tokens_reused;          /* N - tokens_recomputed */
@@ -131,7 +140,7 @@ typedef struct {
     int n_forced;               /* COMPUTED rows (suffix, lead tokens, chunks without KV, ...) */
     int chunks_mem;             /* chunks whose KV came from the memory tier */
     int chunks_file;            /* ... streamed from a KV file */
-    int chunks_computed;        /* ... computed now (misses), then stored */
+    int chunks_computed;        /* ... computed now (misses), then stored; the three add up to n_chunks_read */
     int restarts;               /* prefills restarted after a payload checksum failure */
     double t_total_ms;          /* the whole call */
     double t_resolve_ms;        /* chunk lookups (memory tier, file opens) and miss computation */
@@ -142,6 +151,9 @@ typedef struct {
     double t_probe_ms;          /* metric 'a': the probe pass (its load and compute also count above) */
     const int32_t *selected;    /* [tokens_recomputed] positions active at the last layer, ascending;
                                    owned by the blend object, valid until its next call */
+    int n_chunks_read;          /* chunks the mode read from the store (the first 0, 1 or n_chunks) */
+    const cb_blend_chunk_info_t *chunks; /* [n_chunks_read] where each came from; owned by the blend object,
+                                            valid until its next call */
 } cb_blend_stats_t;
 
 /* A chunk of the prompt: token ids [n] (borrowed). */

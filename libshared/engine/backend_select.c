@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/err.h"
 #include "base/log.h"
 #include "cpu/cpu_backend.h"
 
@@ -64,7 +65,7 @@ cb_backend_t *cb_backend_select(cb_backend_kind_t kind, const cb_hparams_t *hp, 
             got = CB_BACKEND_CUDA;
 #endif
         if (!be && kind == CB_BACKEND_CUDA) {
-            snprintf(err, errlen, "backend cuda: %s", why);
+            cb_set_err(err, errlen, "backend cuda: %s", why);
             return NULL;
         }
         if (!be) CB_INFO("backend auto: %s; using the CPU backend", why);

@@ -18,6 +18,7 @@
 
 #include "engine/backend.h"
 #include "engine/backend_select.h"
+#include "base/err.h"
 #include "base/log.h"
 
 struct cb_seq {
@@ -85,21 +86,21 @@ static void *buf(cb_engine_t *e, size_t bytes) { return e->be->ops->host_alloc(e
 cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t *o, char *err, size_t errlen) {
     char berr[128] = "";
     if (!model || !o) {
-        snprintf(err, errlen, "engine: no model");
+        cb_set_err(err, errlen, "engine: no model");
         return NULL;
     }
     const int max_ctx = o->max_ctx, bt = o->block_tokens ? o->block_tokens : CB_ENGINE_BLOCK_TOKENS;
     if (max_ctx < 1 || max_ctx > (1 << 20)) {
-        snprintf(err, errlen, "engine: max_ctx %d out of range 1..%d", max_ctx, 1 << 20);
+        cb_set_err(err, errlen, "engine: max_ctx %d out of range 1..%d", max_ctx, 1 << 20);
         return NULL;
     }
     if (bt < 1 || bt > 4096) {
-        snprintf(err, errlen, "engine: block_tokens %d out of range 1..4096", bt);
+        cb_set_err(err, errlen, "engine: block_tokens %d out of range 1..4096", bt);
         return NULL;
     }
     cb_engine_t *e = calloc(1, sizeof *e);
     if (!e) {
-        snprintf(err, errlen, "engine: out of memory");
+        cb_set_err(err, errlen, "engine: out of memory");
         return NULL;
     }
     const cb_hparams_t *hp = cb_model_hparams(model);
@@ -116,7 +117,7 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 1.0f / sqrtf((float)hp->head_dim)};
     e->be = cb_backend_select(cb_backend_default_kind(), hp, e->max_rows, max_ctx, e->nt_max, NULL, berr, sizeof berr);
     if (!e->be) {
-        snprintf(err, errlen, "engine: %s", berr);
+        cb_set_err(err, errlen, "engine: %s", berr);
         goto fail;
     }
     e->be->ops->set_threads(e->be->ctx, e->nt);
@@ -127,14 +128,14 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->block_bytes = 2 * vb * (size_t)hp->n_layer * bt * e->KVD;
     size_t nb = o->kv_pool_bytes ? o->kv_pool_bytes / e->block_bytes : 2 * (size_t)e->seq_max_blocks + 1;
     if (nb < 1) {
-        snprintf(err, errlen, "engine: KV pool budget %zu bytes is below one block (%zu bytes)", o->kv_pool_bytes,
+        cb_set_err(err, errlen, "engine: KV pool budget %zu bytes is below one block (%zu bytes)", o->kv_pool_bytes,
                  e->block_bytes);
         goto fail;
     }
     if (nb > (1u << 30)) nb = 1u << 30;
     e->n_blocks = (int)nb;
     if (e->be->ops->kv_pool_init(e->be->ctx, hp->n_layer, e->KVD, bt, e->n_blocks, berr, sizeof berr) != 0) {
-        snprintf(err, errlen, "engine: %s", berr);
+        cb_set_err(err, errlen, "engine: %s", berr);
         goto fail;
     }
     e->refs = calloc((size_t)e->n_blocks, sizeof(int32_t));
@@ -156,7 +157,7 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
         goto oom;
     return e;
 oom:
-    snprintf(err, errlen, "engine: out of memory");
+    cb_set_err(err, errlen, "engine: out of memory");
 fail:
     cb_engine_destroy(&e);
     return NULL;
@@ -393,6 +394,13 @@ void cb_engine_rope(cb_engine_t *self, float *x, int n, int n_heads, const int32
     self->be->ops->rope(self->be->ctx, x, n, n_heads, self->hp->head_dim, pos, self->hp->rope_base);
 }
 
+/* K/V rows into positions the sequence already owns exclusively (reserved by the caller). */
+static int write_reserved(cb_engine_t *e, const cb_seq_t *s, int layer, const int32_t *pos, int n, const float *k,
+                          const float *v) {
+    cb_kv_table_t t = table_of(s);
+    return e->be->ops->kv_write(e->be->ctx, layer, &t, pos, n, k, v) ? CB_ENGINE_EBACKEND : CB_ENGINE_OK;
+}
+
 int cb_engine_kv_write(cb_engine_t *self, cb_seq_t *seq, int layer, const int32_t *pos, int n, const float *k,
                        const float *v) {
     if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer || n < 0) return CB_ENGINE_EINVAL;
@@ -407,8 +415,7 @@ int cb_engine_kv_write(cb_engine_t *self, cb_seq_t *seq, int layer, const int32_
         int rc = cb_seq_reserve(seq, lo, hi + 1);
         if (rc) return rc;
     }
-    cb_kv_table_t t = table_of(seq);
-    return self->be->ops->kv_write(self->be->ctx, layer, &t, pos, n, k, v) ? CB_ENGINE_EBACKEND : CB_ENGINE_OK;
+    return write_reserved(self, seq, layer, pos, n, k, v);
 }
 
 int cb_engine_kv_load(cb_engine_t *self, cb_seq_t *seq, int layer, int pos0, int n, const void *k, const void *v,
@@ -489,7 +496,7 @@ void cb_engine_logits(cb_engine_t *self, const float *x_row, float *logits) {
 
 /* ---------------------------------------------------------------- prefill / decode */
 
-/* One ubatch of n <= max_rows rows at positions pos0.. (validated, blocks reserved by the caller); capture:
+/* One ubatch of n <= max_rows rows at positions pos0.. (validated, blocks reserved and owned); capture:
  * the rows' pre-RoPE K and V of each layer into cap_k[l], cap_v[l] + row0 (NULL: none). */
 static int forward_ubatch(cb_engine_t *e, cb_seq_t *s, const int32_t *tokens, int n, int pos0, float *const *cap_k,
                           float *const *cap_v, int row0, float *logits) {
@@ -507,7 +514,7 @@ static int forward_ubatch(cb_engine_t *e, cb_seq_t *s, const int32_t *tokens, in
         }
         cb_engine_rope(e, e->q, n, hp->n_head, e->pos);
         cb_engine_rope(e, e->k, n, hp->n_head_kv, e->pos);
-        int rc = cb_engine_kv_write(e, s, l, e->pos, n, e->k, e->v);
+        int rc = write_reserved(e, s, l, e->pos, n, e->k, e->v);
         if (rc) return rc;
         if (l == hp->n_layer - 1 && !logits) break; /* the last layer's output feeds only the logits */
         cb_engine_layer_attn_mlp(e, s, l, e->x, e->q, n, e->limit);
@@ -576,8 +583,8 @@ int cb_engine_decode_batch(cb_engine_t *self, cb_seq_t *const *seqs, const int32
         cb_engine_rope(self, self->q, n, hp->n_head, pos);
         cb_engine_rope(self, self->k, n, hp->n_head_kv, pos);
         for (int i = 0; i < n; i++) {
-            rc = cb_engine_kv_write(self, seqs[i], l, &pos[i], 1, self->k + (size_t)i * self->KVD,
-                                    self->v + (size_t)i * self->KVD);
+            rc = write_reserved(self, seqs[i], l, &pos[i], 1, self->k + (size_t)i * self->KVD,
+                                self->v + (size_t)i * self->KVD);
             if (rc) return rc;
         }
         if (l == hp->n_layer - 1 && !logits) break;

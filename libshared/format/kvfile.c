@@ -103,7 +103,7 @@ static void sodium_once(void) {
 
 static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-static size_t dtype_size(uint32_t dtype) {
+size_t cb_kv_dtype_size(uint32_t dtype) {
     switch (dtype) {
     case CB_KV_F32: return 4;
     case CB_KV_F16: return 2;
@@ -117,7 +117,7 @@ static kv_layout_t layout_of(uint64_t n_layer, uint64_t n_head_kv, uint64_t head
                              uint32_t dtype) {
     kv_layout_t l;
     l.kv_dim = n_head_kv * head_dim;
-    l.elsize = dtype_size(dtype);
+    l.elsize = cb_kv_dtype_size(dtype);
     l.k_bytes = n_tokens * l.kv_dim * l.elsize;
     l.meta_bytes = round_up(4 * n_tokens, 8) + 8 * n_layer;
     l.payload_offset = round_up(KV_HEADER_SIZE + l.meta_bytes, KV_PAYLOAD_ALIGN);
@@ -195,10 +195,17 @@ int cb_kvfile_unhex(const char *s, uint8_t key[32]) {
     return 0;
 }
 
-int cb_kvfile_path(const char *kv_dir, const uint8_t key[32], char *buf, size_t buflen) {
+int cb_kvfile_rel_path(const uint8_t key[32], char *buf, size_t buflen) {
     char hex[CB_KV_HEX_BYTES];
     cb_kvfile_hex(key, hex);
-    int n = snprintf(buf, buflen, "%s/%.2s/%s.kv", kv_dir, hex, hex);
+    int n = snprintf(buf, buflen, "%.2s/%s.kv", hex, hex);
+    return (n < 0 || (size_t)n >= buflen) ? -1 : 0;
+}
+
+int cb_kvfile_path(const char *kv_dir, const uint8_t key[32], char *buf, size_t buflen) {
+    char rel[CB_KV_REL_PATH_BYTES];
+    cb_kvfile_rel_path(key, rel, sizeof rel);
+    int n = snprintf(buf, buflen, "%s/%s", kv_dir, rel);
     return (n < 0 || (size_t)n >= buflen) ? -1 : 0;
 }
 
@@ -287,7 +294,7 @@ static int check_write_args(const char *path, const cb_kv_meta_t *meta, const in
         cb_set_err(err, errlen, "kvfile write: NULL argument");
         return -1;
     }
-    if (!geometry_ok(meta->n_layer, meta->n_head_kv, meta->head_dim, n_tokens) || !dtype_size(meta->dtype)) {
+    if (!geometry_ok(meta->n_layer, meta->n_head_kv, meta->head_dim, n_tokens) || !cb_kv_dtype_size(meta->dtype)) {
         cb_set_err(err, errlen, "kvfile write: bad geometry or dtype (layers %d, kv heads %d, head_dim %d, "
                    "tokens %d, dtype %d)", meta->n_layer, meta->n_head_kv, meta->head_dim, n_tokens, (int)meta->dtype);
         return -1;
@@ -519,7 +526,7 @@ static cb_kv_miss_t validate(cb_kvfile_t *self, const char *name, const cb_kv_ex
     /* The header is what its writer wrote; now check that it is self-consistent. */
     if (h.header_size != KV_HEADER_SIZE || h.meta_offset != KV_HEADER_SIZE)
         return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "header size %u", h.header_size);
-    if (!dtype_size(h.dtype)) return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "unknown dtype %u", h.dtype);
+    if (!cb_kv_dtype_size(h.dtype)) return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "unknown dtype %u", h.dtype);
     if (h.flags != KV_FLAG_K_PRE_ROPE) return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "unknown flags 0x%x", h.flags);
     if (!all_zero(h.reserved, sizeof h.reserved))
         return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "reserved bytes not zero");

@@ -27,6 +27,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" { /* kernels/cuda includes it through engine/backend.h */
+#endif
+
 #define CB_KV_KEY_BYTES 32       /* key and fingerprint size */
 #define CB_KV_HEX_BYTES 65       /* 64 hex digits + NUL */
 #define CB_KV_FORMAT_VERSION 1u
@@ -40,6 +44,8 @@
 
 /* Payload element type; the values are ggml type ids (gguf.h cb_type_t). */
 typedef enum { CB_KV_F32 = 0, CB_KV_F16 = 1, CB_KV_BF16 = 30 } cb_kv_dtype_t;
+/* Bytes of one value of dtype (4 or 2); 0 for a value that is not a cb_kv_dtype_t. */
+size_t cb_kv_dtype_size(uint32_t dtype);
 
 /* What a file is: identity, geometry and dtype. kv_dim = n_head_kv * head_dim. */
 typedef struct {
@@ -100,6 +106,10 @@ int cb_kvfile_unhex(const char *s, uint8_t key[32]);
 void cb_kvfile_ctx_fp(const uint8_t model_fp[32], const int32_t *ctx_tokens, int n, uint8_t ctx_fp[32]);
 /* Path of a key's file: "<kv_dir>/<hex[0:2]>/<hex>.kv" into buf. Returns 0, or -1 if buflen is too small. */
 int cb_kvfile_path(const char *kv_dir, const uint8_t key[32], char *buf, size_t buflen);
+/* The part of that path under kv_dir, "hh/<hex>.kv" (what cb-cacheindex stores): buf >= CB_KV_REL_PATH_BYTES. 0,
+ * or -1 when buf is too small. */
+#define CB_KV_REL_PATH_BYTES (CB_KV_HEX_BYTES + 6)
+int cb_kvfile_rel_path(const uint8_t key[32], char *buf, size_t buflen);
 
 /* ---- writing ----------------------------------------------------------------------------- */
 
@@ -153,4 +163,7 @@ size_t cb_kvfile_layer_bytes(const cb_kvfile_t *self);         /* raw bytes of K
 /* When on (non-zero), writes in this process stop after the temporary file is written and fsynced,
  * before the rename, as a crash there would: the temp file stays behind and the write returns -1. */
 void cb_kvfile_test_stop_before_rename(int on);
+#ifdef __cplusplus
+}
+#endif
 #endif

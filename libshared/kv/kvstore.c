@@ -332,6 +332,48 @@ void cb_kvstore_chunk_release(cb_kvstore_chunk_t *c) {
     cb_kvfile_destroy(&c->file);
 }
 
+/* The walk for the current context (tokens checked): memory tier, the file (an open, header-checked
+ * handle), or computed now and stored. skip_cached: forget the memory-tier entry and skip the file.
+ * strict_store: a failed file write fails the call (precompute needs the file); else it is logged and the
+ * chunk is used from memory. 0, CB_ENGINE_EPOOL or -1. */
+static int lookup(cb_kvstore_t *s, const int32_t *tokens, int n, bool skip_cached, bool strict_store,
+                  cb_kvstore_chunk_t *rs, char *err, size_t errlen) {
+    memset(rs, 0, sizeof *rs);
+    cb_kvfile_key(s->model_fp, s->ctx_fp, tokens, n, rs->key);
+    rs->why = CB_KV_OK;
+    if (!skip_cached) {
+        rs->entry = mem_get(s, rs->key, tokens, n);
+        if (rs->entry) {
+            rs->src = CB_KVSTORE_MEM;
+            return 0;
+        }
+        cb_kv_miss_t w = CB_KV_MISS_NOT_FOUND;
+        rs->file = open_chunk_file(s, rs->key, tokens, n, &w);
+        if (rs->file) {
+            rs->src = CB_KVSTORE_FILE;
+            return 0;
+        }
+        rs->why = w;
+    } else if (s->mem) {
+        cb_kvmem_remove(s->mem, rs->key);
+    }
+    int crc;
+    rs->entry = compute_chunk(s, tokens, n, &crc, err, errlen);
+    if (!rs->entry) return crc;
+    rs->src = CB_KVSTORE_COMPUTED;
+    char serr[256] = "";
+    if (store_entry(s, rs->key, rs->entry, serr, sizeof serr) != 0) {
+        if (!strict_store) {
+            CB_WARN("%s (the chunk is used from memory)", serr);
+            return 0;
+        }
+        cb_set_err(err, errlen, "%s", serr);
+        cb_kvstore_chunk_release(rs);
+        return -1;
+    }
+    return 0;
+}
+
 int cb_kvstore_resolve(cb_kvstore_t *self, const int32_t *tokens, int n, bool skip_cached, cb_kvstore_chunk_t *rs,
                        char *err, size_t errlen) {
     memset(rs, 0, sizeof *rs);
@@ -340,86 +382,42 @@ int cb_kvstore_resolve(cb_kvstore_t *self, const int32_t *tokens, int n, bool sk
         return -1;
     }
     if (check_ctx_chunk(self, self->ctx_tokens, self->ctx_n, tokens, n, err, errlen)) return -1;
-    cb_kvfile_key(self->model_fp, self->ctx_fp, tokens, n, rs->key);
-    rs->why = CB_KV_OK;
-    if (!skip_cached) {
-        rs->entry = mem_get(self, rs->key, tokens, n);
-        if (rs->entry) {
-            rs->src = CB_KVSTORE_MEM;
-            return 0;
-        }
-        cb_kv_miss_t w = CB_KV_MISS_NOT_FOUND;
-        rs->file = open_chunk_file(self, rs->key, tokens, n, &w);
-        if (rs->file) {
-            rs->src = CB_KVSTORE_FILE;
-            return 0;
-        }
-        rs->why = w;
-    } else if (self->mem) {
-        cb_kvmem_remove(self->mem, rs->key);
-    }
-    int crc;
-    rs->entry = compute_chunk(self, tokens, n, &crc, err, errlen);
-    if (!rs->entry) return crc;
-    char serr[256] = "";
-    if (store_entry(self, rs->key, rs->entry, serr, sizeof serr) != 0)
-        CB_WARN("%s (the chunk is used from memory)", serr);
-    rs->src = CB_KVSTORE_COMPUTED;
-    return 0;
+    return lookup(self, tokens, n, skip_cached, false, rs, err, errlen);
 }
 
-/* Shared by ensure/load: find (mem, file) or compute + store. With want_entry the decoded KV is returned. */
+/* Shared by ensure/load: the walk, with a file decoded (want_entry, or to fill the memory tier) or verified
+ * in full; a file that fails is a miss like any other: computed and stored. With want_entry the decoded KV
+ * is returned. */
 static int find_chunk(cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n, bool want_entry,
                       cb_kvmem_entry_t **out, cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
-    cb_kv_miss_t w = CB_KV_MISS_NOT_FOUND;
     if (check_ctx_chunk(s, ctx, n_ctx, tokens, n, err, errlen)) return -1;
-    int crc = cb_kvstore_set_context(s, ctx, n_ctx, err, errlen);
-    if (crc) return crc;
-    uint8_t key[32];
-    cb_kvfile_key(s->model_fp, s->ctx_fp, tokens, n, key);
-    cb_kvmem_entry_t *ent = mem_get(s, key, tokens, n);
-    if (ent) {
-        if (src) *src = CB_KVSTORE_MEM;
-        if (why) *why = CB_KV_OK;
-        if (want_entry) *out = ent;
-        else cb_kvmem_entry_release(&ent);
-        return 0;
-    }
-    cb_kvfile_t *f = open_chunk_file(s, key, tokens, n, &w);
-    if (f) {
+    int rc = cb_kvstore_set_context(s, ctx, n_ctx, err, errlen);
+    if (rc) return rc;
+    cb_kvstore_chunk_t c;
+    if ((rc = lookup(s, tokens, n, false, true, &c, err, errlen)) != 0) return rc;
+    if (c.src == CB_KVSTORE_FILE) {
+        cb_kv_miss_t w; /* set by both: CB_KV_OK exactly when the whole file verified */
         if (want_entry || s->mem) {
-            ent = cb_kvmem_entry_from_file(f, &w);
-            if (ent) {
-                if (s->mem) cb_kvmem_put(s->mem, key, ent);
-                cb_kvfile_destroy(&f);
-                if (src) *src = CB_KVSTORE_FILE;
-                if (why) *why = CB_KV_OK;
-                if (want_entry) *out = ent;
-                else cb_kvmem_entry_release(&ent);
-                return 0;
-            }
+            c.entry = cb_kvmem_entry_from_file(c.file, &w);
+            if (c.entry && s->mem) cb_kvmem_put(s->mem, c.key, c.entry);
         } else {
-            w = cb_kvfile_verify(f);
-            if (w == CB_KV_OK) {
-                cb_kvfile_destroy(&f);
-                if (src) *src = CB_KVSTORE_FILE;
-                if (why) *why = CB_KV_OK;
-                return 0;
-            }
+            w = cb_kvfile_verify(c.file);
         }
-        CB_WARN("kvstore: chunk file miss (%s)", cb_kv_miss_str(w));
-        cb_kvfile_destroy(&f);
+        cb_kvfile_destroy(&c.file);
+        if (w != CB_KV_OK) {
+            CB_WARN("kvstore: chunk file miss (%s)", cb_kv_miss_str(w));
+            cb_kvstore_chunk_release(&c);
+            if ((rc = lookup(s, tokens, n, true, true, &c, err, errlen)) != 0) return rc;
+            c.why = w;
+        }
     }
-    if (why) *why = w;
-    ent = compute_chunk(s, tokens, n, &crc, err, errlen);
-    if (!ent) return crc;
-    if (store_entry(s, key, ent, err, errlen) != 0) {
-        cb_kvmem_entry_release(&ent);
-        return -1;
+    if (src) *src = c.src;
+    if (why) *why = c.why;
+    if (want_entry) {
+        *out = c.entry;
+        c.entry = NULL;
     }
-    if (src) *src = CB_KVSTORE_COMPUTED;
-    if (want_entry) *out = ent;
-    else cb_kvmem_entry_release(&ent);
+    cb_kvstore_chunk_release(&c);
     return 0;
 }
 

@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "base/clock.h"
 #include "base/log.h"
@@ -118,7 +117,9 @@ static void publish_pool(gen_t *g) {
 }
 
 static void gen_free(gen_t *g) {
-    zactor_destroy(&g->notifier); /* after the touch/put in progress, if any */
+    atomic_store(&g->na.stopping, true); /* the queued notices are dropped, not sent one by one */
+    zactor_destroy(&g->notifier);
+    cb_bus_client_destroy(&g->na.index); /* when the actor never took it over */
     cb_bus_client_destroy(&g->retriever);
     cb_msg_writer_destroy(&g->w);
     cb_seq_destroy(&g->seq);
@@ -136,7 +137,7 @@ static void gen_free(gen_t *g) {
 static int start_notifier(gen_t *g, char *err, size_t errlen) {
     const gen_args_t *a = g->a;
     notify_args_t *na = &g->na;
-    na->cfg = a->cfg;
+    if (!(na->index = cb_bus_client_from_config(a->cfg, "blend", "cacheindex", err, errlen))) return -1;
     snprintf(na->kv_dir, sizeof na->kv_dir, "%s", a->kv_dir);
     uint8_t fp[32];
     cb_model_fingerprint(g->model, fp);
@@ -144,6 +145,7 @@ static int start_notifier(gen_t *g, char *err, size_t errlen) {
     na->timeout_ms = a->cacheindex_timeout_ms;
     na->store = a->store_misses;
     na->unavailable = &a->stats->index_unavailable;
+    na->dropped = &a->stats->index_dropped;
     if (!(g->notifier = zactor_new(notify_actor, na))) {
         snprintf(err, errlen, "cannot start the cache-index notifier thread");
         return -1;
@@ -240,16 +242,6 @@ typedef struct {
     cb_blend_stats_t bs;
 } qmetrics_t;
 
-/* A chunk's KV file as seen before and after the prefill: a file the prefill replaced was rewritten
- * (the chunk was computed now). */
-typedef struct {
-    bool exists;
-    dev_t dev;
-    ino_t ino;
-    off_t size;
-    struct timespec mtime;
-} file_state_t;
-
 /* One query, from its pieces to its `done`. */
 typedef struct {
     gen_query_t *q;
@@ -265,12 +257,9 @@ typedef struct {
     int n_suffix;
     int N;                                   /* prompt tokens */
     int max_new;
-    bool need[GEN_MAX_CONTEXTS];             /* the mode reads chunk i from the store */
-    uint8_t key[GEN_MAX_CONTEXTS][32];       /* chunk keys (kvstore.h) */
-    char hex[GEN_MAX_CONTEXTS][CB_KV_HEX_BYTES];
-    file_state_t before[GEN_MAX_CONTEXTS];   /* chunk i's KV file before the prefill */
+    char hex[GEN_MAX_CONTEXTS][CB_KV_HEX_BYTES]; /* chunk keys (kvstore.h), for `chunk_ids` */
     notify_note_t note;                      /* what cb-cacheindex is told */
-    bool prefilled, noticed;
+    bool prefilled, noted, noticed;
     char *text;                              /* the answer so far (owned) */
     size_t text_len, text_cap;
 } query_t;
@@ -376,38 +365,7 @@ static int build_prompt(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t 
     return 0;
 }
 
-static void file_state(const char *path, file_state_t *st) {
-    struct stat sb;
-    *st = (file_state_t){0};
-    if (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) return;
-    *st = (file_state_t){true, sb.st_dev, sb.st_ino, sb.st_size, sb.st_mtim};
-}
-
-static bool file_replaced(const file_state_t *a, const file_state_t *b) {
-    return a->exists != b->exists || a->dev != b->dev || a->ino != b->ino || a->size != b->size ||
-           a->mtime.tv_sec != b->mtime.tv_sec || a->mtime.tv_nsec != b->mtime.tv_nsec;
-}
-
-/* The relative part of a KV file path under kv_dir; NULL when it is not under it. */
-static const char *kv_rel(const gen_t *g, const char *path) {
-    size_t nd = strlen(g->a->kv_dir);
-    return strncmp(path, g->a->kv_dir, nd) == 0 && path[nd] == '/' ? path + nd + 1 : NULL;
-}
-
-/* 3. Which chunks the mode reads from the store, their keys, and the state of their KV files (local
- * stat calls: nothing is asked of cb-cacheindex before the prefill). */
-static void chunk_files_before(gen_t *g, query_t *r) {
-    cb_blend_mode_t mode = r->q->mode;
-    for (int i = 0; i < r->n; i++) {
-        r->need[i] = mode == CB_BLEND_REUSE || mode == CB_BLEND_BLEND || (mode == CB_BLEND_PREFIX && i == 0);
-        cb_kvstore_chunk_key(g->store, g->prefix, g->n_prefix, r->ctoks[i], r->cn[i], r->key[i]);
-        cb_kvfile_hex(r->key[i], r->hex[i]);
-        char path[4400];
-        if (r->need[i] && cb_kvstore_path(g->store, r->key[i], path, sizeof path) == 0) file_state(path, &r->before[i]);
-    }
-}
-
-/* 4. The fused prefill into the query's sequence. 0, or -1 with *code (`overloaded` when the KV pool has
+/* 3. The fused prefill into the query's sequence. 0, or -1 with *code (`overloaded` when the KV pool has
  * no room for the query) and err. */
 static int prefill(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errlen) {
     const gen_args_t *a = g->a;
@@ -444,44 +402,52 @@ static int prefill(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errle
     return 0;
 }
 
-/* 5. After the prefill: each needed chunk whose KV file the prefill replaced was computed now (put it),
- * the others were read (touch them). A file that had its full size before and was rewritten failed a
- * content check (corrupted bytes, another model's file): that counts as cache_corrupt; a missing or
- * truncated file is a plain miss. Fills r->note (each key once). */
-static void chunk_files_after(gen_t *g, query_t *r) {
+/* A chunk computed because its file failed a content check (corrupt bytes, another model's or context's
+ * file), not because there was none or it was cut short: cache_corrupt. */
+static bool rejected(const cb_blend_chunk_info_t *c) {
+    return c->src == CB_KVSTORE_COMPUTED && c->why != CB_KV_OK && c->why != CB_KV_MISS_NOT_FOUND &&
+           c->why != CB_KV_MISS_TRUNCATED;
+}
+
+/* 4. After the prefill, from the blend's own record of each chunk it read (stats.chunks): the chunk ids,
+ * the notice (a chunk computed now is `put`, one read from memory or its file is touched; each key once)
+ * and cache_corrupt. Once per query; no I/O. */
+static void chunk_note(gen_t *g, query_t *r) {
+    if (r->noted || !r->prefilled) return;
+    r->noted = true;
+    double t = cb_now_ms();
+    const cb_blend_stats_t *bs = &r->mt.bs;
     notify_note_t *nt = &r->note;
     snprintf(nt->id, sizeof nt->id, "%s", r->q->id);
     nt->n = 0;
-    int corrupt = 0;
+    r->mt.corrupt = 0;
     for (int i = 0; i < r->n; i++) {
-        if (!r->need[i]) continue;
+        uint8_t key[32];
+        const cb_blend_chunk_info_t *c = i < bs->n_chunks_read ? &bs->chunks[i] : NULL;
+        if (c) memcpy(key, c->key, 32);
+        else cb_kvstore_chunk_key(g->store, g->prefix, g->n_prefix, r->ctoks[i], r->cn[i], key);
+        cb_kvfile_hex(key, r->hex[i]);
+        if (!c) continue; /* the mode did not read it: nothing to tell */
         bool seen = false;
-        for (int j = 0; j < nt->n && !seen; j++) seen = strcmp(nt->chunks[j].key, r->hex[i]) == 0;
+        for (int j = 0; j < nt->n && !seen; j++) seen = memcmp(nt->chunks[j].key, key, 32) == 0;
         if (seen) continue;
-        char path[4400];
-        if (cb_kvstore_path(g->store, r->key[i], path, sizeof path) != 0) continue;
-        const char *rel = kv_rel(g, path);
-        file_state_t after;
-        file_state(path, &after);
-        if (!rel || strlen(rel) >= NOTIFY_REL_MAX || !after.exists) continue; /* no file to touch or put */
-        bool rewritten = file_replaced(&r->before[i], &after);
-        if (rewritten && r->before[i].exists && r->before[i].size == after.size) corrupt++;
-        notify_chunk_t *c = &nt->chunks[nt->n++];
-        memcpy(c->key, r->hex[i], sizeof c->key); /* both CB_KV_HEX_BYTES, NUL-terminated */
-        snprintf(c->rel, sizeof c->rel, "%s", rel);
-        c->tokens = r->cn[i];
-        c->kind = rewritten ? NOTIFY_PUT : NOTIFY_TOUCH;
+        r->mt.corrupt += rejected(c);
+        notify_chunk_t *nc = &nt->chunks[nt->n++];
+        memcpy(nc->key, key, 32);
+        nc->tokens = r->cn[i];
+        nc->kind = c->src == CB_KVSTORE_COMPUTED ? NOTIFY_PUT : NOTIFY_TOUCH;
     }
-    r->mt.corrupt = corrupt < r->mt.misses ? corrupt : r->mt.misses;
     if (r->mt.corrupt > 0)
         cb_log(CB_LOG_WARN, r->q->id, "%d chunk file(s) rejected (corrupt or stale): recomputed and rewritten",
                r->mt.corrupt);
+    r->mt.lookup_ms = cb_now_ms() - t;
 }
 
 /* Hands the query's notice to the notifier (once; never blocks). */
 static void notify_index(gen_t *g, query_t *r) {
     if (r->noticed || !r->prefilled) return;
     r->noticed = true;
+    chunk_note(g, r);
     if (r->note.n == 0) return;
     if (!notify_post(g->notifier, &r->note)) {
         atomic_fetch_add(&g->a->stats->index_dropped, 1);
@@ -507,7 +473,7 @@ static int append_text(query_t *r, const char *piece, size_t pl) {
 
 typedef enum { DECODE_OK = 0, DECODE_FAIL, DECODE_CANCELLED, DECODE_TERM } decode_t;
 
-/* 6. Sampling and decoding, streaming each piece of text; the cache index hears of the chunks once the
+/* 5. Sampling and decoding, streaming each piece of text; the cache index hears of the chunks once the
  * first token has gone out. DECODE_FAIL with *code and err. */
 static decode_t decode(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errlen) {
     gen_query_t *q = r->q;
@@ -577,10 +543,11 @@ static decode_t decode(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t e
     return rc;
 }
 
-/* 7. The `done` message with the answer and the metrics (docs/protocol.md §7). 0, or -1 with err. */
+/* 6. The `done` message with the answer and the metrics (docs/protocol.md §7). 0, or -1 with err. */
 static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
     const gen_args_t *a = g->a;
     gen_query_t *q = r->q;
+    chunk_note(g, r); /* done by the first token already, unless there was none */
     const qmetrics_t *mt = &r->mt;
     atomic_fetch_add(&a->stats->tokens_generated, (uint64_t)mt->n_gen);
     atomic_fetch_add(&a->stats->cache_hits, (uint64_t)mt->hits);
@@ -641,15 +608,11 @@ static void run_query(gen_t *g, gen_query_t *q) {
     decode_t dr = DECODE_FAIL;
     if (gather_contexts(g, &r, &code, err, sizeof err) != 0 || build_prompt(g, &r, &code, err, sizeof err) != 0)
         goto fail;
-    double t = cb_now_ms();
-    chunk_files_before(g, &r);
-    r.mt.lookup_ms = cb_now_ms() - t;
     if (atomic_load(&q->cancelled)) {
         dr = DECODE_CANCELLED;
         goto ended;
     }
     if (prefill(g, &r, &code, err, sizeof err) != 0) goto fail;
-    chunk_files_after(g, &r);
     if ((dr = decode(g, &r, &code, err, sizeof err)) != DECODE_OK) goto ended;
     if (send_done(g, &r, err, sizeof err) != 0) goto fail;
     goto out;
@@ -667,7 +630,7 @@ ended:
 fail:
     send_error(g, q, code, err);
 out:
-    notify_index(g, &r); /* the chunks were used (or computed and written) even when the answer was not */
+    notify_index(g, &r); /* a prefilled query's chunks were used even when its answer was not sent */
     cb_seq_clear(g->seq); /* the query's blocks go back to the pool (P's shared ones stay with the store) */
     publish_pool(g);
     query_free(&r);

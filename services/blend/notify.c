@@ -14,10 +14,25 @@
 
 typedef struct {
     zsock_t *pipe;
-    const notify_args_t *a;
-    cb_bus_client_t *index;   /* NULL when it could not be made: notices are dropped */
-    cb_msg_writer_t *w;
+    notify_args_t *a;
+    cb_bus_client_t *index;   /* taken over from the args */
+    cb_msg_writer_t *w;       /* NULL when out of memory: notices are dropped */
 } notifier_t;
+
+/* A chunk's key as hex and its KV file under kv_dir. */
+typedef struct {
+    char hex[CB_KV_HEX_BYTES];
+    char rel[CB_KV_REL_PATH_BYTES];
+} chunk_names_t;
+
+static chunk_names_t names_of(const notify_chunk_t *c) {
+    chunk_names_t nm;
+    cb_kvfile_hex(c->key, nm.hex);
+    cb_kvfile_rel_path(c->key, nm.rel, sizeof nm.rel);
+    return nm;
+}
+
+static bool stopping(const notifier_t *n) { return atomic_load(&n->a->stopping); }
 
 /* A request that failed: counted when cb-cacheindex did not answer, logged either way. */
 static void request_failed(notifier_t *n, const char *qid, const char *what, cb_err_t code, const char *e) {
@@ -27,18 +42,20 @@ static void request_failed(notifier_t *n, const char *qid, const char *what, cb_
 
 /* `put` of one chunk's KV file (it must exist: a chunk whose file went meanwhile is logged and skipped). */
 static void put_chunk(notifier_t *n, const char *qid, const notify_chunk_t *c) {
-    char path[4096 + NOTIFY_REL_MAX + 2];
-    snprintf(path, sizeof path, "%s/%s", n->a->kv_dir, c->rel);
+    if (stopping(n)) return;
+    chunk_names_t nm = names_of(c);
+    char path[4096 + CB_KV_REL_PATH_BYTES + 2];
+    snprintf(path, sizeof path, "%s/%s", n->a->kv_dir, nm.rel);
     struct stat sb;
     if (stat(path, &sb) != 0) {
-        cb_log(CB_LOG_WARN, qid, "chunk %.16s: no KV file to register (%s)", c->key, strerror(errno));
+        cb_log(CB_LOG_WARN, qid, "chunk %.16s: no KV file to register (%s)", nm.hex, strerror(errno));
         return;
     }
     char id[CB_MSG_MAX_ID + 1];
     snprintf(id, sizeof id, "%.40s.p", qid);
     cb_msg_begin(n->w, "put", id);
-    cb_msg_put_str(n->w, "key", c->key);
-    cb_msg_put_str(n->w, "path", c->rel);
+    cb_msg_put_str(n->w, "key", nm.hex);
+    cb_msg_put_str(n->w, "path", nm.rel);
     cb_msg_put_int(n->w, "bytes", (int64_t)sb.st_size);
     cb_msg_put_int(n->w, "tokens", c->tokens);
     cb_msg_put_str(n->w, "fingerprint", n->a->fp_hex);
@@ -47,6 +64,17 @@ static void put_chunk(notifier_t *n, const char *qid, const notify_chunk_t *c) {
     cb_msg_t *r = cb_bus_call_ok(n->index, n->w, &code, e, sizeof e);
     if (!r) request_failed(n, qid, "put", code, e);
     cb_msg_destroy(&r);
+}
+
+/* The note's TOUCH chunk whose key is the hex k [kl] (from the reply), or NULL. */
+static const notify_chunk_t *find_touched(const notify_note_t *note, const char *k, size_t kl) {
+    for (int i = 0; i < note->n; i++) {
+        const notify_chunk_t *c = &note->chunks[i];
+        if (c->kind != NOTIFY_TOUCH) continue;
+        chunk_names_t nm = names_of(c);
+        if (strlen(nm.hex) == kl && memcmp(nm.hex, k, kl) == 0) return c;
+    }
+    return NULL;
 }
 
 /* One `touch` {keys, hit: true} of the note's TOUCH chunks; then a put of every one the index did not
@@ -60,7 +88,7 @@ static void touch_chunks(notifier_t *n, const notify_note_t *note) {
     cb_msg_begin(n->w, "touch", id);
     cb_msg_begin_array(n->w, "keys");
     for (int i = 0; i < note->n; i++)
-        if (note->chunks[i].kind == NOTIFY_TOUCH) cb_msg_put_str(n->w, NULL, note->chunks[i].key);
+        if (note->chunks[i].kind == NOTIFY_TOUCH) cb_msg_put_str(n->w, NULL, names_of(&note->chunks[i]).hex);
     cb_msg_end_array(n->w);
     cb_msg_put_bool(n->w, "hit", true);
     cb_err_t code;
@@ -75,14 +103,10 @@ static void touch_chunks(notifier_t *n, const notify_note_t *note) {
         for (size_t u = 0; u < nu; u++) {
             const char *k;
             size_t kl;
-            if (!cb_msg_at_str(r, "unknown", u, CB_KV_HEX_BYTES, &k, &kl)) continue;
-            for (int i = 0; i < note->n; i++) {
-                const notify_chunk_t *c = &note->chunks[i];
-                if (c->kind == NOTIFY_TOUCH && strlen(c->key) == kl && memcmp(c->key, k, kl) == 0) {
-                    cb_log(CB_LOG_INFO, note->id, "chunk %.16s: a KV file the cache index did not know: put", c->key);
-                    put_chunk(n, note->id, c);
-                    break;
-                }
+            const notify_chunk_t *c;
+            if (cb_msg_at_str(r, "unknown", u, CB_KV_HEX_BYTES, &k, &kl) && (c = find_touched(note, k, kl))) {
+                cb_log(CB_LOG_INFO, note->id, "chunk %.16s: a KV file the cache index did not know: put", k);
+                put_chunk(n, note->id, c);
             }
         }
     }
@@ -97,11 +121,11 @@ static void handle_note(notifier_t *n, zframe_t *f) {
     if (note.n < 0 || note.n > NOTIFY_MAX_CHUNKS || len != NOTE_HEADER_BYTES + (size_t)note.n * sizeof(notify_chunk_t))
         return;
     note.id[sizeof note.id - 1] = 0;
-    for (int i = 0; i < note.n; i++) {
-        note.chunks[i].key[sizeof note.chunks[i].key - 1] = 0;
-        note.chunks[i].rel[sizeof note.chunks[i].rel - 1] = 0;
+    if (stopping(n)) return;
+    if (!n->w) { /* out of memory at start: the notice is lost, and counted */
+        atomic_fetch_add(n->a->dropped, 1);
+        return;
     }
-    if (!n->index) return;
     touch_chunks(n, &note);
     if (!n->a->store) return;
     for (int i = 0; i < note.n; i++)
@@ -110,15 +134,12 @@ static void handle_note(notifier_t *n, zframe_t *f) {
 
 void notify_actor(zsock_t *pipe, void *args) {
     notifier_t n = {.pipe = pipe, .a = args};
-    char err[512];
-    if (!(n.index = cb_bus_client_from_config(n.a->cfg, "blend", "cacheindex", err, sizeof err)) ||
-        !(n.w = cb_msg_writer_new())) {
-        cb_log(CB_LOG_ERROR, NULL, "cache index notifier: %s: cb-cacheindex will not hear of this service's chunks",
-               n.index ? "out of memory" : err);
-        cb_bus_client_destroy(&n.index);
-    } else {
-        cb_bus_client_set_timeout(n.index, n.a->timeout_ms, 0);
-    }
+    n.index = n.a->index;
+    n.a->index = NULL;
+    if (!(n.w = cb_msg_writer_new()))
+        cb_log(CB_LOG_ERROR, NULL, "cache index notifier: out of memory: cb-cacheindex will not hear of this "
+                                   "service's chunks");
+    cb_bus_client_set_timeout(n.index, n.a->timeout_ms, 0);
     zsock_signal(pipe, 0);
     for (;;) {
         zmsg_t *m = zmsg_recv(pipe);

@@ -18,8 +18,9 @@
  * slow or down for long) the notice is dropped and notify_post says so. The args are borrowed and must
  * outlive the actor.
  *
- * Pipe protocol: owner -> actor  "NOTE" <notify_note_t bytes (header + n chunks)>, $TERM (ends the actor
- * after the request in progress, if any). Nothing goes the other way after the zactor handshake.
+ * Pipe protocol: owner -> actor  "NOTE" <notify_note_t bytes (header + n chunks)>, $TERM. Nothing goes the
+ * other way after the zactor handshake. Shutdown: the owner sets args->stopping before destroying the actor,
+ * so the notices still queued are dropped without a request each and $TERM is reached at once.
  */
 #ifndef CB_NOTIFY_H
 #define CB_NOTIFY_H
@@ -30,11 +31,10 @@
 #include <stdint.h>
 
 #include "format/kvfile.h"
-#include "wire/config.h"
+#include "wire/bus.h"
 #include "wire/msg.h"
 
 #define NOTIFY_MAX_CHUNKS 32
-#define NOTIFY_REL_MAX 256 /* a KV file path relative to kv_dir: cb-cacheindex takes 1..255 bytes */
 
 typedef enum {
     NOTIFY_TOUCH = 0,  /* read from the memory tier or its KV file */
@@ -42,8 +42,7 @@ typedef enum {
 } notify_kind_t;
 
 typedef struct {
-    char key[CB_KV_HEX_BYTES];       /* the chunk key, hex */
-    char rel[NOTIFY_REL_MAX];        /* its KV file relative to kv_dir */
+    uint8_t key[32];                 /* the chunk key (its file: cb_kvfile_rel_path under kv_dir) */
     int32_t tokens;                  /* chunk tokens */
     notify_kind_t kind;
 } notify_chunk_t;
@@ -56,17 +55,18 @@ typedef struct {
 } notify_note_t;
 
 typedef struct {
-    const cb_config_t *cfg;          /* borrowed: blend.* / cacheindex.endpoint / common.* (read-only) */
+    cb_bus_client_t *index;          /* the cb-cacheindex client, made by the owner; the actor takes it over */
     char kv_dir[4096];               /* rel paths are under it */
     char fp_hex[CB_KV_HEX_BYTES];    /* the model fingerprint, for `put` */
     int timeout_ms;                  /* per request (one attempt) */
     bool store;                      /* `put` computed and unknown chunks (blend.store_misses) */
     atomic_uint_fast64_t *unavailable; /* borrowed counter: requests cb-cacheindex did not answer */
+    atomic_uint_fast64_t *dropped;   /* borrowed counter: notices dropped */
+    atomic_bool stopping;            /* set by the owner before $TERM: queued notices are dropped */
 } notify_args_t;
 
-/* zactor_new(notify_actor, args): args (notify_args_t *) must outlive the actor. The actor creates its
- * cb-cacheindex client itself; a client that cannot be made is logged and every notice is then dropped
- * (the service goes on without the index). */
+/* zactor_new(notify_actor, args): args (notify_args_t *) must outlive the actor; the actor owns and
+ * destroys args->index from then on. */
 void notify_actor(zsock_t *pipe, void *args);
 
 /* Posts note (copied) to the actor without blocking. False when it could not be queued (pipe full, or

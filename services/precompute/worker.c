@@ -211,19 +211,6 @@ static step_t plan_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
     return STEP_OK;
 }
 
-/* The path of key's KV file (the store names it) and that path relative to kv_dir (what cb-cacheindex
- * records). 0, or -1 with err. */
-static int chunk_paths(worker_t *w, const uint8_t key[32], char *path, size_t cap, const char **rel, char *err,
-                       size_t errlen) {
-    size_t nd = strlen(w->a->kv_dir);
-    if (cb_kvstore_path(w->store, key, path, cap) != 0 || strncmp(path, w->a->kv_dir, nd) != 0 || path[nd] != '/') {
-        snprintf(err, errlen, "no KV file path under %.200s for this chunk", w->a->kv_dir);
-        return -1;
-    }
-    *rel = path + nd + 1;
-    return 0;
-}
-
 /* One chunk: its KV (cb_kvstore_ensure: a file that verifies, else computed after P and written), the
  * cacheindex put, the retriever index. */
 static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t *c, char *err, size_t errlen) {
@@ -242,11 +229,11 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
         return STEP_FAIL;
     }
     uint8_t key[32];
-    char hex[CB_KV_HEX_BYTES], path[4400];
-    const char *rel;
+    char hex[CB_KV_HEX_BYTES], path[4400], rel[CB_KV_REL_PATH_BYTES];
     cb_kvstore_chunk_key(w->store, w->prefix, w->n_prefix, toks, nt, key);
     cb_kvfile_hex(key, hex);
-    if (chunk_paths(w, key, path, sizeof path, &rel, err, errlen) != 0) {
+    if (cb_kvstore_path(w->store, key, path, sizeof path) != 0 || cb_kvfile_rel_path(key, rel, sizeof rel) != 0) {
+        snprintf(err, errlen, "no KV file path under %.200s for this chunk", w->a->kv_dir);
         free(toks);
         return STEP_FAIL;
     }

@@ -1034,6 +1034,38 @@ done:
 }
 
 /* Writes, reads, layer loads in every dtype, block copies, bad arguments, and an oversized pool. */
+/* A matmul whose n x rows output is larger than the backend's output scratch (the LM head of a decode batch:
+ * n x n_vocab) goes in row pieces and gives what the CPU gives. */
+TEST(test_backend_matmul_pieces) {
+    cb_hparams_t hp = be_hp();
+    char err[256] = "";
+    cb_backend_t *cpu = cb_backend_cpu_new(&hp, 64, 256, 2, err, sizeof err);
+    CHECK_MSG(cpu != NULL, "%s", err);
+    cb_backend_t *gpu = cb_backend_cuda_new(&hp, 64, 256, 0, err, sizeof err);
+    CHECK_MSG(gpu != NULL, "%s", err);
+    enum { N = 40, E = 128, R = 1 << 16 }; /* 2.6M outputs: more than any scratch be_hp sizes */
+    float *wd = malloc(sizeof(float) * (size_t)R * E), *x = malloc(sizeof(float) * N * E);
+    float *y1 = malloc(sizeof(float) * (size_t)N * R), *y2 = malloc(sizeof(float) * (size_t)N * R);
+    double *sc = malloc(sizeof(double) * (size_t)N * R);
+    CHECK(wd && x && y1 && y2 && sc);
+    for (size_t i = 0; i < (size_t)R * E; i++) wd[i] = frand(0.1f);
+    for (int i = 0; i < N * E; i++) x[i] = frand(1.0f);
+    cb_weight_t w = {"head", CB_TYPE_F32, wd, sizeof(float) * E, R, E, wd, NULL, NULL};
+    cpu->ops->matmul(cpu->ctx, &w, x, N, y1, R);
+    gpu->ops->matmul(gpu->ctx, &w, x, N, y2, R);
+    CHECK_MSG(!cb_backend_cuda_failed(gpu), "the CUDA backend failed on a matmul larger than its scratch");
+    for (int i = 0; i < N; i++)
+        for (int o = 0; o < R; o++) {
+            double a = 0.0;
+            for (int j = 0; j < E; j++) a += fabs((double)x[i * E + j] * wd[(size_t)o * E + j]);
+            sc[(size_t)i * R + o] = a;
+        }
+    CHECK(close_enough("matmul in pieces", y2, y1, (size_t)N * R, sc, 6e-3, 1e-6));
+    free(wd), free(x), free(y1), free(y2), free(sc);
+    cb_backend_destroy(&cpu);
+    cb_backend_destroy(&gpu);
+}
+
 TEST(test_backend_pool) {
     kvfix_t f;
     if (kvfix_open(&f) != 0) {
@@ -1629,6 +1661,7 @@ int main(void) {
     RUN(test_synth_fill);
     RUN(test_attn_mass);
     RUN(test_backend_ops);
+    RUN(test_backend_matmul_pieces);
     RUN(test_backend_pool);
     RUN(test_backend_attention);
     RUN(test_backend_host_ops);
