@@ -24,6 +24,7 @@
 #include "blend/blend.h"
 
 #include <assert.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -69,11 +70,39 @@ typedef struct {
                                   attention mass over keys into b->mass at every layer */
     int compute_layers;        /* > 0: layers [compute_layers, L) only place their cached rows (a probe that
                                   stops early; needs logits == NULL); 0 = every layer computes */
+    /* the pass in progress (run_begin .. run_end) */
+    int l_next;                /* the next layer to run */
+    int n_act;                 /* active rows (b->act) */
+    bool any_src;              /* some LOADED row is still to be placed (the loader has work) */
     /* out */
     double t_load, t_wait, t_compute, t_select;
     int fail_src;              /* source whose layer failed its checksum (-1 none) */
     cb_kv_miss_t fail_why;
 } run_t;
+
+typedef enum { PH_IDLE = 0, PH_RESOLVE, PH_PROBE, PH_MAIN } phase_t;
+
+/* A fused prefill in progress (cb_blend_start .. the cb_blend_step that ends it). */
+typedef struct {
+    phase_t ph;
+    cb_seq_t *seq;             /* borrowed for the call */
+    const int32_t *prefix, *suffix; /* [n_prefix], [n_suffix] borrowed for the call */
+    int n_prefix, n_suffix;
+    cb_blend_chunk_t *chunks;  /* [cap_chunks] a copy of the caller's list (the tokens stay borrowed) */
+    cb_kvstore_chunk_t *rs;    /* [cap_chunks] the chunks resolved in this attempt */
+    uint8_t *force;            /* [cap_chunks] 1: the chunk's file failed mid-stream; compute it */
+    int n_chunks, cap_chunks;
+    cb_blend_opts_t opts;
+    float *logits;             /* [n_vocab] borrowed, or NULL */
+    int N, n_need;             /* prompt rows; chunks the mode reads from the store (the first n_need) */
+    int attempt, c_next;       /* restarts so far; the next chunk to resolve */
+    bool ctx_ok;               /* the store's context is set for this attempt */
+    run_t R, P;                /* the main pass; metric a's probe pass */
+    run_t *cur;                /* the pass running (&R or &P), NULL before the first */
+    int n_probe;               /* probe: the suffix rows it computes */
+    bool moved;                /* probe: they were moved up to follow the chunks */
+    cb_blend_stats_t st;
+} job_t;
 
 struct cb_blend {
     cb_kvstore_t *store;       /* borrowed */
@@ -106,6 +135,11 @@ struct cb_blend {
     pthread_cond_t cv;
     int ld_ready;              /* layers the loader has finished */
     int ld_stop, ld_failed;
+    run_t *ld_run;             /* the pass it loads for */
+    pthread_t ld_th;
+    bool ld_on;                /* the loader thread is running (joined by run_stop_loader) */
+
+    job_t job;                 /* the call in progress */
 };
 
 /* ---------------------------------------------------------------- options */
@@ -253,7 +287,11 @@ static void release_srcs(cb_blend_t *b) {
 void cb_blend_destroy(cb_blend_t **self_p) {
     if (!self_p || !*self_p) return;
     cb_blend_t *b = *self_p;
+    cb_blend_cancel(b);
     release_srcs(b);
+    free(b->job.chunks);
+    free(b->job.rs);
+    free(b->job.force);
     free(b->srcs);
     free(b->info);
     cb_engine_free(b->e, b->x);
@@ -381,15 +419,9 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
     return 0;
 }
 
-typedef struct {
-    cb_blend_t *b;
-    run_t *R;
-} loader_arg_t;
-
 static void *loader_main(void *arg) {
-    loader_arg_t *a = arg;
-    cb_blend_t *b = a->b;
-    run_t *R = a->R;
+    cb_blend_t *b = arg;
+    run_t *R = b->ld_run;
     for (int l = 0; l < b->L; l++) {
         pthread_mutex_lock(&b->mu);
         int stop = b->ld_stop;
@@ -519,13 +551,12 @@ static void layer_attn_rows(cb_blend_t *b, const run_t *R, int l, int a0, int n_
     }
 }
 
-/* Runs the rows b->tok/cls/src_of [R->n] (sources in b->srcs) in b->seq (reserved for [0, R->n)). Returns
- * 0, 1 when a streamed layer failed its checksum (R->fail_src), or -1 on an error (err). On return
- * *n_act_out = active rows at the last layer (b->act). */
-static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t errlen) {
-    const int L = b->L, E = b->E, QD = b->QD, MR = b->max_rows;
-    const int CL = R->compute_layers > 0 ? R->compute_layers : L; /* layers that compute */
-    assert(CL <= L && (CL == L || !R->logits));
+/* Begins a pass over the rows b->tok/cls/src_of [R->n] (sources in b->srcs) in b->seq (reserved for
+ * [0, R->n)): the active rows (b->act) and their embeddings (b->x), and the loader thread that places the
+ * cached rows layer by layer ahead of the compute (it keeps going between the caller's slices). 0, or -1
+ * with err. */
+static int run_begin(cb_blend_t *b, run_t *R, char *err, size_t errlen) {
+    const int E = b->E, MR = b->max_rows;
     int n_act = 0;
     for (int r = 0; r < R->n; r++)
         if (b->cls[r] != CB_ROW_LOADED) b->act[n_act++] = r;
@@ -533,6 +564,8 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
         cb_set_err(err, errlen, "blend: the last row must be computed");
         return -1;
     }
+    R->n_act = n_act;
+    R->l_next = 0;
     R->fail_src = -1;
     R->t_load = R->t_wait = R->t_compute = R->t_select = 0.0;
     double t0 = cb_now_ms();
@@ -542,69 +575,72 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
         cb_engine_embed(b->e, b->ub_tok, n, b->x + (size_t)i0 * E);
     }
     R->t_compute += cb_now_ms() - t0;
-
-    bool any_src = b->n_srcs > 0 && !R->preloaded;
-    bool threaded = R->overlap && any_src;
-    pthread_t th;
-    loader_arg_t la = {b, R};
+    R->any_src = b->n_srcs > 0 && !R->preloaded;
     b->ld_ready = 0;
     b->ld_stop = 0;
     b->ld_failed = 0;
-    if (threaded && pthread_create(&th, NULL, loader_main, &la) != 0) threaded = false;
+    b->ld_run = R;
+    b->ld_on = R->overlap && R->any_src && pthread_create(&b->ld_th, NULL, loader_main, b) == 0;
+    return 0;
+}
 
-    int rc = 0;
-    for (int l = 0; l < L; l++) {
-        /* 1. cached K/V of layer l in place */
-        if (any_src && (rc = await_layer(b, R, l, threaded)) != 0) break;
-        if (l >= CL) continue;
-        double tc = cb_now_ms(), t_sel = 0.0;
-        const bool meas = measuring(R, l);
-        /* 2. QKV of every active row; K/V into the sequence before any attention of the layer */
-        if (layer_qkv_rows(b, R, l, n_act, meas, &t_sel)) {
-            rc = -1;
-            break;
-        }
-        /* 3. selection */
-        if (meas) {
-            double ts = cb_now_ms();
-            n_act = select_rows(b, n_act, target_at(R, l));
-            t_sel += cb_now_ms() - ts;
-            if (n_act < 0) {
-                rc = -1;
-                break;
-            }
-        }
-        /* 4. the probe's attention mass; attention + MLP of the active rows; at the last layer only the last
-         * row matters (its residual feeds the logits) */
-        if (R->probe_rows > 0) {
-            int np = R->probe_rows < n_act ? R->probe_rows : n_act;
-            for (int j = 0; j < np; j++) b->ub_lim[j] = b->act[n_act - np + j] + 1;
-            if (cb_engine_attn_mass(b->e, b->seq, l, b->q + (size_t)(n_act - np) * QD, np, b->ub_lim, b->mass)) {
-                rc = -1;
-                break;
-            }
-        }
-        int a0 = 0;
-        if (l == CL - 1) a0 = R->logits ? n_act - 1 : n_act;
-        layer_attn_rows(b, R, l, a0, n_act);
-        R->t_select += t_sel;
-        R->t_compute += cb_now_ms() - tc - t_sel;
+/* Stops and joins the loader thread, if one runs. */
+static void run_stop_loader(cb_blend_t *b) {
+    if (!b->ld_on) return;
+    pthread_mutex_lock(&b->mu);
+    b->ld_stop = 1;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    pthread_join(b->ld_th, NULL);
+    b->ld_on = false;
+}
+
+/* Layer R->l_next of a begun pass: wait for its cached rows; QKV of the active rows, K/V into the sequence
+ * before any attention of the layer; on a measuring layer the selection; the probe's attention mass;
+ * attention + MLP (at the last computing layer only the last row, whose residual feeds the logits). 0, 1
+ * (a streamed layer failed its checksum: R->fail_*), or -1 (backend). */
+static int run_layer(cb_blend_t *b, run_t *R) {
+    const int QD = b->QD;
+    const int CL = R->compute_layers > 0 ? R->compute_layers : b->L; /* layers that compute */
+    assert(CL <= b->L && (CL == b->L || !R->logits));
+    const int l = R->l_next++;
+    int n_act = R->n_act, rc;
+    if (R->any_src && (rc = await_layer(b, R, l, b->ld_on)) != 0) return rc;
+    if (l >= CL) return 0;
+    double tc = cb_now_ms(), t_sel = 0.0;
+    const bool meas = measuring(R, l);
+    if (layer_qkv_rows(b, R, l, n_act, meas, &t_sel)) return -1;
+    if (meas) {
+        double ts = cb_now_ms();
+        n_act = select_rows(b, n_act, target_at(R, l));
+        t_sel += cb_now_ms() - ts;
+        if (n_act < 0) return -1;
+        R->n_act = n_act;
     }
-    if (threaded) {
-        pthread_mutex_lock(&b->mu);
-        b->ld_stop = 1;
-        pthread_cond_broadcast(&b->cv);
-        pthread_mutex_unlock(&b->mu);
-        pthread_join(th, NULL);
+    if (R->probe_rows > 0) {
+        int np = R->probe_rows < n_act ? R->probe_rows : n_act;
+        for (int j = 0; j < np; j++) b->ub_lim[j] = b->act[n_act - np + j] + 1;
+        if (cb_engine_attn_mass(b->e, b->seq, l, b->q + (size_t)(n_act - np) * QD, np, b->ub_lim, b->mass)) return -1;
     }
+    int a0 = 0;
+    if (l == CL - 1) a0 = R->logits ? n_act - 1 : n_act;
+    layer_attn_rows(b, R, l, a0, n_act);
+    R->t_select += t_sel;
+    R->t_compute += cb_now_ms() - tc - t_sel;
+    return 0;
+}
+
+/* Ends a pass whose layers returned rc: the loader joined; on success the last row's logits. Returns rc
+ * (-1 with err). */
+static int run_end(cb_blend_t *b, run_t *R, int rc, char *err, size_t errlen) {
+    run_stop_loader(b);
     if (rc < 0) cb_set_err(err, errlen, "blend: the backend failed");
     if (rc) return rc;
     if (R->logits) {
         double tl = cb_now_ms();
-        cb_engine_logits(b->e, b->x + (size_t)(n_act - 1) * E, R->logits);
+        cb_engine_logits(b->e, b->x + (size_t)(R->n_act - 1) * b->E, R->logits);
         R->t_compute += cb_now_ms() - tl;
     }
-    *n_act_out = n_act;
     return 0;
 }
 
@@ -613,11 +649,10 @@ static int run_layers(cb_blend_t *b, run_t *R, int *n_act_out, char *err, size_t
  * rows and layers); the `target` most attended candidates then become COMPUTED (recomputed at every
  * layer) and the others LOADED at every layer: no check layer, so R->blend is cleared. The probe leaves
  * every cached row's K/V in the sequence, so the main pass loads nothing (R->preloaded). No probe when
- * the target is 0 or every candidate. Returns run_layers' code (1: a streamed layer failed; R->fail_*
- * set). */
-static int choose_by_attention(cb_blend_t *b, run_t *R, int N, const int32_t *suffix, int n_suffix,
-                               const cb_blend_opts_t *opts, cb_blend_stats_t *st,
-                               char *err, size_t errlen) {
+ * the target is 0 or every candidate. This sets the probe up (J->P); 1 when it is to run, 0 when not. */
+static int probe_setup(cb_blend_t *b, job_t *J) {
+    run_t *R = &J->R;
+    const int N = J->N;
     const int target = target_at(R, R->check_layer);
     R->blend = false;
     if (target <= 0 || target >= R->n_cand_total) {
@@ -638,40 +673,36 @@ static int choose_by_attention(cb_blend_t *b, run_t *R, int N, const int32_t *su
     for (int i = 0; i < b->n_srcs; i++) b->srcs[i].n_cand = 0;
     /* a short probe runs only the last probe_suffix suffix rows, moved to the rows right after the chunks
      * (their positions shift down by the rows left out; the main pass recomputes the whole suffix) */
-    const int s0 = N - n_suffix;
-    const int n_probe = opts->probe_suffix > 0 && opts->probe_suffix < n_suffix ? opts->probe_suffix : n_suffix;
-    const bool moved = n_probe < n_suffix;
-    run_t P = *R;
-    P.n = s0 + n_probe;
-    P.logits = NULL;
-    P.probe_rows = n_probe < CB_BLEND_PROBE_ROWS ? n_probe : CB_BLEND_PROBE_ROWS;
-    if (opts->probe_layers > 0) P.compute_layers = opts->probe_layers;
-    if (moved) memmove(b->tok + s0, b->tok + N - n_probe, sizeof(int32_t) * (size_t)n_probe);
+    const int s0 = N - J->n_suffix, ps = J->opts.probe_suffix;
+    J->n_probe = ps > 0 && ps < J->n_suffix ? ps : J->n_suffix;
+    J->moved = J->n_probe < J->n_suffix;
+    run_t *P = &J->P;
+    *P = *R;
+    P->n = s0 + J->n_probe;
+    P->logits = NULL;
+    P->probe_rows = J->n_probe < CB_BLEND_PROBE_ROWS ? J->n_probe : CB_BLEND_PROBE_ROWS;
+    if (J->opts.probe_layers > 0) P->compute_layers = J->opts.probe_layers;
+    if (J->moved) memmove(b->tok + s0, b->tok + N - J->n_probe, sizeof(int32_t) * (size_t)J->n_probe);
     memset(b->mass, 0, sizeof(float) * (size_t)N);
-    double tp = cb_now_ms();
-    int n_act = 0, rc = run_layers(b, &P, &n_act, err, errlen);
-    if (moved) memcpy(b->tok + s0, suffix, sizeof(int32_t) * (size_t)n_probe); /* the rows the move overwrote */
-    st->t_probe_ms += cb_now_ms() - tp;
-    st->t_load_ms += P.t_load;
-    st->t_load_wait_ms += P.t_wait;
-    st->t_compute_ms += P.t_compute;
-    if (rc) {
-        R->fail_src = P.fail_src;
-        R->fail_why = P.fail_why;
-        return rc;
-    }
+    return 1;
+}
+
+/* After a successful probe pass: the most attended candidates COMPUTED, the rest LOADED; the main pass
+ * only overwrites its computed rows (the probe placed every cached row of every layer and verified the
+ * files). 0, or -1 with err. */
+static int probe_finish(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
+    run_t *R = &J->R;
+    const int N = J->N;
     int m = 0;
     for (int i = 0; i < N; i++) {
         if (b->keep[i] == 1) b->order[m++] = i;
         if (b->keep[i] == 2) b->cls[i] = CB_ROW_COMPUTED, b->srcs[b->src_of[i]].n_loaded--;
     }
     for (int i = 0; i < m; i++) b->dev[i] = b->mass[b->order[i]];
-    if (select_by_mass(b, m, target)) {
+    if (select_by_mass(b, m, target_at(R, R->check_layer))) {
         cb_set_err(err, errlen, "blend: the backend failed (top-k)");
         return -1;
     }
-    /* the probe placed every cached row of every layer in the sequence and verified the files: the main
-     * pass only overwrites its computed rows */
     R->preloaded = true;
     return 0;
 }
@@ -800,145 +831,273 @@ static int prepare_seq(cb_blend_t *b, cb_seq_t *seq, cb_blend_mode_t mode, int n
     return rc;
 }
 
-int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int n_prefix,
-                     const cb_blend_chunk_t *chunks, int n_chunks, const int32_t *suffix, int n_suffix,
-                     const cb_blend_opts_t *opts, float *logits, cb_blend_stats_t *stats, char *err, size_t errlen) {
-    double t_start = cb_now_ms();
+
+/* ---------------------------------------------------------------- a call in slices */
+
+static void add_pass_times(cb_blend_stats_t *st, const run_t *R) {
+    st->t_load_ms += R->t_load;
+    st->t_load_wait_ms += R->t_wait;
+    st->t_compute_ms += R->t_compute;
+    st->t_select_ms += R->t_select;
+}
+
+/* Ends the call: the loader joined, the chunks and sources released; on failure the sequence cleared. */
+static void job_end(cb_blend_t *b, bool ok) {
+    job_t *J = &b->job;
+    run_stop_loader(b);
+    if (!ok) cb_seq_clear(J->seq);
+    for (int c = 0; c < J->n_chunks; c++) cb_kvstore_chunk_release(&J->rs[c]);
+    release_srcs(b);
+    b->seq = NULL;
+    J->seq = NULL;
+    J->cur = NULL;
+    J->ph = PH_IDLE;
+}
+
+/* Grows the per-chunk arrays to n chunks. 0, or -1 (out of memory; nothing lost). */
+static int job_reserve(cb_blend_t *b, int n) {
+    job_t *J = &b->job;
+    if (n <= J->cap_chunks && n <= b->cap_info) return 0;
+    cb_blend_chunk_t *c = realloc(J->chunks, sizeof *c * (size_t)n);
+    if (c) J->chunks = c;
+    cb_kvstore_chunk_t *rs = realloc(J->rs, sizeof *rs * (size_t)n);
+    if (rs) J->rs = rs;
+    uint8_t *f = realloc(J->force, (size_t)n);
+    if (f) J->force = f;
+    cb_blend_chunk_info_t *in = realloc(b->info, sizeof *in * (size_t)n);
+    if (in) b->info = in;
+    if (!c || !rs || !f || !in) return -1;
+    J->cap_chunks = b->cap_info = n;
+    return 0;
+}
+
+int cb_blend_start(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int n_prefix,
+                   const cb_blend_chunk_t *chunks, int n_chunks, const int32_t *suffix, int n_suffix,
+                   const cb_blend_opts_t *opts, float *logits, char *err, size_t errlen) {
+    double t0 = cb_now_ms();
     cb_blend_t *b = self;
     if (!b || !seq) return CB_ENGINE_EINVAL;
+    job_t *J = &b->job;
+    if (J->ph != PH_IDLE) {
+        cb_set_err(err, errlen, "blend: a call is in progress");
+        return CB_ENGINE_EINVAL;
+    }
     cb_blend_opts_t def;
     if (!opts) {
         cb_blend_opts_default(&def);
         opts = &def;
     }
-    const long long NN = check_request(b, prefix, n_prefix, chunks, n_chunks, suffix, n_suffix, opts, err, errlen);
-    if (NN < 0) return CB_ENGINE_EINVAL;
-    const int N = (int)NN;
-    const cb_blend_mode_t mode = opts->mode;
-    /* which chunks need their KV */
-    int n_need = mode == CB_BLEND_FULL ? 0 : mode == CB_BLEND_PREFIX ? (n_chunks > 0 ? 1 : 0) : n_chunks;
-    cb_kvstore_chunk_t *rs = calloc((size_t)(n_chunks > 0 ? n_chunks : 1), sizeof *rs);
-    uint8_t *force = calloc((size_t)(n_chunks > 0 ? n_chunks : 1), 1);
-    if (n_chunks > b->cap_info) {
-        cb_blend_chunk_info_t *p = realloc(b->info, sizeof *p * (size_t)n_chunks);
-        if (p) b->info = p, b->cap_info = n_chunks;
-    }
-    if (!rs || !force || n_chunks > b->cap_info) {
-        free(rs);
-        free(force);
+    const long long N = check_request(b, prefix, n_prefix, chunks, n_chunks, suffix, n_suffix, opts, err, errlen);
+    if (N < 0) return CB_ENGINE_EINVAL;
+    if (job_reserve(b, n_chunks > 0 ? n_chunks : 1)) {
         cb_set_err(err, errlen, "blend: out of memory");
         return -1;
     }
-    if (n_chunks > 0) memset(b->info, 0, sizeof *b->info * (size_t)n_chunks);
-    cb_blend_stats_t st;
-    memset(&st, 0, sizeof st);
-    st.n_tokens = N;
-    int ret = -1, n_act = 0;
+    if (n_chunks > 0) {
+        memcpy(J->chunks, chunks, sizeof *chunks * (size_t)n_chunks);
+        memset(J->rs, 0, sizeof *J->rs * (size_t)n_chunks);
+        memset(J->force, 0, (size_t)n_chunks);
+        memset(b->info, 0, sizeof *b->info * (size_t)n_chunks);
+    }
+    J->seq = seq;
+    J->prefix = prefix;
+    J->n_prefix = n_prefix;
+    J->suffix = suffix;
+    J->n_suffix = n_suffix;
+    J->n_chunks = n_chunks;
+    J->opts = *opts;
+    J->logits = logits;
+    J->N = (int)N;
+    J->n_need = opts->mode == CB_BLEND_FULL ? 0 : opts->mode == CB_BLEND_PREFIX ? (n_chunks > 0 ? 1 : 0) : n_chunks;
+    J->attempt = 0;
+    J->c_next = 0;
+    J->ctx_ok = false;
+    J->cur = NULL;
+    memset(&J->st, 0, sizeof J->st);
+    J->st.n_tokens = (int)N;
     b->seq = seq;
-    run_t R;
-    for (int attempt = 0;; attempt++) {
-        double tr = cb_now_ms();
-        /* 1. the context's KV (exact) and the chunk sources */
-        if (mode != CB_BLEND_FULL) {
-            int rc = cb_kvstore_set_context(b->store, prefix, n_prefix, err, errlen);
-            if (rc) {
-                ret = rc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
-                goto out;
+    J->ph = PH_RESOLVE;
+    J->st.t_total_ms = cb_now_ms() - t0;
+    return CB_ENGINE_OK;
+}
+
+bool cb_blend_busy(const cb_blend_t *self) { return self && self->job.ph != PH_IDLE; }
+
+void cb_blend_cancel(cb_blend_t *self) {
+    if (cb_blend_busy(self)) job_end(self, false);
+}
+
+/* Resolve phase, one unit: the store's context (first in an attempt), then chunk J->c_next. The cost in
+ * row-layers of what it computed; < 0 on failure (CB_ENGINE_EPOOL, or -1 with err). */
+static long long resolve_unit(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
+    if (!J->ctx_ok) {
+        J->ctx_ok = true;
+        if (J->opts.mode == CB_BLEND_FULL) return 0;
+        int rc = cb_kvstore_set_context(b->store, J->prefix, J->n_prefix, err, errlen);
+        return rc == CB_ENGINE_OK ? 0 : rc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
+    }
+    const int c = J->c_next++;
+    const cb_blend_chunk_t *ch = &J->chunks[c];
+    cb_kvstore_chunk_t *rs = &J->rs[c];
+    cb_kvstore_chunk_release(rs);
+    int rrc = cb_kvstore_resolve(b->store, ch->tokens, ch->n, J->force[c], rs, err, errlen);
+    if (rrc) return rrc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
+    cb_blend_chunk_info_t *in = &b->info[c];
+    memcpy(in->key, rs->key, 32);
+    if (rs->src == CB_KVSTORE_COMPUTED && in->src != CB_KVSTORE_COMPUTED) { /* first computed now */
+        in->src = CB_KVSTORE_COMPUTED;
+        if (!J->force[c]) in->why = rs->why; /* a forced one keeps the failure that forced it */
+    } else if (in->src != CB_KVSTORE_COMPUTED) {
+        in->src = rs->src;
+    }
+    return rs->src == CB_KVSTORE_COMPUTED ? (long long)ch->n * b->L : 0;
+}
+
+/* Every chunk resolved: rows, classes, sources, the sequence's blocks, and the first pass begun (metric
+ * a's probe, or the main pass). 0, CB_ENGINE_EPOOL, or -1 with err. */
+static int begin_passes(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
+    const cb_blend_opts_t *o = &J->opts;
+    const int N = J->N;
+    int n_cand_total = build_rows(b, o->mode, J->prefix, J->n_prefix, J->chunks, J->n_chunks, J->n_need, J->rs,
+                                  J->suffix, J->n_suffix, o->lead_tokens);
+    if (n_cand_total < 0) {
+        cb_set_err(err, errlen, "blend: out of memory");
+        return -1;
+    }
+    int prc = prepare_seq(b, J->seq, o->mode, J->n_prefix, N, err, errlen);
+    if (prc) return prc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
+    J->st.n_candidates = n_cand_total;
+    J->st.n_forced = 0;
+    for (int i = 0; i < N; i++) J->st.n_forced += b->cls[i] == CB_ROW_COMPUTED;
+    run_t *R = &J->R;
+    run_init(R, N);
+    R->blend = o->mode == CB_BLEND_BLEND && n_cand_total > 0;
+    R->check_layer = o->check_layer;
+    R->ratio = o->ratio;
+    R->start_ratio = o->gradual_ratio != 0.0f ? o->gradual_ratio : o->ratio;
+    R->grad_end = o->gradual_ratio != 0.0f ? o->gradual_end_layer : o->check_layer;
+    R->metric = o->metric;
+    R->overlap = !o->no_overlap;
+    R->n_cand_total = n_cand_total;
+    R->logits = J->logits;
+    R->hook = o->attn_hook;
+    R->hook_ud = o->attn_hook_ud;
+    J->cur = R->blend && o->metric == 'a' && probe_setup(b, J) ? &J->P : R;
+    J->ph = J->cur == &J->P ? PH_PROBE : PH_MAIN;
+    return run_begin(b, J->cur, err, errlen);
+}
+
+/* A streamed layer failed its checksum in the pass that just ended: that chunk is a miss; it is computed
+ * and stored, and the call starts over. 0, or -1 with err (the same source failed twice). */
+static int restart(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
+    const src_t *fs = &b->srcs[J->cur->fail_src];
+    CB_WARN("blend: chunk %d: KV file miss during the prefill (%s); recomputing", fs->chunk,
+            cb_kv_miss_str(J->cur->fail_why));
+    if (J->force[fs->chunk] || J->attempt > J->n_chunks) {
+        cb_set_err(err, errlen, "blend: internal error (source %d failed twice)", J->cur->fail_src);
+        return -1;
+    }
+    J->force[fs->chunk] = 1;
+    b->info[fs->chunk].why = J->cur->fail_why;
+    J->st.restarts++;
+    release_srcs(b);
+    J->attempt++;
+    J->c_next = 0;
+    J->ctx_ok = false;
+    J->cur = NULL;
+    J->ph = PH_RESOLVE;
+    return 0;
+}
+
+/* The main pass ended well: chunks streamed from files join the memory tier; the stats. */
+static void finish(cb_blend_t *b, job_t *J, cb_blend_stats_t *stats) {
+    cb_blend_stats_t *st = &J->st;
+    for (int i = 0; i < b->n_srcs; i++)
+        if (b->srcs[i].fill) cb_kvstore_remember(b->store, b->srcs[i].key, b->srcs[i].fill);
+    st->n_chunks_read = J->n_need;
+    st->chunks = b->info;
+    for (int c = 0; c < J->n_need; c++) {
+        if (b->info[c].src == CB_KVSTORE_MEM) st->chunks_mem++;
+        else if (b->info[c].src == CB_KVSTORE_FILE) st->chunks_file++;
+        else st->chunks_computed++;
+    }
+    st->tokens_recomputed = J->R.n_act;
+    st->tokens_reused = J->N - J->R.n_act;
+    st->selected = b->act;
+    if (stats) *stats = *st;
+}
+
+int cb_blend_step(cb_blend_t *self, int budget_tokens, cb_blend_stats_t *stats, char *err, size_t errlen) {
+    cb_blend_t *b = self;
+    if (!cb_blend_busy(b)) {
+        cb_set_err(err, errlen, "blend: no call in progress");
+        return CB_ENGINE_EINVAL;
+    }
+    job_t *J = &b->job;
+    const double t0 = cb_now_ms();
+    const long long limit = budget_tokens > 0 ? (long long)budget_tokens * b->L : LLONG_MAX;
+    long long cost = 0;
+    int ret = CB_BLEND_MORE;
+    J->st.n_slices++;
+    while (cost < limit) {
+        const double tu = cb_now_ms();
+        const phase_t ph = J->ph;
+        if (ph == PH_RESOLVE) {
+            long long c = J->ctx_ok && J->c_next >= J->n_need ? 0 : resolve_unit(b, J, err, errlen);
+            if (c >= 0 && J->ctx_ok && J->c_next >= J->n_need) c = begin_passes(b, J, err, errlen);
+            J->st.t_resolve_ms += cb_now_ms() - tu;
+            if (c < 0) {
+                ret = (int)c;
+                break;
             }
-        }
-        for (int c = 0; c < n_need; c++) {
-            cb_kvstore_chunk_release(&rs[c]);
-            int rrc = cb_kvstore_resolve(b->store, chunks[c].tokens, chunks[c].n, force[c], &rs[c], err, errlen);
-            if (rrc) {
-                ret = rrc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
-                goto out;
-            }
-            cb_blend_chunk_info_t *in = &b->info[c];
-            memcpy(in->key, rs[c].key, 32);
-            if (rs[c].src == CB_KVSTORE_COMPUTED && in->src != CB_KVSTORE_COMPUTED) { /* first computed now */
-                in->src = CB_KVSTORE_COMPUTED;
-                if (!force[c]) in->why = rs[c].why; /* a forced one keeps the failure that forced it */
-            } else if (in->src != CB_KVSTORE_COMPUTED) {
-                in->src = rs[c].src;
-            }
-        }
-        st.t_resolve_ms += cb_now_ms() - tr;
-        /* 2. rows, classes, sources; the sequence's blocks */
-        int n_cand_total = build_rows(b, mode, prefix, n_prefix, chunks, n_chunks, n_need, rs, suffix, n_suffix,
-                                      opts->lead_tokens);
-        if (n_cand_total < 0) {
-            cb_set_err(err, errlen, "blend: out of memory");
-            goto out;
-        }
-        int prc = prepare_seq(b, seq, mode, n_prefix, N, err, errlen);
-        if (prc) {
-            ret = prc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
-            goto out;
-        }
-        st.n_candidates = n_cand_total;
-        st.n_forced = 0;
-        for (int i = 0; i < N; i++) st.n_forced += b->cls[i] == CB_ROW_COMPUTED;
-        /* 3. run */
-        run_init(&R, N);
-        R.blend = mode == CB_BLEND_BLEND && n_cand_total > 0;
-        R.check_layer = opts->check_layer;
-        R.ratio = opts->ratio;
-        R.start_ratio = opts->gradual_ratio != 0.0f ? opts->gradual_ratio : opts->ratio;
-        R.grad_end = opts->gradual_ratio != 0.0f ? opts->gradual_end_layer : opts->check_layer;
-        R.metric = opts->metric;
-        R.overlap = !opts->no_overlap;
-        R.n_cand_total = n_cand_total;
-        R.logits = logits;
-        R.hook = opts->attn_hook;
-        R.hook_ud = opts->attn_hook_ud;
-        int rc = 0;
-        if (R.blend && opts->metric == 'a')
-            rc = choose_by_attention(b, &R, N, suffix, n_suffix, opts, &st, err, errlen);
-        if (rc == 0) rc = run_layers(b, &R, &n_act, err, errlen);
-        st.t_load_ms += R.t_load;
-        st.t_load_wait_ms += R.t_wait;
-        st.t_compute_ms += R.t_compute;
-        st.t_select_ms += R.t_select;
-        if (rc < 0) goto out;
-        if (rc > 0) {
-            /* a streamed layer failed its checksum: that chunk is a miss; recompute, store, start over */
-            const src_t *fs = &b->srcs[R.fail_src];
-            CB_WARN("blend: chunk %d: KV file miss during the prefill (%s); recomputing", fs->chunk,
-                    cb_kv_miss_str(R.fail_why));
-            if (force[fs->chunk] || attempt > n_chunks) {
-                cb_set_err(err, errlen, "blend: internal error (source %d failed twice)", R.fail_src);
-                goto out;
-            }
-            force[fs->chunk] = 1;
-            b->info[fs->chunk].why = R.fail_why;
-            st.restarts++;
-            release_srcs(b);
+            cost += c;
             continue;
         }
-        /* chunks streamed from files join the memory tier */
-        for (int i = 0; i < b->n_srcs; i++)
-            if (b->srcs[i].fill) cb_kvstore_remember(b->store, b->srcs[i].key, b->srcs[i].fill);
+        run_t *R = J->cur;
+        const int n_act = R->n_act;
+        int rc = run_layer(b, R);
+        cost += n_act > 0 ? n_act : 1;
+        if (ph == PH_PROBE) J->st.t_probe_ms += cb_now_ms() - tu;
+        if (rc == 0 && R->l_next < b->L) continue;
+        rc = run_end(b, R, rc, err, errlen);
+        add_pass_times(&J->st, R);
+        if (ph == PH_PROBE && J->moved) /* the rows the move overwrote */
+            memcpy(b->tok + (J->N - J->n_suffix), J->suffix, sizeof(int32_t) * (size_t)J->n_probe);
+        if (rc < 0) {
+            ret = -1;
+            break;
+        }
+        if (rc > 0) {
+            if (restart(b, J, err, errlen)) {
+                ret = -1;
+                break;
+            }
+            continue;
+        }
+        if (ph == PH_PROBE) {
+            if (probe_finish(b, J, err, errlen) || run_begin(b, &J->R, err, errlen)) {
+                ret = -1;
+                break;
+            }
+            J->cur = &J->R;
+            J->ph = PH_MAIN;
+            continue;
+        }
         ret = CB_ENGINE_OK;
         break;
     }
-    st.n_chunks_read = n_need;
-    st.chunks = b->info;
-    for (int c = 0; c < n_need; c++) {
-        if (b->info[c].src == CB_KVSTORE_MEM) st.chunks_mem++;
-        else if (b->info[c].src == CB_KVSTORE_FILE) st.chunks_file++;
-        else st.chunks_computed++;
-    }
-    st.tokens_recomputed = n_act;
-    st.tokens_reused = N - n_act;
-    st.selected = b->act;
-    st.t_total_ms = cb_now_ms() - t_start;
-    if (stats) *stats = st;
-out:
-    if (ret != CB_ENGINE_OK) cb_seq_clear(seq);
-    for (int c = 0; c < n_chunks; c++) cb_kvstore_chunk_release(&rs[c]);
-    release_srcs(b);
-    b->seq = NULL;
-    free(rs);
-    free(force);
+    J->st.t_total_ms += cb_now_ms() - t0;
+    if (ret == CB_ENGINE_OK) finish(b, J, stats);
+    if (ret != CB_BLEND_MORE) job_end(b, ret == CB_ENGINE_OK);
     return ret;
+}
+
+int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int n_prefix,
+                     const cb_blend_chunk_t *chunks, int n_chunks, const int32_t *suffix, int n_suffix,
+                     const cb_blend_opts_t *opts, float *logits, cb_blend_stats_t *stats, char *err, size_t errlen) {
+    int rc = cb_blend_start(self, seq, prefix, n_prefix, chunks, n_chunks, suffix, n_suffix, opts, logits, err, errlen);
+    if (rc != CB_ENGINE_OK) return rc;
+    do rc = cb_blend_step(self, 0, stats, err, errlen); /* one slice: the whole call */
+    while (rc == CB_BLEND_MORE);
+    return rc;
 }

@@ -56,7 +56,8 @@
  * P, stored and then used. Chunks streamed from files join the memory tier after the prefill.
  *
  * Ownership: the store (and through it the engine) is borrowed and must outlive the blend object; the
- * sequence of a call is borrowed for the call. One blend object per store, used by one thread at a time.
+ * sequence of a call is borrowed for the call. One blend object per store, used by one thread at a time,
+ * one call at a time (the service runs one blend at a time, in slices, beside the decode of the others).
  * Memory: about (n_embd + n_head*head_dim) * 4 + 30 bytes per max_ctx position of activations, plus 4 bytes
  * per position of attention mass for metric a's probe; the KV is in the engine's pool.
  */
@@ -142,7 +143,8 @@ typedef struct {
     int chunks_file;            /* ... streamed from a KV file */
     int chunks_computed;        /* ... computed now (misses), then stored; the three add up to n_chunks_read */
     int restarts;               /* prefills restarted after a payload checksum failure */
-    double t_total_ms;          /* the whole call */
+    int n_slices;               /* cb_blend_step calls it took (1 for cb_blend_prefill) */
+    double t_total_ms;          /* the call's work: its start and every slice (not the time between slices) */
     double t_resolve_ms;        /* chunk lookups (memory tier, file opens) and miss computation */
     double t_load_ms;           /* loader work (decode, rotate, place into the sequence), on whichever thread */
     double t_load_wait_ms;      /* compute thread blocked on the loader (= t_load_ms when serial) */
@@ -178,4 +180,25 @@ cb_kvstore_t *cb_blend_store(const cb_blend_t *self);
 int cb_blend_prefill(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int n_prefix,
                      const cb_blend_chunk_t *chunks, int n_chunks, const int32_t *suffix, int n_suffix,
                      const cb_blend_opts_t *opts, float *logits, cb_blend_stats_t *stats, char *err, size_t errlen);
+/* The same call in slices, so that a caller can run other work (the decode steps of other sequences)
+ * between them: cb_blend_start validates the request (CB_ENGINE_EINVAL, nothing started) and takes the
+ * call's arguments, which stay borrowed until the call ends (the chunk list itself is copied); then each
+ * cb_blend_step runs the call's next units of work until about budget_tokens tokens' worth of prefill
+ * compute is done (a unit is one layer of a pass over its active rows, or the lookup of one chunk; a
+ * chunk that must be computed costs its tokens; budget_tokens <= 0: to the end). It returns CB_BLEND_MORE
+ * while work is left, CB_ENGINE_OK when the call ended well (logits and stats written, as
+ * cb_blend_prefill), or cb_blend_prefill's failures (the call ended, the sequence cleared). Between slices
+ * the blend's loader thread may go on placing cached rows into seq (only seq's own reserved blocks), so the
+ * caller may use the engine for other sequences meanwhile but must not touch seq. One call at a time per
+ * blend object: cb_blend_start while one is in progress is CB_ENGINE_EINVAL. cb_blend_prefill is
+ * cb_blend_start + one unbounded slice. */
+#define CB_BLEND_MORE 1
+int cb_blend_start(cb_blend_t *self, cb_seq_t *seq, const int32_t *prefix, int n_prefix,
+                   const cb_blend_chunk_t *chunks, int n_chunks, const int32_t *suffix, int n_suffix,
+                   const cb_blend_opts_t *opts, float *logits, char *err, size_t errlen);
+int cb_blend_step(cb_blend_t *self, int budget_tokens, cb_blend_stats_t *stats, char *err, size_t errlen);
+/* A call is in progress. */
+bool cb_blend_busy(const cb_blend_t *self);
+/* Ends the call in progress, if any (the client went away): the loader joined, the sequence cleared. */
+void cb_blend_cancel(cb_blend_t *self);
 #endif

@@ -898,6 +898,140 @@ TEST(test_pool_full) {
     free(l0), free(l1);
 }
 
+static int argmax(const float *v, int n) {
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (v[i] > v[b]) b = i;
+    return b;
+}
+
+/* The call in slices: cb_blend_start + cb_blend_step with the smallest budget (one unit of work a slice)
+ * gives the logits of cb_blend_prefill bit for bit in every mode, from KV files (the loader runs between
+ * slices) and from the memory tier; one call at a time; a cancelled call returns its blocks. */
+TEST(test_slices) {
+    SETUP();
+    const int V = g_hp->n_vocab;
+    const char *dir = make_dir();
+    CHECK(dir != NULL);
+    float *l0 = malloc(sizeof(float) * V), *l1 = malloc(sizeof(float) * V);
+    CHECK(l0 && l1);
+    for (int tier = 0; tier < 2; tier++) {
+        cb_kvmem_t *mem = tier ? cb_kvmem_new(64u << 20) : NULL;
+        fix_t f;
+        CHECK(fix_open(&f, dir, mem, CB_KV_F16) == 0);
+        CHECK(ensure_all(&f, g_k) == 0);
+        struct { cb_blend_mode_t m; char metric; } cases[] = {
+            {CB_BLEND_FULL, 'a'}, {CB_BLEND_PREFIX, 'a'}, {CB_BLEND_REUSE, 'a'}, {CB_BLEND_BLEND, 'a'},
+            {CB_BLEND_BLEND, 'v'}};
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            cb_blend_opts_t o = opts_mode(cases[c].m);
+            o.metric = cases[c].metric;
+            cb_blend_stats_t s0, s1;
+            CHECK(run(&f, g_k, &o, l0, &s0) == 0);
+            CHECK(s0.n_slices == 1);
+            char err[256] = "";
+            int rc = cb_blend_start(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, l1, err, sizeof err);
+            CHECK_MSG(rc == CB_ENGINE_OK, "%s", err);
+            CHECK(cb_blend_busy(f.b));
+            CHECK(cb_blend_start(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, l1, err, sizeof err) ==
+                  CB_ENGINE_EINVAL);
+            int slices = 0;
+            while ((rc = cb_blend_step(f.b, 1, &s1, err, sizeof err)) == CB_BLEND_MORE) slices++;
+            CHECK_MSG(rc == CB_ENGINE_OK, "%s", err);
+            CHECK(!cb_blend_busy(f.b));
+            CHECK_MSG(memcmp(l0, l1, sizeof(float) * V) == 0, "%s (metric %c): sliced logits differ by %g",
+                      cb_blend_mode_str(cases[c].m), cases[c].metric, max_diff(l0, l1, V));
+            CHECK(s1.n_slices == slices + 1 && s1.n_slices > 2);
+            CHECK(s1.tokens_recomputed == s0.tokens_recomputed && s1.chunks_computed == 0);
+        }
+        /* cancel half way: the sequence is empty and the pool as before; the next call works */
+        cb_engine_pool_stats_t p0, p1;
+        cb_seq_clear(f.seq);
+        cb_engine_pool_stats(g_eng, &p0);
+        cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
+        char err[256] = "";
+        CHECK(cb_blend_start(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, l1, err, sizeof err) == 0);
+        for (int i = 0; i < 5; i++) CHECK(cb_blend_step(f.b, 1, NULL, err, sizeof err) == CB_BLEND_MORE);
+        CHECK(cb_seq_blocks(f.seq) > 0);
+        cb_blend_cancel(f.b);
+        cb_engine_pool_stats(g_eng, &p1);
+        CHECK(!cb_blend_busy(f.b) && cb_seq_blocks(f.seq) == 0 && p1.blocks_used == p0.blocks_used);
+        CHECK(cb_blend_step(f.b, 1, NULL, err, sizeof err) == CB_ENGINE_EINVAL);
+        CHECK(run(&f, g_k, &o, l1, NULL) == 0);
+        fix_close(&f);
+        cb_kvmem_destroy(&mem);
+    }
+    free(l0);
+    free(l1);
+    rm_dir(dir);
+}
+
+/* A blend that joins a running batch: sequences decoding greedily, one cb_engine_decode_batch a step,
+ * produce the same tokens (and logits, bit for bit) when a blend runs in slices between their steps (its
+ * loader placing KV files meanwhile), and the blend gives the logits it gives alone. */
+TEST(test_blend_joins_batch) {
+    SETUP();
+    const int V = g_hp->n_vocab, NS = 3, T = TEST_SANITIZED ? 6 : 24, P0 = 20;
+    const char *dir = make_dir();
+    CHECK(dir != NULL);
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
+    cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
+    float *lb0 = malloc(sizeof(float) * V), *lb1 = malloc(sizeof(float) * V);
+    float *lg = malloc(sizeof(float) * V * NS), *ref = malloc(sizeof(float) * V * NS * T);
+    int32_t prompts[3][20], toks[3][64];
+    cb_seq_t *seqs[3];
+    CHECK(lb0 && lb1 && lg && ref);
+    for (int i = 0; i < NS; i++) {
+        for (int j = 0; j < P0; j++) prompts[i][j] = rnd_tok();
+        CHECK((seqs[i] = cb_seq_new(g_eng)) != NULL);
+    }
+    CHECK(run(&f, g_k, &o, lb0, NULL) == 0);
+    for (int pass = 0; pass < 2; pass++) {
+        int32_t tok[3], pos[3];
+        for (int i = 0; i < NS; i++) {
+            cb_seq_clear(seqs[i]);
+            CHECK(cb_engine_prefill(g_eng, seqs[i], prompts[i], P0, 0, lg + (size_t)i * V) == CB_ENGINE_OK);
+            tok[i] = argmax(lg + (size_t)i * V, V);
+            pos[i] = P0;
+        }
+        char err[256] = "";
+        int brc = CB_ENGINE_OK;
+        if (pass == 1) {
+            cb_seq_clear(f.seq);
+            CHECK(cb_blend_start(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, lb1, err, sizeof err) == 0);
+            brc = CB_BLEND_MORE;
+        }
+        for (int t = 0; t < T; t++) {
+            if (brc == CB_BLEND_MORE) brc = cb_blend_step(f.b, 1, NULL, err, sizeof err);
+            CHECK(cb_engine_decode_batch(g_eng, seqs, tok, pos, NS, lg) == CB_ENGINE_OK);
+            for (int i = 0; i < NS; i++) {
+                const float *li = lg + (size_t)i * V;
+                if (pass == 0) memcpy(ref + ((size_t)t * NS + i) * V, li, sizeof(float) * V);
+                else CHECK_MSG(memcmp(li, ref + ((size_t)t * NS + i) * V, sizeof(float) * V) == 0,
+                               "sequence %d step %d: logits changed by the blend (%g)", i, t,
+                               max_diff(li, ref + ((size_t)t * NS + i) * V, V));
+                if (pass == 0) toks[i][t] = tok[i];
+                else CHECK(toks[i][t] == tok[i]);
+                tok[i] = argmax(li, V);
+                pos[i]++;
+            }
+        }
+        while (brc == CB_BLEND_MORE) brc = cb_blend_step(f.b, 1, NULL, err, sizeof err);
+        CHECK_MSG(brc == CB_ENGINE_OK, "%s", err);
+    }
+    CHECK_MSG(memcmp(lb0, lb1, sizeof(float) * V) == 0, "the blend beside the batch differs by %g",
+              max_diff(lb0, lb1, V));
+    for (int i = 0; i < NS; i++) cb_seq_destroy(&seqs[i]);
+    fix_close(&f);
+    free(lb0);
+    free(lb1);
+    free(lg);
+    free(ref);
+    rm_dir(dir);
+}
+
 int main(void) {
     RUN(test_full_equals_engine_prefill);
     RUN(test_blend_ratio1_equals_full);
@@ -911,6 +1045,8 @@ int main(void) {
     RUN(test_bad_args);
     RUN(test_prefix_blocks_shared);
     RUN(test_pool_full);
+    RUN(test_slices);
+    RUN(test_blend_joins_batch);
     cb_engine_destroy(&g_eng);
     cb_model_destroy(&g_model);
     return test_summary();
