@@ -376,6 +376,8 @@ struct cb_bus_service_s {
     int n_routes;
     cb_bus_stats_fn *stats_fn;
     void *stats_arg;
+    cb_bus_health_fn *health_fn;
+    void *health_arg;
     cb_msg_writer_t *w;
     double t0_ms;
     uint64_t requests, errors;
@@ -475,6 +477,11 @@ int cb_bus_service_on(cb_bus_service_t *svc, const char *type, cb_bus_handler_fn
 void cb_bus_service_set_stats(cb_bus_service_t *svc, cb_bus_stats_fn *fn, void *arg) {
     svc->stats_fn = fn;
     svc->stats_arg = arg;
+}
+
+void cb_bus_service_set_health(cb_bus_service_t *svc, cb_bus_health_fn *fn, void *arg) {
+    svc->health_fn = fn;
+    svc->health_arg = arg;
 }
 
 zloop_t *cb_bus_service_loop(cb_bus_service_t *svc) { return svc->loop; }
@@ -584,6 +591,12 @@ static void s_ping(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *msg
     cb_msg_put_str(w, "version", CB_BUS_VERSION);
     cb_msg_put_int(w, "pid", getpid());
     cb_msg_put_double(w, "uptime_s", (cb_now_ms() - svc->t0_ms) / 1000.0);
+    char why[512];
+    const char *bad = svc->health_fn ? svc->health_fn(svc, w, svc->health_arg, why, sizeof why) : NULL;
+    if (bad) {
+        cb_bus_reply_error(req, CB_ERR_UNAVAILABLE, "%s", bad);
+        return;
+    }
     cb_bus_reply(req, w);
 }
 

@@ -118,6 +118,12 @@ void cb_bus_service_destroy(cb_bus_service_t **self_p);
  * may be replaced). Returns 0, or -1 when the table is full (64 types) or the type is invalid. */
 int cb_bus_service_on(cb_bus_service_t *svc, const char *type, cb_bus_handler_fn *fn, void *arg);
 void cb_bus_service_set_stats(cb_bus_service_t *svc, cb_bus_stats_fn *fn, void *arg);
+/* The service's own health, asked at every `ping`: fn may add fields to the open reply map in w and
+ * returns NULL when healthy, or a reason (written into why [whylen]), which makes the ping answer an
+ * `unavailable` error with that reason (cbctl health: DOWN). */
+typedef const char *(cb_bus_health_fn)(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, char *why,
+                                       size_t whylen);
+void cb_bus_service_set_health(cb_bus_service_t *svc, cb_bus_health_fn *fn, void *arg);
 /* The reactor, to add readers (worker pipes, a PULL socket) and timers before cb_bus_service_run. */
 zloop_t *cb_bus_service_loop(cb_bus_service_t *svc);
 /* The endpoint actually bound (e.g. with the port chosen for tcp://127.0.0.1:*). */

@@ -44,7 +44,9 @@ typedef struct {
     gen_stats_t stats;
     defaults_t def;
     int64_t max_queue;
+    int max_seqs;
     int64_t heartbeat_ms;
+    int64_t stuck_ms;          /* health: a busy step loop silent this long is stuck */
     gen_query_t *head, *tail;  /* in flight, arrival order */
     int n_inflight;
     uint64_t accepted, rejected;
@@ -243,6 +245,32 @@ static int on_heartbeat(zloop_t *loop, int timer_id, void *arg) {
     return 0;
 }
 
+/* How long the busy step loop has been silent (0 when it is idle). */
+static double step_age_ms(const blendsvc_t *b) {
+    if (!atomic_load(&b->stats.busy)) return 0.0;
+    double age = cb_now_ms() - (double)atomic_load(&b->stats.beat_ms);
+    return age > 0.0 ? age : 0.0;
+}
+
+/* Health (`ping`): the worker is up and its step loop not stuck. */
+static const char *health(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, char *why, size_t whylen) {
+    (void)svc;
+    blendsvc_t *b = arg;
+    double age = step_age_ms(b);
+    cb_msg_put_bool(w, "worker_ready", b->worker_ready);
+    cb_msg_put_double(w, "step_age_ms", age);
+    if (!b->worker_ready) {
+        snprintf(why, whylen, "the worker is not ready (loading the model)");
+        return why;
+    }
+    if (age > (double)b->stuck_ms) {
+        snprintf(why, whylen, "the step loop is stuck: no step for %.0f ms with %d queries running (blend.stuck_ms "
+                 "= %lld)", age, atomic_load(&b->stats.running), (long long)b->stuck_ms);
+        return why;
+    }
+    return NULL;
+}
+
 static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     (void)svc;
     blendsvc_t *b = arg;
@@ -268,6 +296,21 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_int(w, "pool_blocks_shared", atomic_load(&s->pool_blocks_shared));
     cb_msg_put_int(w, "pool_blocks_peak", atomic_load(&s->pool_blocks_peak));
     cb_msg_put_int(w, "pool_block_tokens", atomic_load(&s->pool_block_tokens));
+    /* the step loop (gen.h) */
+    uint64_t dsteps = atomic_load(&s->decode_steps), dtok = atomic_load(&s->decode_tokens);
+    cb_msg_put_int(w, "waiting", waiting);
+    cb_msg_put_int(w, "max_seqs", b->max_seqs);
+    cb_msg_put_uint(w, "steps", atomic_load(&s->steps));
+    cb_msg_put_uint(w, "prefill_slices", atomic_load(&s->prefill_slices));
+    cb_msg_put_double(w, "prefill_ms", (double)atomic_load(&s->prefill_us) / 1000.0);
+    cb_msg_put_uint(w, "prefill_tokens", atomic_load(&s->prefill_tokens));
+    cb_msg_put_uint(w, "decode_steps", dsteps);
+    cb_msg_put_uint(w, "decode_tokens", dtok);
+    cb_msg_put_double(w, "decode_ms", (double)atomic_load(&s->decode_us) / 1000.0);
+    cb_msg_put_double(w, "tokens_per_step", dsteps ? (double)dtok / (double)dsteps : 0.0);
+    cb_msg_put_int(w, "batch_peak", atomic_load(&s->batch_peak));
+    cb_msg_put_uint(w, "queries_preempted", atomic_load(&s->queries_preempted));
+    cb_msg_put_double(w, "step_age_ms", step_age_ms(b));
     cb_kvmem_stats_t ms;
     cb_kvmem_stats(b->mem, &ms);
     cb_msg_put_uint(w, "hot_entries", ms.entries);
@@ -281,6 +324,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves query/ping/stats (docs/protocol.md §7) on blend.endpoint. Keys: endpoint, bind, mode, ratio,\n"
                "  check_layer, metric, leading_tokens, k, max_tokens, temperature, top_p, seed, ctx_size, max_queue,\n"
+               "  max_seqs, max_batch_tokens, stuck_ms,\n"
                "  hot_cache_bytes, kv_pool_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
                "  cacheindex_timeout_ms, and common.* (data_dir, kv_dir, model, threads, ...).\n"
                "  Environment CB_BLEND_<KEY> overrides the file.\n");
@@ -296,7 +340,7 @@ int main(int argc, char **argv) {
     static gen_args_t ga;
     int rc = 1;
     const char *mode, *metric, *model, *sys, *backend;
-    int64_t ctx, threads, check, lead, hot, pool, rt, ct;
+    int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch;
     bool store;
     if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "ratio", 0.0, 1.0, 0.15, &b.def.ratio, err, sizeof err) ||
@@ -307,6 +351,9 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "seed", 0, INT64_MAX, 0, &b.def.seed, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_queue", 0, 100000, 16, &b.max_queue, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "heartbeat_ms", 50, 600000, 1000, &b.heartbeat_ms, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_seqs", 1, 256, 16, &max_seqs, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_batch_tokens", 1, 1 << 20, 512, &max_batch, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "stuck_ms", 100, 3600000, 30000, &b.stuck_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "ctx_size", 64, 1 << 20, 2048, &ctx, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, CB_BLEND_DEFAULT_CHECK_LAYER, &check, err, sizeof err) ||
@@ -346,6 +393,8 @@ int main(int argc, char **argv) {
     ga.ctx_size = (int)ctx;
     ga.kv_pool_bytes = (size_t)pool;
     ga.threads = (int)threads;
+    ga.max_seqs = b.max_seqs = (int)max_seqs;
+    ga.max_batch_tokens = (int)max_batch;
     ga.check_layer = (int)check;
     ga.metric = metric[0];
     ga.lead_tokens = (int)lead;
@@ -377,6 +426,7 @@ int main(int argc, char **argv) {
     zloop_timer(loop, (size_t)(b.heartbeat_ms < 100 ? b.heartbeat_ms : 100), 0, on_heartbeat, &b);
     cb_bus_service_on(b.svc, "query", on_query, &b);
     cb_bus_service_set_stats(b.svc, stats_extra, &b);
+    cb_bus_service_set_health(b.svc, health, &b);
     rc = cb_bus_service_run(b.svc) == 0 && !b.fatal ? 0 : 1;
 out:
     zactor_destroy(&b.worker); /* $TERM: the worker stops at the next token */

@@ -33,6 +33,55 @@ void gen_query_free(gen_query_t **q_p) {
 }
 
 typedef struct {
+    unsigned char pend[4];
+    int npend;
+} utf8_stream_t;
+
+typedef struct {
+    double queue_ms, retrieve_ms, lookup_ms, load_ms, blend_ms, decode_ms, ttft_ms;
+    int hits, misses, corrupt, n_prompt, n_gen, n_chunks;
+    cb_blend_stats_t bs;
+} qmetrics_t;
+
+typedef enum {
+    SLOT_FREE = 0,
+    SLOT_WAITING,  /* admitted, prompt built: its blend waits for its turn (or for pool blocks) */
+    SLOT_PREFILL,  /* its blend runs, a slice a step */
+    SLOT_DECODE    /* in the decode batch */
+} slot_state_t;
+
+/* One running query, from its pieces to its `done`, in a slot of the step loop. */
+typedef struct query {
+    slot_state_t state;
+    cb_seq_t *seq;                           /* the query's KV: the slot's (kept), cleared after each query */
+    /* the rest is per query (query_reset) */
+    gen_query_t *q;
+    uint64_t order;                          /* admission number: the newest is preempted first */
+    qmetrics_t mt;
+    char *rtexts[GEN_MAX_CONTEXTS];          /* retrieved contexts (owned) */
+    size_t rlens[GEN_MAX_CONTEXTS];
+    char **texts;                            /* [n] the contexts: q's or rtexts */
+    size_t *lens;
+    int n;
+    int32_t *ctoks[GEN_MAX_CONTEXTS];        /* [n] chunk tokens (owned) */
+    int cn[GEN_MAX_CONTEXTS];
+    int32_t *suffix;                         /* [n_suffix] S (owned) */
+    int n_suffix;
+    int N;                                   /* prompt tokens */
+    int max_new;
+    char hex[GEN_MAX_CONTEXTS][CB_KV_HEX_BYTES]; /* chunk keys (kvstore.h), for `chunk_ids` */
+    notify_note_t note;                      /* what cb-cacheindex is told */
+    bool prefilled, noted, noticed;
+    char *text;                              /* the answer so far (owned) */
+    size_t text_len, text_cap;
+    cb_sampler_t *sampler;                   /* the query's own sampler state (owned) */
+    utf8_stream_t u;                         /* an incomplete UTF-8 sequence held back */
+    int index;                               /* `token` messages sent */
+    int32_t tok;                             /* the last token sampled, not yet decoded */
+    double t_blend0, t_dec0;
+} query_t;
+
+typedef struct {
     zsock_t *pipe;
     const gen_args_t *a;
     bool term;
@@ -42,8 +91,17 @@ typedef struct {
     cb_ragprompt_t *rp;
     cb_engine_t *engine;          /* owns the KV pool */
     cb_kvstore_t *store;          /* chunk KV: memory tier (a->mem) -> KV files (a->kv_dir) -> compute */
-    cb_blend_t *blend;
-    cb_seq_t *seq;                /* the running query's KV; cleared after every query */
+    cb_blend_t *blend;            /* one blend at a time, in slices (g->prefilling's) */
+    query_t *slots;          /* [n_slots] the running queries (blend.max_seqs) */
+    int n_slots;
+    query_t *prefilling;     /* the slot whose blend is in progress, or NULL */
+    bool pool_wait;               /* the next blend waits for blocks until a query ends */
+    uint64_t n_admitted;
+    /* one decode step: row j is slot b_slot[j] */
+    int *b_slot;                  /* [n_slots] */
+    cb_seq_t **b_seq;             /* [n_slots] */
+    int32_t *b_tok, *b_pos;       /* [n_slots] */
+    float *b_logits;              /* [n_slots][n_vocab] */
     cb_bus_client_t *retriever;
     notify_args_t na;             /* the notifier's arguments (it borrows them) */
     zactor_t *notifier;           /* cache-index touches and puts, off the token path (notify.h) */
@@ -51,8 +109,10 @@ typedef struct {
     const int32_t *prefix;        /* [n_prefix] P, the store's precompute context */
     int n_prefix;
     int n_vocab;
-    float *logits;                /* [n_vocab] */
+    float *logits;                /* [n_vocab] the blend's last row */
 } gen_t;
+
+static void query_reset(query_t *r);
 
 /* ---- pipe ------------------------------------------------------------------------------------------ */
 
@@ -122,8 +182,17 @@ static void gen_free(gen_t *g) {
     cb_bus_client_destroy(&g->na.index); /* when the actor never took it over */
     cb_bus_client_destroy(&g->retriever);
     cb_msg_writer_destroy(&g->w);
-    cb_seq_destroy(&g->seq);
-    cb_blend_destroy(&g->blend);
+    cb_blend_destroy(&g->blend); /* cancels a call in progress */
+    for (int i = 0; g->slots && i < g->n_slots; i++) {
+        query_reset(&g->slots[i]);
+        cb_seq_destroy(&g->slots[i].seq);
+    }
+    free(g->slots);
+    free(g->b_slot);
+    free(g->b_seq);
+    free(g->b_tok);
+    free(g->b_pos);
+    free(g->b_logits);
     cb_kvstore_destroy(&g->store);
     cb_engine_destroy(&g->engine);
     cb_ragprompt_destroy(&g->rp);
@@ -174,14 +243,26 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
     /* queries wait on it: one retry */
     cb_bus_client_set_timeout(g->retriever, a->retriever_timeout_ms, 1);
     g->n_vocab = hp->n_vocab;
-    g->seq = cb_seq_new(g->engine);
     g->w = cb_msg_writer_new();
     g->logits = malloc((size_t)g->n_vocab * sizeof(float));
     g->fifo = zlist_new();
-    if (!g->seq || !g->w || !g->logits || !g->fifo) {
+    const int S = g->n_slots = a->max_seqs;
+    g->slots = calloc((size_t)S, sizeof *g->slots);
+    g->b_slot = malloc(sizeof(int) * (size_t)S);
+    g->b_seq = malloc(sizeof(cb_seq_t *) * (size_t)S);
+    g->b_tok = malloc(sizeof(int32_t) * (size_t)S);
+    g->b_pos = malloc(sizeof(int32_t) * (size_t)S);
+    g->b_logits = malloc(sizeof(float) * (size_t)S * (size_t)g->n_vocab);
+    if (!g->w || !g->logits || !g->fifo || !g->slots || !g->b_slot || !g->b_seq || !g->b_tok || !g->b_pos ||
+        !g->b_logits) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
+    for (int i = 0; i < S; i++)
+        if (!(g->slots[i].seq = cb_seq_new(g->engine))) {
+            snprintf(err, errlen, "out of memory");
+            return -1;
+        }
     if (start_notifier(g, err, errlen) != 0) return -1;
     /* P's KV now (its blocks are shared into every query's sequence), so the first query does not pay */
     if (cb_kvstore_set_context(g->store, g->prefix, g->n_prefix, err, errlen) != 0) return -1;
@@ -191,10 +272,6 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
 
 /* ---- UTF-8 streaming: hold an incomplete trailing sequence, replace invalid bytes with U+FFFD ------- */
 
-typedef struct {
-    unsigned char pend[4];
-    int npend;
-} utf8_stream_t;
 
 /* Appends the pending bytes and in[n] (n <= 1024) to out (capacity >= 3 * (n + 4)), returning the bytes
  * written: valid sequences as they are, invalid bytes as U+FFFD; an incomplete sequence at the end stays
@@ -234,43 +311,21 @@ static size_t utf8_feed(utf8_stream_t *u, const unsigned char *in, size_t n, boo
     return o;
 }
 
-/* ---- one query ------------------------------------------------------------------------------------- */
+/* ---- one query: a slot ------------------------------------------------------------------------------ */
 
-typedef struct {
-    double queue_ms, retrieve_ms, lookup_ms, load_ms, blend_ms, decode_ms, ttft_ms;
-    int hits, misses, corrupt, n_prompt, n_gen, n_chunks;
-    cb_blend_stats_t bs;
-} qmetrics_t;
 
-/* One query, from its pieces to its `done`. */
-typedef struct {
-    gen_query_t *q;
-    qmetrics_t mt;
-    char *rtexts[GEN_MAX_CONTEXTS];          /* retrieved contexts (owned) */
-    size_t rlens[GEN_MAX_CONTEXTS];
-    char **texts;                            /* [n] the contexts: q's or rtexts */
-    size_t *lens;
-    int n;
-    int32_t *ctoks[GEN_MAX_CONTEXTS];        /* [n] chunk tokens (owned) */
-    int cn[GEN_MAX_CONTEXTS];
-    int32_t *suffix;                         /* [n_suffix] S (owned) */
-    int n_suffix;
-    int N;                                   /* prompt tokens */
-    int max_new;
-    char hex[GEN_MAX_CONTEXTS][CB_KV_HEX_BYTES]; /* chunk keys (kvstore.h), for `chunk_ids` */
-    notify_note_t note;                      /* what cb-cacheindex is told */
-    bool prefilled, noted, noticed;
-    char *text;                              /* the answer so far (owned) */
-    size_t text_len, text_cap;
-} query_t;
-
-static void query_free(query_t *r) {
+/* Frees what the query owns and clears it; the slot keeps its (empty) sequence. */
+static void query_reset(query_t *r) {
     for (int i = 0; i < GEN_MAX_CONTEXTS; i++) {
         free(r->rtexts[i]);
         free(r->ctoks[i]);
     }
     free(r->suffix);
     free(r->text);
+    cb_sampler_destroy(&r->sampler);
+    cb_seq_t *seq = r->seq;
+    memset(r, 0, sizeof *r);
+    r->seq = seq;
 }
 
 static void send_error(gen_t *g, gen_query_t *q, cb_err_t code, const char *msg) {
@@ -365,9 +420,9 @@ static int build_prompt(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t 
     return 0;
 }
 
-/* 3. The fused prefill into the query's sequence. 0, or -1 with *code (`overloaded` when the KV pool has
- * no room for the query) and err. */
-static int prefill(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errlen) {
+/* 3. The fused prefill starts (cb_blend_start): it then runs a slice per step (prefill_slice). 0, or -1
+ * with err (bad arguments, out of memory: internal). */
+static int prefill_start(gen_t *g, query_t *r, char *err, size_t errlen) {
     const gen_args_t *a = g->a;
     cb_blend_chunk_t chunks[GEN_MAX_CONTEXTS];
     for (int i = 0; i < r->n; i++) chunks[i] = (cb_blend_chunk_t){r->ctoks[i], r->cn[i]};
@@ -378,28 +433,9 @@ static int prefill(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errle
     o.check_layer = a->check_layer;
     o.metric = a->metric;
     o.lead_tokens = a->lead_tokens;
-    double t = cb_now_ms();
-    int st = cb_blend_prefill(g->blend, g->seq, g->prefix, g->n_prefix, chunks, r->n, r->suffix, r->n_suffix, &o,
-                              g->logits, &r->mt.bs, err, errlen);
-    r->mt.blend_ms = cb_now_ms() - t;
-    publish_pool(g);
-    if (st == CB_ENGINE_EPOOL) {
-        cb_engine_pool_stats_t ps;
-        cb_engine_pool_stats(g->engine, &ps);
-        *code = CB_ERR_OVERLOADED;
-        snprintf(err, errlen, "the KV pool has no room for a %d-token prompt now (%d blocks of %d tokens, %d free); "
-                 "retry later", r->N, ps.n_blocks, ps.block_tokens, ps.blocks_free);
-        return -1;
-    }
-    if (st != CB_ENGINE_OK) {
-        *code = CB_ERR_INTERNAL;
-        return -1;
-    }
-    r->prefilled = true;
-    r->mt.hits = r->mt.bs.chunks_mem + r->mt.bs.chunks_file;
-    r->mt.misses = r->mt.bs.chunks_computed;
-    r->mt.load_ms = r->mt.bs.t_load_ms;
-    return 0;
+    r->t_blend0 = cb_now_ms();
+    return cb_blend_start(g->blend, r->seq, g->prefix, g->n_prefix, chunks, r->n, r->suffix, r->n_suffix, &o,
+                          g->logits, err, errlen) == CB_ENGINE_OK ? 0 : -1;
 }
 
 /* A chunk computed because its file failed a content check (corrupt bytes, another model's or context's
@@ -471,78 +507,6 @@ static int append_text(query_t *r, const char *piece, size_t pl) {
     return 0;
 }
 
-typedef enum { DECODE_OK = 0, DECODE_FAIL, DECODE_CANCELLED, DECODE_TERM } decode_t;
-
-/* 5. Sampling and decoding, streaming each piece of text; the cache index hears of the chunks once the
- * first token has gone out. DECODE_FAIL with *code and err. */
-static decode_t decode(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errlen) {
-    gen_query_t *q = r->q;
-    cb_sampler_params_t sp = {.temperature = (float)q->temperature, .top_k = 0, .top_p = (float)q->top_p,
-                              .seed = q->seed};
-    cb_sampler_t *sampler = cb_sampler_new(&sp, g->n_vocab);
-    if (!sampler) {
-        snprintf(err, errlen, "cannot create the sampler");
-        return DECODE_FAIL;
-    }
-    decode_t rc = DECODE_OK;
-    double t_dec = cb_now_ms();
-    utf8_stream_t u = {0};
-    char piece[3 * (1024 + 4)];
-    int index = 0;
-    int32_t tok = cb_sampler_sample(sampler, g->logits);
-    r->mt.ttft_ms = cb_now_ms() - q->t_recv_ms;
-    for (;;) {
-        bool eog = cb_model_is_eog(g->model, tok) || cb_tokenizer_is_eog(g->tok, tok);
-        size_t blen = 0;
-        const char *bytes = eog ? NULL : cb_tokenizer_token_bytes(g->tok, tok, false, &blen);
-        if (blen > 1024) blen = 1024; /* vocabulary strings are short; bound the scratch anyway */
-        if (!eog) r->mt.n_gen++;
-        bool last = eog || r->mt.n_gen >= r->max_new;
-        size_t pl = utf8_feed(&u, (const unsigned char *)(bytes ? bytes : ""), blen, last, piece);
-        if (pl > 0) {
-            if (append_text(r, piece, pl) != 0) {
-                snprintf(err, errlen, "out of memory");
-                rc = DECODE_FAIL;
-                break;
-            }
-            cb_msg_begin_reply_as(g->w, "token", q->id);
-            cb_msg_put_strn(g->w, "text", piece, pl);
-            cb_msg_put_int(g->w, "index", index++);
-            size_t len;
-            const void *d = cb_msg_end(g->w, &len);
-            if (d) to_loop(g, "SEND", q, d, len);
-        }
-        notify_index(g, r); /* after the first token: a no-op from then on */
-        if (last) break;
-        if (poll_pipe(g, 0)) {
-            rc = DECODE_TERM;
-            break;
-        }
-        if (atomic_load(&q->cancelled)) {
-            rc = DECODE_CANCELLED;
-            break;
-        }
-        int pos = r->N + r->mt.n_gen - 1;
-        int st = cb_engine_decode(g->engine, g->seq, tok, pos, g->logits);
-        if (st == CB_ENGINE_EPOOL) {
-            *code = CB_ERR_OVERLOADED;
-            snprintf(err, errlen, "the KV pool ran out of blocks at position %d; retry later", pos);
-            rc = DECODE_FAIL;
-            break;
-        }
-        if (st != CB_ENGINE_OK) {
-            snprintf(err, errlen, "decode failed at position %d: %s", pos, cb_engine_status_str(st));
-            rc = DECODE_FAIL;
-            break;
-        }
-        tok = cb_sampler_sample(sampler, g->logits);
-    }
-    r->mt.decode_ms = cb_now_ms() - t_dec;
-    publish_pool(g);
-    cb_sampler_destroy(&sampler);
-    return rc;
-}
-
 /* 6. The `done` message with the answer and the metrics (docs/protocol.md §7). 0, or -1 with err. */
 static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
     const gen_args_t *a = g->a;
@@ -600,40 +564,241 @@ static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
     return 0;
 }
 
-static void run_query(gen_t *g, gen_query_t *q) {
-    query_t r = {.q = q};
-    r.mt.queue_ms = cb_now_ms() - q->t_recv_ms;
+/* ---- the step loop ---------------------------------------------------------------------------------- */
+
+static bool slot_holds_blocks(const query_t *r) { return r->state == SLOT_PREFILL || r->state == SLOT_DECODE; }
+
+/* The query leaves its slot: the cache index hears of its chunks (a prefilled query's chunks were used
+ * even when its answer was not sent), its blocks go back to the pool (P's shared ones stay with the
+ * store), what it owns is freed. */
+static void slot_end(gen_t *g, query_t *r) {
+    if (g->prefilling == r) {
+        cb_blend_cancel(g->blend);
+        g->prefilling = NULL;
+    }
+    notify_index(g, r);
+    cb_seq_clear(r->seq);
+    query_reset(r);
+    g->pool_wait = false; /* blocks came back: a query waiting for them may try again */
+}
+
+static void slot_fail(gen_t *g, query_t *r, cb_err_t code, const char *msg) {
+    send_error(g, r->q, code, msg);
+    slot_end(g, r);
+}
+
+static void slot_cancelled(gen_t *g, query_t *r) {
+    atomic_fetch_add(&g->a->stats->queries_cancelled, 1);
+    cb_log(CB_LOG_INFO, r->q->id, "query cancelled (the client went away) after %d tokens", r->mt.n_gen);
+    to_loop(g, "DONE", r->q, NULL, 0);
+    slot_end(g, r);
+}
+
+/* Streams the slot's last sampled token (r->tok); after the first, the cache index hears of the chunks.
+ * Returns true when the query ended (its `done` sent, the slot free). */
+static bool emit(gen_t *g, query_t *r) {
+    gen_query_t *q = r->q;
+    char piece[3 * (1024 + 4)];
+    const int32_t tok = r->tok;
+    bool eog = cb_model_is_eog(g->model, tok) || cb_tokenizer_is_eog(g->tok, tok);
+    size_t blen = 0;
+    const char *bytes = eog ? NULL : cb_tokenizer_token_bytes(g->tok, tok, false, &blen);
+    if (blen > 1024) blen = 1024; /* vocabulary strings are short; bound the scratch anyway */
+    if (!eog) r->mt.n_gen++;
+    bool last = eog || r->mt.n_gen >= r->max_new;
+    size_t pl = utf8_feed(&r->u, (const unsigned char *)(bytes ? bytes : ""), blen, last, piece);
+    if (pl > 0) {
+        if (append_text(r, piece, pl) != 0) {
+            slot_fail(g, r, CB_ERR_INTERNAL, "out of memory");
+            return true;
+        }
+        cb_msg_begin_reply_as(g->w, "token", q->id);
+        cb_msg_put_strn(g->w, "text", piece, pl);
+        cb_msg_put_int(g->w, "index", r->index++);
+        size_t len;
+        const void *d = cb_msg_end(g->w, &len);
+        if (d) to_loop(g, "SEND", q, d, len);
+    }
+    notify_index(g, r); /* after the first token: a no-op from then on */
+    if (!last) return false;
+    r->mt.decode_ms = cb_now_ms() - r->t_dec0;
+    char err[256];
+    if (send_done(g, r, err, sizeof err) != 0) {
+        slot_fail(g, r, CB_ERR_INTERNAL, err);
+        return true;
+    }
+    slot_end(g, r);
+    return true;
+}
+
+/* Queries whose client went away leave their slots (and blocks) now. */
+static void reap_cancelled(gen_t *g) {
+    for (int i = 0; i < g->n_slots; i++) {
+        query_t *r = &g->slots[i];
+        if (r->state != SLOT_FREE && atomic_load(&r->q->cancelled)) slot_cancelled(g, r);
+    }
+}
+
+/* Free slots take queued queries in arrival order: contexts (cb-retriever when the query has none) and
+ * prompt pieces; the blend waits for its turn. */
+static void admit(gen_t *g) {
+    for (int i = 0; i < g->n_slots && zlist_size(g->fifo) > 0; i++) {
+        query_t *r = &g->slots[i];
+        if (r->state != SLOT_FREE) continue;
+        gen_query_t *q = zlist_pop(g->fifo);
+        if (atomic_load(&q->cancelled)) {
+            atomic_fetch_add(&g->a->stats->queries_cancelled, 1);
+            to_loop(g, "DONE", q, NULL, 0);
+            i--; /* the slot is still free */
+            continue;
+        }
+        to_loop(g, "START", q, NULL, 0);
+        r->q = q;
+        r->order = ++g->n_admitted;
+        r->mt.queue_ms = cb_now_ms() - q->t_recv_ms;
+        char err[1024] = "";
+        cb_err_t code = CB_ERR_INTERNAL;
+        if (gather_contexts(g, r, &code, err, sizeof err) != 0 || build_prompt(g, r, &code, err, sizeof err) != 0) {
+            send_error(g, q, code, err);
+            query_reset(r);
+            continue;
+        }
+        r->state = SLOT_WAITING;
+    }
+}
+
+/* The first token of a prefilled query: its sampler, TTFT, the token streamed; it joins the batch. */
+static void first_token(gen_t *g, query_t *r) {
+    gen_query_t *q = r->q;
+    gen_stats_t *s = g->a->stats;
+    r->prefilled = true;
+    r->mt.blend_ms = cb_now_ms() - r->t_blend0;
+    r->mt.hits = r->mt.bs.chunks_mem + r->mt.bs.chunks_file;
+    r->mt.misses = r->mt.bs.chunks_computed;
+    r->mt.load_ms = r->mt.bs.t_load_ms;
+    atomic_fetch_add(&s->prefill_tokens, (uint64_t)r->N);
+    cb_sampler_params_t sp = {.temperature = (float)q->temperature, .top_k = 0, .top_p = (float)q->top_p,
+                              .seed = q->seed};
+    if (!(r->sampler = cb_sampler_new(&sp, g->n_vocab))) {
+        slot_fail(g, r, CB_ERR_INTERNAL, "cannot create the sampler");
+        return;
+    }
+    r->t_dec0 = cb_now_ms();
+    r->tok = cb_sampler_sample(r->sampler, g->logits);
+    r->mt.ttft_ms = cb_now_ms() - q->t_recv_ms;
+    r->state = SLOT_DECODE;
+    emit(g, r);
+}
+
+/* One slice of the running blend, or the start of the oldest waiting query's. A query the KV pool cannot
+ * hold now waits while others hold blocks (they return them as they end), and gets `overloaded` when
+ * none does. */
+static void prefill_slice(gen_t *g) {
+    query_t *r = g->prefilling;
     char err[1024] = "";
-    cb_err_t code = CB_ERR_INTERNAL;
-    decode_t dr = DECODE_FAIL;
-    if (gather_contexts(g, &r, &code, err, sizeof err) != 0 || build_prompt(g, &r, &code, err, sizeof err) != 0)
-        goto fail;
-    if (atomic_load(&q->cancelled)) {
-        dr = DECODE_CANCELLED;
-        goto ended;
+    if (!r) {
+        if (g->pool_wait) return;
+        for (int i = 0; i < g->n_slots; i++) {
+            query_t *c = &g->slots[i];
+            if (c->state == SLOT_WAITING && (!r || c->order < r->order)) r = c;
+        }
+        if (!r) return;
+        if (prefill_start(g, r, err, sizeof err) != 0) {
+            slot_fail(g, r, CB_ERR_INTERNAL, err);
+            return;
+        }
+        r->state = SLOT_PREFILL;
+        g->prefilling = r;
     }
-    if (prefill(g, &r, &code, err, sizeof err) != 0) goto fail;
-    if ((dr = decode(g, &r, &code, err, sizeof err)) != DECODE_OK) goto ended;
-    if (send_done(g, &r, err, sizeof err) != 0) goto fail;
-    goto out;
-ended:
-    if (dr == DECODE_CANCELLED) {
-        atomic_fetch_add(&g->a->stats->queries_cancelled, 1);
-        cb_log(CB_LOG_INFO, q->id, "query cancelled (the client went away) after %d tokens", r.mt.n_gen);
-        to_loop(g, "DONE", q, NULL, 0);
-        goto out;
+    double t = cb_now_ms();
+    int st = cb_blend_step(g->blend, g->a->max_batch_tokens, &r->mt.bs, err, sizeof err);
+    gen_stats_t *s = g->a->stats;
+    atomic_fetch_add(&s->prefill_slices, 1);
+    atomic_fetch_add(&s->prefill_us, (uint64_t)((cb_now_ms() - t) * 1000.0));
+    if (st == CB_BLEND_MORE) return;
+    g->prefilling = NULL; /* the call ended */
+    if (st == CB_ENGINE_OK) {
+        publish_pool(g);
+        first_token(g, r);
+        return;
     }
-    if (dr == DECODE_TERM) {
-        cb_log(CB_LOG_INFO, q->id, "query interrupted by shutdown after %d tokens", r.mt.n_gen);
-        goto out;
+    if (st == CB_ENGINE_EPOOL) {
+        bool others = false;
+        for (int i = 0; i < g->n_slots; i++) others = others || (&g->slots[i] != r && slot_holds_blocks(&g->slots[i]));
+        if (others) {
+            r->state = SLOT_WAITING; /* first in line when blocks come back */
+            g->pool_wait = true;
+            return;
+        }
+        cb_engine_pool_stats_t ps;
+        cb_engine_pool_stats(g->engine, &ps);
+        snprintf(err, sizeof err, "the KV pool has no room for a %d-token prompt (%d blocks of %d tokens, %d free); "
+                 "retry later", r->N, ps.n_blocks, ps.block_tokens, ps.blocks_free);
+        slot_fail(g, r, CB_ERR_OVERLOADED, err);
+        return;
     }
-fail:
-    send_error(g, q, code, err);
-out:
-    notify_index(g, &r); /* a prefilled query's chunks were used even when its answer was not sent */
-    cb_seq_clear(g->seq); /* the query's blocks go back to the pool (P's shared ones stay with the store) */
-    publish_pool(g);
-    query_free(&r);
+    slot_fail(g, r, CB_ERR_INTERNAL, err);
+}
+
+/* One decode step of every query in the batch: one cb_engine_decode_batch, then each samples with its own
+ * sampler and streams. When the pool has no block for some row's next position, the newest query in the
+ * batch ends with `overloaded` (its blocks freed) and the step runs again without it. */
+static void decode_step(gen_t *g) {
+    const gen_args_t *a = g->a;
+    int n;
+    int st;
+    double t = cb_now_ms();
+    for (;;) {
+        n = 0;
+        for (int i = 0; i < g->n_slots; i++) {
+            query_t *r = &g->slots[i];
+            if (r->state != SLOT_DECODE) continue;
+            g->b_slot[n] = i;
+            g->b_seq[n] = r->seq;
+            g->b_tok[n] = r->tok;
+            g->b_pos[n] = r->N + r->mt.n_gen - 1;
+            n++;
+        }
+        if (n == 0) return;
+        st = cb_engine_decode_batch(g->engine, g->b_seq, g->b_tok, g->b_pos, n, g->b_logits);
+        if (st != CB_ENGINE_EPOOL) break;
+        query_t *newest = NULL;
+        for (int j = 0; j < n; j++) {
+            query_t *r = &g->slots[g->b_slot[j]];
+            if (!newest || r->order > newest->order) newest = r;
+        }
+        char err[256];
+        snprintf(err, sizeof err, "the KV pool ran out of blocks at position %d (the newest of %d running queries "
+                 "gives way); retry later", newest->N + newest->mt.n_gen, n);
+        atomic_fetch_add(&a->stats->queries_preempted, 1);
+        slot_fail(g, newest, CB_ERR_OVERLOADED, err);
+    }
+    gen_stats_t *s = a->stats;
+    atomic_fetch_add(&s->decode_steps, 1);
+    atomic_fetch_add(&s->decode_us, (uint64_t)((cb_now_ms() - t) * 1000.0));
+    if (n > atomic_load(&s->batch_peak)) atomic_store(&s->batch_peak, n);
+    for (int j = 0; j < n; j++) {
+        query_t *r = &g->slots[g->b_slot[j]];
+        if (st != CB_ENGINE_OK) {
+            char err[256];
+            snprintf(err, sizeof err, "decode failed at position %d: %s", g->b_pos[j], cb_engine_status_str(st));
+            slot_fail(g, r, CB_ERR_INTERNAL, err);
+            continue;
+        }
+        atomic_fetch_add(&s->decode_tokens, 1);
+        r->tok = cb_sampler_sample(r->sampler, g->b_logits + (size_t)j * g->n_vocab);
+        emit(g, r);
+    }
+}
+
+/* The loop's view of the worker (stats, health). */
+static void publish_loop(gen_t *g, bool busy) {
+    gen_stats_t *s = g->a->stats;
+    int running = 0;
+    for (int i = 0; i < g->n_slots; i++) running += g->slots[i].state != SLOT_FREE;
+    atomic_store(&s->running, running);
+    atomic_store(&s->busy, busy);
+    atomic_store(&s->beat_ms, (uint64_t)cb_now_ms());
 }
 
 void gen_actor(zsock_t *pipe, void *args) {
@@ -651,24 +816,28 @@ void gen_actor(zsock_t *pipe, void *args) {
     cb_engine_pool_stats(g.engine, &ps);
     cb_log(CB_LOG_INFO, NULL,
            "worker ready: prompt prefix %d tokens, context %d, KV pool %d blocks of %d tokens (%zu bytes each) on %s, "
-           "kv_dir %s",
+           "%d queries at once, prefill slices of %d tokens, kv_dir %s",
            g.n_prefix, cb_engine_max_ctx(g.engine), ps.n_blocks, ps.block_tokens, ps.block_bytes,
-           cb_engine_backend_name(g.engine), g.a->kv_dir);
+           cb_engine_backend_name(g.engine), g.n_slots, g.a->max_batch_tokens, g.a->kv_dir);
     zstr_send(pipe, "READY");
     while (!g.term) {
-        gen_query_t *q = zlist_pop(g.fifo);
-        if (!q) {
-            poll_pipe(&g, -1);
-            continue;
-        }
-        if (atomic_load(&q->cancelled)) {
-            atomic_fetch_add(&g.a->stats->queries_cancelled, 1);
-            to_loop(&g, "DONE", q, NULL, 0);
-            continue;
-        }
-        to_loop(&g, "START", q, NULL, 0);
-        run_query(&g, q);
-        poll_pipe(&g, 0);
+        bool busy = zlist_size(g.fifo) > 0;
+        for (int i = 0; i < g.n_slots && !busy; i++) busy = g.slots[i].state != SLOT_FREE;
+        publish_loop(&g, busy);
+        if (poll_pipe(&g, busy ? 0 : -1)) break;
+        atomic_fetch_add(&g.a->stats->steps, 1);
+        reap_cancelled(&g);
+        admit(&g);
+        prefill_slice(&g);
+        decode_step(&g);
+        publish_pool(&g);
     }
+    for (int i = 0; i < g.n_slots; i++) {
+        query_t *r = &g.slots[i];
+        if (r->state == SLOT_FREE) continue;
+        cb_log(CB_LOG_INFO, r->q->id, "query interrupted by shutdown after %d tokens", r->mt.n_gen);
+        slot_end(&g, r);
+    }
+    publish_loop(&g, false);
     gen_free(&g);
 }

@@ -1,27 +1,36 @@
 /* gen: cb-blend's generation worker, a zactor thread that owns the engine (and its KV pool), the chunk
- * store, the blend, one engine sequence for the running query, the client of cb-retriever and the
- * cache-index notifier (notify.h), and answers queries one at a time in arrival order (FIFO).
- *
- * For each query: retrieve the top k chunks when the query has no contexts; build the prompt pieces
- * (ragprompt.h); then the fused prefill into the query's sequence (cb_blend_prefill), which takes each
- * chunk the mode needs from the store (kvstore.h: memory tier, then its KV file; a chunk that is not there,
- * or whose file fails any check, is computed and written), and the decode loop, streaming each piece of text
- * as it is made. Nothing waits for cb-cacheindex: the chunks' sources come from the store (the blend's
- * stats, and whether each chunk's KV file was rewritten), and once the first token has gone out the
- * notifier is told to `touch` the chunks that were read and `put` the ones computed now. A query the KV pool
- * cannot hold (CB_ENGINE_EPOOL, in the prefill or a decode step) ends with `overloaded`; the sequence is
- * cleared after every query, so its blocks go back to the pool. Metrics: docs/protocol.md §7.
+ * store, the blend, the running queries (blend.max_seqs slots, each with its own engine sequence and
+ * sampler), the client of cb-retriever and the cache-index notifier (notify.h), and serves them with
+ * continuous batching: a step loop in which every step
+ *   1. ends the queries whose client went away (their blocks go back to the pool now);
+ *   2. admits queued queries (FIFO) into free slots: the contexts (cb-retriever's top k when the query has
+ *      none) and the prompt pieces (ragprompt.h);
+ *   3. runs one slice of the fused prefill of the oldest admitted query (cb_blend_step: about
+ *      blend.max_batch_tokens tokens of prefill compute; a blend is one call in slices, its KV loads
+ *      overlapped by the blend's loader thread, so a long blend delays the others' next token by one slice
+ *      at most); when it ends, the query samples its first token and joins the batch;
+ *   4. runs one decode step of every query in the batch as one cb_engine_decode_batch (one product per
+ *      weight over all rows), each query sampling with its own sampler and streaming its text.
+ * Pool exhaustion: a query whose blend cannot get its blocks waits, first in line, while other queries
+ * hold blocks, and ends with `overloaded` when none does (the pool cannot hold it); when a decode step
+ * finds no block for some row's next position, the newest query of the batch ends with `overloaded` and
+ * the step runs without it. Chunk KV comes from the store (kvstore.h: memory tier, then its KV file; a
+ * chunk that is not there, or whose file fails any check, is computed and written). Nothing waits for
+ * cb-cacheindex: once a query's first token has gone out, the notifier is told to `touch` the chunks read
+ * and `put` the ones computed now. Retrieval runs in the worker (it holds the step loop for up to
+ * blend.retriever_timeout_ms, twice). Metrics: docs/protocol.md §7.
  *
  * Threads and ownership: the loop thread allocates a gen_query_t, sends its pointer to the actor
  * ("QUERY"), and keeps ownership: it frees the query only after the actor's "DONE" for it (or after the
  * actor is destroyed). The actor reads the query's fields (immutable once sent) and the atomic `cancelled`
- * flag, which the loop sets when the client is gone; a cancelled query is skipped or stopped at the next
- * token. The actor never touches a socket of the loop: stream messages go back over the pipe as bytes.
+ * flag, which the loop sets when the client is gone; a cancelled query leaves its slot at the next step.
+ * The actor never touches a socket of the loop: stream messages go back over the pipe as bytes. The
+ * counters (gen_stats_t) are atomics the actor writes and the loop reads.
  *
  * Pipe protocol (zmsg frames):
  *   loop -> actor   "QUERY" <gen_query_t *>                        ($TERM ends the actor)
  *   actor -> loop   "READY"  |  "FATAL" <message>
- *                   "START" <q>                                    the query left the queue
+ *                   "START" <q>                                    the query left the queue (a slot took it)
  *                   "SEND" <q> <msgpack bytes>                     a `token` message to relay
  *                   "DONE" <q> <msgpack bytes, or empty if cancelled>  the final `done` message
  */
@@ -78,6 +87,15 @@ typedef struct {
      * each prefill and at the end of each query */
     atomic_int pool_blocks, pool_blocks_used, pool_blocks_free, pool_blocks_shared, pool_block_tokens;
     atomic_int pool_blocks_peak;             /* the most blocks used at any of those points */
+    /* the step loop */
+    atomic_int running;                      /* queries in slots (prefilling, waiting for it, decoding) */
+    atomic_bool busy;                        /* it has work (a slot taken or a query queued) */
+    atomic_uint_fast64_t beat_ms;            /* cb_now_ms() at the top of its last step (or when it went idle) */
+    atomic_uint_fast64_t steps;
+    atomic_uint_fast64_t prefill_slices, prefill_us, prefill_tokens; /* blend slices, their time, prompts done */
+    atomic_uint_fast64_t decode_steps, decode_us, decode_tokens;     /* batched decode steps, time, rows */
+    atomic_int batch_peak;                   /* the largest decode batch */
+    atomic_uint_fast64_t queries_preempted;  /* ended `overloaded` mid-answer: no block for the next token */
 } gen_stats_t;
 
 typedef struct {
@@ -88,6 +106,8 @@ typedef struct {
     int ctx_size;
     size_t kv_pool_bytes;        /* engine KV pool budget; 0 = the engine's default (two ctx_size sequences) */
     int threads;
+    int max_seqs;                /* queries running at once (slots), >= 1 */
+    int max_batch_tokens;        /* prefill compute per step, in tokens (cb_blend_step's budget), >= 1 */
     int check_layer;
     char metric;                 /* 'a', 'k' or 'v' (blend.h) */
     int lead_tokens;

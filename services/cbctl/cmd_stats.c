@@ -1,6 +1,7 @@
 /* cbctl stats [--json] [SERVICE...]: every service's statistics (all four by default), asked in
  * parallel. Services that do not answer are reported (exit 3); the others are still printed. In the text
- * form, cb-blend's KV pool fields are also summed up in one line ("kv pool"). */
+ * form, cb-blend's KV pool fields and its step loop are also summed up in a line each ("kv pool", "step
+ * loop"). */
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,22 @@ static void print_pool(json_t *o) {
            (long long)json_integer_value(json_object_get(o, "pool_blocks_shared")),
            (long long)json_integer_value(json_object_get(o, "pool_blocks_peak")),
            (long long)json_integer_value(json_object_get(o, "pool_block_tokens")));
+}
+
+static long long jint(json_t *o, const char *k) { return (long long)json_integer_value(json_object_get(o, k)); }
+static double jnum(json_t *o, const char *k) { return json_number_value(json_object_get(o, k)); }
+
+/* "step loop  R of S running, W waiting; D decode steps, X tokens a step (peak B), T tok/s in decode; P
+ * prefill slices" from cb-blend's step-loop fields (gen.h). */
+static void print_steps(json_t *o) {
+    if (!json_is_integer(json_object_get(o, "decode_steps"))) return;
+    double dms = jnum(o, "decode_ms");
+    printf("  %-20s %lld of %lld running, %lld waiting; %lld decode steps, %.2f tokens a step (peak %lld), "
+           "%.1f tok/s in decode; %lld prefill slices (%.0f ms)\n",
+           "step loop", jint(o, "running"), jint(o, "max_seqs"), jint(o, "waiting"), jint(o, "decode_steps"),
+           jnum(o, "tokens_per_step"), jint(o, "batch_peak"),
+           dms > 0 ? 1000.0 * (double)jint(o, "decode_tokens") / dms : 0.0, jint(o, "prefill_slices"),
+           jnum(o, "prefill_ms"));
 }
 
 static int run_stats(cbctl_t *ctl, int argc, char **argv) {
@@ -66,6 +83,7 @@ static int run_stats(cbctl_t *ctl, int argc, char **argv) {
                 }
             }
             print_pool(o);
+            print_steps(o);
         }
         json_decref(o);
     }
