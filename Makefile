@@ -45,7 +45,7 @@ LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasL
 endif
 endif
 
-.PHONY: all test test-unit test-gpu demo bench bench-engine bench-stack cuda fuzz clean model eval check-layers
+.PHONY: all test test-unit test-gpu demo bench bench-engine bench-stack bench-serve cuda fuzz clean model eval check-layers
 all: build/lib/libshared.a $(CUDA_LIB) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
@@ -122,6 +122,9 @@ bench-engine: all model
 
 bench-stack: all model
 	@scripts/bench-stack.sh
+
+bench-serve: all model
+	@scripts/bench-serve.sh
 
 clean:
 	rm -rf build

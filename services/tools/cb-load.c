@@ -1,15 +1,22 @@
 /* cb-load: a load generator for cb-blend: N client threads (one DEALER socket each) send queries from a
  * file until a total count is reached, and the time to the first token and to the end of each answer is
- * measured at the client. For scripts/bench-stack.sh.
+ * measured at the client. For scripts/bench-stack.sh and scripts/bench-serve.sh.
  *
- *   cb-load [--clients N] [--queries M] [--mode M] [--ratio R] [--max-tokens T] [--timeout MS] [--json]
- *           ENDPOINT QUERIES.jsonl
+ *   cb-load [--clients N] [--queries M | --per-client M] [--mode M] [--ratio R] [--max-tokens T]
+ *           [--timeout MS] [--json] ENDPOINT QUERIES.jsonl
  *
  * QUERIES.jsonl: one object per line {"question": str, "contexts": [str...]} (contexts optional: then
- * cb-blend retrieves). Queries are taken in order, round-robin over the file, by whichever client is free.
+ * cb-blend retrieves). With --queries M (default: as many as the file has), queries are taken in order,
+ * round-robin over the file, by whichever client is free, until M were sent. With --per-client M, each
+ * client sends M queries of its own, one after the other, starting at its own offset in the file (client c
+ * of N at line c * lines / N, then round-robin), so that the clients do not all ask the same one at once;
+ * N x M queries in all.
  * Output: a summary line, or with --json one object {"clients", "queries", "ok", "errors", "overloaded"
  * (of the errors, those cb-blend answered `overloaded`: queue full or KV pool full), "wall_s", "qps",
- * "ttft_ms": {"mean", "p50", "p90", "p99", "max"}, "total_ms": {...}}.
+ * "ttft_ms": {"mean", "p50", "p90", "p99", "max"}, "total_ms": {...}, "per_client" (M, or null without
+ * --per-client), and from the `done` messages' metrics: "tokens_generated" (sum of n_generated over the
+ * answered queries), "tokens_per_s" (tokens_generated / wall_s), "generated_mean" and "prompt_tokens_mean"
+ * (means of n_generated and n_prompt_tokens; null when no answer carried them)}.
  * Exit: 0 when every query was answered, 1 when some failed, 2 usage.
  */
 #include <jansson.h>
@@ -31,14 +38,40 @@ typedef struct {
     const char *endpoint, *mode;
     double ratio;
     int max_tokens, timeout_ms, total;
+    int per_client;    /* > 0: each client sends this many from its own offset (else the shared counter) */
+    int clients;
     atomic_int next;
     double *ttft, *tot; /* [total] per query, -1 when it failed */
+    int64_t *gen, *prompt; /* [total] n_generated, n_prompt_tokens of the done metrics; -1 when absent */
     atomic_int errors;
     atomic_int overloaded; /* errors with code `overloaded` */
 } load_t;
 
+typedef struct {
+    load_t *L;
+    int index; /* this client's number, 0..clients-1 */
+    int sent;  /* --per-client: queries taken so far */
+} client_arg_t;
+
+/* The next query slot of this client (an index into ttft/tot, and the query's line), or -1 when done. */
+static int next_slot(client_arg_t *a, size_t *line) {
+    load_t *L = a->L;
+    size_t nq = json_array_size(L->queries);
+    if (L->per_client > 0) {
+        if (a->sent >= L->per_client) return -1;
+        size_t off = (size_t)a->index * nq / (size_t)L->clients;
+        *line = (off + (size_t)a->sent) % nq;
+        return a->index * L->per_client + a->sent++;
+    }
+    int i = atomic_fetch_add(&L->next, 1);
+    if (i >= L->total) return -1;
+    *line = (size_t)i % nq;
+    return i;
+}
+
 static void *client(void *arg) {
-    load_t *L = arg;
+    client_arg_t *A = arg;
+    load_t *L = A->L;
     char err[512];
     cb_bus_opts_t o;
     cb_bus_opts_default(&o);
@@ -50,12 +83,16 @@ static void *client(void *arg) {
         fprintf(stderr, "cb-load: %s\n", err);
         cb_bus_client_destroy(&c);
         cb_msg_writer_destroy(&w);
+        /* --per-client: nobody else sends this client's share; count it failed (the shared counter's
+         * queries go to the other clients) */
+        for (size_t line; L->per_client > 0 && next_slot(A, &line) >= 0;) atomic_fetch_add(&L->errors, 1);
         return NULL;
     }
     for (;;) {
-        int i = atomic_fetch_add(&L->next, 1);
-        if (i >= L->total) break;
-        json_t *q = json_array_get(L->queries, (size_t)i % json_array_size(L->queries));
+        size_t line = 0;
+        int i = next_slot(A, &line);
+        if (i < 0) break;
+        json_t *q = json_array_get(L->queries, line);
         char id[32];
         cb_msg_begin(w, "query", cb_bus_new_id(id, sizeof id));
         cb_msg_put_str(w, "question", json_string_value(json_object_get(q, "question")));
@@ -67,6 +104,7 @@ static void *client(void *arg) {
         size_t len;
         const void *d = cb_msg_end(w, &len);
         L->ttft[i] = L->tot[i] = -1;
+        L->gen[i] = L->prompt[i] = -1;
         cb_err_t code;
         double t0 = cb_now_ms(), t1 = -1;
         if (!d || cb_bus_send(c, d, len, &code, err, sizeof err) != 0) {
@@ -90,12 +128,17 @@ static void *client(void *arg) {
             }
             bool done = cb_msg_is_type(m, "done");
             if ((cb_msg_is_type(m, "token") || done) && t1 < 0) t1 = cb_now_ms();
-            cb_msg_destroy(&m);
             if (done) {
                 L->ttft[i] = t1 - t0;
                 L->tot[i] = cb_now_ms() - t0;
+                const cb_msg_t *mt = cb_msg_map(m, "metrics");
+                int64_t v;
+                if (mt && cb_msg_int(mt, "n_generated", 0, INT64_MAX, &v)) L->gen[i] = v;
+                if (mt && cb_msg_int(mt, "n_prompt_tokens", 0, INT64_MAX, &v)) L->prompt[i] = v;
+                cb_msg_destroy(&m);
                 break;
             }
+            cb_msg_destroy(&m);
         }
     }
     cb_msg_writer_destroy(&w);
@@ -127,9 +170,23 @@ static json_t *summary(const double *v, int n) {
     return o;
 }
 
+/* The mean (null when there is none) and, in *sum_out, the sum of the non-negative values of v[n]: the answered
+ * queries whose metrics had the field. */
+static json_t *mean_or_null(const int64_t *v, int n, int64_t *sum_out) {
+    int64_t sum = 0;
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        if (v[i] >= 0) {
+            sum += v[i];
+            k++;
+        }
+    if (sum_out) *sum_out = sum;
+    return k ? json_real((double)sum / k) : json_null();
+}
+
 static int usage(void) {
-    fprintf(stderr, "usage: cb-load [--clients N] [--queries M] [--mode M] [--ratio R] [--max-tokens T] [--timeout MS]\n"
-                    "               [--json] ENDPOINT QUERIES.jsonl\n");
+    fprintf(stderr, "usage: cb-load [--clients N] [--queries M | --per-client M] [--mode M] [--ratio R] [--max-tokens T]\n"
+                    "               [--timeout MS] [--json] ENDPOINT QUERIES.jsonl\n");
     return 2;
 }
 
@@ -143,6 +200,10 @@ int main(int argc, char **argv) {
     for (; i < argc && argv[i][0] == '-'; i++) {
         if (!strcmp(argv[i], "--clients") && i + 1 < argc) clients = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--queries") && i + 1 < argc) L.total = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--per-client") && i + 1 < argc) {
+            L.per_client = atoi(argv[++i]);
+            if (L.per_client < 1) return usage();
+        }
         else if (!strcmp(argv[i], "--mode") && i + 1 < argc) L.mode = argv[++i];
         else if (!strcmp(argv[i], "--ratio") && i + 1 < argc) L.ratio = atof(argv[++i]);
         else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc) L.max_tokens = atoi(argv[++i]);
@@ -151,6 +212,12 @@ int main(int argc, char **argv) {
         else return usage();
     }
     if (i + 2 != argc || clients < 1 || clients > MAX_CLIENTS || L.timeout_ms < 1) return usage();
+    if (L.per_client > 0 && L.total > 0) {
+        fprintf(stderr, "cb-load: --queries and --per-client exclude each other\n");
+        return usage();
+    }
+    if (L.per_client > 0 && L.per_client > (1 << 24) / clients) return usage();
+    L.clients = clients;
     L.endpoint = argv[i];
     json_t *qs = json_array();
     FILE *f = fopen(argv[i + 1], "r");
@@ -171,23 +238,45 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cb-load: no queries in %s\n", argv[i + 1]);
         return 2;
     }
-    if (L.total <= 0) L.total = (int)json_array_size(qs);
+    if (L.per_client > 0) L.total = clients * L.per_client;
+    else if (L.total <= 0) L.total = (int)json_array_size(qs);
     L.queries = qs;
     L.ttft = calloc((size_t)L.total, sizeof(double));
     L.tot = calloc((size_t)L.total, sizeof(double));
+    L.gen = calloc((size_t)L.total, sizeof(int64_t));
+    L.prompt = calloc((size_t)L.total, sizeof(int64_t));
+    if (!L.ttft || !L.tot || !L.gen || !L.prompt) {
+        fprintf(stderr, "cb-load: out of memory\n");
+        return 2;
+    }
+    for (int q = 0; q < L.total; q++) { /* a client that fails to start fills nothing */
+        L.ttft[q] = L.tot[q] = -1;
+        L.gen[q] = L.prompt[q] = -1;
+    }
     atomic_init(&L.next, 0);
     atomic_init(&L.errors, 0);
     atomic_init(&L.overloaded, 0);
     zsys_init();
     pthread_t th[MAX_CLIENTS];
+    client_arg_t args[MAX_CLIENTS];
     double t0 = cb_now_ms();
-    for (int c = 0; c < clients; c++) pthread_create(&th[c], NULL, client, &L);
+    for (int c = 0; c < clients; c++) {
+        args[c] = (client_arg_t){.L = &L, .index = c};
+        pthread_create(&th[c], NULL, client, &args[c]);
+    }
     for (int c = 0; c < clients; c++) pthread_join(th[c], NULL);
     double wall = (cb_now_ms() - t0) / 1000.0;
     int errors = atomic_load(&L.errors), ok = L.total - errors, overloaded = atomic_load(&L.overloaded);
     json_t *out = json_pack("{s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:o, s:o}", "clients", clients, "queries", L.total, "ok",
                             ok, "errors", errors, "overloaded", overloaded, "wall_s", wall, "qps", wall > 0 ? ok / wall : 0.0, "ttft_ms",
                             summary(L.ttft, L.total), "total_ms", summary(L.tot, L.total));
+    int64_t gen_sum = 0;
+    json_t *gen_mean = mean_or_null(L.gen, L.total, &gen_sum);
+    json_object_set_new(out, "per_client", L.per_client > 0 ? json_integer(L.per_client) : json_null());
+    json_object_set_new(out, "tokens_generated", json_integer(gen_sum));
+    json_object_set_new(out, "tokens_per_s", json_real(wall > 0 ? (double)gen_sum / wall : 0.0));
+    json_object_set_new(out, "generated_mean", gen_mean);
+    json_object_set_new(out, "prompt_tokens_mean", mean_or_null(L.prompt, L.total, NULL));
     if (json) {
         json_dumpf(out, stdout, JSON_COMPACT);
         fputc('\n', stdout);
@@ -201,5 +290,7 @@ int main(int argc, char **argv) {
     json_decref(qs);
     free(L.ttft);
     free(L.tot);
+    free(L.gen);
+    free(L.prompt);
     return errors ? 1 : 0;
 }
