@@ -264,8 +264,8 @@ static const char *health(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, 
         return why;
     }
     if (age > (double)b->stuck_ms) {
-        snprintf(why, whylen, "the step loop is stuck: no step for %.0f ms with %d queries running (blend.stuck_ms "
-                 "= %lld)", age, atomic_load(&b->stats.running), (long long)b->stuck_ms);
+        snprintf(why, whylen, "the step loop is stuck: no step for %.0f ms with %d queries in flight (blend.stuck_ms "
+                 "= %lld)", age, b->n_inflight, (long long)b->stuck_ms);
         return why;
     }
     return NULL;

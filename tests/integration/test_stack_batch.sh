@@ -8,7 +8,8 @@
 #   3. pool exhaustion under load (a KV pool that holds two of these prompts but not their answers):
 #      the newest running query ends `overloaded` (cbctl exit 3), the others are answered, no block
 #      leaks, and the service keeps answering with the answer it gave alone;
-#   4. health: ping answers with the step loop's age; stats shows running/waiting and the step counters.
+#   4. health: ping answers with the step loop's age, and fails while the loop is stuck (a retrieval held by
+#      a stopped cb-retriever); stats shows running/waiting and the step counters.
 . "$(dirname "$0")/lib/stack.bash"
 stack_setup
 export CB_BLEND_MAX_SEQS=8 CB_BLEND_MAX_QUEUE=16
@@ -73,6 +74,23 @@ cbctl stats blend >"$T/stats.txt"
 grep -q "step loop" "$T/stats.txt" && echo "ok: cbctl stats shows the step loop: $(grep 'step loop' "$T/stats.txt")" \
   || { echo "FAIL: no step loop line in cbctl stats"; FAILS=$((FAILS+1)); }
 svc_stop blend
+
+# 4b. a stuck step loop: with cb-retriever stopped, a query that needs it holds the worker in its retrieval
+# (blend.retriever_timeout_ms, twice) and ping says why; once it answers again, so does ping
+export CB_BLEND_RETRIEVER_TIMEOUT_MS=2000 CB_BLEND_STUCK_MS=500
+stack_start blend blend1 || svc_finish
+kill -STOP "${SVC_PID[retriever]}"
+"$CBCTL" query --mode blend "${QS[0]}" >"$T/stuck.out" 2>"$T/stuck.err" & sp=$!
+sleep 1.5
+ping=$(send "$BL" '{"type":"ping"}')
+check "ping while the step loop is stuck: unavailable" "$(jget "$ping" ok)/$(jget "$ping" error.code)" "false/unavailable"
+echo "ping said: $(jget "$ping" error.message)"
+kill -CONT "${SVC_PID[retriever]}"
+wait $sp; echo "the stuck query ended with $? ($(head -c 200 "$T/stuck.err"))"
+pingok() { [ "$(jget "$(send "$BL" '{"type":"ping"}')" ok)" = true ]; }
+wait_until 20 pingok && echo "ok: ping is healthy again" || { echo "FAIL: ping still failing"; FAILS=$((FAILS+1)); }
+svc_stop blend1
+unset CB_BLEND_RETRIEVER_TIMEOUT_MS CB_BLEND_STUCK_MS
 
 # 3. a pool that holds two prompts, not their answers: after one query of 1 token, pool_blocks_peak - the
 # context's blocks = the blocks a prompt owns (OWN); a pool of context + 2 OWN admits two such queries and
