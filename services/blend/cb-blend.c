@@ -22,6 +22,7 @@
 #include "wire/bus.h"
 #include "wire/config.h"
 #include "wire/db.h"
+#include "fetch.h"
 #include "gen.h"
 #include "kv/kvmem.h"
 #include "base/log.h"
@@ -40,6 +41,7 @@ typedef struct {
 typedef struct {
     cb_bus_service_t *svc;
     zactor_t *worker;
+    zactor_t *fetcher;         /* retrieval for queries without contexts (fetch.h) */
     cb_kvmem_t *mem;
     gen_stats_t stats;
     defaults_t def;
@@ -69,6 +71,14 @@ static void list_remove(blendsvc_t *b, gen_query_t *q) {
     *pp = q->next;
     if (b->tail == q) b->tail = prev;
     b->n_inflight--;
+}
+
+/* Hands q (still ours) to the worker or the fetch thread: "QUERY" <q>. */
+static void to_actor(zactor_t *a, gen_query_t *q) {
+    zmsg_t *zm = zmsg_new();
+    zmsg_addstr(zm, "QUERY");
+    zmsg_addmem(zm, &q, sizeof q);
+    zmsg_send(&zm, a);
 }
 
 /* Parses and validates a query into a new gen_query_t; NULL with a code and reason. */
@@ -168,10 +178,7 @@ static void on_query(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
     b->tail = q;
     b->n_inflight++;
     b->accepted++;
-    zmsg_t *zm = zmsg_new();
-    zmsg_addstr(zm, "QUERY");
-    zmsg_addmem(zm, &q, sizeof q);
-    zmsg_send(&zm, b->worker);
+    to_actor(q->retrieve ? b->fetcher : b->worker, q); /* without contexts: retrieval first */
 }
 
 /* Relays a stream message; a failed send cancels the query. */
@@ -215,6 +222,43 @@ static int on_worker(zloop_t *loop, zsock_t *sock, void *arg) {
             gen_query_free(&q);
         }
         zframe_destroy(&body);
+    }
+    zstr_free(&what);
+    zmsg_destroy(&zm);
+    return rc;
+}
+
+/* The fetch thread: a query with its retrieved contexts goes on to the worker; a failed one ends here. */
+static int on_fetch(zloop_t *loop, zsock_t *sock, void *arg) {
+    (void)loop;
+    blendsvc_t *b = arg;
+    zmsg_t *zm = zmsg_recv(sock);
+    if (!zm) return zsys_interrupted ? -1 : 0;
+    char *what = zmsg_popstr(zm);
+    int rc = 0;
+    if (what && strcmp(what, "FATAL") == 0) {
+        char *msg = zmsg_popstr(zm);
+        cb_log(CB_LOG_ERROR, NULL, "the retrieval thread cannot run (%s): exiting", msg ? msg : "?");
+        zstr_free(&msg);
+        b->fatal = true;
+        cb_bus_service_stop(b->svc);
+        rc = -1;
+    } else if (what && (strcmp(what, "FETCHED") == 0 || strcmp(what, "FAILED") == 0)) {
+        zframe_t *f = zmsg_pop(zm);
+        gen_query_t *q = NULL;
+        if (f && zframe_size(f) == sizeof q) memcpy(&q, zframe_data(f), sizeof q);
+        zframe_destroy(&f);
+        if (q && what[1] == 'E') {
+            to_actor(b->worker, q);
+        } else if (q) {
+            zframe_t *body = zmsg_pop(zm);
+            if (body && zframe_size(body) > 0) relay(q, zframe_data(body), zframe_size(body));
+            zframe_destroy(&body);
+            atomic_fetch_add(&b->stats.queries_failed, 1);
+            list_remove(b, q);
+            cb_bus_req_destroy(&q->req);
+            gen_query_free(&q);
+        }
     }
     zstr_free(&what);
     zmsg_destroy(&zm);
@@ -324,7 +368,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves query/ping/stats (docs/protocol.md §7) on blend.endpoint. Keys: endpoint, bind, mode, ratio,\n"
                "  check_layer, metric, leading_tokens, k, max_tokens, temperature, top_p, seed, ctx_size, max_queue,\n"
-               "  max_seqs, max_batch_tokens, stuck_ms,\n"
+               "  max_seqs, max_batch_tokens, stuck_ms, fault_step_delay_ms (tests),\n"
                "  hot_cache_bytes, kv_pool_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
                "  cacheindex_timeout_ms, and common.* (data_dir, kv_dir, model, threads, ...).\n"
                "  Environment CB_BLEND_<KEY> overrides the file.\n");
@@ -340,7 +384,7 @@ int main(int argc, char **argv) {
     static gen_args_t ga;
     int rc = 1;
     const char *mode, *metric, *model, *sys, *backend;
-    int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch;
+    int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch, fault_delay;
     bool store;
     if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "ratio", 0.0, 1.0, 0.15, &b.def.ratio, err, sizeof err) ||
@@ -354,6 +398,7 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "max_seqs", 1, 256, 16, &max_seqs, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_batch_tokens", 1, 1 << 20, 512, &max_batch, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "stuck_ms", 100, 3600000, 30000, &b.stuck_ms, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "fault_step_delay_ms", 0, 600000, 0, &fault_delay, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "ctx_size", 64, 1 << 20, 2048, &ctx, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, CB_BLEND_DEFAULT_CHECK_LAYER, &check, err, sizeof err) ||
@@ -395,11 +440,15 @@ int main(int argc, char **argv) {
     ga.threads = (int)threads;
     ga.max_seqs = b.max_seqs = (int)max_seqs;
     ga.max_batch_tokens = (int)max_batch;
+    ga.fault_step_delay_ms = (int)fault_delay;
+    if (fault_delay > 0) cb_log(CB_LOG_WARN, NULL, "fault injection: every busy step sleeps %lld ms", (long long)fault_delay);
     ga.check_layer = (int)check;
     ga.metric = metric[0];
     ga.lead_tokens = (int)lead;
     ga.store_misses = store;
-    ga.retriever_timeout_ms = (int)rt;
+    static fetch_args_t fa;
+    fa.cfg = cfg;
+    fa.timeout_ms = (int)rt;
     ga.cacheindex_timeout_ms = (int)ct;
     ga.stats = &b.stats;
     cb_config_log(cfg, SECTION);
@@ -421,15 +470,21 @@ int main(int argc, char **argv) {
         cb_log(CB_LOG_ERROR, NULL, "cannot start the worker thread");
         goto out;
     }
+    if (!(b.fetcher = zactor_new(fetch_actor, &fa))) {
+        cb_log(CB_LOG_ERROR, NULL, "cannot start the retrieval thread");
+        goto out;
+    }
     zloop_t *loop = cb_bus_service_loop(b.svc);
     zloop_reader(loop, (zsock_t *)b.worker, on_worker, &b);
+    zloop_reader(loop, (zsock_t *)b.fetcher, on_fetch, &b);
     zloop_timer(loop, (size_t)(b.heartbeat_ms < 100 ? b.heartbeat_ms : 100), 0, on_heartbeat, &b);
     cb_bus_service_on(b.svc, "query", on_query, &b);
     cb_bus_service_set_stats(b.svc, stats_extra, &b);
     cb_bus_service_set_health(b.svc, health, &b);
     rc = cb_bus_service_run(b.svc) == 0 && !b.fatal ? 0 : 1;
 out:
-    zactor_destroy(&b.worker); /* $TERM: the worker stops at the next token */
+    zactor_destroy(&b.fetcher); /* $TERM: it stops after the call in progress (SIGTERM interrupts that) */
+    zactor_destroy(&b.worker);  /* $TERM: the worker stops at the next step */
     while (b.head) {
         gen_query_t *q = b.head;
         b.head = q->next;

@@ -58,9 +58,7 @@ typedef struct query {
     gen_query_t *q;
     uint64_t order;                          /* admission number: the newest is preempted first */
     qmetrics_t mt;
-    char *rtexts[GEN_MAX_CONTEXTS];          /* retrieved contexts (owned) */
-    size_t rlens[GEN_MAX_CONTEXTS];
-    char **texts;                            /* [n] the contexts: q's or rtexts */
+    char **texts;                            /* [n] the contexts (q's) */
     size_t *lens;
     int n;
     int32_t *ctoks[GEN_MAX_CONTEXTS];        /* [n] chunk tokens (owned) */
@@ -102,7 +100,6 @@ typedef struct {
     cb_seq_t **b_seq;             /* [n_slots] */
     int32_t *b_tok, *b_pos;       /* [n_slots] */
     float *b_logits;              /* [n_slots][n_vocab] */
-    cb_bus_client_t *retriever;
     notify_args_t na;             /* the notifier's arguments (it borrows them) */
     zactor_t *notifier;           /* cache-index touches and puts, off the token path (notify.h) */
     cb_msg_writer_t *w;
@@ -180,7 +177,6 @@ static void gen_free(gen_t *g) {
     atomic_store(&g->na.stopping, true); /* the queued notices are dropped, not sent one by one */
     zactor_destroy(&g->notifier);
     cb_bus_client_destroy(&g->na.index); /* when the actor never took it over */
-    cb_bus_client_destroy(&g->retriever);
     cb_msg_writer_destroy(&g->w);
     cb_blend_destroy(&g->blend); /* cancels a call in progress */
     for (int i = 0; g->slots && i < g->n_slots; i++) {
@@ -234,14 +230,13 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
         snprintf(err, errlen, "blend.ctx_size %d is too small for the prompt prefix (%d tokens)", ctx, g->n_prefix);
         return -1;
     }
-    cb_engine_opts_t eo = {.max_ctx = ctx, .kv_pool_bytes = a->kv_pool_bytes, .block_tokens = 0};
+    /* default pool: every slot a whole context, and one more for the store's context and chunk misses
+     * (address space; pages are touched as blocks are first used) */
+    cb_engine_opts_t eo = {.max_ctx = ctx, .kv_pool_bytes = a->kv_pool_bytes, .kv_pool_seqs = a->max_seqs + 1};
     if (!(g->engine = cb_engine_new_opts(g->model, &eo, err, errlen))) return -1;
     if (a->threads > 0) cb_engine_set_threads(g->engine, a->threads);
     if (!(g->store = cb_kvstore_new(g->engine, a->kv_dir, a->mem, CB_KV_F16, err, errlen))) return -1;
     if (!(g->blend = cb_blend_new(g->store, err, errlen))) return -1;
-    if (!(g->retriever = cb_bus_client_from_config(a->cfg, "blend", "retriever", err, errlen))) return -1;
-    /* queries wait on it: one retry */
-    cb_bus_client_set_timeout(g->retriever, a->retriever_timeout_ms, 1);
     g->n_vocab = hp->n_vocab;
     g->w = cb_msg_writer_new();
     g->logits = malloc((size_t)g->n_vocab * sizeof(float));
@@ -316,10 +311,7 @@ static size_t utf8_feed(utf8_stream_t *u, const unsigned char *in, size_t n, boo
 
 /* Frees what the query owns and clears it; the slot keeps its (empty) sequence. */
 static void query_reset(query_t *r) {
-    for (int i = 0; i < GEN_MAX_CONTEXTS; i++) {
-        free(r->rtexts[i]);
-        free(r->ctoks[i]);
-    }
+    for (int i = 0; i < GEN_MAX_CONTEXTS; i++) free(r->ctoks[i]);
     free(r->suffix);
     free(r->text);
     cb_sampler_destroy(&r->sampler);
@@ -337,60 +329,14 @@ static void send_error(gen_t *g, gen_query_t *q, cb_err_t code, const char *msg)
     to_loop(g, "DONE", q, d, d ? len : 0);
 }
 
-/* Asks cb-retriever for the top k chunks. Fills texts/lens (caller frees each text). Returns the count,
- * or -1 with *code and err. */
-static int retrieve(gen_t *g, gen_query_t *q, char **texts, size_t *lens, cb_err_t *code, char *err, size_t errlen) {
-    char id[CB_MSG_MAX_ID + 1];
-    snprintf(id, sizeof id, "%.40s.r", q->id);
-    cb_msg_begin(g->w, "search", id);
-    cb_msg_put_str(g->w, "query", q->question);
-    cb_msg_put_int(g->w, "k", q->k);
-    char e[512];
-    cb_msg_t *r = cb_bus_call_ok(g->retriever, g->w, code, e, sizeof e);
-    if (!r) {
-        snprintf(err, errlen, "cb-retriever: %s", e);
-        if (*code != CB_ERR_TIMEOUT && *code != CB_ERR_UNAVAILABLE) *code = CB_ERR_UNAVAILABLE;
-        return -1;
-    }
-    size_t n = 0;
-    if (!cb_msg_array_len(r, "hits", (size_t)q->k, &n)) {
-        snprintf(err, errlen, "cb-retriever: invalid reply: %s", cb_msg_last_error(r));
-        *code = CB_ERR_INTERNAL;
-        cb_msg_destroy(&r);
-        return -1;
-    }
-    int got = 0;
-    for (size_t i = 0; i < n; i++) {
-        const cb_msg_t *h = cb_msg_at_map(r, "hits", i);
-        const char *s;
-        size_t len;
-        if (!h || !cb_msg_str(h, "text", MAX_CONTEXT_BYTES, &s, &len)) continue;
-        texts[got] = malloc(len + 1);
-        if (!texts[got]) break;
-        memcpy(texts[got], s, len);
-        texts[got][len] = 0;
-        lens[got++] = len;
-    }
-    cb_msg_destroy(&r);
-    return got;
-}
-
-/* 1. The contexts: the query's, or the top k from cb-retriever. 0, or -1 with *code and err. */
-static int gather_contexts(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t errlen) {
+/* 1. The contexts: the query's own, or those cb-retriever gave it (fetch.h). */
+static void gather_contexts(query_t *r) {
     gen_query_t *q = r->q;
     r->texts = q->contexts;
     r->lens = q->context_lens;
     r->n = q->n_contexts;
-    if (q->retrieve) {
-        double t = cb_now_ms();
-        r->n = retrieve(g, q, r->rtexts, r->rlens, code, err, errlen);
-        r->mt.retrieve_ms = cb_now_ms() - t;
-        if (r->n < 0) return -1;
-        r->texts = r->rtexts;
-        r->lens = r->rlens;
-    }
+    r->mt.retrieve_ms = q->retrieve_ms;
     r->mt.n_chunks = r->n;
-    return 0;
 }
 
 /* 2. The prompt pieces (P is the store's context): chunk and suffix tokens, N, the decode budget. 0, or -1
@@ -639,8 +585,8 @@ static void reap_cancelled(gen_t *g) {
     }
 }
 
-/* Free slots take queued queries in arrival order: contexts (cb-retriever when the query has none) and
- * prompt pieces; the blend waits for its turn. */
+/* Free slots take queued queries in arrival order: their contexts and prompt pieces; the blend waits for
+ * its turn. */
 static void admit(gen_t *g) {
     for (int i = 0; i < g->n_slots && zlist_size(g->fifo) > 0; i++) {
         query_t *r = &g->slots[i];
@@ -658,7 +604,8 @@ static void admit(gen_t *g) {
         r->mt.queue_ms = cb_now_ms() - q->t_recv_ms;
         char err[1024] = "";
         cb_err_t code = CB_ERR_INTERNAL;
-        if (gather_contexts(g, r, &code, err, sizeof err) != 0 || build_prompt(g, r, &code, err, sizeof err) != 0) {
+        gather_contexts(r);
+        if (build_prompt(g, r, &code, err, sizeof err) != 0) {
             send_error(g, q, code, err);
             query_reset(r);
             continue;
@@ -791,6 +738,14 @@ static void decode_step(gen_t *g) {
     }
 }
 
+/* A slot is taken or a query queued. */
+static bool has_work(const gen_t *g) {
+    if (zlist_size(g->fifo) > 0) return true;
+    for (int i = 0; i < g->n_slots; i++)
+        if (g->slots[i].state != SLOT_FREE) return true;
+    return false;
+}
+
 /* The loop's view of the worker (stats, health). */
 static void publish_loop(gen_t *g, bool busy) {
     gen_stats_t *s = g->a->stats;
@@ -821,10 +776,11 @@ void gen_actor(zsock_t *pipe, void *args) {
            cb_engine_backend_name(g.engine), g.n_slots, g.a->max_batch_tokens, g.a->kv_dir);
     zstr_send(pipe, "READY");
     while (!g.term) {
-        bool busy = zlist_size(g.fifo) > 0;
-        for (int i = 0; i < g.n_slots && !busy; i++) busy = g.slots[i].state != SLOT_FREE;
-        publish_loop(&g, busy);
+        bool busy = has_work(&g);
+        publish_loop(&g, busy); /* idle while it waits for a query */
         if (poll_pipe(&g, busy ? 0 : -1)) break;
+        publish_loop(&g, has_work(&g)); /* the step starts */
+        if (g.a->fault_step_delay_ms > 0 && has_work(&g)) zclock_sleep(g.a->fault_step_delay_ms); /* tests only */
         atomic_fetch_add(&g.a->stats->steps, 1);
         reap_cancelled(&g);
         admit(&g);

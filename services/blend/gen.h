@@ -1,10 +1,10 @@
 /* gen: cb-blend's generation worker, a zactor thread that owns the engine (and its KV pool), the chunk
  * store, the blend, the running queries (blend.max_seqs slots, each with its own engine sequence and
- * sampler), the client of cb-retriever and the cache-index notifier (notify.h), and serves them with
+ * sampler) and the cache-index notifier (notify.h), and serves them with
  * continuous batching: a step loop in which every step
  *   1. ends the queries whose client went away (their blocks go back to the pool now);
- *   2. admits queued queries (FIFO) into free slots: the contexts (cb-retriever's top k when the query has
- *      none) and the prompt pieces (ragprompt.h);
+ *   2. admits queued queries (FIFO) into free slots: the prompt pieces (ragprompt.h) of their contexts
+ *      (a query sent without contexts comes with cb-retriever's top k, from the fetch thread: fetch.h);
  *   3. runs one slice of the fused prefill of the oldest admitted query (cb_blend_step: about
  *      blend.max_batch_tokens tokens of prefill compute; a blend is one call in slices, its KV loads
  *      overlapped by the blend's loader thread, so a long blend delays the others' next token by one slice
@@ -17,8 +17,7 @@
  * the step runs without it. Chunk KV comes from the store (kvstore.h: memory tier, then its KV file; a
  * chunk that is not there, or whose file fails any check, is computed and written). Nothing waits for
  * cb-cacheindex: once a query's first token has gone out, the notifier is told to `touch` the chunks read
- * and `put` the ones computed now. Retrieval runs in the worker (it holds the step loop for up to
- * blend.retriever_timeout_ms, twice). Metrics: docs/protocol.md §7.
+ * and `put` the ones computed now. The step loop waits on no socket. Metrics: docs/protocol.md §7.
  *
  * Threads and ownership: the loop thread allocates a gen_query_t, sends its pointer to the actor
  * ("QUERY"), and keeps ownership: it frees the query only after the actor's "DONE" for it (or after the
@@ -53,10 +52,12 @@ typedef struct gen_query {
     /* set by the loop before "QUERY"; read-only afterwards */
     char id[CB_MSG_MAX_ID + 1];
     char *question;                          /* NUL-terminated */
-    bool retrieve;                           /* no `contexts` field: ask cb-retriever for k chunks */
+    bool retrieve;                           /* no `contexts` field: cb-retriever's k chunks (fetch.h) */
     int n_contexts;
-    char *contexts[GEN_MAX_CONTEXTS];        /* [n_contexts] each NUL-terminated (no NUL inside) */
+    char *contexts[GEN_MAX_CONTEXTS];        /* [n_contexts] each NUL-terminated (no NUL inside); when
+                                                retrieve, filled by the fetch thread before "QUERY" */
     size_t context_lens[GEN_MAX_CONTEXTS];
+    double retrieve_ms;                      /* set by the fetch thread */
     int k;
     cb_blend_mode_t mode;
     double ratio;
@@ -104,15 +105,15 @@ typedef struct {
     char kv_dir[4096];           /* must exist */
     char system_prompt[2048];
     int ctx_size;
-    size_t kv_pool_bytes;        /* engine KV pool budget; 0 = the engine's default (two ctx_size sequences) */
+    size_t kv_pool_bytes;        /* engine KV pool budget; 0 = max_seqs + 1 sequences of ctx_size */
     int threads;
     int max_seqs;                /* queries running at once (slots), >= 1 */
     int max_batch_tokens;        /* prefill compute per step, in tokens (cb_blend_step's budget), >= 1 */
+    int fault_step_delay_ms;     /* fault injection (tests): every busy step first sleeps this long; 0 = off */
     int check_layer;
     char metric;                 /* 'a', 'k' or 'v' (blend.h) */
     int lead_tokens;
     bool store_misses;           /* `put` computed chunks into cb-cacheindex */
-    int retriever_timeout_ms;
     int cacheindex_timeout_ms;   /* per touch/put of the notifier (one attempt) */
     cb_kvmem_t *mem;             /* borrowed, thread-safe: the in-memory tier */
     gen_stats_t *stats;          /* borrowed */
