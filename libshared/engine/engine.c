@@ -126,7 +126,8 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->seq_max_blocks = (max_ctx + bt - 1) / bt;
     const size_t vb = e->be->kv_value_bytes > 0 ? (size_t)e->be->kv_value_bytes : 4;
     e->block_bytes = 2 * vb * (size_t)hp->n_layer * bt * e->KVD;
-    size_t nb = o->kv_pool_bytes ? o->kv_pool_bytes / e->block_bytes : 2 * (size_t)e->seq_max_blocks + 1;
+    const size_t seqs = o->kv_pool_seqs > 0 ? (size_t)o->kv_pool_seqs : 2;
+    size_t nb = o->kv_pool_bytes ? o->kv_pool_bytes / e->block_bytes : seqs * (size_t)e->seq_max_blocks + 1;
     if (nb < 1) {
         cb_set_err(err, errlen, "engine: KV pool budget %zu bytes is below one block (%zu bytes)", o->kv_pool_bytes,
                  e->block_bytes);
@@ -164,7 +165,7 @@ fail:
 }
 
 cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size_t errlen) {
-    cb_engine_opts_t o = {max_ctx, 0, 0};
+    cb_engine_opts_t o = {.max_ctx = max_ctx};
     return cb_engine_new_opts(model, &o, err, errlen);
 }
 

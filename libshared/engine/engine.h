@@ -65,8 +65,9 @@ const char *cb_engine_status_str(int status);
 
 typedef struct {
     int max_ctx;             /* positions per sequence, 1..1<<20 */
-    size_t kv_pool_bytes;    /* KV pool budget (K and V of every layer); 0 = two sequences of max_ctx */
+    size_t kv_pool_bytes;    /* KV pool budget (K and V of every layer); 0 = kv_pool_seqs sequences of max_ctx */
     int block_tokens;        /* positions per block; 0 = CB_ENGINE_BLOCK_TOKENS */
+    int kv_pool_seqs;        /* with kv_pool_bytes 0: sequences of max_ctx the pool holds; 0 = 2 */
 } cb_engine_opts_t;
 
 /* Creates an engine: sequences of up to o->max_ctx positions, a KV pool of floor(kv_pool_bytes /

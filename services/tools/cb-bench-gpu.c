@@ -333,7 +333,7 @@ static void eng_open(const opts_t *o, int max_ctx, size_t mem_budget, eng_t *g) 
     printf("  engine model: %s geometry with %d of its %d layers (bf16), written in %.1f s and loaded in %.1f s\n",
            o->shape_name, s.n_layer, o->s.n_layer, (t1 - t0) / 1e3, (now_ms() - t1) / 1e3);
     cb_backend_set_default_kind(CB_BACKEND_CUDA);
-    cb_engine_opts_t eo = {max_ctx, 0, 0};
+    cb_engine_opts_t eo = {.max_ctx = max_ctx};
     g->e = cb_engine_new_opts(g->model, &eo, err, sizeof err);
     if (!g->e) DIE("CUDA engine: %s", err);
     if (strcmp(cb_engine_backend_name(g->e), "cuda") != 0) DIE("the engine got backend %s", cb_engine_backend_name(g->e));

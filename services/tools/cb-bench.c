@@ -137,7 +137,7 @@ int main(int argc, char **argv) {
      * enough where the backend stores less) */
     const cb_hparams_t *bhp = cb_model_hparams(m);
     const size_t per_pos = 2 * sizeof(float) * (size_t)bhp->n_layer * bhp->n_head_kv * bhp->head_dim;
-    cb_engine_opts_t eo = {(int)ctx, 0, 0};
+    cb_engine_opts_t eo = {.max_ctx = (int)ctx};
     if (batch > 0) eo.kv_pool_bytes = per_pos * ((size_t)2 * ctx + (size_t)batch * (64 + 2 * CB_ENGINE_BLOCK_TOKENS));
     cb_engine_t *e = cb_engine_new_opts(m, &eo, err, sizeof err);
     cb_seq_t *seq = e ? cb_seq_new(e) : NULL;

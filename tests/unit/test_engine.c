@@ -1067,7 +1067,7 @@ static int batch_matches_alone(cb_model_t *m, int N, int steps, int max_ctx) {
     cb_engine_t *e1 = cb_engine_new(m, max_ctx, err, sizeof err), *e = NULL;
     if (e1) { /* a pool for N sequences of max_ctx */
         cb_engine_pool_stats_t st = pool_stats(e1);
-        cb_engine_opts_t o = {max_ctx, (size_t)N * (size_t)((max_ctx + st.block_tokens - 1) / st.block_tokens) *
+        cb_engine_opts_t o = {.max_ctx = max_ctx, .kv_pool_bytes = (size_t)N * (size_t)((max_ctx + st.block_tokens - 1) / st.block_tokens) *
                                            st.block_bytes, 0};
         e = cb_engine_new_opts(m, &o, err, sizeof err);
     }
@@ -1144,7 +1144,7 @@ TEST(test_decode_batch) {
     static const int Ns[] = {1, 2, 7, 16};
     for (size_t k = 0; k < sizeof Ns / sizeof Ns[0]; k++) CHECK_MSG(batch_matches_alone(m, Ns[k], 8, 96) == 0, "N=%d", Ns[k]);
     /* bad batches and a pool that cannot hold the step */
-    cb_engine_opts_t o = {96, 0, 0};
+    cb_engine_opts_t o = {.max_ctx = 96};
     cb_engine_t *probe = cb_engine_new(m, 96, err, sizeof err);
     CHECK(probe);
     o.kv_pool_bytes = 3 * pool_stats(probe).block_bytes;
