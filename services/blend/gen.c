@@ -528,12 +528,15 @@ static void slot_end(gen_t *g, query_t *r) {
     g->pool_wait = false; /* blocks came back: a query waiting for them may try again */
 }
 
+/* (The cache-index notice is made before the "DONE": after it, the loop may free the query.) */
 static void slot_fail(gen_t *g, query_t *r, cb_err_t code, const char *msg) {
+    notify_index(g, r);
     send_error(g, r->q, code, msg);
     slot_end(g, r);
 }
 
 static void slot_cancelled(gen_t *g, query_t *r) {
+    notify_index(g, r);
     atomic_fetch_add(&g->a->stats->queries_cancelled, 1);
     cb_log(CB_LOG_INFO, r->q->id, "query cancelled (the client went away) after %d tokens", r->mt.n_gen);
     to_loop(g, "DONE", r->q, NULL, 0);
@@ -588,26 +591,27 @@ static void reap_cancelled(gen_t *g) {
 /* Free slots take queued queries in arrival order: their contexts and prompt pieces; the blend waits for
  * its turn. */
 static void admit(gen_t *g) {
-    for (int i = 0; i < g->n_slots && zlist_size(g->fifo) > 0; i++) {
+    int i = 0;
+    while (zlist_size(g->fifo) > 0) {
+        while (i < g->n_slots && g->slots[i].state != SLOT_FREE) i++;
+        if (i == g->n_slots) return;
         query_t *r = &g->slots[i];
-        if (r->state != SLOT_FREE) continue;
         gen_query_t *q = zlist_pop(g->fifo);
         if (atomic_load(&q->cancelled)) {
             atomic_fetch_add(&g->a->stats->queries_cancelled, 1);
             to_loop(g, "DONE", q, NULL, 0);
-            i--; /* the slot is still free */
             continue;
         }
         to_loop(g, "START", q, NULL, 0);
         r->q = q;
         r->order = ++g->n_admitted;
         r->mt.queue_ms = cb_now_ms() - q->t_recv_ms;
+        gather_contexts(r);
         char err[1024] = "";
         cb_err_t code = CB_ERR_INTERNAL;
-        gather_contexts(r);
         if (build_prompt(g, r, &code, err, sizeof err) != 0) {
             send_error(g, q, code, err);
-            query_reset(r);
+            query_reset(r); /* the slot stays free */
             continue;
         }
         r->state = SLOT_WAITING;
