@@ -50,6 +50,8 @@
 #   BENCH_SERVE_PORT (5760)         ports PORT..PORT+4
 #   BENCH_SERVE_OUT (results/bench-serve)
 #   BENCH_SERVE_INGEST_TIMEOUT (3600)  seconds for the whole ingest
+#   BENCH_SERVE_STATE (unset)       keep the stack's state in this folder (not removed) and reuse a finished
+#                                   ingest of the same documents found there (saves the ingest on a rerun)
 #   BENCH_SERVE_QUERY_BOUND_S (60)  a point is stopped after N x per-client x this + 300 s (a bound only)
 #   CB_COMMON_THREADS (2), CB_MODEL; any other CB_<SECTION>_<KEY> is passed on to the services, e.g. the
 #   batched cb-blend's CB_BLEND_MAX_SEQS, CB_BLEND_MAX_BATCH_TOKENS, CB_BLEND_KV_POOL_BYTES (16 sequences
@@ -108,7 +110,8 @@ BLEND_BIN=$(abspath "$BLEND_BIN"); [ -x "$BLEND_BIN" ] || die "BENCH_SERVE_BLEND
 if [ -n "$BASE_BIN" ]; then BASE_BIN=$(abspath "$BASE_BIN"); [ -x "$BASE_BIN" ] || die "BENCH_SERVE_BASE: $BASE_BIN is not executable"; fi
 [ "$NDOCEX" -ge "$NQ" ] || NDOCEX=$NQ
 
-TMP=$(mktemp -d /tmp/cb-bench-serve.XXXXXX)
+if [ -n "${BENCH_SERVE_STATE:-}" ]; then TMP=$(abspath "$BENCH_SERVE_STATE"); mkdir -p "$TMP"
+else TMP=$(mktemp -d /tmp/cb-bench-serve.XXXXXX); fi
 export CB_DATA_DIR="$TMP/var"
 export CB_RETRIEVER_ENDPOINT=tcp://127.0.0.1:$PORT CB_CACHEINDEX_ENDPOINT=tcp://127.0.0.1:$((PORT + 1))
 export CB_PRECOMPUTE_ENDPOINT=tcp://127.0.0.1:$((PORT + 2)) CB_PRECOMPUTE_PULL_ENDPOINT=tcp://127.0.0.1:$((PORT + 3))
@@ -142,7 +145,7 @@ cleanup() {
   stop_blend
   scripts/stack.sh stop >/dev/null 2>&1
   if [ -d "$LOG" ]; then mkdir -p "$OUTDIR/logs" && cp "$LOG"/*.log "$OUTDIR/logs/" 2>/dev/null; fi
-  rm -rf "$TMP"
+  [ -n "${BENCH_SERVE_STATE:-}" ] || rm -rf "$TMP"
   exit $rc
 }
 trap cleanup EXIT
@@ -201,8 +204,12 @@ scripts/stack.sh start >/dev/null || die "the stack did not start"
 CUR_BIN=$ROOT/build/bin/cb-blend
 BLEND_PID=$(cat "$RUN/blend.pid")
 
-# ---- ingest
+# ---- ingest (skipped when BENCH_SERVE_STATE holds a finished one of the same documents)
 T0=$SECONDS
+if [ -f "$TMP/ingested" ] && [ "$(cat "$TMP/ingested")" = "$NPASS" ]; then
+  echo "bench-serve: reusing the ingest of $NPASS passages in $TMP"
+  INGEST_S=0
+else
 build/bin/cbctl -q ingest "$TMP/docs.jsonl" || die "cbctl ingest failed"
 echo "bench-serve: $NPASS passages acknowledged; waiting for cb-precompute (chunks, KV files, index)"
 last="" last_t=$SECONDS t_print=0
@@ -224,6 +231,8 @@ INGEST_S=$((SECONDS - T0))
 RJS=$(stats_of "$CB_RETRIEVER_ENDPOINT")
 echo "bench-serve: ingest done in $INGEST_S s: $d documents, $c chunks (${f} failed); retriever: $(jget "$RJS" chunks) chunks"
 [ "$f" -eq 0 ] || echo "bench-serve: warning: $f documents failed in cb-precompute" >&2
+echo "$NPASS" >"$TMP/ingested"
+fi
 
 # ---- cb-blend binaries
 start_blend() { # BIN: start it, wait for its worker, warm it up
