@@ -200,14 +200,10 @@ static void cpu_host_free(void *ctx, void *p) {
 
 static void cpu_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, float *y, int ldy) {
     cpu_ctx_t *c = ctx;
-    if (n <= CB_CPU_MATVEC_MAX_ROWS || !w->f32) {
-        for (int i = 0; i < n; i += CB_CPU_MATVEC_MAX_ROWS) {
-            int k = n - i < CB_CPU_MATVEC_MAX_ROWS ? n - i : CB_CPU_MATVEC_MAX_ROWS;
-            cb_cpu_matvec(w, x + (size_t)i * w->cols, k, y + (size_t)i * ldy, ldy, c->mv_scratch, c->pool);
-        }
-    } else {
+    if (n <= CB_CPU_MATVEC_MAX_ROWS || !w->f32)
+        cb_cpu_matvec(w, x, n, y, ldy, c->mv_scratch, c->pool);
+    else
         cb_cpu_gemm(w, x, n, y, ldy, c->pool);
-    }
 }
 
 static void cpu_matmul_multi(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
@@ -219,6 +215,12 @@ static void cpu_matmul_multi(void *ctx, const cb_matmul_part_t *parts, int n_par
         return;
     }
     for (int p = 0; p < n_parts; p++) cpu_matmul(ctx, parts[p].w, x, n, parts[p].y, parts[p].ldy);
+}
+
+/* Decode batches: matvec for any n (each row with its own accumulators: what n = 1 gives it). */
+static void cpu_matmul_rowwise(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
+    cpu_ctx_t *c = ctx;
+    cb_cpu_matmul_multi(parts, n_parts, x, n, false, c->mv_scratch, c->pool);
 }
 
 typedef struct {
@@ -267,6 +269,13 @@ static void cpu_attention(void *ctx, const cb_attn_geom_t *g, const float *q, in
     cpu_ctx_t *c = ctx;
     cb_cpu_kv_t kv = kv_view(c, layer, t);
     cb_cpu_attention(g, q, n, &kv, key_limit, out, c->att_scratch, c->max_keys, c->pool);
+}
+
+static void cpu_attention_rows(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer,
+                               const cb_kv_table_t *t, const int32_t *key_limit, float *out) {
+    cpu_ctx_t *c = ctx;
+    cb_cpu_attention_rows(g, q, n, pool_layer(c, c->kpool, layer), pool_layer(c, c->vpool, layer), c->bt, t, key_limit,
+                          out, c->att_scratch, c->max_keys, c->pool);
 }
 
 typedef struct {
@@ -335,8 +344,10 @@ static const cb_backend_ops_t CPU_OPS = {
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
     .attention = cpu_attention,
+    .attention_rows = cpu_attention_rows,
     .swiglu = cpu_swiglu,
     .matmul_multi = cpu_matmul_multi,
+    .matmul_rowwise = cpu_matmul_rowwise,
     .add = cpu_add,
     .embed = cpu_embed,
     .host_alloc = cpu_host_alloc,

@@ -124,7 +124,7 @@ void cb_cpu_exp(const float *src, float *dst, size_t n) {
 
 /* ---------------------------------------------------------------- small ops */
 
-static float dot_f32(const float *a, const float *b, int n) {
+static inline __attribute__((always_inline)) float dot_f32(const float *a, const float *b, int n) {
     int i = 0;
     float s = 0.0f;
 #if CB_AVX512
@@ -256,59 +256,95 @@ void cb_cpu_embed(const cb_weight_t *table, const int32_t *tokens, int n, float 
 #if CB_AVX512
 #define MV_MAX_NB 256 /* blocks per row the scale-copy kernels handle (cols <= 8192) */
 
-/* Rows [o0, o1) of a Q4_1 matrix times n activation rows, with the block scales/mins as f32 copies:
- * sum_b d_b * (q_b · x_b) + sum_b m_b * (sum of x_b), so a block costs two nibble expansions, a mul and
- * two FMAs per activation row; the min term is one short dot per row. */
-static void matvec_q4_1(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
+/* The fused kernels are written once for R activation rows and inlined with R a constant (1..8) at each
+ * case of MV_ROWS_SWITCH, so that the R accumulators stay in registers; each weight block is expanded once
+ * for the R rows. Every row keeps its own accumulator and order of operations, so its result does not
+ * depend on R or on the other rows. (More than 8 rows per pass gains nothing: the pass is bound by the
+ * three multiply-adds per row and block, and the row pointers no longer fit the registers.) */
+#define MV_ROWS_SWITCH(R, call)                                                                          \
+    switch (R) {                                                                                         \
+    case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; case 4: call(4); break;       \
+    case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; case 8: call(8); break;       \
+    default: assert(0);                                                                                  \
+    }
+
+/* Rows [o0, o1) of a Q4_1 matrix times R activation rows, with the block scales/mins as f32 copies:
+ * sum_b d_b * (q_b · x_b) + sum_b m_b * xs_b, so a block costs two nibble expansions (for all R rows), a
+ * mul and two FMAs per activation row; the min term is one short dot per row.
+ * xs [R][MV_MAX_NB]: per row and block, the sum of the block's 32 activations. */
+static inline __attribute__((always_inline)) void q4_1_rows(const cb_weight_t *w, const float *x, const int R,
+                                                             const float (*xs)[MV_MAX_NB], float *y, int ldy,
+                                                             int o0, int o1) {
     const int nb = w->cols / 32, cols = w->cols;
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    float xs[CB_CPU_MATVEC_MAX_ROWS][MV_MAX_NB]; /* per row and block: sum of the 32 activations */
-    for (int r = 0; r < n; r++)
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (size_t)r * cols + 32 * b;
-            xs[r][b] = hsum16(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
-        }
     for (int o = o0; o < o1; o++) {
         const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes + 4;
         const float *d = w->scale + (size_t)o * nb, *mn = w->min + (size_t)o * nb;
-        __m512 acc[CB_CPU_MATVEC_MAX_ROWS];
-        for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+        __m512 acc[CB_CPU_MATVEC_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
         for (int b = 0; b < nb; b++, src += 20) {
             __m128i raw = _mm_loadu_si128((const __m128i *)src);
             __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, m4)));
             __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)));
             __m512 db = _mm512_set1_ps(d[b]);
-            for (int r = 0; r < n; r++) {
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
                 const float *xr = x + (size_t)r * cols + 32 * b;
                 __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xr));
                 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), t);
                 acc[r] = _mm512_fmadd_ps(db, t, acc[r]);
             }
         }
-        for (int r = 0; r < n; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]) + dot_f32(mn, xs[r], nb);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]) + dot_f32(mn, xs[r], nb);
     }
 }
 
-static void matvec_q8_0(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
+/* The same for Q8_0 (no min term). */
+static inline __attribute__((always_inline)) void q8_0_rows(const cb_weight_t *w, const float *x, const int R,
+                                                             float *y, int ldy, int o0, int o1) {
     const int nb = w->cols / 32, cols = w->cols;
     for (int o = o0; o < o1; o++) {
         const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes + 2;
         const float *d = w->scale + (size_t)o * nb;
-        __m512 acc[CB_CPU_MATVEC_MAX_ROWS];
-        for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+        __m512 acc[CB_CPU_MATVEC_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
         for (int b = 0; b < nb; b++, src += 34) {
             __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
             __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
             __m512 db = _mm512_set1_ps(d[b]);
-            for (int r = 0; r < n; r++) {
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
                 const float *xr = x + (size_t)r * cols + 32 * b;
                 __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xr));
                 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), t);
                 acc[r] = _mm512_fmadd_ps(db, t, acc[r]);
             }
         }
-        for (int r = 0; r < n; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]);
     }
+}
+
+static void matvec_q4_1(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
+    const int nb = w->cols / 32, cols = w->cols;
+    float xs[CB_CPU_MATVEC_ROWS][MV_MAX_NB];
+    for (int r = 0; r < n; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * cols + 32 * b;
+            xs[r][b] = hsum16(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
+        }
+#define Q4_1_CALL(R) q4_1_rows(w, x, R, (const float(*)[MV_MAX_NB])xs, y, ldy, o0, o1)
+    MV_ROWS_SWITCH(n, Q4_1_CALL)
+#undef Q4_1_CALL
+}
+
+static void matvec_q8_0(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
+#define Q8_0_CALL(R) q8_0_rows(w, x, R, y, ldy, o0, o1)
+    MV_ROWS_SWITCH(n, Q8_0_CALL)
+#undef Q8_0_CALL
 }
 
 /* The fused kernels apply when the model made scale copies (cb_model_load does for Q4_1 / Q8_0). */
@@ -336,6 +372,21 @@ static void matvec_generic(const cb_weight_t *w, const float *x, int n, float *y
     }
 }
 
+/* Weight rows [o0, o1) times any n activation rows, CB_CPU_MATVEC_ROWS rows per pass (the weight rows of
+ * the range are still in L1/L2 for the next pass). buf: [cols] floats of the calling thread. */
+static void matvec_rows(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1, float *buf) {
+    for (int i = 0; i < n; i += CB_CPU_MATVEC_ROWS) {
+        const int k = n - i < CB_CPU_MATVEC_ROWS ? n - i : CB_CPU_MATVEC_ROWS;
+        const float *xi = x + (size_t)i * w->cols;
+        float *yi = y + (size_t)i * ldy;
+#if CB_AVX512
+        if (fused_q4_1(w)) { matvec_q4_1(w, xi, k, yi, ldy, o0, o1); continue; }
+        if (fused_q8_0(w)) { matvec_q8_0(w, xi, k, yi, ldy, o0, o1); continue; }
+#endif
+        matvec_generic(w, xi, k, yi, ldy, o0, o1, buf);
+    }
+}
+
 typedef struct {
     const cb_weight_t *w;
     const float *x;
@@ -347,15 +398,11 @@ static void matvec_task(void *arg, int task, int thread) {
     const matvec_job_t *j = arg;
     const cb_weight_t *w = j->w;
     int o0 = task * j->chunk, o1 = o0 + j->chunk < w->rows ? o0 + j->chunk : w->rows;
-#if CB_AVX512
-    if (fused_q4_1(w)) { matvec_q4_1(w, j->x, j->n, j->y, j->ldy, o0, o1); return; }
-    if (fused_q8_0(w)) { matvec_q8_0(w, j->x, j->n, j->y, j->ldy, o0, o1); return; }
-#endif
-    matvec_generic(w, j->x, j->n, j->y, j->ldy, o0, o1, j->scratch + (size_t)thread * w->cols);
+    matvec_rows(w, j->x, j->n, j->y, j->ldy, o0, o1, j->scratch + (size_t)thread * w->cols);
 }
 
 void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, cb_pool_t *pool) {
-    assert(n >= 1 && n <= CB_CPU_MATVEC_MAX_ROWS);
+    assert(n >= 1);
     /* ~8 tasks per thread (dynamic claiming balances them), in multiples of 16 rows */
     int nt = cb_pool_size(pool);
     int chunk = (w->rows / (8 * nt) + 15) / 16 * 16;
@@ -417,11 +464,7 @@ static void multi_task(void *arg, int t, int thread) {
                     w->f32 + (size_t)r0 * w->cols, w->cols, 0.0f, p->y + r0, p->ldy);
         return;
     }
-#if CB_AVX512
-    if (fused_q4_1(w)) { matvec_q4_1(w, j->x, j->n, p->y, p->ldy, r0, r1); return; }
-    if (fused_q8_0(w)) { matvec_q8_0(w, j->x, j->n, p->y, p->ldy, r0, r1); return; }
-#endif
-    matvec_generic(w, j->x, j->n, p->y, p->ldy, r0, r1, j->scratch + (size_t)thread * w->cols);
+    matvec_rows(w, j->x, j->n, p->y, p->ldy, r0, r1, j->scratch + (size_t)thread * w->cols);
 }
 
 void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float *x, int n, bool gemm,
@@ -463,17 +506,33 @@ void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float
 
 #define ATT_SPLIT_ROWS 4   /* up to this many rows use the split-key (decode) kernel */
 #define ATT_SPLIT_MIN 256  /* smallest key chunk of one split task */
+#define ATT_ROWS_MAX 16    /* rows of a decode batch (cb_cpu_attention_rows) per pool run */
+#define ATT_ROWS_PIECE 32  /* keys whose K (or V) rows stay in L1 while every head reads them */
+#define ATT_ROWS_AHEAD 32  /* keys ahead whose rows a piece prefetches (the hardware prefetchers do not follow
+                              reads that use a third of each row per pass) */
 
-/* Shared region at the start of the scratch: split-kernel partials [rows][n_head][chunks][2 + head_dim]. */
+/* Keys per task when the split kernel runs `rows` rows of largest key limit lim on nt threads. The
+ * chunking is part of the numerics: a decode row is chunked as a one-row call would chunk it. */
+static int split_chunk(int lim, int rows, int n_head_kv, int nt) {
+    const int want = (4 * nt + rows * n_head_kv - 1) / (rows * n_head_kv); /* chunks per (row, KV head) */
+    const int chunk = (lim + want - 1) / want;
+    return chunk < ATT_SPLIT_MIN ? ATT_SPLIT_MIN : (chunk + 15) / 16 * 16;
+}
+
+/* Shared region at the start of the scratch: split-kernel partials [rows][n_head][chunks][2 + head_dim]
+ * (ATT_SPLIT_ROWS rows), or those of cb_cpu_attention_rows [tasks][n_head][2 + head_dim] (ATT_ROWS_MAX rows). */
 static size_t att_partial_floats(const cb_attn_geom_t *g, int max_keys) {
-    return (size_t)ATT_SPLIT_ROWS * g->n_head * (size_t)((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN) *
+    return (size_t)ATT_ROWS_MAX * g->n_head * (size_t)((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN) *
            (size_t)(g->head_dim + 2);
 }
 
-/* Per-thread region after it: Q and O blocks plus one score tile (or one row of scores). */
+/* Per-thread region after it: Q and O blocks plus one score tile (or one row of scores), or the scores of
+ * every head over one chunk of keys (cb_cpu_attention_rows; the largest chunk is the one-thread one). */
 static size_t att_thread_floats(const cb_attn_geom_t *g, int max_keys) {
     size_t rows = (size_t)(g->n_head / g->n_head_kv) * ATT_BLOCK_ROWS;
     size_t tile = rows * ATT_KEY_CHUNK > (size_t)max_keys ? rows * ATT_KEY_CHUNK : (size_t)max_keys;
+    size_t heads = (size_t)g->n_head * (size_t)split_chunk(max_keys, 1, g->n_head_kv, 1);
+    tile = heads > tile ? heads : tile;
     /* + K and V of one key chunk gathered from non-consecutive blocks: [2][ATT_KEY_CHUNK][head_dim] */
     return rows * (size_t)g->head_dim * 2 + tile + 2 * (size_t)ATT_KEY_CHUNK * g->head_dim + 16;
 }
@@ -869,25 +928,28 @@ static void attn_split_task(void *arg, int t, int thread) {
     }
 }
 
+/* One head of one row from its chunks' partials (part + c * stride for chunk c: m, l, o[hd]): o [hd]. */
+static void split_merge_head(const float *part, size_t stride, int n_chunks, int hd, float *o) {
+    float M = -INFINITY, L = 0.0f;
+    for (int c = 0; c < n_chunks; c++) M = part[c * stride] > M ? part[c * stride] : M;
+    memset(o, 0, sizeof(float) * (size_t)hd);
+    for (int c = 0; c < n_chunks; c++) {
+        const float *pc = part + (size_t)c * stride;
+        if (pc[0] == -INFINITY) continue;
+        float d = pc[0] - M, a;
+        cb_cpu_exp(&d, &a, 1);
+        L += a * pc[1];
+        for (int k = 0; k < hd; k++) o[k] += a * pc[2 + k];
+    }
+    scale_row(o, hd, 1.0f / L);
+}
+
 static void attn_split_merge(const attn_job_t *j) {
     const int H = j->g->n_head, hd = j->g->head_dim, qd = H * hd;
     for (int i = 0; i < j->n; i++)
-        for (int h = 0; h < H; h++) {
-            const float *part = j->scratch + ((size_t)i * H + h) * j->n_chunks * (size_t)(hd + 2);
-            float M = -INFINITY, L = 0.0f;
-            for (int c = 0; c < j->n_chunks; c++) M = part[c * (hd + 2)] > M ? part[c * (hd + 2)] : M;
-            float *o = j->out + (size_t)i * qd + (size_t)h * hd;
-            memset(o, 0, sizeof(float) * (size_t)hd);
-            for (int c = 0; c < j->n_chunks; c++) {
-                const float *pc = part + (size_t)c * (hd + 2);
-                if (pc[0] == -INFINITY) continue;
-                float d = pc[0] - M, a;
-                cb_cpu_exp(&d, &a, 1);
-                L += a * pc[1];
-                for (int k = 0; k < hd; k++) o[k] += a * pc[2 + k];
-            }
-            scale_row(o, hd, 1.0f / L);
-        }
+        for (int h = 0; h < H; h++)
+            split_merge_head(j->scratch + ((size_t)i * H + h) * j->n_chunks * (size_t)(hd + 2), (size_t)(hd + 2),
+                             j->n_chunks, hd, j->out + (size_t)i * qd + (size_t)h * hd);
 }
 
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
@@ -907,9 +969,7 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
         return;
     }
     if (n <= ATT_SPLIT_ROWS) { /* decode: split the keys so that every thread has work */
-        int want = (4 * nt + n * HKV - 1) / (n * HKV); /* chunks per (row, KV head) */
-        j.chunk = (max_lim + want - 1) / want;
-        j.chunk = j.chunk < ATT_SPLIT_MIN ? ATT_SPLIT_MIN : (j.chunk + 15) / 16 * 16;
+        j.chunk = split_chunk(max_lim, n, HKV, nt);
         j.n_chunks = (max_lim + j.chunk - 1) / j.chunk;
         cb_pool_run(pool, n * HKV * j.n_chunks, attn_split_task, &j);
         attn_split_merge(&j);
@@ -918,6 +978,102 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
     j.scratch = thread_scratch;
     while (j.rb > 8 && ((n + j.rb - 1) / j.rb) * HKV < 4 * nt) j.rb /= 2;
     cb_pool_run(pool, ((n + j.rb - 1) / j.rb) * HKV, attn_block_task, &j);
+}
+
+/* Decode rows of different sequences (cb_cpu_attention_rows): task = (row, chunk of its keys), for every head,
+ * the chunking a one-row call gives the row. The chunk's K rows, then its V rows, are read front to back in
+ * pieces of ATT_ROWS_PIECE keys that every head uses from L1 (the split kernel's (row, KV head, chunk) tasks
+ * read a third of each row per pass, at about half the memory bandwidth). Per head the arithmetic is the
+ * split kernel's: scores (the same bits in any grouping of keys), the online softmax over the whole chunk,
+ * P·V in key order, and the same merge. */
+typedef struct {
+    const cb_attn_geom_t *g;
+    const float *q, *k, *v;   /* q [n][n_head*head_dim]; the layer's pool */
+    const cb_kv_table_t *t;   /* [n] */
+    const int32_t *key_limit; /* [n] */
+    int bt, nr;               /* block tokens; rows of this run */
+    int chunk[ATT_ROWS_MAX];  /* keys per task of each row */
+    int task0[ATT_ROWS_MAX + 1]; /* first task of each row; task0[nr] = tasks */
+    float *partial;           /* [tasks][n_head][2 + head_dim] */
+    float *scratch;           /* per thread: [n_head][chunk] scores */
+    size_t per_thread;
+} attn_rows_job_t;
+
+static inline void prefetch_bytes(const char *p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
+}
+
+static void attn_rows_task(void *arg, int t, int thread) {
+    const attn_rows_job_t *j = arg;
+    const cb_attn_geom_t *g = j->g;
+    const int H = g->n_head, hd = g->head_dim, G = H / g->n_head_kv, kvd = g->n_head_kv * hd;
+    int i = 0;
+    while (t >= j->task0[i + 1]) i++;
+    const int cs = j->chunk[i], c0 = (t - j->task0[i]) * cs, lim = j->key_limit[i], c1 = c0 + cs < lim ? c0 + cs : lim;
+    const cb_cpu_kv_t kv = {j->k, j->v, j->t[i].blocks, j->bt};
+    const float *q = j->q + (size_t)i * H * hd;
+    float *s = j->scratch + (size_t)thread * j->per_thread, *part = j->partial + (size_t)t * H * (hd + 2);
+    /* each head's pass over a piece prefetches its share of the piece ATT_ROWS_AHEAD keys on */
+    const size_t slice = ((size_t)ATT_ROWS_PIECE * kvd * sizeof(float) / (size_t)H + 63) / 64 * 64;
+    for (int p = c0, w; p < c1; p += w) { /* runs of consecutive pool rows, in pieces */
+        w = kv_run(&kv, p, p + ATT_ROWS_PIECE < c1 ? p + ATT_ROWS_PIECE : c1);
+        const float *K = kv.k + kv_row(&kv, p) * kvd;
+        const char *next = p + ATT_ROWS_AHEAD < c1 ? (const char *)(kv.k + kv_row(&kv, p + ATT_ROWS_AHEAD) * kvd) : NULL;
+        for (int h = 0; h < H; h++) {
+            if (next) prefetch_bytes(next + (size_t)h * slice, slice);
+            scores_row(q + (size_t)h * hd, K + (size_t)(h / G) * hd, kvd, w, hd, g->scale, s + (size_t)h * cs + (p - c0));
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        float *ph = part + (size_t)h * (hd + 2);
+        ph[0] = -INFINITY, ph[1] = 0.0f;
+        online_softmax(s + (size_t)h * cs, c1 - c0, c1 - c0, &ph[0], &ph[1]);
+        memset(ph + 2, 0, sizeof(float) * (size_t)hd);
+    }
+    for (int p = c0, w; p < c1; p += w) {
+        w = kv_run(&kv, p, p + ATT_ROWS_PIECE < c1 ? p + ATT_ROWS_PIECE : c1);
+        const float *V = kv.v + kv_row(&kv, p) * kvd;
+        const char *next = p + ATT_ROWS_AHEAD < c1 ? (const char *)(kv.v + kv_row(&kv, p + ATT_ROWS_AHEAD) * kvd) : NULL;
+        for (int h = 0; h < H; h++) {
+            if (next) prefetch_bytes(next + (size_t)h * slice, slice);
+            pv_row(s + (size_t)h * cs + (p - c0), V + (size_t)(h / G) * hd, kvd, w, hd, part + (size_t)h * (hd + 2) + 2);
+        }
+    }
+}
+
+void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const float *k, const float *v,
+                           int block_tokens, const cb_kv_table_t *t, const int32_t *key_limit, float *out,
+                           float *scratch, int max_keys, cb_pool_t *pool) {
+    const int H = g->n_head, hd = g->head_dim, qd = H * hd, nt = cb_pool_size(pool);
+    if (H / g->n_head_kv > ATT_MAX_G) { /* the one-row path, row by row */
+        for (int i = 0; i < n; i++) {
+            const cb_cpu_kv_t kv = {k, v, t[i].blocks, block_tokens};
+            cb_cpu_attention(g, q + (size_t)i * qd, 1, &kv, &key_limit[i], out + (size_t)i * qd, scratch, max_keys, pool);
+        }
+        return;
+    }
+    attn_rows_job_t j = {.g = g, .k = k, .v = v, .bt = block_tokens, .partial = scratch,
+                         .scratch = scratch + att_partial_floats(g, max_keys), .per_thread = att_thread_floats(g, max_keys)};
+    const int slots = ATT_ROWS_MAX * ((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN); /* tasks the partials hold */
+    for (int i0 = 0; i0 < n; i0 += j.nr) {
+        j.q = q + (size_t)i0 * qd, j.t = t + i0, j.key_limit = key_limit + i0;
+        j.nr = 0;
+        j.task0[0] = 0;
+        while (j.nr < ATT_ROWS_MAX && i0 + j.nr < n) {
+            const int lim = key_limit[i0 + j.nr];
+            assert(lim >= 1 && lim <= max_keys);
+            const int cs = split_chunk(lim, 1, g->n_head_kv, nt), tasks = (lim + cs - 1) / cs;
+            if (j.task0[j.nr] + tasks > slots) break;
+            j.chunk[j.nr] = cs;
+            j.task0[j.nr + 1] = j.task0[j.nr] + tasks;
+            j.nr++;
+        }
+        cb_pool_run(pool, j.task0[j.nr], attn_rows_task, &j);
+        for (int i = 0; i < j.nr; i++)
+            for (int h = 0; h < H; h++)
+                split_merge_head(j.partial + ((size_t)j.task0[i] * H + h) * (hd + 2), (size_t)H * (hd + 2),
+                                 j.task0[i + 1] - j.task0[i], hd, out + (size_t)(i0 + i) * qd + (size_t)h * hd);
+    }
 }
 
 /* ---------------------------------------------------------------- host-side CacheBlend operations */

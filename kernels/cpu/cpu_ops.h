@@ -55,18 +55,23 @@ void cb_cpu_dequant_row(const cb_weight_t *w, int row, float *dst);
  * valid row indices (checked by the caller). */
 void cb_cpu_embed(const cb_weight_t *table, const int32_t *tokens, int n, float *x);
 
-/* y[i][o] = sum_j w[o][j] x[i][j] for n <= CB_CPU_MATVEC_MAX_ROWS rows, reading w's stored (quantized)
- * rows and expanding them in registers (f32 activations, f32 accumulation; Q4_1 / Q8_0 use the
- * weight's f32 scale copies). x [n][cols], y [n][ldy].
+/* y[i][o] = sum_j w[o][j] x[i][j] for any n >= 1 rows, reading w's stored (quantized) rows and expanding
+ * them in registers (f32 activations, f32 accumulation; Q4_1 / Q8_0 use the weight's f32 scale copies),
+ * CB_CPU_MATVEC_ROWS activation rows per pass. Each row has its own accumulators, so its result is the
+ * same bits whatever n and whichever rows share the call. x [n][cols], y [n][ldy].
  * scratch: [pool threads][cols] floats for types without a fused kernel. */
-#define CB_CPU_MATVEC_MAX_ROWS 8
+#define CB_CPU_MATVEC_ROWS 8
 void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, cb_pool_t *pool);
+/* The backend's matmul runs calls of up to CB_CPU_MATVEC_MAX_ROWS rows as matvecs and larger ones as GEMMs
+ * over the f32 copies (prefill and the blend keep their numerics by this split); its matmul_rowwise (decode
+ * batches) is matvec for any n. */
+#define CB_CPU_MATVEC_MAX_ROWS 8
 /* Y = X · Wᵀ with w->f32 (must be non-NULL): x [n][cols], y [n][ldy] (ldy >= rows). OpenBLAS sgemm;
  * the pool's threads each computing slices of the output columns. */
 void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, cb_pool_t *pool);
 
 /* Several products of one x [n][cols] in one pool run: parts[i].y [n][ldy] = x · parts[i].wᵀ, by GEMM over
- * w->f32 (gemm = true; every part needs f32) or by matvec over the stored rows (n <= MATVEC_MAX_ROWS). */
+ * w->f32 (gemm = true; every part needs f32) or by matvec over the stored rows (any n, as cb_cpu_matvec). */
 void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float *x, int n, bool gemm,
                          float *scratch, cb_pool_t *pool);
 
@@ -96,6 +101,15 @@ size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_k
  * spanning non-consecutive pool blocks is gathered first: the same values, bit for bit). */
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *out, float *scratch, int max_keys, cb_pool_t *pool);
+
+/* Decode rows of different sequences: row i attends its own block table t[i] of the layer's pool k, v (rows
+ * of n_head_kv*head_dim floats, block_tokens positions per block) over keys [0, key_limit[i]), each in
+ * 1..max_keys; q, out [n][n_head*head_dim]. Row i gets the bits a one-row cb_cpu_attention call on the same
+ * pool and threads gives it, whatever the other rows; the work of up to 16 rows is one pool run, each chunk
+ * of keys read once for all heads. Same scratch as cb_cpu_attention. */
+void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const float *k, const float *v,
+                           int block_tokens, const cb_kv_table_t *t, const int32_t *key_limit, float *out,
+                           float *scratch, int max_keys, cb_pool_t *pool);
 
 /* Attention mass, for query-aware selection (blend.h, metric 'a'): for each of the n query rows and each
  * head, the softmax probabilities over keys [0, key_limit[i]) (as cb_cpu_attention computes them) are

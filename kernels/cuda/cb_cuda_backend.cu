@@ -575,6 +575,8 @@ cb_backend_ops_t make_ops() {
     o.add = be_add;
     o.embed = be_embed;
     o.matmul_multi = be_matmul_multi;
+    /* matmul_rowwise and attention_rows stay NULL: cuBLAS picks its kernels by shape, so rows would not get
+     * the bits of one-row calls; a decode batch runs through matmul_multi and one attention call per row */
     o.host_alloc = be_host_alloc;
     o.host_free = be_host_free;
     o.kv_pool_init = be_kv_pool_init;

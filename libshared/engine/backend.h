@@ -62,6 +62,11 @@ typedef struct {
      * q, out [n][n_head*head_dim]; key_limit [n] in 1..min(max_keys, t->n_pos). */
     void (*attention)(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
                       const int32_t *key_limit, float *out);
+    /* Optional (NULL: the engine calls attention once per row): rows of different sequences (a decode
+     * batch), row i over keys [0, key_limit[i]) of the layer's rows of its own table t[i]:
+     * q, out [n][n_head*head_dim]; t, key_limit [n]. Each row gets the bits a one-row attention call gives it. */
+    void (*attention_rows)(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer,
+                           const cb_kv_table_t *t, const int32_t *key_limit, float *out);
     /* out = silu(gate) * up elementwise over n (out may alias either input). */
     void (*swiglu)(void *ctx, const float *gate, const float *up, size_t n, float *out);
     /* x += y elementwise over n. */
@@ -72,6 +77,11 @@ typedef struct {
      * weights (Q|K|V, gate|up) in one call, so a backend can schedule them together. Each part is
      * y [n][ldy] = x [n][w->cols] · wᵀ, all parts with the same cols. */
     void (*matmul_multi)(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n);
+    /* Optional (NULL: the engine uses matmul_multi and matmul): the products of a decode batch, as
+     * matmul_multi, computed so that every row gets the bits a one-row matmul gives it, whatever n and
+     * whichever rows share the call (so a sequence decodes to the same logits alone or in any batch).
+     * matmul and matmul_multi promise that only up to a backend-chosen row count, if at all. */
+    void (*matmul_rowwise)(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n);
 
     /* ---- host buffers ---- */
     /* Host memory for activations: zeroed, 64-byte aligned (pinned on CUDA). NULL on failure. */

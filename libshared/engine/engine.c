@@ -51,6 +51,7 @@ struct cb_engine {
     float *v;                /* [max_rows][KVD] */
     int32_t *pos;            /* [max_rows] positions of the ubatch */
     int32_t *limit;          /* [max_rows] key limits (pos + 1) */
+    cb_kv_table_t *tables;   /* [max_rows] block tables of a decode batch's rows */
 
     /* primitives' private scratch (never handed out) */
     float *xb;               /* [max_rows][E] normed input; also the logits row's norm */
@@ -149,12 +150,14 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->v = buf(e, sizeof(float) * R * e->KVD);
     e->pos = calloc(R, sizeof(int32_t));
     e->limit = calloc(R, sizeof(int32_t));
+    e->tables = calloc(R, sizeof(cb_kv_table_t));
     e->xb = buf(e, sizeof(float) * R * e->E);
     e->att = buf(e, sizeof(float) * R * e->QD);
     e->proj = buf(e, sizeof(float) * R * e->E);
     e->gate = buf(e, sizeof(float) * R * e->F);
     e->up = buf(e, sizeof(float) * R * e->F);
-    if (!e->x || !e->q || !e->k || !e->v || !e->pos || !e->limit || !e->xb || !e->att || !e->proj || !e->gate || !e->up)
+    if (!e->x || !e->q || !e->k || !e->v || !e->pos || !e->limit || !e->tables || !e->xb || !e->att || !e->proj ||
+        !e->gate || !e->up)
         goto oom;
     return e;
 oom:
@@ -184,6 +187,7 @@ void cb_engine_destroy(cb_engine_t **self_p) {
     free(e->refs);
     free(e->pos);
     free(e->limit);
+    free(e->tables);
     free(e);
     *self_p = NULL;
 }
@@ -366,13 +370,30 @@ void cb_engine_free(cb_engine_t *self, void *p) {
     if (p) self->be->ops->host_free(self->be->ctx, p);
 }
 
-/* Several products of the same x: one backend call when it offers matmul_multi. */
-static void matmul_parts(cb_engine_t *e, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
-    if (e->be->ops->matmul_multi) {
-        e->be->ops->matmul_multi(e->be->ctx, parts, n_parts, x, n);
+/* Several products of the same x: one backend call when it offers matmul_multi. rowwise (a decode batch):
+ * matmul_rowwise when the backend offers it, so that every row gets the bits it gets alone. */
+static void matmul_parts(cb_engine_t *e, const cb_matmul_part_t *parts, int n_parts, const float *x, int n,
+                         bool rowwise) {
+    const cb_backend_ops_t *ops = e->be->ops;
+    if (rowwise && ops->matmul_rowwise) {
+        ops->matmul_rowwise(e->be->ctx, parts, n_parts, x, n);
         return;
     }
-    for (int p = 0; p < n_parts; p++) e->be->ops->matmul(e->be->ctx, parts[p].w, x, n, parts[p].y, parts[p].ldy);
+    if (ops->matmul_multi) {
+        ops->matmul_multi(e->be->ctx, parts, n_parts, x, n);
+        return;
+    }
+    for (int p = 0; p < n_parts; p++) ops->matmul(e->be->ctx, parts[p].w, x, n, parts[p].y, parts[p].ldy);
+}
+
+/* One product y [n][ldy] = x [n][w->cols] · wᵀ (rowwise as above). */
+static void matmul_one(cb_engine_t *e, const cb_weight_t *w, const float *x, int n, float *y, int ldy, bool rowwise) {
+    if (rowwise && e->be->ops->matmul_rowwise) {
+        const cb_matmul_part_t part = {w, y, ldy};
+        e->be->ops->matmul_rowwise(e->be->ctx, &part, 1, x, n);
+        return;
+    }
+    e->be->ops->matmul(e->be->ctx, w, x, n, y, ldy);
 }
 
 void cb_engine_embed(cb_engine_t *self, const int32_t *tokens, int n, float *x) {
@@ -380,15 +401,18 @@ void cb_engine_embed(cb_engine_t *self, const int32_t *tokens, int n, float *x) 
     self->be->ops->embed(self->be->ctx, cb_model_tok_embd(self->model), tokens, n, x);
 }
 
-void cb_engine_layer_qkv(cb_engine_t *self, int layer, const float *x, int n, float *q, float *k, float *v) {
+static void layer_qkv(cb_engine_t *self, int layer, const float *x, int n, float *q, float *k, float *v,
+                      bool rowwise) {
     assert(n >= 1 && n <= self->max_rows);
-    const cb_backend_ops_t *ops = self->be->ops;
-    void *ctx = self->be->ctx;
     const cb_layer_weights_t *L = cb_model_layer(self->model, layer);
     assert(L);
-    ops->rmsnorm(ctx, x, L->attn_norm, n, self->E, self->hp->rms_eps, self->xb);
+    self->be->ops->rmsnorm(self->be->ctx, x, L->attn_norm, n, self->E, self->hp->rms_eps, self->xb);
     cb_matmul_part_t parts[3] = {{&L->wq, q, self->QD}, {&L->wk, k, self->KVD}, {&L->wv, v, self->KVD}};
-    matmul_parts(self, parts, 3, self->xb, n);
+    matmul_parts(self, parts, 3, self->xb, n, rowwise);
+}
+
+void cb_engine_layer_qkv(cb_engine_t *self, int layer, const float *x, int n, float *q, float *k, float *v) {
+    layer_qkv(self, layer, x, n, q, k, v, false);
 }
 
 void cb_engine_rope(cb_engine_t *self, float *x, int n, int n_heads, const int32_t *pos) {
@@ -439,20 +463,20 @@ int cb_engine_kv_read(cb_engine_t *self, const cb_seq_t *seq, int layer, int pos
 }
 
 /* o_proj + residual into x, FFN RMSNorm, SwiGLU MLP + residual into x, from the attention output in
- * self->att:  x [n][n_embd] in/out. */
-static void layer_post_attn(cb_engine_t *self, int layer, float *x, int n) {
+ * self->att:  x [n][n_embd] in/out. rowwise: a decode batch (see matmul_parts). */
+static void layer_post_attn(cb_engine_t *self, int layer, float *x, int n, bool rowwise) {
     const cb_backend_ops_t *ops = self->be->ops;
     void *ctx = self->be->ctx;
     const cb_layer_weights_t *L = cb_model_layer(self->model, layer);
     assert(L);
     const size_t nE = (size_t)n * self->E;
-    ops->matmul(ctx, &L->wo, self->att, n, self->proj, self->E);
+    matmul_one(self, &L->wo, self->att, n, self->proj, self->E, rowwise);
     ops->add(ctx, x, self->proj, nE);
     ops->rmsnorm(ctx, x, L->ffn_norm, n, self->E, self->hp->rms_eps, self->xb);
     cb_matmul_part_t parts[2] = {{&L->w_gate, self->gate, self->F}, {&L->w_up, self->up, self->F}};
-    matmul_parts(self, parts, 2, self->xb, n);
+    matmul_parts(self, parts, 2, self->xb, n, rowwise);
     ops->swiglu(ctx, self->gate, self->up, (size_t)n * self->F, self->gate);
-    ops->matmul(ctx, &L->w_down, self->gate, n, self->proj, self->E);
+    matmul_one(self, &L->w_down, self->gate, n, self->proj, self->E, rowwise);
     ops->add(ctx, x, self->proj, nE);
 }
 
@@ -463,7 +487,7 @@ void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer,
     cb_kv_table_t t = table_of(seq);
     for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t.n_pos);
     self->be->ops->attention(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, self->att);
-    layer_post_attn(self, layer, x, n);
+    layer_post_attn(self, layer, x, n, false);
 }
 
 int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
@@ -578,9 +602,13 @@ int cb_engine_decode_batch(cb_engine_t *self, cb_seq_t *const *seqs, const int32
     if (rc) return rc;
     const cb_hparams_t *hp = self->hp;
     const cb_backend_ops_t *ops = self->be->ops;
+    for (int i = 0; i < n; i++) {
+        self->tables[i] = table_of(seqs[i]);
+        self->limit[i] = pos[i] + 1;
+    }
     cb_engine_embed(self, tokens, n, self->x);
     for (int l = 0; l < hp->n_layer; l++) {
-        cb_engine_layer_qkv(self, l, self->x, n, self->q, self->k, self->v); /* one product per weight */
+        layer_qkv(self, l, self->x, n, self->q, self->k, self->v, true); /* one product per weight */
         cb_engine_rope(self, self->q, n, hp->n_head, pos);
         cb_engine_rope(self, self->k, n, hp->n_head_kv, pos);
         for (int i = 0; i < n; i++) {
@@ -589,19 +617,19 @@ int cb_engine_decode_batch(cb_engine_t *self, cb_seq_t *const *seqs, const int32
             if (rc) return rc;
         }
         if (l == hp->n_layer - 1 && !logits) break;
-        /* each row attends its own sequence */
-        for (int i = 0; i < n; i++) {
-            cb_kv_table_t t = table_of(seqs[i]);
-            self->limit[i] = pos[i] + 1;
-            ops->attention(self->be->ctx, &self->geom, self->q + (size_t)i * self->QD, 1, l, &t, &self->limit[i],
-                           self->att + (size_t)i * self->QD);
-        }
-        layer_post_attn(self, l, self->x, n);
+        /* each row attends its own sequence: one call for all rows when the backend has attention_rows */
+        if (ops->attention_rows)
+            ops->attention_rows(self->be->ctx, &self->geom, self->q, n, l, self->tables, self->limit, self->att);
+        else
+            for (int i = 0; i < n; i++)
+                ops->attention(self->be->ctx, &self->geom, self->q + (size_t)i * self->QD, 1, l, &self->tables[i],
+                               &self->limit[i], self->att + (size_t)i * self->QD);
+        layer_post_attn(self, l, self->x, n, true);
     }
     if (logits) {
         ops->rmsnorm(self->be->ctx, self->x, cb_model_output_norm(self->model), n, self->E, hp->rms_eps, self->xb);
         const cb_weight_t *w = cb_model_output(self->model);
-        ops->matmul(self->be->ctx, w, self->xb, n, logits, w->rows);
+        matmul_one(self, w, self->xb, n, logits, w->rows, true);
     }
     return CB_ENGINE_OK;
 }

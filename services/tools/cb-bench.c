@@ -1,6 +1,7 @@
 /* cb-bench: engine throughput on synthetic prompts (our side of scripts/bench-engine.sh).
  *
- *   cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--batch B] [--json]
+ *   cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--batch B]
+ *            [--batch-private] [--json]
  *
  * For each prompt length L (ascending): prefill L pseudo-random token ids (the same ids the llama.cpp
  * side of the benchmark uses: id_i = (i * 7919) % 30000 + 100) at position 0 of one sequence (cleared
@@ -9,6 +10,8 @@
  * the model (mapping + f32 copies) and the KV pool blocks the longest prompt touched. --batch B (> 0): after
  * that, B sequences sharing the first prompt's blocks decode min(N, 64) greedy steps, once as one batch per
  * step (cb_engine_decode_batch) and once one sequence at a time, both reported as total tokens/s.
+ * --batch-private: each of the B sequences gets its own copy of the prompt's KV (as B requests with
+ * different documents would have) instead of sharing the blocks, so attention reads B times the KV.
  * Exit: 0 ok, 1 runtime error, 2 bad arguments.
  */
 #include <errno.h>
@@ -28,7 +31,7 @@
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-bench: %s\n", why);
     fprintf(stderr, "usage: cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] "
-                    "[--batch B] [--json]\n");
+                    "[--batch B] [--batch-private] [--json]\n");
     return 2;
 }
 
@@ -41,10 +44,11 @@ static bool parse_int(const char *s, long lo, long hi, long *out) {
     return true;
 }
 
-/* B sequences over base's first n positions (shared blocks) decode `steps` greedy tokens: as one batch per
- * step, then one sequence at a time; total tokens/s of each. 0, or 1 after a message. */
+/* B sequences over base's first n positions (shared blocks, or private copies of them) decode `steps`
+ * greedy tokens: as one batch per step, then one sequence at a time; total tokens/s of each. 0, or 1 after a
+ * message. */
 static int bench_batch(cb_engine_t *e, cb_seq_t *base, const cb_model_t *m, const int32_t *tok, int n, int B,
-                       int steps, double *batch_tok_s, double *serial_tok_s) {
+                       bool private_kv, int steps, double *batch_tok_s, double *serial_tok_s) {
     const int V = cb_model_hparams(m)->n_vocab;
     cb_seq_t *seqs[64] = {0};
     int32_t t[64], pos[64];
@@ -58,6 +62,7 @@ static int bench_batch(cb_engine_t *e, cb_seq_t *base, const cb_model_t *m, cons
         for (int i = 0; i < B; i++) {
             if (!seqs[i] && !(seqs[i] = cb_seq_new(e))) goto out;
             if (cb_seq_share(seqs[i], base, n) != CB_ENGINE_OK) goto out;
+            if (private_kv && cb_seq_reserve(seqs[i], 0, n) != CB_ENGINE_OK) goto out; /* copies the blocks */
             t[i] = first;
             pos[i] = n;
         }
@@ -99,10 +104,11 @@ int main(int argc, char **argv) {
     const char *model_path = getenv("CB_MODEL");
     if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     long threads = 0, n_decode = 128, reps = 1, lens[16], n_lens = 0, batch = 0;
-    bool json = false;
+    bool json = false, batch_private = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json")) { json = true; continue; }
+        if (!strcmp(a, "--batch-private")) { batch_private = true; continue; }
         if (!v) return usage("missing value");
         if (!strcmp(a, "--model")) model_path = v;
         else if (!strcmp(a, "--threads")) { if (!parse_int(v, 1, 256, &threads)) return usage("bad --threads"); }
@@ -138,7 +144,9 @@ int main(int argc, char **argv) {
     const cb_hparams_t *bhp = cb_model_hparams(m);
     const size_t per_pos = 2 * sizeof(float) * (size_t)bhp->n_layer * bhp->n_head_kv * bhp->head_dim;
     cb_engine_opts_t eo = {.max_ctx = (int)ctx};
-    if (batch > 0) eo.kv_pool_bytes = per_pos * ((size_t)2 * ctx + (size_t)batch * (64 + 2 * CB_ENGINE_BLOCK_TOKENS));
+    if (batch > 0)
+        eo.kv_pool_bytes = per_pos * ((size_t)2 * ctx + (size_t)batch * ((batch_private ? lens[0] : 0) + 64 +
+                                                                          2 * CB_ENGINE_BLOCK_TOKENS));
     cb_engine_t *e = cb_engine_new_opts(m, &eo, err, sizeof err);
     cb_seq_t *seq = e ? cb_seq_new(e) : NULL;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)ctx);
@@ -186,12 +194,13 @@ int main(int argc, char **argv) {
         }
     }
     double batch_tok_s = 0.0, serial_tok_s = 0.0;
-    if (batch > 0 && bench_batch(e, seq, m, tok, (int)lens[0], (int)batch, n_decode < 64 ? (int)n_decode : 64,
-                                 &batch_tok_s, &serial_tok_s) != 0)
+    if (batch > 0 && bench_batch(e, seq, m, tok, (int)lens[0], (int)batch, batch_private,
+                                 n_decode < 64 ? (int)n_decode : 64, &batch_tok_s, &serial_tok_s) != 0)
         return 1;
     if (batch > 0 && !json)
-        printf("decode  %ld sequences x %ld steps: batched %.1f tok/s, one at a time %.1f tok/s (%.2fx)\n", batch,
-               n_decode < 64 ? n_decode : 64, batch_tok_s, serial_tok_s, batch_tok_s / serial_tok_s);
+        printf("decode  %ld sequences x %ld steps%s: batched %.1f tok/s, one at a time %.1f tok/s (%.2fx)\n", batch,
+               n_decode < 64 ? n_decode : 64, batch_private ? " (private KV)" : "", batch_tok_s, serial_tok_s,
+               batch_tok_s / serial_tok_s);
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     double rss_mb = ru.ru_maxrss / 1024.0;
@@ -206,6 +215,7 @@ int main(int argc, char **argv) {
         json_object_set_new(out, "peak_rss_mb", json_real(rss_mb));
         if (batch > 0) {
             json_object_set_new(out, "batch", json_integer(batch));
+            json_object_set_new(out, "batch_private", json_boolean(batch_private));
             json_object_set_new(out, "batch_decode_tok_s", json_real(batch_tok_s));
             json_object_set_new(out, "serial_decode_tok_s", json_real(serial_tok_s));
         }

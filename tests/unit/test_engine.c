@@ -1,5 +1,6 @@
 /* test_engine: CPU kernels against naive references (attention and attention mass over a contiguous block
- * table, and bit for bit the same over a shuffled one), the model loader (good and broken files), the
+ * table, and bit for bit the same over a shuffled one; a decode batch's matvec rows and attention rows bit for
+ * bit what one-row calls give them), the model loader (good and broken files), the
  * engine's consistency properties (prefill = token-by-token decode, split prefill = one prefill,
  * composition of the layer-stage primitives = prefill bit for bit), and sequences in the KV pool (prefix
  * sharing with copy on write, pool exhaustion, blocks returned on truncate/clear/destroy, capture + layer
@@ -273,6 +274,62 @@ TEST(test_attention_key_limits) {
     CHECK(check_attention_bt(9, 3, 64, 40, 600, 2, 512));
 }
 
+/* A decode batch's attention (cb_cpu_attention_rows): n rows of different sequences, each with its own KV
+ * on its own blocks of one pool (a shuffled permutation: the tables have breaks), limits from 1 to several
+ * split chunks; every row bit for bit what a one-row cb_cpu_attention gives it. */
+static int check_attention_rows(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd)};
+    const int kvd = HKV * hd, nb = (keys + bt - 1) / bt, n_pool = n * nb + 5;
+    const size_t qn = (size_t)n * H * hd, rows = (size_t)n_pool * bt;
+    float *q = malloc(qn * 4), *o = malloc(qn * 4), *o1 = malloc((size_t)H * hd * 4);
+    float *k = malloc(rows * kvd * 4), *v = malloc(rows * kvd * 4);
+    int32_t *perm = malloc(sizeof(int32_t) * (size_t)n_pool), *lim = malloc(sizeof(int32_t) * (size_t)n);
+    cb_kv_table_t *t = malloc(sizeof(cb_kv_table_t) * (size_t)n);
+    float *scr = malloc(sizeof(float) * cb_cpu_attention_scratch(&g, n, keys, nt));
+    fill(q, qn, 2.0f);
+    for (size_t i = 0; i < rows * kvd; i++) k[i] = v[i] = NAN;
+    for (int b = 0; b < n_pool; b++) perm[b] = b;
+    for (int b = n_pool - 1; b > 0; b--) {
+        rng = rng * 1664525u + 1013904223u;
+        int j = (int)((rng >> 8) % (unsigned)(b + 1));
+        int32_t x = perm[b];
+        perm[b] = perm[j], perm[j] = x;
+    }
+    for (int i = 0; i < n; i++) {
+        t[i] = (cb_kv_table_t){perm + (size_t)i * nb, nb * bt};
+        lim[i] = i == 0 ? 1 : i % 4 == 1 ? keys : 1 + (int)((frand() + 1) * 0.5f * (keys - 1));
+        for (int p = 0; p < lim[i]; p++) { /* the rows the sequence has; the rest stays NaN */
+            size_t r = (size_t)t[i].blocks[p / bt] * bt + p % bt;
+            fill(k + r * kvd, kvd, 2.0f);
+            fill(v + r * kvd, kvd, 1.0f);
+        }
+    }
+    cb_pool_t *pool = cb_pool_new(nt);
+    cb_cpu_attention_rows(&g, q, n, k, v, bt, t, lim, o, scr, keys, pool);
+    int same = 1;
+    for (int i = 0; i < n && same; i++) {
+        const cb_cpu_kv_t kv = {k, v, t[i].blocks, bt};
+        cb_cpu_attention(&g, q + (size_t)i * H * hd, 1, &kv, &lim[i], o1, scr, keys, pool);
+        same = memcmp(o1, o + (size_t)i * H * hd, (size_t)H * hd * 4) == 0;
+        if (!same)
+            fprintf(stderr, "  attention_rows H%d/%d hd%d n%d keys%d nt%d bt%d: row %d (limit %d) differs (max %g)\n",
+                    H, HKV, hd, n, keys, nt, bt, i, lim[i], maxdiff(o1, o + (size_t)i * H * hd, (size_t)H * hd));
+    }
+    cb_pool_destroy(&pool);
+    free(q); free(o); free(o1); free(k); free(v); free(perm); free(lim); free(t); free(scr);
+    return same;
+}
+
+TEST(test_attention_rows) {
+    CHECK(check_attention_rows(9, 3, 64, 16, 1300, 2, CB_ENGINE_BLOCK_TOKENS)); /* SmolLM2: 1..6 chunks a row */
+    CHECK(check_attention_rows(9, 3, 64, 21, 700, 2, 5));  /* more rows than one run takes */
+    CHECK(check_attention_rows(9, 3, 64, 5, 2100, 1, 16)); /* one thread: larger chunks */
+    CHECK(check_attention_rows(9, 3, 64, 7, 900, 3, 48));
+    CHECK(check_attention_rows(4, 1, 32, 6, 600, 2, 7));   /* head_dim 32: scalar tails */
+    CHECK(check_attention_rows(4, 2, 16, 3, 40, 2, 1));    /* a block per row */
+    CHECK(check_attention_rows(34, 1, 16, 3, 300, 2, 16)); /* group of 34 heads: the one-row fallback */
+}
+
 /* Attention mass (blend metric 'a'): the sum over rows and heads of the softmax probabilities each key
  * gets, against a double-precision reference; every row contributes n_head in all. */
 static int check_attn_mass_bt(int H, int HKV, int hd, int n, int keys, int bt) {
@@ -375,19 +432,24 @@ TEST(test_dequant_and_matvec) {
         CHECK(cb_dequant(types[t], buf, ref, (size_t)R * C));
         for (int r = 0; r < R; r++) cb_cpu_dequant_row(&w, r, mine + (size_t)r * C);
         CHECK(memcmp(ref, mine, sizeof(float) * R * C) == 0);
-        float x[8 * C], y[8 * R], y2[8 * R], scr[2 * C];
-        fill(x, 8 * C, 1.0f);
+        enum { N = 2 * CB_CPU_MATVEC_ROWS + 3 }; /* rows: more than two passes of the kernels */
+        float x[N * C], y[N * R], y2[N * R], y1[R], scr[2 * C];
+        fill(x, N * C, 1.0f);
         float *scales = NULL;
         for (int pass = 0; pass < 2; pass++) { /* generic path, then the fused kernels with scale copies */
             if (pass == 1) scales = add_scales(&w);
-            for (int n = 1; n <= 8; n++) {
+            for (int n = 1; n <= N; n++) {
                 cb_cpu_matvec(&w, x, n, y, R, scr, pool2);
-                for (int i = 0; i < n; i++)
+                for (int i = 0; i < n; i++) {
                     for (int o = 0; o < R; o++) {
                         double s = 0;
                         for (int j = 0; j < C; j++) s += (double)ref[(size_t)o * C + j] * x[i * C + j];
                         CHECK_NEAR(y[i * R + o], s, 1e-4);
                     }
+                    /* each row the bits it gets alone, whatever n */
+                    cb_cpu_matvec(&w, x + i * C, 1, y1, R, scr, NULL);
+                    CHECK(memcmp(y1, y + i * R, sizeof y1) == 0);
+                }
             }
         }
         w.f32 = ref; /* GEMM on the f32 copy agrees with matvec on the stored rows */
@@ -1058,31 +1120,38 @@ static cb_model_t *real_model(void) {
     return m;
 }
 
-/* Batched decode (issue 12's engine step): N sequences of different prompt lengths decode `steps` greedy
- * tokens one batch per step; every sequence gets the tokens it gets decoding alone, and up to 8 rows (the
- * matvec path) the same logits bit for bit. Returns 0, or -1 after printing why. */
-static int batch_matches_alone(cb_model_t *m, int N, int steps, int max_ctx) {
+/* Prompt i of a batch test: base + 3..31 tokens (all lengths different for i < 29) into prompt; its length. */
+static int batch_prompt(int i, int base, int V, int32_t *prompt) {
+    const int n = base + 3 + (i * 7) % 29;
+    for (int j = 0; j < n; j++) prompt[j] = (int32_t)((i * 131 + j * 17 + 3) % (V < 200 ? V : 200));
+    return n;
+}
+
+/* Batched decode (issue 12's engine step): N sequences of different prompt lengths (base + 3..31) decode
+ * `steps` greedy tokens one batch per step; every sequence gets the tokens and, bit for bit, the logits it
+ * gets decoding alone. Returns 0, or -1 after printing why. */
+static int batch_matches_alone(cb_model_t *m, int N, int steps, int base, int max_ctx) {
     char err[256];
     const int V = cb_model_hparams(m)->n_vocab;
     cb_engine_t *e1 = cb_engine_new(m, max_ctx, err, sizeof err), *e = NULL;
     if (e1) { /* a pool for N sequences of max_ctx */
         cb_engine_pool_stats_t st = pool_stats(e1);
-        cb_engine_opts_t o = {.max_ctx = max_ctx, .kv_pool_bytes = (size_t)N * (size_t)((max_ctx + st.block_tokens - 1) / st.block_tokens) *
-                                           st.block_bytes, 0};
+        cb_engine_opts_t o = {.max_ctx = max_ctx,
+                              .kv_pool_bytes = (size_t)N * (size_t)((max_ctx + st.block_tokens - 1) / st.block_tokens) *
+                                               st.block_bytes};
         e = cb_engine_new_opts(m, &o, err, sizeof err);
     }
-    cb_seq_t *seqs[16], *alone = e1 ? cb_seq_new(e1) : NULL;
+    enum { MAXN = 24 };
+    cb_seq_t *seqs[MAXN], *alone = e1 ? cb_seq_new(e1) : NULL;
     float *lg = malloc(sizeof(float) * (size_t)N * V), *l1 = malloc(sizeof(float) * (size_t)V);
-    int32_t tok[16], pos[16], want[16][32], rc = -1;
-    for (int i = 0; i < 16; i++) seqs[i] = NULL;
-    if (!e || !e1 || !alone || !lg || !l1 || N > 16 || steps > 32) {
+    int32_t tok[MAXN], pos[MAXN], want[MAXN][32], rc = -1, *prompt = malloc(sizeof(int32_t) * (size_t)(base + 32));
+    for (int i = 0; i < MAXN; i++) seqs[i] = NULL;
+    if (!e || !e1 || !alone || !lg || !l1 || !prompt || N > MAXN || steps > 32 || base + 32 + steps > max_ctx) {
         fprintf(stderr, "  N=%d: setup failed: %s\n", N, err);
         goto out;
     }
     for (int i = 0; i < N; i++) {
-        const int n = 3 + (i * 7) % 29; /* prompt lengths 3..31, all different for N <= 16 */
-        int32_t prompt[40];
-        for (int j = 0; j < n; j++) prompt[j] = (int32_t)((i * 131 + j * 17 + 3) % (V < 200 ? V : 200));
+        const int n = batch_prompt(i, base, V, prompt);
         /* alone: prefill, then `steps` greedy decodes */
         cb_seq_clear(alone);
         if (cb_engine_prefill(e1, alone, prompt, n, 0, l1) != CB_ENGINE_OK) goto out;
@@ -1108,32 +1177,29 @@ static int batch_matches_alone(cb_model_t *m, int N, int steps, int max_ctx) {
             pos[i]++;
         }
     }
-    if (N <= CB_CPU_MATVEC_MAX_ROWS) {
-        /* the last step's logits against decoding each sequence alone once more, bit for bit */
-        for (int i = 0; i < N; i++) {
-            const int n = 3 + (i * 7) % 29;
-            int32_t prompt[40];
-            for (int j = 0; j < n; j++) prompt[j] = (int32_t)((i * 131 + j * 17 + 3) % (V < 200 ? V : 200));
-            cb_seq_clear(alone);
-            if (cb_engine_prefill(e1, alone, prompt, n, 0, l1) != CB_ENGINE_OK) goto out;
-            for (int s = 0; s < steps; s++)
-                if (cb_engine_decode(e1, alone, want[i][s], n + s, l1) != CB_ENGINE_OK) goto out;
-            if (memcmp(l1, lg + (size_t)i * V, sizeof(float) * (size_t)V)) {
-                fprintf(stderr, "  N=%d: sequence %d: batched logits differ from alone (max %g)\n", N, i,
-                        maxdiff(l1, lg + (size_t)i * V, V));
-                goto out;
-            }
+    /* the last step's logits against decoding each sequence alone once more, bit for bit */
+    for (int i = 0; i < N; i++) {
+        const int n = batch_prompt(i, base, V, prompt);
+        cb_seq_clear(alone);
+        if (cb_engine_prefill(e1, alone, prompt, n, 0, l1) != CB_ENGINE_OK) goto out;
+        for (int s = 0; s < steps; s++)
+            if (cb_engine_decode(e1, alone, want[i][s], n + s, l1) != CB_ENGINE_OK) goto out;
+        if (memcmp(l1, lg + (size_t)i * V, sizeof(float) * (size_t)V)) {
+            fprintf(stderr, "  N=%d: sequence %d: batched logits differ from alone (max %g)\n", N, i,
+                    maxdiff(l1, lg + (size_t)i * V, V));
+            goto out;
         }
     }
     rc = 0;
 out:
     if (rc) fprintf(stderr, "  N=%d: failed\n", N);
-    for (int i = 0; i < 16; i++) cb_seq_destroy(&seqs[i]);
+    for (int i = 0; i < MAXN; i++) cb_seq_destroy(&seqs[i]);
     cb_seq_destroy(&alone);
     cb_engine_destroy(&e);
     cb_engine_destroy(&e1);
     free(lg);
     free(l1);
+    free(prompt);
     return rc;
 }
 
@@ -1141,8 +1207,11 @@ TEST(test_decode_batch) {
     char err[256];
     cb_model_t *m = load_tiny(NULL, err, sizeof err);
     CHECK_MSG(m, "%s", err);
-    static const int Ns[] = {1, 2, 7, 16};
-    for (size_t k = 0; k < sizeof Ns / sizeof Ns[0]; k++) CHECK_MSG(batch_matches_alone(m, Ns[k], 8, 96) == 0, "N=%d", Ns[k]);
+    static const int Ns[] = {1, 2, 7, 16, 24}; /* 24: three passes of the matvec kernels */
+    for (size_t k = 0; k < sizeof Ns / sizeof Ns[0]; k++)
+        CHECK_MSG(batch_matches_alone(m, Ns[k], 8, 0, 96) == 0, "N=%d", Ns[k]);
+    /* long prompts: every row's attention split in several key chunks */
+    CHECK_MSG(batch_matches_alone(m, 16, 4, 600, 700) == 0, "N=16, 600+ keys");
     /* bad batches and a pool that cannot hold the step */
     cb_engine_opts_t o = {.max_ctx = 96};
     cb_engine_t *probe = cb_engine_new(m, 96, err, sizeof err);
@@ -1176,9 +1245,11 @@ TEST(test_decode_batch) {
 TEST(test_real_decode_batch) {
     cb_model_t *m = real_model();
     if (!m) SKIP("model not present");
-    static const int Ns[] = {1, 2, 7, 16};
-    const int nk = TEST_SANITIZED ? 2 : 4, steps = TEST_SANITIZED ? 3 : 8;
-    for (int k = 0; k < nk; k++) CHECK_MSG(batch_matches_alone(m, Ns[k], steps, 64) == 0, "N=%d", Ns[k]);
+    static const int Ns[] = {1, 2, 7, 16, 24};
+    const int nk = TEST_SANITIZED ? 2 : 5, steps = TEST_SANITIZED ? 3 : 8;
+    for (int k = 0; k < nk; k++) CHECK_MSG(batch_matches_alone(m, Ns[k], steps, 0, 64) == 0, "N=%d", Ns[k]);
+    if (!TEST_SANITIZED) /* a long context: split attention, merged */
+        CHECK_MSG(batch_matches_alone(m, 5, 2, 300, 340) == 0, "N=5, 300+ keys");
 }
 
 TEST(test_real_hparams) {
@@ -1217,6 +1288,7 @@ int main(void) {
     RUN(test_rope_pairing);
     RUN(test_rope_composition);
     RUN(test_attention_key_limits);
+    RUN(test_attention_rows);
     RUN(test_attn_mass);
     RUN(test_dequant_and_matvec);
     RUN(test_tiny_model_loads);
