@@ -188,6 +188,33 @@ static void relay(gen_query_t *q, const void *data, size_t len) {
     else q->last_sent_ms = cb_now_ms();
 }
 
+/* "FATAL" <message> from a thread the service cannot run without: log it and stop. Returns -1. */
+static int thread_fatal(blendsvc_t *b, zmsg_t *zm, const char *who) {
+    char *msg = zmsg_popstr(zm);
+    cb_log(CB_LOG_ERROR, NULL, "the %s cannot run (%s): exiting", who, msg ? msg : "?");
+    zstr_free(&msg);
+    b->fatal = true;
+    cb_bus_service_stop(b->svc);
+    return -1;
+}
+
+/* The <gen_query_t *> frame of a thread's message, or NULL. */
+static gen_query_t *pop_query(zmsg_t *zm) {
+    zframe_t *f = zmsg_pop(zm);
+    gen_query_t *q = NULL;
+    if (f && zframe_size(f) == sizeof q) memcpy(&q, zframe_data(f), sizeof q);
+    zframe_destroy(&f);
+    return q;
+}
+
+/* The query's last message (body: its `done`, or empty when cancelled) relayed; the query freed. */
+static void end_query(blendsvc_t *b, gen_query_t *q, zframe_t *body) {
+    if (body && zframe_size(body) > 0) relay(q, zframe_data(body), zframe_size(body));
+    list_remove(b, q);
+    cb_bus_req_destroy(&q->req);
+    gen_query_free(&q);
+}
+
 static int on_worker(zloop_t *loop, zsock_t *sock, void *arg) {
     (void)loop;
     blendsvc_t *b = arg;
@@ -199,28 +226,13 @@ static int on_worker(zloop_t *loop, zsock_t *sock, void *arg) {
     } else if (strcmp(what, "READY") == 0) {
         b->worker_ready = true;
     } else if (strcmp(what, "FATAL") == 0) {
-        char *msg = zmsg_popstr(zm);
-        cb_log(CB_LOG_ERROR, NULL, "the worker cannot run (%s): exiting", msg ? msg : "?");
-        zstr_free(&msg);
-        b->fatal = true;
-        cb_bus_service_stop(b->svc);
-        rc = -1;
+        rc = thread_fatal(b, zm, "worker");
     } else {
-        zframe_t *f = zmsg_pop(zm);
-        gen_query_t *q = NULL;
-        if (f && zframe_size(f) == sizeof q) memcpy(&q, zframe_data(f), sizeof q);
-        zframe_destroy(&f);
+        gen_query_t *q = pop_query(zm);
         zframe_t *body = zmsg_pop(zm);
-        if (q && strcmp(what, "START") == 0) {
-            q->started = true;
-        } else if (q && strcmp(what, "SEND") == 0) {
-            if (body) relay(q, zframe_data(body), zframe_size(body));
-        } else if (q && strcmp(what, "DONE") == 0) {
-            if (body && zframe_size(body) > 0) relay(q, zframe_data(body), zframe_size(body));
-            list_remove(b, q);
-            cb_bus_req_destroy(&q->req);
-            gen_query_free(&q);
-        }
+        if (q && strcmp(what, "START") == 0) q->started = true;
+        else if (q && strcmp(what, "SEND") == 0 && body) relay(q, zframe_data(body), zframe_size(body));
+        else if (q && strcmp(what, "DONE") == 0) end_query(b, q, body);
         zframe_destroy(&body);
     }
     zstr_free(&what);
@@ -237,28 +249,18 @@ static int on_fetch(zloop_t *loop, zsock_t *sock, void *arg) {
     char *what = zmsg_popstr(zm);
     int rc = 0;
     if (what && strcmp(what, "FATAL") == 0) {
-        char *msg = zmsg_popstr(zm);
-        cb_log(CB_LOG_ERROR, NULL, "the retrieval thread cannot run (%s): exiting", msg ? msg : "?");
-        zstr_free(&msg);
-        b->fatal = true;
-        cb_bus_service_stop(b->svc);
-        rc = -1;
-    } else if (what && (strcmp(what, "FETCHED") == 0 || strcmp(what, "FAILED") == 0)) {
-        zframe_t *f = zmsg_pop(zm);
-        gen_query_t *q = NULL;
-        if (f && zframe_size(f) == sizeof q) memcpy(&q, zframe_data(f), sizeof q);
-        zframe_destroy(&f);
-        if (q && what[1] == 'E') {
-            to_actor(b->worker, q);
-        } else if (q) {
-            zframe_t *body = zmsg_pop(zm);
-            if (body && zframe_size(body) > 0) relay(q, zframe_data(body), zframe_size(body));
-            zframe_destroy(&body);
+        rc = thread_fatal(b, zm, "retrieval thread");
+    } else if (what && strcmp(what, "FETCHED") == 0) {
+        gen_query_t *q = pop_query(zm);
+        if (q) to_actor(b->worker, q);
+    } else if (what && strcmp(what, "FAILED") == 0) {
+        gen_query_t *q = pop_query(zm);
+        zframe_t *body = zmsg_pop(zm);
+        if (q) {
             atomic_fetch_add(&b->stats.queries_failed, 1);
-            list_remove(b, q);
-            cb_bus_req_destroy(&q->req);
-            gen_query_free(&q);
+            end_query(b, q, body);
         }
+        zframe_destroy(&body);
     }
     zstr_free(&what);
     zmsg_destroy(&zm);
