@@ -139,9 +139,9 @@ int cb_engine_prefill_capture(cb_engine_t *self, cb_seq_t *seq, const int32_t *t
 int cb_engine_decode(cb_engine_t *self, cb_seq_t *seq, int32_t token, int pos, float *logits);
 /* One decode step of n sequences at once (1..max_rows, all distinct): token tokens[i] at position pos[i] of
  * seqs[i]. The projections, MLP and LM head run once over the n rows (one product per weight, not one per
- * sequence); each row attends its own sequence. logits [n][n_vocab] (NULL: skip the LM head). Up to 8
- * rows give every row the logits cb_engine_decode gives it alone, bit for bit; more rows take the GEMM
- * path (last-bit differences, as prefill). CB_ENGINE_OK, _EINVAL, or _EPOOL (no block for some row's new
+ * sequence); each row attends its own sequence. logits [n][n_vocab] (NULL: skip the LM head). On a backend
+ * with matmul_rowwise and attention_rows (the CPU backend) every row gets the logits cb_engine_decode gives
+ * it alone, bit for bit, at any n; elsewhere rows may differ in the last bits. CB_ENGINE_OK, _EINVAL, or _EPOOL (no block for some row's new
  * position; nothing is computed or allocated then). */
 int cb_engine_decode_batch(cb_engine_t *self, cb_seq_t *const *seqs, const int32_t *tokens, const int32_t *pos,
                            int n, float *logits);
