@@ -728,6 +728,7 @@ static void decode_step(gen_t *g) {
     atomic_fetch_add(&s->decode_steps, 1);
     atomic_fetch_add(&s->decode_us, (uint64_t)((cb_now_ms() - t) * 1000.0));
     if (n > atomic_load(&s->batch_peak)) atomic_store(&s->batch_peak, n);
+    if (st == CB_ENGINE_OK) atomic_fetch_add(&s->decode_tokens, (uint64_t)n);
     for (int j = 0; j < n; j++) {
         query_t *r = &g->slots[g->b_slot[j]];
         if (st != CB_ENGINE_OK) {
@@ -736,7 +737,6 @@ static void decode_step(gen_t *g) {
             slot_fail(g, r, CB_ERR_INTERNAL, err);
             continue;
         }
-        atomic_fetch_add(&s->decode_tokens, 1);
         r->tok = cb_sampler_sample(r->sampler, g->b_logits + (size_t)j * g->n_vocab);
         emit(g, r);
     }
@@ -753,9 +753,6 @@ static bool has_work(const gen_t *g) {
 /* The loop's view of the worker (stats, health). */
 static void publish_loop(gen_t *g, bool busy) {
     gen_stats_t *s = g->a->stats;
-    int running = 0;
-    for (int i = 0; i < g->n_slots; i++) running += g->slots[i].state != SLOT_FREE;
-    atomic_store(&s->running, running);
     atomic_store(&s->busy, busy);
     atomic_store(&s->beat_ms, (uint64_t)cb_now_ms());
 }

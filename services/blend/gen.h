@@ -89,7 +89,6 @@ typedef struct {
     atomic_int pool_blocks, pool_blocks_used, pool_blocks_free, pool_blocks_shared, pool_block_tokens;
     atomic_int pool_blocks_peak;             /* the most blocks used at any of those points */
     /* the step loop */
-    atomic_int running;                      /* queries in slots (prefilling, waiting for it, decoding) */
     atomic_bool busy;                        /* it has work (a slot taken or a query queued) */
     atomic_uint_fast64_t beat_ms;            /* cb_now_ms() at the top of its last step (or when it went idle) */
     atomic_uint_fast64_t steps;
