@@ -12,7 +12,7 @@
 . "$(dirname "$0")/lib/stack.bash"
 stack_setup
 export CB_PRECOMPUTE_CHUNK_TOKENS=40
-export CB_BLEND_MAX_QUEUE=1
+export CB_BLEND_MAX_QUEUE=1 CB_BLEND_MAX_SEQS=1 CB_BLEND_CTX_SIZE=2048 # one runs, one waits, one is refused (section 4)
 stack_launch retriever; stack_launch cacheindex; stack_launch precompute
 for s in retriever cacheindex precompute; do stack_ready $s || svc_finish; done
 PRE=$(stack_endpoint precompute)
@@ -84,7 +84,8 @@ check "cacheindex: the shared chunk once" "$(stack_stat cacheindex entries)" "$(
 # --- 3. kill -9 / SIGSTOP of cb-blend during a query -----------------------------------------------------
 svc_stop precompute3
 stack_start blend || svc_finish
-ctx=(); for f in data/sample/*.md data/sample/*.txt; do ctx+=(--context "$(cat "$f")"); done
+# every sample document twice (~1,400 tokens): the full prefill outlasts the 1.2 s before the signal
+ctx=(); for f in data/sample/*.md data/sample/*.txt data/sample/*.md data/sample/*.txt; do ctx+=(--context "$(cat "$f")"); done
 Q="Who designed the Kettleby Lighthouse?"
 for sig in KILL STOP; do
   t0=$(date +%s%N)
