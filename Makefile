@@ -18,6 +18,9 @@ PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CFLAGS  ?= -O2 -g
 ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) $(ARCHFLAGS) -fopenmp -Ilibshared -Ikernels $(PKG_CFLAGS)
 LDLIBS  := $(PKG_LIBS) -lm -lpthread -fopenmp
+# Libraries only one service directory links (services/<dir> -> DIR_LIBS_<dir>).
+DIR_LIBS_gateway := $(shell pkg-config --libs libmicrohttpd 2>/dev/null)
+DIR_CFLAGS_gateway := $(shell pkg-config --cflags libmicrohttpd 2>/dev/null)
 
 SAN_FLAGS := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
@@ -76,7 +79,7 @@ build/lib/libcbcuda.a: $(patsubst %.cu,build/obj/%.cu.o,$(CU_SRC))
 define prog_rule
 build/bin/$(basename $(notdir $(1))): $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $(CUDA_LIB)
 	@mkdir -p build/bin
-	$$(CC) $$(ALL_CFLAGS) -I$(dir $(1)) $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $(CUDA_LIB) $$(LDLIBS) -o $$@
+	$$(CC) $$(ALL_CFLAGS) $$(DIR_CFLAGS_$(notdir $(patsubst %/,%,$(dir $(1))))) -I$(dir $(1)) $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $(CUDA_LIB) $$(LDLIBS) $$(DIR_LIBS_$(notdir $(patsubst %/,%,$(dir $(1))))) -o $$@
 endef
 $(foreach s,$(PROG_SRC),$(eval $(call prog_rule,$(s))))
 

@@ -1,14 +1,32 @@
 #!/usr/bin/env bash
-# Installs the Debian packages cacheblend needs. Idempotent; quiet when everything is present.
+# Installs the Debian packages cacheblend needs, and the PyPI packages its tests use as clients
+# (never a service dependency). Idempotent; quiet when everything is present.
+#   build and test: the compilers and libraries of DESIGN.md, libmicrohttpd (cb-gateway)
+#   gateway tests:  curl, apache2-utils (ab), chromium + chromium-driver (the web page, headless)
+#   containers:     podman, podman-compose, debootstrap (make test-compose, scripts/base-image.sh)
+#   PyPI:           openai (a client no one here wrote), prometheus_client (the /metrics parser), selenium
 set -eu
 PKGS="build-essential pkg-config clang libclang-rt-14-dev libczmq-dev libzmq3-dev libmsgpack-dev libsqlite3-dev sqlite3
-libopenblas-dev libpcre2-dev libsodium-dev libxxhash-dev libjansson-dev libcmocka-dev gnuplot-nox unzip python3-pip jq"
+libopenblas-dev libpcre2-dev libsodium-dev libxxhash-dev libjansson-dev libcmocka-dev gnuplot-nox unzip python3-pip jq
+libmicrohttpd-dev curl apache2-utils chromium chromium-driver podman podman-compose debootstrap"
+PIP_PKGS="openai prometheus_client selenium"
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 missing=()
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
-echo "bootstrap: installing ${missing[*]}" >&2
-SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "bootstrap: installing ${missing[*]}" >&2
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+pip_missing=()
+for p in $PIP_PKGS; do
+  python3 -c "import $p" 2>/dev/null || pip_missing+=("$p")
+done
+if [ ${#pip_missing[@]} -gt 0 ]; then
+  echo "bootstrap: pip installing ${pip_missing[*]}" >&2
+  $SUDO python3 -m pip install -q --break-system-packages "${pip_missing[@]}" >/dev/null 2>&1 ||
+    echo "bootstrap: warning: pip could not install ${pip_missing[*]} (the tests that need them skip)" >&2
+fi
+exit 0
