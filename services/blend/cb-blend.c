@@ -53,6 +53,8 @@ typedef struct {
     int n_inflight;
     uint64_t accepted, rejected;
     bool worker_ready, fatal;
+    const char *model_path;    /* common.model (borrowed from the config) */
+    char model_fp[65];         /* the loaded model's fingerprint (hex), "" until the worker is ready */
 } blendsvc_t;
 
 static int n_waiting(const blendsvc_t *b) {
@@ -224,6 +226,9 @@ static int on_worker(zloop_t *loop, zsock_t *sock, void *arg) {
     int rc = 0;
     if (!what) {
     } else if (strcmp(what, "READY") == 0) {
+        char *fp = zmsg_popstr(zm);
+        if (fp) snprintf(b->model_fp, sizeof b->model_fp, "%s", fp);
+        zstr_free(&fp);
         b->worker_ready = true;
     } else if (strcmp(what, "FATAL") == 0) {
         rc = thread_fatal(b, zm, "worker");
@@ -298,6 +303,14 @@ static double step_age_ms(const blendsvc_t *b) {
     return age > 0.0 ? age : 0.0;
 }
 
+/* The served model: `model` (its file name), `model_path`, `model_fingerprint` (hex; "" until ready). */
+static void put_model(const blendsvc_t *b, cb_msg_writer_t *w) {
+    const char *slash = b->model_path ? strrchr(b->model_path, '/') : NULL;
+    cb_msg_put_str(w, "model", slash ? slash + 1 : b->model_path ? b->model_path : "");
+    cb_msg_put_str(w, "model_path", b->model_path ? b->model_path : "");
+    cb_msg_put_str(w, "model_fingerprint", b->model_fp);
+}
+
 /* Health (`ping`): the worker is up and its step loop not stuck. */
 static const char *health(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, char *why, size_t whylen) {
     (void)svc;
@@ -305,6 +318,7 @@ static const char *health(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, 
     double age = step_age_ms(b);
     cb_msg_put_bool(w, "worker_ready", b->worker_ready);
     cb_msg_put_double(w, "step_age_ms", age);
+    put_model(b, w);
     if (!b->worker_ready) {
         snprintf(why, whylen, "the worker is not ready (loading the model)");
         return why;
@@ -322,6 +336,7 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     blendsvc_t *b = arg;
     gen_stats_t *s = &b->stats;
     int waiting = n_waiting(b);
+    put_model(b, w);
     cb_msg_put_uint(w, "queries", b->accepted);
     cb_msg_put_int(w, "queue", waiting);
     cb_msg_put_int(w, "running", b->n_inflight - waiting);
@@ -436,6 +451,7 @@ int main(int argc, char **argv) {
     }
     ga.cfg = cfg;
     snprintf(ga.model_path, sizeof ga.model_path, "%s", model);
+    b.model_path = model;
     snprintf(ga.system_prompt, sizeof ga.system_prompt, "%s", sys);
     ga.ctx_size = (int)ctx;
     ga.kv_pool_bytes = (size_t)pool;

@@ -2,6 +2,7 @@
 #include "gen.h"
 
 #include <errno.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -775,7 +776,11 @@ void gen_actor(zsock_t *pipe, void *args) {
            "%d queries at once, prefill slices of %d tokens, kv_dir %s",
            g.n_prefix, cb_engine_max_ctx(g.engine), ps.n_blocks, ps.block_tokens, ps.block_bytes,
            cb_engine_backend_name(g.engine), g.n_slots, g.a->max_batch_tokens, g.a->kv_dir);
-    zstr_send(pipe, "READY");
+    uint8_t fp[32];
+    char fp_hex[65];
+    cb_model_fingerprint(g.model, fp);
+    sodium_bin2hex(fp_hex, sizeof fp_hex, fp, sizeof fp);
+    zstr_sendx(pipe, "READY", fp_hex, NULL); /* the model's fingerprint, for stats and ping */
     while (!g.term) {
         bool busy = has_work(&g);
         publish_loop(&g, busy); /* idle while it waits for a query */
