@@ -1,6 +1,7 @@
 /* bus: ZeroMQ socket helpers, Lazy Pirate client, ROUTER service loop. See bus.h. */
 #include "wire/bus.h"
 
+#include <errno.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -338,6 +339,130 @@ int cb_bus_send_raw(cb_bus_client_t *c, const void *data, size_t len, char *err,
 zframe_t *cb_bus_recv_raw(cb_bus_client_t *c, int timeout_ms) {
     bool intr;
     return client_recv_frame(c, cb_now_ms() + timeout_ms, &intr);
+}
+
+/* Fan-out with one DEALER per endpoint (ZMQ_IMMEDIATE): a socket becomes writable only once its
+ * connection is up, so "unavailable" (never connected) and "timeout" (sent, no answer) are told apart
+ * while all services are tried at the same time. */
+void cb_bus_fanout(const cb_bus_opts_t *opts, const char *type, const char *const *endpoints, int n, int connect_ms,
+                   int timeout_ms, cb_bus_result_t *results) {
+    zsock_t *socks[CB_BUS_FANOUT_MAX] = {0};
+    char ids[CB_BUS_FANOUT_MAX][32];
+    bool sent[CB_BUS_FANOUT_MAX] = {0}, done[CB_BUS_FANOUT_MAX] = {0};
+    double t_sent[CB_BUS_FANOUT_MAX] = {0};
+    if (n > CB_BUS_FANOUT_MAX) n = CB_BUS_FANOUT_MAX;
+    cb_bus_opts_t o = *opts;
+    o.request_timeout_ms = timeout_ms;
+    if (o.send_timeout_ms > timeout_ms) o.send_timeout_ms = timeout_ms;
+    cb_msg_writer_t *w = cb_msg_writer_new();
+    int pending = 0;
+    for (int i = 0; i < n; i++) {
+        cb_bus_result_t *r = &results[i];
+        memset(r, 0, sizeof *r);
+        r->endpoint = endpoints[i];
+        r->code = CB_ERR_UNAVAILABLE;
+        if (!w) {
+            snprintf(r->error, sizeof r->error, "out of memory");
+            r->code = CB_ERR_INTERNAL;
+            done[i] = true;
+            continue;
+        }
+        if (!endpoints[i]) {
+            snprintf(r->error, sizeof r->error, "no endpoint configured");
+            r->code = CB_ERR_BAD_REQUEST;
+            done[i] = true;
+            continue;
+        }
+        socks[i] = cb_bus_socket(ZMQ_DEALER, endpoints[i], false, &o, r->error, sizeof r->error);
+        if (!socks[i]) {
+            done[i] = true;
+            continue;
+        }
+        cb_bus_new_id(ids[i], sizeof ids[i]);
+        pending++;
+    }
+    if (connect_ms > timeout_ms || connect_ms <= 0) connect_ms = timeout_ms;
+    int64_t t0 = zclock_mono(), deadline = t0 + timeout_ms, connect_deadline = t0 + connect_ms;
+    while (pending > 0 && !zsys_interrupted) {
+        int64_t now = zclock_mono();
+        if (now >= connect_deadline) /* give up on services that never connected */
+            for (int i = 0; i < n; i++)
+                if (!done[i] && !sent[i]) {
+                    done[i] = true;
+                    pending--;
+                }
+        if (pending == 0) break;
+        zmq_pollitem_t items[CB_BUS_FANOUT_MAX];
+        int map[CB_BUS_FANOUT_MAX], k = 0;
+        for (int i = 0; i < n; i++) {
+            if (done[i]) continue;
+            items[k] = (zmq_pollitem_t){zsock_resolve(socks[i]), 0, (short)(sent[i] ? ZMQ_POLLIN : ZMQ_POLLOUT), 0};
+            map[k++] = i;
+        }
+        int64_t left = deadline - zclock_mono();
+        bool connecting = false;
+        for (int i = 0; i < n; i++) connecting |= !done[i] && !sent[i];
+        if (connecting && connect_deadline - zclock_mono() < left) left = connect_deadline - zclock_mono();
+        if (left <= 0) {
+            if (zclock_mono() >= deadline) break;
+            continue;
+        }
+        if (zmq_poll(items, k, (long)left) < 0) {
+            if (zmq_errno() == EINTR) continue;
+            break;
+        }
+        for (int j = 0; j < k; j++) {
+            int i = map[j];
+            cb_bus_result_t *r = &results[i];
+            if ((items[j].revents & ZMQ_POLLOUT) && !sent[i]) {
+                cb_msg_begin(w, type, ids[i]);
+                size_t len;
+                const void *data = cb_msg_end(w, &len);
+                if (data && zmq_send(zsock_resolve(socks[i]), data, len, ZMQ_DONTWAIT) >= 0) {
+                    sent[i] = true;
+                    t_sent[i] = cb_now_ms();
+                }
+            } else if (items[j].revents & ZMQ_POLLIN) {
+                zmsg_t *zm = zmsg_recv(socks[i]);
+                zframe_t *f = zm ? zmsg_last(zm) : NULL;
+                cb_msg_error_t e;
+                cb_msg_t *m = f ? cb_msg_decode_ex(zframe_data(f), zframe_size(f), (size_t)o.max_msg_bytes, &e) : NULL;
+                zmsg_destroy(&zm);
+                if (!m || !cb_msg_is_reply(m) || strcmp(cb_msg_id(m), ids[i]) != 0) {
+                    cb_msg_destroy(&m); /* not our answer: keep waiting */
+                    continue;
+                }
+                r->latency_ms = cb_now_ms() - t_sent[i];
+                r->reply = m;
+                r->code = cb_msg_err_code(m);
+                if (!cb_msg_ok(m)) snprintf(r->error, sizeof r->error, "%s: %s", cb_msg_err_code_name(m), cb_msg_err_message(m));
+                done[i] = true;
+                pending--;
+            }
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        cb_bus_result_t *r = &results[i];
+        if (!r->reply && socks[i]) {
+            if (sent[i]) {
+                r->code = CB_ERR_TIMEOUT;
+                snprintf(r->error, sizeof r->error, "timeout: no answer from %s within %d ms", r->endpoint, timeout_ms);
+            } else {
+                r->code = CB_ERR_UNAVAILABLE;
+                snprintf(r->error, sizeof r->error, "unavailable: no connection to %s within %d ms (is it running?)",
+                         r->endpoint, connect_ms);
+            }
+        }
+        if (socks[i]) {
+            zsock_set_linger(socks[i], 0);
+            zsock_destroy(&socks[i]);
+        }
+    }
+    cb_msg_writer_destroy(&w);
+}
+
+void cb_bus_results_free(cb_bus_result_t *results, int n) {
+    for (int i = 0; i < n; i++) cb_msg_destroy(&results[i].reply);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

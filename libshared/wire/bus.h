@@ -88,6 +88,22 @@ cb_msg_t *cb_bus_call_ok(cb_bus_client_t *c, cb_msg_writer_t *w, cb_err_t *code,
 int cb_bus_send(cb_bus_client_t *c, const void *data, size_t len, cb_err_t *code, char *err, size_t errlen);
 cb_msg_t *cb_bus_recv(cb_bus_client_t *c, const char *id, int timeout_ms, cb_err_t *code, char *err,
                       size_t errlen);
+/* Fan-out: sends a request of `type` (no fields) to several endpoints at once and waits for every reply
+ * until one common deadline (timeout_ms). An endpoint not connected within connect_ms (<= timeout_ms) is
+ * reported unavailable; one that got the request but did not answer, timeout. results[i] is for
+ * endpoints[i]; n <= CB_BUS_FANOUT_MAX (more are ignored). Thread: the caller's (its own sockets). */
+#define CB_BUS_FANOUT_MAX 16
+typedef struct {
+    const char *endpoint; /* borrowed from the caller */
+    cb_msg_t *reply;      /* NULL when the endpoint did not answer (owned; cb_bus_results_free) */
+    cb_err_t code;        /* why not (timeout, unavailable), or the reply's error code */
+    char error[256];
+    double latency_ms;
+} cb_bus_result_t;
+void cb_bus_fanout(const cb_bus_opts_t *o, const char *type, const char *const *endpoints, int n, int connect_ms,
+                   int timeout_ms, cb_bus_result_t *results);
+void cb_bus_results_free(cb_bus_result_t *results, int n);
+
 /* Sends raw bytes as one frame, no validation (tests: malformed input). 0 or -1. */
 int cb_bus_send_raw(cb_bus_client_t *c, const void *data, size_t len, char *err, size_t errlen);
 /* Receives one frame (any content) into a new zframe (caller owns), or NULL after timeout_ms. */
