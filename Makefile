@@ -77,7 +77,7 @@ build/lib/libcbcuda.a: $(patsubst %.cu,build/obj/%.cu.o,$(CU_SRC))
 
 # One program per services/<dir>/cb*.c, plus the dir's other sources.
 define prog_rule
-build/bin/$(basename $(notdir $(1))): $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $(CUDA_LIB)
+build/bin/$(basename $(notdir $(1))): $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) $(wildcard $(dir $(1))*.h $(dir $(1))www/*) build/lib/libshared.a $(CUDA_LIB)
 	@mkdir -p build/bin
 	$$(CC) $$(ALL_CFLAGS) $$(DIR_CFLAGS_$(notdir $(patsubst %/,%,$(dir $(1))))) -I$(dir $(1)) $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $(CUDA_LIB) $$(LDLIBS) $$(DIR_LIBS_$(notdir $(patsubst %/,%,$(dir $(1))))) -o $$@
 endef

@@ -194,16 +194,18 @@ static zframe_t *client_recv_frame(cb_bus_client_t *c, double deadline, bool *in
     if (!c->sock) return NULL;
     void *h = zsock_resolve(c->sock);
     for (;;) {
-        double left = deadline - cb_now_ms();
-        if (left <= 0) return NULL;
+        double left = deadline - cb_now_ms(); /* <= 0: one look at what is there already */
         zmq_pollitem_t item = {h, 0, ZMQ_POLLIN, 0};
-        int rc = zmq_poll(&item, 1, (long)(left + 1));
+        int rc = zmq_poll(&item, 1, left > 0 ? (long)(left + 1) : 0);
         if (rc < 0) {
             if (zmq_errno() == EINTR && !zsys_interrupted) continue;
             *interrupted = true;
             return NULL;
         }
-        if (rc == 0 || !(item.revents & ZMQ_POLLIN)) continue;
+        if (rc == 0 || !(item.revents & ZMQ_POLLIN)) {
+            if (deadline - cb_now_ms() <= 0) return NULL;
+            continue;
+        }
         zmsg_t *m = zmsg_recv(c->sock);
         if (!m) continue;
         zframe_t *last = zmsg_last(m);
@@ -331,6 +333,8 @@ cb_msg_t *cb_bus_recv(cb_bus_client_t *c, const char *id, int timeout_ms, cb_err
     }
     return m;
 }
+
+void *cb_bus_client_handle(cb_bus_client_t *c) { return c->sock ? zsock_resolve(c->sock) : NULL; }
 
 int cb_bus_send_raw(cb_bus_client_t *c, const void *data, size_t len, char *err, size_t errlen) {
     return client_send(c, data, len, err, errlen);

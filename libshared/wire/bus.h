@@ -104,6 +104,10 @@ void cb_bus_fanout(const cb_bus_opts_t *o, const char *type, const char *const *
                    int timeout_ms, cb_bus_result_t *results);
 void cb_bus_results_free(cb_bus_result_t *results, int n);
 
+/* The client's ZeroMQ socket handle, to poll it with other descriptors (zmq_pollitem_t.socket; then
+ * cb_bus_recv with timeout 0 reads what came), or NULL while no connection is open (before the first
+ * send, after a failed one). Owned by the client. */
+void *cb_bus_client_handle(cb_bus_client_t *c);
 /* Sends raw bytes as one frame, no validation (tests: malformed input). 0 or -1. */
 int cb_bus_send_raw(cb_bus_client_t *c, const void *data, size_t len, char *err, size_t errlen);
 /* Receives one frame (any content) into a new zframe (caller owns), or NULL after timeout_ms. */
