@@ -95,3 +95,19 @@ wait_until() {
   for i in $(seq 1 $((limit * 5))); do "$@" && return 0; sleep 0.2; done
   return 1
 }
+
+# stack_start_gateway: starts build/bin/cb-gateway on a free loopback port (CB_GATEWAY_LISTEN) against
+# the stack's endpoints and waits until it answers HTTP; exports GW=http://127.0.0.1:PORT.
+stack_start_gateway() {
+  svc_need build/bin/cb-gateway
+  local p i
+  p=$(svc_free_port)
+  export CB_GATEWAY_LISTEN="127.0.0.1:$p" GW="http://127.0.0.1:$p"
+  svc_start gateway build/bin/cb-gateway
+  for i in $(seq 1 100); do
+    curl -s -o /dev/null --max-time 2 "$GW/metrics" && return 0
+    kill -0 "${SVC_PID[gateway]}" 2>/dev/null || { echo "FAIL: cb-gateway exited"; tail -5 "$T/gateway.log"; return 1; }
+    sleep 0.1
+  done
+  echo "FAIL: cb-gateway did not answer on $GW within 10 s"; return 1
+}
