@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# scripts/stack.sh start|stop|status|restart: the four cacheblend services in the background on this host.
+# scripts/stack.sh start|stop|status|restart: the four cacheblend services and the HTTP gateway
+# (cb-gateway, gateway.listen: 127.0.0.1:8000 by default; CB_STACK_GATEWAY=0 leaves it out) in the
+# background on this host.
 #
 # State lives under $CB_DATA_DIR (default ./var): run/<service>.pid, log/<service>.log, the databases and
 # the KV directory (the services' own config keys, relative to data_dir). Configuration: $CB_CONFIG or
@@ -19,6 +21,7 @@ export CB_DATA_DIR=${CB_DATA_DIR:-var}
 RUN="$CB_DATA_DIR/run"
 LOG="$CB_DATA_DIR/log"
 SERVICES=(retriever cacheindex precompute blend)
+[ "${CB_STACK_GATEWAY:-1}" != 0 ] && SERVICES+=(gateway)
 BIN="$ROOT/build/bin"
 CBCTL="$BIN/cbctl"
 
@@ -41,6 +44,9 @@ start() {
     [ -x "$b" ] || die "$b is missing: run make first"
   done
   mkdir -p "$RUN" "$LOG" || die "cannot create $RUN and $LOG"
+  local gw_log_off=0  # the gateway's log before this start (it says "listening on" once bound)
+  [ -f "$LOG/gateway.log" ] && gw_log_off=$(stat -c %s "$LOG/gateway.log")
+  svc_pid gateway >/dev/null && gw_log_off=0
   for s in "${SERVICES[@]}"; do
     if pid=$(svc_pid "$s"); then echo "stack: cb-$s already running (pid $pid)"; continue; fi
     nohup "$BIN/cb-$s" >>"$LOG/$s.log" 2>&1 </dev/null &
@@ -52,7 +58,9 @@ start() {
     for s in "${SERVICES[@]}"; do
       svc_pid "$s" >/dev/null || { echo "stack: cb-$s exited; the end of $LOG/$s.log:" >&2; tail -n 15 "$LOG/$s.log" >&2; exit 1; }
     done
-    if "$CBCTL" -q health 2>/dev/null; then
+    if [ "${SERVICES[-1]}" = gateway ] && ! tail -c +$((gw_log_off + 1)) "$LOG/gateway.log" 2>/dev/null | grep -q "listening on"; then
+      :  # the gateway has not bound its address yet
+    elif "$CBCTL" -q health 2>/dev/null; then
       local ready=0
       for s in precompute blend; do
         "$CBCTL" stats "$s" 2>/dev/null | grep -q "worker_ready *true" && ready=$((ready + 1))
