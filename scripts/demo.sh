@@ -4,7 +4,8 @@
 #   2. scripts/stack.sh start, with its state in $CB_DATA_DIR (default var/demo)
 #   3. cbctl ingest --wait data/sample (four short documents: chunked, KV precomputed, indexed)
 #   4. each question of data/sample/questions.lst asked in `full` mode (everything prefilled) and in `blend`
-#      mode (the chunks' cached KV fused with a 15% recompute), answers and TTFT side by side
+#      mode (the chunks' cached KV fused with a 15% recompute), answers and TTFT side by side; then the
+#      first question once more with --frequency-penalty (its greedy blend answer repeats itself)
 #   5. scripts/stack.sh stop (also on failure or Ctrl-C)
 # The services use the usual endpoints (config/cacheblend.cfg or CB_* overrides); if a stack already answers
 # there, the demo refuses to start a second one.
@@ -56,3 +57,9 @@ while IFS= read -r q; do
   n=$((n + 1))
 done <data/sample/questions.lst
 python3 -c "f=$sum_full/$n; b=$sum_blend/$n; print(f'\nmean TTFT over {$n} questions: full {f:.1f} ms, blend {b:.1f} ms ({f/b:.2f}x faster)')"
+# a greedy answer that repeats itself until --max-tokens (the first question's, in blend mode) ends on its own
+# with a frequency penalty (OpenAI's frequency_penalty: each earlier use of a token lowers its logit)
+q1=$(head -n 1 data/sample/questions.lst)
+line=$(build/bin/cbctl query --json --mode blend --max-tokens 32 --frequency-penalty 1.0 "$q1" | tail -n 1)
+printf '\n\033[1mQ: %s\033[0m  (blend, --frequency-penalty 1.0: finish_reason %s)\n  %s\n' "$q1" \
+  "$(json_field "$line" finish_reason)" "$(json_field "$line" text | head -n 1)"

@@ -1,11 +1,13 @@
-/* sampler.c: greedy / top-k / top-p / temperature sampling with a PCG32 generator (see sampler.h).
- * Owns a candidate array of n_vocab entries; no allocation per call.
+/* sampler.c: frequency/presence penalties, then greedy / top-k / top-p / temperature sampling with a
+ * PCG32 generator (see sampler.h). Owns a candidate array, a penalised row, token counts and the list
+ * of distinct accepted tokens, n_vocab entries each, allocated in _new; no allocation per call.
  */
 #include "engine/sampler.h"
 
 #include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct { float logit; int32_t id; } cand_t;
 
@@ -14,6 +16,11 @@ struct cb_sampler {
     int n_vocab;
     uint64_t state, inc;     /* PCG32 */
     cand_t *cand;            /* [n_vocab] */
+    bool penalised;          /* a penalty is not 0: sample from row, not the caller's logits */
+    float *row;              /* [n_vocab] the penalised copy of the last row (when penalised) */
+    int32_t *count;          /* [n_vocab] times each token was accepted (saturates at INT32_MAX) */
+    int32_t *seen;           /* [n_seen] distinct accepted tokens, in first-accepted order (capacity n_vocab) */
+    int n_seen;
 };
 
 /* PCG32 (O'Neill), XSH RR output. */
@@ -31,6 +38,8 @@ static double uniform(cb_sampler_t *s) {
 }
 
 void cb_sampler_reset(cb_sampler_t *self, uint64_t seed) {
+    for (int i = 0; i < self->n_seen; i++) self->count[self->seen[i]] = 0;
+    self->n_seen = 0;
     self->state = 0;
     self->inc = (seed << 1u) | 1u;
     pcg32(self);
@@ -38,26 +47,61 @@ void cb_sampler_reset(cb_sampler_t *self, uint64_t seed) {
     pcg32(self);
 }
 
+/* A penalty is a number in [-CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX] (false for NaN). */
+static bool penalty_ok(float x) { return x >= -CB_SAMPLER_PENALTY_MAX && x <= CB_SAMPLER_PENALTY_MAX; }
+
 cb_sampler_t *cb_sampler_new(const cb_sampler_params_t *params, int n_vocab) {
-    if (!params || n_vocab < 1 || isnan(params->temperature) || isnan(params->top_p)) return NULL;
+    if (!params || n_vocab < 1 || isnan(params->temperature) || isnan(params->top_p) ||
+        !penalty_ok(params->frequency_penalty) || !penalty_ok(params->presence_penalty))
+        return NULL;
     cb_sampler_t *s = calloc(1, sizeof *s);
     if (!s) return NULL;
-    s->cand = malloc(sizeof(cand_t) * (size_t)n_vocab);
-    if (!s->cand) {
-        free(s);
-        return NULL;
-    }
     s->p = *params;
     s->n_vocab = n_vocab;
+    s->penalised = params->frequency_penalty != 0.0f || params->presence_penalty != 0.0f;
+    s->cand = malloc(sizeof(cand_t) * (size_t)n_vocab);
+    s->count = calloc((size_t)n_vocab, sizeof(int32_t));
+    s->seen = malloc(sizeof(int32_t) * (size_t)n_vocab);
+    if (s->penalised) s->row = malloc(sizeof(float) * (size_t)n_vocab);
+    if (!s->cand || !s->count || !s->seen || (s->penalised && !s->row)) {
+        cb_sampler_destroy(&s);
+        return NULL;
+    }
     cb_sampler_reset(s, params->seed);
     return s;
 }
 
 void cb_sampler_destroy(cb_sampler_t **self_p) {
     if (!self_p || !*self_p) return;
-    free((*self_p)->cand);
-    free(*self_p);
+    cb_sampler_t *s = *self_p;
+    free(s->cand);
+    free(s->row);
+    free(s->count);
+    free(s->seen);
+    free(s);
     *self_p = NULL;
+}
+
+void cb_sampler_accept(cb_sampler_t *self, int32_t token) {
+    if (token < 0 || token >= self->n_vocab) return;
+    int32_t *c = &self->count[token];
+    if (*c == 0) self->seen[self->n_seen++] = token; /* at most n_vocab distinct ids */
+    if (*c < INT32_MAX) (*c)++;
+}
+
+int cb_sampler_count(const cb_sampler_t *self, int32_t token) {
+    return token >= 0 && token < self->n_vocab ? self->count[token] : 0;
+}
+
+/* row = logits minus the penalties of the accepted tokens (OpenAI: count * frequency + presence). */
+static const float *penalise(cb_sampler_t *self, const float *logits) {
+    const float fp = self->p.frequency_penalty, pp = self->p.presence_penalty;
+    memcpy(self->row, logits, sizeof(float) * (size_t)self->n_vocab);
+    for (int i = 0; i < self->n_seen; i++) {
+        const int32_t j = self->seen[i];
+        self->row[j] -= (float)self->count[j] * fp + pp;
+    }
+    return self->row;
 }
 
 int32_t cb_argmax(const float *x, int n) {
@@ -90,9 +134,10 @@ static int cand_cmp(const void *a, const void *b) {
     return (x->id > y->id) - (x->id < y->id);
 }
 
-int32_t cb_sampler_sample(cb_sampler_t *self, const float *logits) {
+int32_t cb_sampler_sample(cb_sampler_t *self, const float *in) {
     const cb_sampler_params_t *p = &self->p;
     const int V = self->n_vocab;
+    const float *logits = self->penalised ? penalise(self, in) : in; /* [V] the row the filters see */
     if (!(p->temperature > 0.0f)) return cb_argmax(logits, V);
     float mx = logits[cb_argmax(logits, V)];
     if (isnan(mx) || isinf(mx)) return cb_argmax(logits, V);

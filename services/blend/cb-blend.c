@@ -1,5 +1,5 @@
 /* cb-blend: the query service. A ROUTER socket takes `query` requests (docs/protocol.md §7); each is
- * validated here, queued (FIFO, at most blend.max_queue waiting: beyond that `overloaded`), and answered
+ * validated here (sampling: temperature, top_p, seed, frequency/presence penalties; stop sequences), queued (FIFO, at most blend.max_queue waiting: beyond that `overloaded`), and answered
  * by the generation worker thread (gen.h) as a stream of `token` messages and a final `done` with metrics.
  * The loop relays the worker's messages, so it keeps answering `ping` and `stats` while a query runs, and
  * sends a `heartbeat` to every query that has heard nothing for blend.heartbeat_ms, so a client can tell
@@ -19,6 +19,7 @@
 #include "base/clock.h"
 #include "engine/backend_select.h"
 #include "blend/blend.h"
+#include "engine/sampler.h"
 #include "wire/bus.h"
 #include "wire/config.h"
 #include "wire/db.h"
@@ -35,6 +36,7 @@
 typedef struct {
     cb_blend_mode_t mode;
     double ratio, temperature, top_p;
+    double frequency_penalty, presence_penalty;
     int64_t k, max_tokens, seed;
 } defaults_t;
 
@@ -81,6 +83,49 @@ static void to_actor(zactor_t *a, gen_query_t *q) {
     zmsg_addstr(zm, "QUERY");
     zmsg_addmem(zm, &q, sizeof q);
     zmsg_send(&zm, a);
+}
+
+/* The optional `stop` field: absent (or nil), one string, or an array of at most GEN_MAX_STOP strings
+ * (empty: none), each 1..GEN_MAX_STOP_BYTES bytes, copied into q. False with the reason in why. */
+static bool parse_stop(const cb_msg_t *m, gen_query_t *q, char *why, size_t whylen) {
+    if (!cb_msg_has(m, "stop")) return true;
+    const char *s;
+    size_t len, n;
+    if (cb_msg_array_len(m, "stop", SIZE_MAX, &n)) {
+        if (n > GEN_MAX_STOP) {
+            snprintf(why, whylen, "field 'stop': at most %d stop sequences, got %zu", GEN_MAX_STOP, n);
+            return false;
+        }
+        for (size_t i = 0; i < n; i++) {
+            if (!cb_msg_at_str(m, "stop", i, GEN_MAX_STOP_BYTES, &s, &len)) {
+                snprintf(why, whylen, "%s", cb_msg_last_error(m));
+                return false;
+            }
+            if (len == 0) {
+                snprintf(why, whylen, "field 'stop[%zu]': empty (a stop sequence has 1..%d bytes)", i,
+                         GEN_MAX_STOP_BYTES);
+                return false;
+            }
+            memcpy(q->stop[i], s, len);
+            q->stop[i][len] = 0;
+            q->stop_lens[i] = len;
+            q->n_stop = (int)i + 1;
+        }
+        return true;
+    }
+    if (!cb_msg_str(m, "stop", SIZE_MAX, &s, &len)) {
+        snprintf(why, whylen, "field 'stop': expected a string or an array of at most %d strings", GEN_MAX_STOP);
+        return false;
+    }
+    if (len == 0 || len > GEN_MAX_STOP_BYTES) {
+        snprintf(why, whylen, "field 'stop': a stop sequence has 1..%d bytes, got %zu", GEN_MAX_STOP_BYTES, len);
+        return false;
+    }
+    memcpy(q->stop[0], s, len);
+    q->stop[0][len] = 0;
+    q->stop_lens[0] = len;
+    q->n_stop = 1;
+    return true;
 }
 
 /* Parses and validates a query into a new gen_query_t; NULL with a code and reason. */
@@ -138,6 +183,12 @@ static gen_query_t *parse_query(blendsvc_t *b, const cb_msg_t *m, cb_err_t *code
     if (!cb_msg_double_or(m, "top_p", 1e-9, 1.0, b->def.top_p, &q->top_p)) goto field;
     if (!cb_msg_int_or(m, "seed", 0, INT64_MAX, b->def.seed, &v)) goto field;
     q->seed = (uint64_t)v;
+    if (!cb_msg_double_or(m, "frequency_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX,
+                          b->def.frequency_penalty, &q->frequency_penalty) ||
+        !cb_msg_double_or(m, "presence_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX,
+                          b->def.presence_penalty, &q->presence_penalty))
+        goto field;
+    if (!parse_stop(m, q, why, whylen)) goto bad;
     q->t_recv_ms = cb_now_ms();
     return q;
 field:
@@ -384,8 +435,8 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
 static void usage(FILE *f) {
     fprintf(f, "usage: cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves query/ping/stats (docs/protocol.md §7) on blend.endpoint. Keys: endpoint, bind, mode, ratio,\n"
-               "  check_layer, metric, leading_tokens, k, max_tokens, temperature, top_p, seed, ctx_size, max_queue,\n"
-               "  max_seqs, max_batch_tokens, stuck_ms, fault_step_delay_ms (tests),\n"
+               "  check_layer, metric, leading_tokens, k, max_tokens, temperature, top_p, seed, frequency_penalty,\n"
+               "  presence_penalty, ctx_size, max_queue, max_seqs, max_batch_tokens, stuck_ms, fault_step_delay_ms (tests),\n"
                "  hot_cache_bytes, kv_pool_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
                "  cacheindex_timeout_ms, and common.* (data_dir, kv_dir, model, threads, ...).\n"
                "  Environment CB_BLEND_<KEY> overrides the file.\n");
@@ -410,6 +461,10 @@ int main(int argc, char **argv) {
         !cb_config_double(cfg, SECTION, "temperature", 0.0, 5.0, 0.0, &b.def.temperature, err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "top_p", 1e-9, 1.0, 1.0, &b.def.top_p, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "seed", 0, INT64_MAX, 0, &b.def.seed, err, sizeof err) ||
+        !cb_config_double(cfg, SECTION, "frequency_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX, 0.0,
+                          &b.def.frequency_penalty, err, sizeof err) ||
+        !cb_config_double(cfg, SECTION, "presence_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX, 0.0,
+                          &b.def.presence_penalty, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_queue", 0, 100000, 16, &b.max_queue, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "heartbeat_ms", 50, 600000, 1000, &b.heartbeat_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_seqs", 1, 256, 16, &max_seqs, err, sizeof err) ||

@@ -71,8 +71,11 @@ typedef struct query {
     char hex[GEN_MAX_CONTEXTS][CB_KV_HEX_BYTES]; /* chunk keys (kvstore.h), for `chunk_ids` */
     notify_note_t note;                      /* what cb-cacheindex is told */
     bool prefilled, noted, noticed;
-    char *text;                              /* the answer so far (owned) */
+    char *text;                              /* the answer so far (owned) [text_cap], text_len bytes + NUL */
     size_t text_len, text_cap;
+    size_t sent;                             /* text[0..sent) has been streamed; text[sent..text_len) is held
+                                                back: it may be the start of a stop sequence */
+    const char *finish;                      /* finish_reason once it ended: "stop" or "length" */
     cb_sampler_t *sampler;                   /* the query's own sampler state (owned) */
     utf8_stream_t u;                         /* an incomplete UTF-8 sequence held back */
     int index;                               /* `token` messages sent */
@@ -454,6 +457,34 @@ static int append_text(query_t *r, const char *piece, size_t pl) {
     return 0;
 }
 
+/* 5. Stop sequences, on the answer's (valid UTF-8) text. No stop sequence can start before r->sent
+ * (each position there was found to mismatch every one of them), so only text[sent..text_len) is
+ * searched. Returns true when a whole stop sequence is there, *at = where the earliest starts (the answer
+ * is cut there); otherwise false and *at = the start of the earliest tail that is a proper prefix of some
+ * stop sequence (text_len when none): the bytes before it are final and may be sent, the tail is held
+ * back until more text resolves it. Each stop sequence is valid UTF-8, so *at is a character boundary.
+ * O((text_len - sent) * n_stop * GEN_MAX_STOP_BYTES) at most; nothing is allocated. */
+static bool stop_scan(const query_t *r, size_t *at) {
+    const gen_query_t *q = r->q;
+    size_t hold = r->text_len;
+    for (size_t p = r->sent; q->n_stop > 0 && p < r->text_len; p++) {
+        const size_t left = r->text_len - p;
+        for (int i = 0; i < q->n_stop; i++) {
+            const size_t n = q->stop_lens[i];
+            if (left >= n) {
+                if (memcmp(r->text + p, q->stop[i], n) == 0) {
+                    *at = p;
+                    return true;
+                }
+            } else if (hold == r->text_len && memcmp(r->text + p, q->stop[i], left) == 0) {
+                hold = p; /* keep looking: a whole one may start later */
+            }
+        }
+    }
+    *at = hold;
+    return false;
+}
+
 /* 6. The `done` message with the answer and the metrics (docs/protocol.md §7). 0, or -1 with err. */
 static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
     const gen_args_t *a = g->a;
@@ -468,6 +499,7 @@ static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
     cb_msg_writer_t *w = g->w;
     cb_msg_begin_reply_as(w, "done", q->id);
     cb_msg_put_strn(w, "text", r->text ? r->text : "", r->text_len);
+    cb_msg_put_str(w, "finish_reason", r->finish ? r->finish : "length");
     cb_msg_begin_map(w, "metrics");
     cb_msg_put_str(w, "mode", cb_blend_mode_str(q->mode));
     cb_msg_put_double(w, "ratio", q->ratio);
@@ -503,10 +535,11 @@ static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
     cb_log(CB_LOG_INFO, q->id,
            "query %s r=%.2f: %d chunks (%d hits: %d memory, %d file; %d misses%s), %d prompt tokens (%d recomputed), "
            "ttft %.1f ms (queue %.1f, retrieve %.1f, files %.1f, blend %.1f: resolve %.1f, load %.1f), %d tokens in "
-           "%.1f ms",
+           "%.1f ms (%s)",
            cb_blend_mode_str(q->mode), q->ratio, r->n, mt->hits, mt->bs.chunks_mem, mt->bs.chunks_file, mt->misses,
            mt->corrupt ? ", rejected files" : "", r->N, mt->bs.tokens_recomputed, mt->ttft_ms, mt->queue_ms,
-           mt->retrieve_ms, mt->lookup_ms, mt->blend_ms, mt->bs.t_resolve_ms, mt->load_ms, mt->n_gen, mt->decode_ms);
+           mt->retrieve_ms, mt->lookup_ms, mt->blend_ms, mt->bs.t_resolve_ms, mt->load_ms, mt->n_gen, mt->decode_ms,
+           r->finish ? r->finish : "length");
     to_loop(g, "DONE", q, d, len);
     return 0;
 }
@@ -545,7 +578,10 @@ static void slot_cancelled(gen_t *g, query_t *r) {
 }
 
 /* Streams the slot's last sampled token (r->tok); after the first, the cache index hears of the chunks.
- * Returns true when the query ended (its `done` sent, the slot free). */
+ * The token's text joins the answer; what is final of it goes out as one `token` message: everything up
+ * to a stop sequence that is now complete (the query then ends, the sequence and what follows dropped),
+ * else everything but a tail that may still begin one (all of it at the last token). Returns true when
+ * the query ended (its `done` sent, the slot free). */
 static bool emit(gen_t *g, query_t *r) {
     gen_query_t *q = r->q;
     char piece[3 * (1024 + 4)];
@@ -554,23 +590,36 @@ static bool emit(gen_t *g, query_t *r) {
     size_t blen = 0;
     const char *bytes = eog ? NULL : cb_tokenizer_token_bytes(g->tok, tok, false, &blen);
     if (blen > 1024) blen = 1024; /* vocabulary strings are short; bound the scratch anyway */
-    if (!eog) r->mt.n_gen++;
+    if (!eog) {
+        r->mt.n_gen++;
+        cb_sampler_accept(r->sampler, tok); /* the penalties of the next tokens count it */
+    }
     bool last = eog || r->mt.n_gen >= r->max_new;
     size_t pl = utf8_feed(&r->u, (const unsigned char *)(bytes ? bytes : ""), blen, last, piece);
-    if (pl > 0) {
-        if (append_text(r, piece, pl) != 0) {
-            slot_fail(g, r, CB_ERR_INTERNAL, "out of memory");
-            return true;
-        }
+    if (pl > 0 && append_text(r, piece, pl) != 0) {
+        slot_fail(g, r, CB_ERR_INTERNAL, "out of memory");
+        return true;
+    }
+    size_t upto;
+    bool stopped = stop_scan(r, &upto);
+    if (stopped) {
+        r->text_len = upto; /* the stop sequence and what follows are not part of the answer */
+        r->text[upto] = 0;
+    } else if (last) {
+        upto = r->text_len; /* a held tail that never became a stop sequence is answer text */
+    }
+    if (upto > r->sent) {
         cb_msg_begin_reply_as(g->w, "token", q->id);
-        cb_msg_put_strn(g->w, "text", piece, pl);
+        cb_msg_put_strn(g->w, "text", r->text + r->sent, upto - r->sent);
         cb_msg_put_int(g->w, "index", r->index++);
         size_t len;
         const void *d = cb_msg_end(g->w, &len);
         if (d) to_loop(g, "SEND", q, d, len);
+        r->sent = upto;
     }
     notify_index(g, r); /* after the first token: a no-op from then on */
-    if (!last) return false;
+    if (!last && !stopped) return false;
+    r->finish = eog || stopped ? "stop" : "length";
     r->mt.decode_ms = cb_now_ms() - r->t_dec0;
     char err[256];
     if (send_done(g, r, err, sizeof err) != 0) {
@@ -630,7 +679,8 @@ static void first_token(gen_t *g, query_t *r) {
     r->mt.load_ms = r->mt.bs.t_load_ms;
     atomic_fetch_add(&s->prefill_tokens, (uint64_t)r->N);
     cb_sampler_params_t sp = {.temperature = (float)q->temperature, .top_k = 0, .top_p = (float)q->top_p,
-                              .seed = q->seed};
+                              .seed = q->seed, .frequency_penalty = (float)q->frequency_penalty,
+                              .presence_penalty = (float)q->presence_penalty};
     if (!(r->sampler = cb_sampler_new(&sp, g->n_vocab))) {
         slot_fail(g, r, CB_ERR_INTERNAL, "cannot create the sampler");
         return;

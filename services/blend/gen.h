@@ -10,7 +10,12 @@
  *      overlapped by the blend's loader thread, so a long blend delays the others' next token by one slice
  *      at most); when it ends, the query samples its first token and joins the batch;
  *   4. runs one decode step of every query in the batch as one cb_engine_decode_batch (one product per
- *      weight over all rows), each query sampling with its own sampler and streaming its text.
+ *      weight over all rows), each query sampling with its own sampler (its frequency and presence
+ *      penalties count the query's own tokens) and streaming its text.
+ * A query ends with finish_reason "stop" at an end-of-generation token or when its answer contains one
+ * of its stop sequences (the sequence and what follows are never sent: text that could still become
+ * one is held back until it is resolved), "length" at max_tokens or a full context; either way its slot
+ * and blocks are free for the next.
  * Pool exhaustion: a query whose blend cannot get its blocks waits, first in line, while other queries
  * hold blocks, and ends with `overloaded` when none does (the pool cannot hold it); when a decode step
  * finds no block for some row's next position, the newest query of the batch ends with `overloaded` and
@@ -47,6 +52,8 @@
 #include "wire/config.h"
 
 #define GEN_MAX_CONTEXTS 32
+#define GEN_MAX_STOP 4            /* stop sequences a query may carry */
+#define GEN_MAX_STOP_BYTES 256    /* bytes of one stop sequence (at least 1) */
 
 typedef struct gen_query {
     /* set by the loop before "QUERY"; read-only afterwards */
@@ -63,7 +70,11 @@ typedef struct gen_query {
     double ratio;
     int max_tokens;
     double temperature, top_p;
+    double frequency_penalty, presence_penalty; /* [-2, 2] each (sampler.h) */
     uint64_t seed;
+    int n_stop;                              /* stop sequences: the answer ends before the first one */
+    char stop[GEN_MAX_STOP][GEN_MAX_STOP_BYTES + 1]; /* [n_stop] NUL-terminated UTF-8, no NUL inside */
+    size_t stop_lens[GEN_MAX_STOP];          /* [n_stop] 1..GEN_MAX_STOP_BYTES */
     double t_recv_ms;                        /* cb_now_ms() when the loop received it */
     /* shared */
     atomic_bool cancelled;                   /* set by the loop: the client is gone */

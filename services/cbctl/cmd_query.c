@@ -1,11 +1,15 @@
 /* cbctl query: asks cb-blend a question and streams the answer to stdout as it is generated.
  *
  *   cbctl query [--mode M] [--ratio R] [--k K] [--context TEXT]... [--max-tokens N] [--temperature T]
- *               [--top-p P] [--seed S] [--json] QUESTION
+ *               [--top-p P] [--seed S] [--frequency-penalty F] [--presence-penalty F] [--stop S]...
+ *               [--json] QUESTION
  *
- * Without --context, cb-blend retrieves the top K chunks from cb-retriever. --json: after the streamed
- * answer, one line with the final object {"text", "metrics", "chunk_ids", "client": {"ttft_ms",
- * "total_ms"}} (client-side timings include the messaging).
+ * Without --context, cb-blend retrieves the top K chunks from cb-retriever. The penalties (-2..2, OpenAI
+ * semantics) and up to 4 stop sequences (1..256 bytes each; the answer ends before the first one, which
+ * is not printed) go into the query as frequency_penalty, presence_penalty and stop. --json: after the
+ * streamed answer, one line with the final object {"text", "finish_reason" ("stop" or "length"),
+ * "metrics", "chunk_ids", "client": {"ttft_ms", "total_ms"}} (client-side timings include the
+ * messaging).
  *
  * Liveness: cb-blend sends a heartbeat to a query that has heard nothing for a while (its interval is in
  * the heartbeat), so the client gives up after 3 silent intervals (at least 1 s) once it has heard one;
@@ -13,6 +17,7 @@
  * Exit: 0 answered, 1 cb-blend answered with an error, 2 usage, 3 cb-blend unreachable, silent or overloaded.
  */
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,10 +27,14 @@
 #include "base/clock.h"
 
 #define MAX_CONTEXTS 32
+#define MAX_STOP 4          /* cb-blend's limits (docs/protocol.md §7) */
+#define MAX_STOP_BYTES 256
 
 static int usage(cbctl_t *ctl, const char *why) {
     cbctl_error(ctl, "%s\nusage: cbctl query [--mode full|prefix|reuse|blend] [--ratio R] [--k K] [--context TEXT]...\n"
-                     "                   [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--json] QUESTION",
+                     "                   [--max-tokens N] [--temperature T] [--top-p P] [--seed S]\n"
+                     "                   [--frequency-penalty F] [--presence-penalty F] [--stop S]... [--json] QUESTION\n"
+                     "  penalties -2..2 (default blend.*_penalty, 0); at most 4 --stop of 1..256 bytes",
                 why);
     return CBCTL_EXIT_USAGE;
 }
@@ -43,6 +52,9 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
     const char *contexts[MAX_CONTEXTS];
     int n_ctx = 0;
     double ratio = -1, k = -1, max_tokens = -1, temp = -1, top_p = -1, seed = -1;
+    double freq_pen = NAN, pres_pen = NAN; /* NaN: not given (0 and negatives are values) */
+    const char *stops[MAX_STOP];
+    int n_stop = 0;
     bool json = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -58,6 +70,8 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
         NUM("--temperature", temp, 0, 5)
         NUM("--top-p", top_p, 1e-9, 1)
         NUM("--seed", seed, 0, 9.2e18)
+        NUM("--frequency-penalty", freq_pen, -2, 2)
+        NUM("--presence-penalty", pres_pen, -2, 2)
 #undef NUM
         if (!strcmp(a, "--mode")) {
             if (!has_val) return usage(ctl, "--mode needs a value");
@@ -68,6 +82,12 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
             if (!has_val) return usage(ctl, "--context needs a value");
             if (n_ctx >= MAX_CONTEXTS) return usage(ctl, "at most 32 --context");
             contexts[n_ctx++] = argv[++i];
+        } else if (!strcmp(a, "--stop")) {
+            if (!has_val) return usage(ctl, "--stop needs a value");
+            if (n_stop >= MAX_STOP) return usage(ctl, "at most 4 --stop");
+            size_t sl = strlen(argv[i + 1]);
+            if (sl == 0 || sl > MAX_STOP_BYTES) return usage(ctl, "--stop: a stop sequence has 1..256 bytes");
+            stops[n_stop++] = argv[++i];
         } else if (!strcmp(a, "--json")) {
             json = true;
         } else if (!strcmp(a, "--")) {
@@ -114,6 +134,13 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
     if (temp >= 0) cb_msg_put_double(w, "temperature", temp);
     if (top_p >= 0) cb_msg_put_double(w, "top_p", top_p);
     if (seed >= 0) cb_msg_put_int(w, "seed", (int64_t)seed);
+    if (!isnan(freq_pen)) cb_msg_put_double(w, "frequency_penalty", freq_pen);
+    if (!isnan(pres_pen)) cb_msg_put_double(w, "presence_penalty", pres_pen);
+    if (n_stop > 0) {
+        cb_msg_begin_array(w, "stop");
+        for (int i = 0; i < n_stop; i++) cb_msg_put_str(w, NULL, stops[i]);
+        cb_msg_end_array(w);
+    }
     size_t len;
     const void *data = cb_msg_end(w, &len);
     int rc = CBCTL_EXIT_OK;
@@ -189,5 +216,5 @@ out:
     return rc;
 }
 
-CBCTL_COMMAND(query, "query [--mode M] [--ratio R] [--k K] [--context TEXT]... [--json] Q",
+CBCTL_COMMAND(query, "query [--mode M] [--ratio R] [--k K] [--context TEXT]... [--stop S]... [--json] Q",
               "ask cb-blend; the answer streams to stdout", run_query)

@@ -1,6 +1,6 @@
 /* cb-rag: one RAG query answered in process, with the same prompt (ragprompt.h), configuration (the
  * `blend` section: mode, ratio, check_layer, metric, leading_tokens, max_tokens, temperature, top_p, seed,
- * ctx_size, hot_cache_bytes, kv_pool_bytes, system_prompt; common: model, threads) and code path
+ * frequency_penalty, presence_penalty, ctx_size, hot_cache_bytes, kv_pool_bytes, system_prompt; common: model, threads) and code path
  * (kvstore.h + blend.h + sampler.h) as cb-blend, but without any service: the reference the stack is
  * compared with (integration tests: the streamed answer must equal this one; scripts/bench-stack.sh: the
  * stack's added latency).
@@ -83,7 +83,7 @@ int main(int argc, char **argv) {
     if (!question || !*question) return usage("no QUESTION");
 
     const char *mode_s, *metric, *model_path, *sys;
-    double ratio, temp, top_p;
+    double ratio, temp, top_p, freq_pen, pres_pen;
     int64_t max_tokens, seed, check, lead, ctx_size, hot, threads, pool_bytes;
     if (!cb_config_str(cfg, "blend", "mode", "blend", &mode_s, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "ratio", 0, 1, 0.15, &ratio, err, sizeof err) ||
@@ -91,6 +91,10 @@ int main(int argc, char **argv) {
         !cb_config_double(cfg, "blend", "temperature", 0, 5, 0, &temp, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "top_p", 1e-9, 1, 1, &top_p, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "seed", 0, INT64_MAX, 0, &seed, err, sizeof err) ||
+        !cb_config_double(cfg, "blend", "frequency_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX, 0,
+                          &freq_pen, err, sizeof err) ||
+        !cb_config_double(cfg, "blend", "presence_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX, 0,
+                          &pres_pen, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "check_layer", 0, 1024, CB_BLEND_DEFAULT_CHECK_LAYER, &check, err, sizeof err) ||
         !cb_config_str(cfg, "blend", "metric", CB_BLEND_DEFAULT_METRIC_NAME, &metric, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "leading_tokens", 0, 1 << 20, CB_BLEND_DEFAULT_LEAD, &lead, err, sizeof err) ||
@@ -144,7 +148,8 @@ int main(int argc, char **argv) {
     }
     cb_engine_set_threads(eng, (int)threads);
     logits = malloc((size_t)hp->n_vocab * sizeof(float));
-    cb_sampler_params_t sp = {.temperature = (float)temp, .top_k = 0, .top_p = (float)top_p, .seed = (uint64_t)seed};
+    cb_sampler_params_t sp = {.temperature = (float)temp, .top_k = 0, .top_p = (float)top_p, .seed = (uint64_t)seed,
+                              .frequency_penalty = (float)freq_pen, .presence_penalty = (float)pres_pen};
     if (!logits || !(sampler = cb_sampler_new(&sp, hp->n_vocab))) {
         fprintf(stderr, "cb-rag: out of memory\n");
         goto out;
@@ -197,13 +202,15 @@ int main(int argc, char **argv) {
         int32_t t = cb_sampler_sample(sampler, logits);
         json_array_append_new(ttfts, json_real(cb_now_ms() - t0));
         json_array_append_new(prefills, json_real(prefill_ms));
-        /* decode: the same loop as cb-blend (stop at end-of-generation or max_tokens or the context) */
+        /* decode: the same loop as cb-blend (stop at end-of-generation or max_tokens or the context; no stop
+         * sequences here) */
         int max_new = (int)(max_tokens < max_ctx - N ? max_tokens : max_ctx - N);
         int32_t ids[4096];
         n_gen = 0;
         for (;;) {
             if (cb_model_is_eog(model, t) || cb_tokenizer_is_eog(tok, t)) break;
             ids[n_gen++] = t;
+            cb_sampler_accept(sampler, t); /* as cb-blend: the penalties count every token of the answer */
             if (n_gen >= max_new) break;
             int ds = cb_engine_decode(eng, seq, t, N + n_gen - 1, logits);
             if (ds != CB_ENGINE_OK) {
