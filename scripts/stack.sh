@@ -38,15 +38,20 @@ svc_pid() {
   rm -f "$f"; return 1
 }
 
+# true once cb-gateway has a listening socket (ss from iproute2; without it, once it is running)
+gateway_listening() {
+  local pid
+  pid=$(svc_pid gateway) || return 1
+  command -v ss >/dev/null || return 0
+  ss -Hltnp 2>/dev/null | grep -q "pid=$pid,"
+}
+
 start() {
   for s in "${SERVICES[@]}" cbctl; do
     local b="$BIN/cb-$s"; [ "$s" = cbctl ] && b="$CBCTL"
     [ -x "$b" ] || die "$b is missing: run make first"
   done
   mkdir -p "$RUN" "$LOG" || die "cannot create $RUN and $LOG"
-  local gw_log_off=0  # the gateway's log before this start (it says "listening on" once bound)
-  [ -f "$LOG/gateway.log" ] && gw_log_off=$(stat -c %s "$LOG/gateway.log")
-  svc_pid gateway >/dev/null && gw_log_off=0
   for s in "${SERVICES[@]}"; do
     if pid=$(svc_pid "$s"); then echo "stack: cb-$s already running (pid $pid)"; continue; fi
     nohup "$BIN/cb-$s" >>"$LOG/$s.log" 2>&1 </dev/null &
@@ -58,7 +63,7 @@ start() {
     for s in "${SERVICES[@]}"; do
       svc_pid "$s" >/dev/null || { echo "stack: cb-$s exited; the end of $LOG/$s.log:" >&2; tail -n 15 "$LOG/$s.log" >&2; exit 1; }
     done
-    if [ "${SERVICES[-1]}" = gateway ] && ! tail -c +$((gw_log_off + 1)) "$LOG/gateway.log" 2>/dev/null | grep -q "listening on"; then
+    if [ "${SERVICES[-1]}" = gateway ] && ! gateway_listening; then
       :  # the gateway has not bound its address yet
     elif "$CBCTL" -q health 2>/dev/null; then
       local ready=0
