@@ -11,8 +11,8 @@
 #      content delta read. Both also carry cb-blend's server-side ttft_ms, so the messaging overhead of
 #      each path is client TTFT - server TTFT; the gateway adds the difference of the two (medians).
 #   3. Requests/s of GET /health (which pings the four services) and GET /metrics (stats of the four,
-#      rendered) with 32 concurrent keep-alive connections: `ab -k -c 32 -n BENCH_GW_REQUESTS` (bounded by
-#      -t 60 s as well).
+#      rendered) with 32 concurrent keep-alive connections: `ab -k -l -c 32 -n BENCH_GW_REQUESTS` (bounded
+#      by -t 60 s as well).
 # Output: a table on stdout and $BENCH_GW_OUT/summary.json (default results/bench-gateway).
 # A benchmark, not a test: timings on a shared machine are noisy; compare the columns of one run.
 set -euo pipefail
@@ -115,7 +115,7 @@ print(f"  the gateway adds {added:.2f} ms to the first token (p50), {100 * res['
 PY
 
 ab_run() { # $1 = path: requests/s, mean ms, failed
-  ab -k -q -c 32 -n "$NREQ" -t 60 "$GW$1" 2>/dev/null >"$TMP/ab.out" || true
+  ab -k -l -q -t 60 -c 32 -n "$NREQ" "$GW$1" 2>/dev/null >"$TMP/ab.out" || true  # -l: bodies vary in length
   local rps fails mean
   rps=$(awk '/^Requests per second/ {print $4}' "$TMP/ab.out")
   mean=$(awk '/^Time per request:.*\(mean\)$/ {print $4; exit}' "$TMP/ab.out")

@@ -107,6 +107,18 @@ r = client.chat.completions.create(model="cacheblend", messages=[{"role": "user"
 ext = (r.model_extra or {}).get("cacheblend", {})
 check(r.choices[0].message.content == ref_ret and ext.get("n_chunks", 0) > 0 and ext.get("cache_hits", 0) > 0,
       f"openai without documents: retrieval, precomputed chunks hit, the answer equals cbctl's ({r.choices[0].message.content!r})")
+# stop sequences and penalties reach cb-blend (its done.finish_reason becomes the choice's)
+cut = ref_blend.find(" ", 12)
+if cut > 0:
+    stop = ref_blend[cut:cut + 4]
+    r = client.chat.completions.create(model="cacheblend", messages=[{"role": "user", "content": q0}], max_tokens=tok, stop=[stop, "\u2603"],
+                                       extra_body={"documents": [c1, c2]})
+    want = ref_blend[:ref_blend.find(stop)]
+    check(r.choices[0].message.content == want and r.choices[0].finish_reason == "stop",
+          f"stop {stop!r}: the answer ends before it, finish_reason stop ({r.choices[0].message.content!r})")
+r = client.chat.completions.create(model="cacheblend", messages=[{"role": "user", "content": q0}], max_tokens=tok, frequency_penalty=2.0,
+                                   extra_body={"documents": [c1, c2]})
+check(r.choices[0].message.content != ref_blend, f"frequency_penalty 2 changes the answer ({r.choices[0].message.content!r})")
 models = client.models.list()
 check(len(models.data) == 1 and models.data[0].id.endswith(".gguf") and len((models.data[0].model_extra or {}).get("fingerprint", "")) == 64,
       f"GET /v1/models: {models.data[0].id if models.data else None}")
@@ -123,13 +135,12 @@ check(events and events[-1] == "data: [DONE]" and text == ref_blend and out.coun
 # 4. metrics moved, health
 m1 = metrics()
 d = lambda name, **lb: m(m1, name, **lb) - m(m0, name, **lb)
-check(d("cacheblend_requests_total", mode="blend", outcome="ok") == 2 and d("cacheblend_requests_total", mode="full", outcome="ok") == 1 and
-      d("cacheblend_requests_total", mode="default", outcome="ok") == 0 or True, "requests counted")
 ok_total = sum(v for (n, lb), v in m1.items() if n == "cacheblend_requests_total" and ("outcome", "ok") in lb) - \
            sum(v for (n, lb), v in m0.items() if n == "cacheblend_requests_total" and ("outcome", "ok") in lb)
-check(ok_total == 4, f"cacheblend_requests_total{{outcome=ok}} moved by the 4 chat completions ({ok_total})")
+n_ok = 6 if cut > 0 else 5
+check(ok_total == n_ok, f"cacheblend_requests_total{{outcome=ok}} moved by the {n_ok} chat completions ({ok_total})")
 check(d("cacheblend_requests_total", mode="full", outcome="ok") == 1, "one of them counted as mode full")
-check(d("cacheblend_time_to_first_token_seconds_count", mode="blend") == 3, "TTFT histogram: 3 blend observations")
+check(d("cacheblend_time_to_first_token_seconds_count", mode="blend") == n_ok - 1, f"TTFT histogram: {n_ok - 1} blend observations (the full one apart)")
 check(d("cacheblend_generation_tokens_total") > 0 and d("cacheblend_prompt_tokens_total") > 0 and d("cacheblend_tokens_reused_total") > 0,
       "token counters moved (prompt, generation, reused)")
 check(m(m1, "cacheblend_ingest_jobs", state="done") >= len(docs) and m(m1, "cacheblend_kv_cache_entries") > 0,
@@ -233,7 +244,8 @@ PY
 
 # --- 7. cb-blend stopped, then gone -------------------------------------------------------------------
 BODY='{"messages":[{"role":"user","content":"Who designed the Kettleby Lighthouse?"}],"max_tokens":4,"documents":["x"]}'
-LONG='{"messages":[{"role":"user","content":"Who designed the Kettleby Lighthouse?"}],"max_tokens":400,"documents":["x"],"cacheblend":{"mode":"full"}}'
+# a full prefill of both contexts (~1.5 s here) that cannot come from the cache
+LONG=$(python3 -c 'import json,sys; print(json.dumps({"messages":[{"role":"user","content":sys.argv[1]}],"max_tokens":400,"documents":[sys.argv[2],sys.argv[3]],"cacheblend":{"mode":"full"}}))' "${QS[3]:-${QS[0]}}" "$C2" "$C1")
 # stopped before the query: no ZeroMQ handshake within the send timeout -> 503
 kill -STOP "${SVC_PID[blend]}"
 t0=$SECONDS
@@ -243,7 +255,8 @@ kill -CONT "${SVC_PID[blend]}"
 # stopped while it answers: silent for 3 heartbeat intervals -> 504
 curl -s -o "$T/504" -w '%{http_code}' --max-time 30 -H 'Authorization: Bearer s3cret' "$GW/v1/chat/completions" -d "$LONG" >"$T/504.code" &
 cpid=$!
-wait_until 10 test "$(stack_stat blend running)" = 1 || { echo "FAIL: the long query never ran"; FAILS=$((FAILS+1)); }
+blend_running() { [ "$(stack_stat blend running)" = 1 ]; }
+wait_until 10 blend_running || { echo "FAIL: the long query never ran"; FAILS=$((FAILS+1)); }
 kill -STOP "${SVC_PID[blend]}"
 t0=$SECONDS
 wait $cpid
