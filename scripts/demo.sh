@@ -5,7 +5,8 @@
 #   3. cbctl ingest --wait data/sample (four short documents: chunked, KV precomputed, indexed)
 #   4. each question of data/sample/questions.lst asked in `full` mode (everything prefilled) and in `blend`
 #      mode (the chunks' cached KV fused with a 15% recompute), answers and TTFT side by side; then the
-#      first question once more with --frequency-penalty (its greedy blend answer repeats itself)
+#      first question once more with --frequency-penalty (its greedy blend answer repeats itself), and over
+#      HTTP through cb-gateway (the OpenAI chat-completions API)
 #   5. scripts/stack.sh stop (also on failure or Ctrl-C)
 # The services use the usual endpoints (config/cacheblend.cfg or CB_* overrides); if a stack already answers
 # there, the demo refuses to start a second one.
@@ -63,3 +64,16 @@ q1=$(head -n 1 data/sample/questions.lst)
 line=$(build/bin/cbctl query --json --mode blend --max-tokens 32 --frequency-penalty 1.0 "$q1" | tail -n 1)
 printf '\n\033[1mQ: %s\033[0m  (blend, --frequency-penalty 1.0: finish_reason %s)\n  %s\n' "$q1" \
   "$(json_field "$line" finish_reason)" "$(json_field "$line" text | head -n 1)"
+# the same question over HTTP, the way any OpenAI client asks it (cb-gateway, docs/gateway.md)
+gw=${CB_GATEWAY_LISTEN:-127.0.0.1:8000}
+body=$(python3 -c 'import json,sys; print(json.dumps({"model": "cacheblend", "max_tokens": 32, "frequency_penalty": 1.0,
+  "messages": [{"role": "user", "content": sys.argv[1]}]}))' "$q1")
+if reply=$(curl -sf --max-time 120 "http://$gw/v1/chat/completions" -H 'Content-Type: application/json' -d "$body"); then
+  printf '\n\033[1mPOST http://%s/v1/chat/completions\033[0m  (TTFT %s ms, %s prompt + %s completion tokens)\n  %s\n' "$gw" \
+    "$(json_field "$reply" cacheblend.ttft_ms)" "$(json_field "$reply" usage.prompt_tokens)" \
+    "$(json_field "$reply" usage.completion_tokens)" "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["choices"][0]["message"]["content"])' "$reply" | head -n 1)"
+  echo "  (the web page: http://$gw/ ; metrics: http://$gw/metrics)"
+else
+  echo "demo: the gateway at http://$gw did not answer" >&2
+  exit 1
+fi
