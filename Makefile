@@ -104,6 +104,13 @@ test: all $(TESTS) $(ASAN_TESTS) model
 check-layers:
 	@scripts/check-layers
 
+# The stack in containers for real (podman, podman-compose; tests/integration/test_compose_run.sh): base
+# image if missing, image build, up, ingest, a question, a blend restart, down. A skip (77: this machine
+# cannot run containers) is not a failure.
+.PHONY: test-compose
+test-compose:
+	@CB_TEST_COMPOSE=1 tests/integration/test_compose_run.sh; rc=$$?; [ $$rc -eq 77 ] || exit $$rc
+
 test-gpu: all gpu-tests
 	@tests/run-gpu.sh
 
