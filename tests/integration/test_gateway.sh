@@ -222,7 +222,29 @@ PY
 
 # --- 6. the API key -----------------------------------------------------------------------------------
 svc_stop gateway >/dev/null
-CB_GATEWAY_API_KEY=s3cret stack_start_gateway || svc_finish
+CB_GATEWAY_API_KEY=s3cret CB_GATEWAY_MAX_CONNECTIONS=4 stack_start_gateway || svc_finish
+python3 - "$GW" <<'PY' || FAILS=$((FAILS + 1))
+import socket, sys, time
+port = int(sys.argv[1].rsplit(":", 1)[1])
+held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+time.sleep(0.3)
+extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+try:
+    got = extra.recv(100)
+except (ConnectionResetError, socket.timeout):
+    got = b""
+ok1 = not got.startswith(b"HTTP/1.1 200")
+print(("ok: " if ok1 else "FAIL: ") + f"gateway.max_connections 4: a 5th connection is refused ({got[:12]!r})")
+for s in held: s.close()
+time.sleep(0.3)
+s = socket.create_connection(("127.0.0.1", port), timeout=5)
+s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+got = s.recv(100)
+ok2 = got.startswith(b"HTTP/1.1 200")
+print(("ok: " if ok2 else "FAIL: ") + f"... and served again once they close ({got[:12]!r})")
+sys.exit(0 if ok1 and ok2 else 1)
+PY
 code=$(curl -s -o "$T/401" -w '%{http_code}' "$GW/v1/models")
 check "no key: 401" "$code/$(jget "$(cat "$T/401")" error.code)" "401/invalid_api_key"
 code=$(curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer wrong' "$GW/v1/models")
