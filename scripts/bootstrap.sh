@@ -3,12 +3,14 @@
 # (never a service dependency). Idempotent; quiet when everything is present.
 #   build and test: the compilers and libraries of DESIGN.md, libmicrohttpd (cb-gateway)
 #   gateway tests:  curl, apache2-utils (ab), chromium + chromium-driver (the web page, headless)
-#   containers:     podman, podman-compose, debootstrap (make test-compose, scripts/base-image.sh)
+#   containers:     podman, podman-compose, debootstrap, runc (crun refuses hybrid cgroups here), the dnsname
+#                   CNI plugin (containers reach each other by service name) (make test-compose, base-image.sh)
 #   PyPI:           openai (a client no one here wrote), prometheus_client (the /metrics parser), selenium
 set -eu
 PKGS="build-essential pkg-config clang libclang-rt-14-dev libczmq-dev libzmq3-dev libmsgpack-dev libsqlite3-dev sqlite3
 libopenblas-dev libpcre2-dev libsodium-dev libxxhash-dev libjansson-dev libcmocka-dev gnuplot-nox unzip python3-pip jq
-libmicrohttpd-dev curl apache2-utils chromium chromium-driver podman podman-compose debootstrap"
+libmicrohttpd-dev curl apache2-utils chromium chromium-driver podman podman-compose debootstrap runc
+golang-github-containernetworking-plugin-dnsname"
 PIP_PKGS="openai prometheus_client selenium"
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 missing=()
