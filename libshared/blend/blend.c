@@ -59,6 +59,8 @@ typedef struct {
     int check_layer;
     int grad_end;              /* last measuring layer (= check_layer when gradual is off) */
     float ratio, start_ratio;
+    float auto_target, auto_floor, auto_ceil; /* ratio = auto (auto_target > 0) */
+    int n_chosen;              /* candidates kept by the (last) selection; -1 before one */
     char metric;
     bool overlap;
     int n_cand_total;
@@ -153,6 +155,8 @@ void cb_blend_opts_default(cb_blend_opts_t *o) {
     o->lead_tokens = CB_BLEND_DEFAULT_LEAD;
     o->probe_layers = CB_BLEND_DEFAULT_PROBE_LAYERS;
     o->probe_suffix = CB_BLEND_DEFAULT_PROBE_SUFFIX;
+    o->auto_floor = CB_BLEND_DEFAULT_AUTO_FLOOR;
+    o->auto_ceil = CB_BLEND_DEFAULT_AUTO_CEIL;
 }
 
 static const char *const MODE_NAMES[CB_BLEND_MODE_COUNT_] = {"full", "prefix", "reuse", "blend"};
@@ -179,6 +183,16 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
     }
     if (!(o->ratio >= 0.0f && o->ratio <= 1.0f)) {
         cb_set_err(err, errlen, "blend: ratio %g outside [0, 1]", (double)o->ratio);
+        return -1;
+    }
+    if (!(o->auto_target >= 0.0f && o->auto_target <= 1.0f) ||
+        !(o->auto_floor >= 0.0f && o->auto_floor <= o->auto_ceil && o->auto_ceil <= 1.0f)) {
+        cb_set_err(err, errlen, "blend: ratio = auto needs 0 <= target <= 1 and 0 <= floor <= ceil <= 1 (got %g, %g, %g)",
+                   (double)o->auto_target, (double)o->auto_floor, (double)o->auto_ceil);
+        return -1;
+    }
+    if (o->auto_target > 0.0f && o->gradual_ratio != 0.0f) {
+        cb_set_err(err, errlen, "blend: ratio = auto and gradual filtering do not combine");
         return -1;
     }
     if (o->check_layer < 0 || o->check_layer >= b->L) {
@@ -445,17 +459,53 @@ static void *loader_main(void *arg) {
 
 /* ---------------------------------------------------------------- the layer loop */
 
+/* ratio = auto's count for scores s [m] (>= 0; NaN and negative count as 0) whose order best first is
+ * order [m]: the fewest leading candidates whose scores sum to at least `target` of the total, clamped to
+ * [floor(fl * m), ceil(ce * m)]; target >= 1: m. Deterministic: the order is the backend's top-k (ties to
+ * the lower position). A total of 0 (no signal) gives the floor. */
+static int auto_count(const double *s, const int32_t *order, int m, float target, float fl, float ce) {
+    if (m <= 0) return 0;
+    if (target >= 1.0f) return m;
+    int lo = (int)floor((double)fl * m + 1e-9), hi = (int)ceil((double)ce * m - 1e-9);
+    if (hi > m) hi = m;
+    if (lo > hi) lo = hi;
+    double total = 0.0;
+    for (int i = 0; i < m; i++) total += s[i] > 0.0 ? s[i] : 0.0; /* NaN > 0 is false */
+    int k = 0;
+    if (total > 0.0) {
+        double want = (double)target * total, acc = 0.0;
+        while (k < m && acc < want) {
+            double v = s[order[k]];
+            acc += v > 0.0 ? v : 0.0;
+            k++;
+        }
+    }
+    return k < lo ? lo : k > hi ? hi : k;
+}
+
+/* ratio = auto over the candidates' scores b->dev [m]: sorts them all into b->order (best first) and
+ * returns the count to keep, or -1 when the backend failed. */
+static int auto_target_count(cb_blend_t *b, const run_t *R, int m) {
+    if (R->auto_target >= 1.0f || m <= 0) return m;
+    if (cb_engine_topk(b->e, m, b->dev, m, b->order) != CB_ENGINE_OK) return -1;
+    return auto_count(b->dev, b->order, m, R->auto_target, R->auto_floor, R->auto_ceil);
+}
+
 /* Keeps the forced rows and the `target` most deviating candidates among the active rows (the backend's
  * top-k: NaN first, ties to the lower position); compacts act, x and q (the backend's row compaction).
  * Returns the new active count, or -1 when the backend failed. */
-static int select_rows(cb_blend_t *b, int n_act, int target) {
+static int select_rows(cb_blend_t *b, run_t *R, int n_act, int target) {
     int m = 0;
     for (int i = 0; i < n_act; i++)
         if (b->cls[b->act[i]] == CB_ROW_CANDIDATE) b->cand[m++] = i;
-    if (target >= m) return n_act;
-    if (target < 0) target = 0;
     for (int k = 0; k < m; k++) b->dev[k] = b->dev[b->cand[k]]; /* candidates' deviations, ascending rows */
-    if (cb_engine_topk(b->e, m, b->dev, target, b->order) != CB_ENGINE_OK) return -1;
+    bool sorted = false;
+    if (R->auto_target > 0.0f && (target = auto_target_count(b, R, m)) < 0) return -1;
+    sorted = R->auto_target > 0.0f && R->auto_target < 1.0f && m > 0; /* b->order holds all m, best first */
+    if (target < 0) target = 0;
+    R->n_chosen = target < m ? target : m;
+    if (target >= m) return n_act;
+    if (!sorted && cb_engine_topk(b->e, m, b->dev, target, b->order) != CB_ENGINE_OK) return -1;
     for (int i = 0; i < n_act; i++) b->keep[i] = b->cls[b->act[i]] != CB_ROW_CANDIDATE;
     for (int j = 0; j < target; j++) b->keep[b->cand[b->order[j]]] = 1;
     int k = 0;
@@ -612,7 +662,7 @@ static int run_layer(cb_blend_t *b, run_t *R) {
     if (layer_qkv_rows(b, R, l, n_act, meas, &t_sel)) return -1;
     if (meas) {
         double ts = cb_now_ms();
-        n_act = select_rows(b, n_act, target_at(R, l));
+        n_act = select_rows(b, R, n_act, target_at(R, l));
         t_sel += cb_now_ms() - ts;
         if (n_act < 0) return -1;
         R->n_act = n_act;
@@ -653,9 +703,11 @@ static int run_end(cb_blend_t *b, run_t *R, int rc, char *err, size_t errlen) {
 static int probe_setup(cb_blend_t *b, job_t *J) {
     run_t *R = &J->R;
     const int N = J->N;
-    const int target = target_at(R, R->check_layer);
+    const int target = R->auto_target > 0.0f ? (R->auto_target >= 1.0f ? R->n_cand_total : 1) /* decided after the probe */
+                                              : target_at(R, R->check_layer);
     R->blend = false;
     if (target <= 0 || target >= R->n_cand_total) {
+        R->n_chosen = target > 0 ? R->n_cand_total : 0;
         for (int i = 0; i < N; i++)
             if (b->cls[i] == CB_ROW_CANDIDATE) {
                 src_t *s = &b->srcs[b->src_of[i]];
@@ -699,7 +751,15 @@ static int probe_finish(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
         if (b->keep[i] == 2) b->cls[i] = CB_ROW_COMPUTED, b->srcs[b->src_of[i]].n_loaded--;
     }
     for (int i = 0; i < m; i++) b->dev[i] = b->mass[b->order[i]];
-    if (select_by_mass(b, m, target_at(R, R->check_layer))) {
+    int target = target_at(R, R->check_layer);
+    if (R->auto_target > 0.0f) {
+        /* auto: the count from the sorted masses; b->order still maps candidate index -> row, so sort into cand */
+        if (R->auto_target >= 1.0f) target = m;
+        else if (cb_engine_topk(b->e, m, b->dev, m, b->cand) != CB_ENGINE_OK) target = -1;
+        else target = auto_count(b->dev, b->cand, m, R->auto_target, R->auto_floor, R->auto_ceil);
+    }
+    R->n_chosen = target < m ? target : m;
+    if (target < 0 || select_by_mass(b, m, target)) {
         cb_set_err(err, errlen, "blend: the backend failed (top-k)");
         return -1;
     }
@@ -715,6 +775,7 @@ static void run_init(run_t *R, int n) {
     R->metric = 'v';
     R->overlap = true;
     R->fail_src = -1;
+    R->n_chosen = -1;
 }
 
 /* ---------------------------------------------------------------- the fused prefill */
@@ -974,6 +1035,9 @@ static int begin_passes(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
     R->blend = o->mode == CB_BLEND_BLEND && n_cand_total > 0;
     R->check_layer = o->check_layer;
     R->ratio = o->ratio;
+    R->auto_target = o->auto_target;
+    R->auto_floor = o->auto_floor;
+    R->auto_ceil = o->auto_ceil;
     R->start_ratio = o->gradual_ratio != 0.0f ? o->gradual_ratio : o->ratio;
     R->grad_end = o->gradual_ratio != 0.0f ? o->gradual_end_layer : o->check_layer;
     R->metric = o->metric;
@@ -1022,6 +1086,8 @@ static void finish(cb_blend_t *b, job_t *J, cb_blend_stats_t *stats) {
         else st->chunks_computed++;
     }
     st->tokens_recomputed = J->R.n_act;
+    st->n_chosen = J->R.n_chosen >= 0 ? J->R.n_chosen : 0;
+    st->ratio_chosen = st->n_candidates > 0 ? (float)st->n_chosen / (float)st->n_candidates : 0.0f;
     st->tokens_reused = J->N - J->R.n_act;
     st->selected = b->act;
     if (stats) *stats = *st;

@@ -97,6 +97,12 @@ typedef struct {
                                    computes nothing above them; 0 = every layer (the default) */
     int probe_suffix;           /* metric 'a': the probe computes only the last probe_suffix rows of the suffix,
                                    moved up to follow the chunks; 0 = the whole suffix */
+    float auto_target;          /* ratio = auto when > 0: per request, the candidates are recomputed in order of
+                                   their score (attention mass for 'a', deviation for 'k'/'v') until the chosen
+                                   ones hold this share of all candidates' score, but never fewer than
+                                   floor(auto_floor * #candidates) nor more than ceil(auto_ceil * #candidates);
+                                   >= 1: every candidate (blend then equals full). `ratio` is not used. 0 = off */
+    float auto_floor, auto_ceil;    /* ratio = auto's bounds, 0 <= floor <= ceil <= 1 (defaults below) */
     bool no_overlap;            /* load each layer in the compute thread (serial), for comparison */
     cb_blend_attn_hook_t attn_hook; /* NULL = none */
     void *attn_hook_ud;
@@ -112,6 +118,8 @@ typedef struct {
 #define CB_BLEND_DEFAULT_PROBE_SUFFIX 16 /* measured on 100 MuSiQue examples against the whole suffix: the same
                                            first-token KL (0.0254 vs 0.0255), agree_f1 0.801 vs 0.805, TTFT
                                            ratio 0.236 vs 0.245 (docs/eval.md) */
+#define CB_BLEND_DEFAULT_AUTO_FLOOR 0.02f /* ratio = auto: at least 2 % of the candidates */
+#define CB_BLEND_DEFAULT_AUTO_CEIL 0.40f  /* ... and at most 40 % */
 #define CB_BLEND_DEFAULT_LEAD 0 /* measured with metric a: 4 lead tokens per chunk gave the same first-token KL
                                    for 3 % more recomputed rows (with metric v, -2.5 % KL; docs/eval.md) */
 
@@ -138,6 +146,9 @@ typedef struct {
     int tokens_reused;          /* N - tokens_recomputed */
     int tokens_recomputed;      /* rows active at the last layer */
     int n_candidates;           /* CANDIDATE rows */
+    int n_chosen;               /* of them, the ones recomputed past the selection (fixed ratio or auto) */
+    float ratio_chosen;         /* n_chosen / n_candidates (0 without candidates): with ratio = auto, the ratio
+                                   this request chose */
     int n_forced;               /* COMPUTED rows (suffix, lead tokens, chunks without KV, ...) */
     int chunks_mem;             /* chunks whose KV came from the memory tier */
     int chunks_file;            /* ... streamed from a KV file */

@@ -272,6 +272,83 @@ TEST(test_blend_ratio1_equals_full) {
     free(full), free(bl);
 }
 
+/* ratio = auto: deterministic; never below the floor nor above the ceiling; easy targets choose fewer
+ * rows than hard ones; target 1.0 chooses every candidate and then equals full; both metrics */
+TEST(test_ratio_auto) {
+    SETUP();
+    int V = g_hp->n_vocab;
+    const char *dir = make_dir();
+    CHECK(dir);
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
+    float *full = malloc(sizeof(float) * V), *a = malloc(sizeof(float) * V), *b2 = malloc(sizeof(float) * V);
+    cb_blend_opts_t o = opts_mode(CB_BLEND_FULL);
+    CHECK(run(&f, g_k, &o, full, NULL) == 0);
+    const char metrics[2] = {'a', 'v'};
+    for (int mi = 0; mi < 2; mi++) {
+        o = opts_mode(CB_BLEND_BLEND);
+        o.metric = metrics[mi];
+        o.ratio = 0.77f; /* not used with auto */
+        o.auto_floor = 0.05f;
+        o.auto_ceil = 0.5f;
+        cb_blend_stats_t s1, s2;
+        int prev = -1;
+        const float targets[] = {0.05f, 0.3f, 0.6f, 0.9f, 0.999f};
+        for (size_t t = 0; t < sizeof targets / sizeof targets[0]; t++) {
+            o.auto_target = targets[t];
+            CHECK(run(&f, g_k, &o, a, &s1) == 0);
+            CHECK(run(&f, g_k, &o, b2, &s2) == 0);
+            int m = s1.n_candidates, lo = (int)floor(0.05 * m + 1e-9), hi = (int)ceil(0.5 * m - 1e-9);
+            fprintf(stderr, "  metric %c, auto target %.3f: %d of %d candidates (ratio %.3f), %d recomputed\n",
+                    o.metric, (double)targets[t], s1.n_chosen, m, (double)s1.ratio_chosen, s1.tokens_recomputed);
+            CHECK(m > 0);
+            CHECK(s1.n_chosen == s2.n_chosen && s1.tokens_recomputed == s2.tokens_recomputed); /* deterministic */
+            CHECK(max_diff(a, b2, V) == 0.0);
+            CHECK(s1.n_chosen >= lo && s1.n_chosen <= hi); /* floor and ceiling */
+            CHECK(s1.n_chosen >= prev);                     /* a higher target never chooses fewer */
+            CHECK_NEAR(s1.ratio_chosen, (double)s1.n_chosen / m, 1e-6);
+            prev = s1.n_chosen;
+        }
+        CHECK(prev == (int)ceil(0.5 * s1.n_candidates - 1e-9)); /* 0.999 of the mass needs more than half: the ceiling */
+        o.auto_target = 1e-6f;
+        CHECK(run(&f, g_k, &o, a, &s1) == 0);
+        CHECK(s1.n_chosen == (int)floor(0.05 * s1.n_candidates + 1e-9)); /* a tiny target: the floor */
+        o.auto_target = 1.0f;
+        CHECK(run(&f, g_k, &o, a, &s1) == 0);
+        CHECK(s1.n_chosen == s1.n_candidates && s1.ratio_chosen == 1.0f);
+        CHECK(s1.tokens_recomputed == n_total(g_k) - g_np);
+        double d = max_diff(full, a, V);
+        fprintf(stderr, "  metric %c, auto target 1.0 vs full: max |dlogit| = %.3g\n", o.metric, d);
+        CHECK_NEAR(d, 0, LOGIT_TOL);
+    }
+    /* a fixed ratio reports what it chose too */
+    o = opts_mode(CB_BLEND_BLEND);
+    cb_blend_stats_t st;
+    CHECK(run(&f, g_k, &o, a, &st) == 0);
+    CHECK(st.n_chosen == (int)floor(CB_BLEND_DEFAULT_RATIO * st.n_candidates + 1e-6));
+    /* bad auto options */
+    char err[256];
+    o.auto_target = 1.5f;
+    CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, a, NULL, err, sizeof err) ==
+          CB_ENGINE_EINVAL);
+    o.auto_target = 0.5f;
+    o.auto_floor = 0.6f;
+    o.auto_ceil = 0.5f;
+    CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, a, NULL, err, sizeof err) ==
+          CB_ENGINE_EINVAL);
+    o = opts_mode(CB_BLEND_BLEND);
+    o.metric = 'v';
+    o.auto_target = 0.5f;
+    o.gradual_ratio = 0.5f;
+    o.gradual_end_layer = 3;
+    CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, a, NULL, err, sizeof err) ==
+          CB_ENGINE_EINVAL);
+    fix_close(&f);
+    rm_dir(dir);
+    free(full), free(a), free(b2);
+}
+
 /* reuse with one chunk precomputed right after the prefix is exact (f32 files) */
 TEST(test_reuse_single_chunk_equals_full) {
     SETUP();
@@ -1035,6 +1112,7 @@ TEST(test_blend_joins_batch) {
 int main(void) {
     RUN(test_full_equals_engine_prefill);
     RUN(test_blend_ratio1_equals_full);
+    RUN(test_ratio_auto);
     RUN(test_reuse_single_chunk_equals_full);
     RUN(test_prefix_equals_full);
     RUN(test_repositioning);
