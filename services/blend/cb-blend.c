@@ -36,6 +36,7 @@
 typedef struct {
     cb_blend_mode_t mode;
     double ratio, temperature, top_p;
+    bool ratio_auto;
     double frequency_penalty, presence_penalty;
     int64_t k, max_tokens, seed;
 } defaults_t;
@@ -176,7 +177,20 @@ static gen_query_t *parse_query(blendsvc_t *b, const cb_msg_t *m, cb_err_t *code
         goto bad;
     }
     q->mode = (cb_blend_mode_t)md;
-    if (!cb_msg_double_or(m, "ratio", 0.0, 1.0, b->def.ratio, &q->ratio)) goto field;
+    const char *rs;
+    size_t rl;
+    q->ratio_auto = b->def.ratio_auto;
+    q->ratio = b->def.ratio;
+    if (cb_msg_str(m, "ratio", 16, &rs, &rl)) { /* "auto", or a number */
+        if (rl != 4 || memcmp(rs, "auto", 4)) {
+            snprintf(why, whylen, "field 'ratio': expected a number in [0, 1] or \"auto\", got '%.*s'", (int)rl, rs);
+            goto bad;
+        }
+        q->ratio_auto = true;
+    } else if (cb_msg_has(m, "ratio")) {
+        if (!cb_msg_double_or(m, "ratio", 0.0, 1.0, b->def.ratio, &q->ratio)) goto field;
+        q->ratio_auto = false;
+    }
     if (!cb_msg_int_or(m, "max_tokens", 1, 4096, b->def.max_tokens, &v)) goto field;
     q->max_tokens = (int)v;
     if (!cb_msg_double_or(m, "temperature", 0.0, 5.0, b->def.temperature, &q->temperature)) goto field;
@@ -432,6 +446,17 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_bool(w, "worker_ready", b->worker_ready);
 }
 
+/* blend.ratio: a number in [0, 1], or "auto" (chosen per request from blend.auto_target/floor/ceil). */
+static bool config_ratio(const cb_config_t *cfg, double *ratio, bool *is_auto, char *err, size_t errlen) {
+    const char *raw = cb_config_raw(cfg, SECTION, "ratio", NULL, NULL);
+    *is_auto = raw && !strcmp(raw, "auto");
+    if (*is_auto) {
+        *ratio = CB_BLEND_DEFAULT_RATIO;
+        return true;
+    }
+    return cb_config_double(cfg, SECTION, "ratio", 0.0, 1.0, CB_BLEND_DEFAULT_RATIO, ratio, err, errlen);
+}
+
 static void usage(FILE *f) {
     fprintf(f, "usage: cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves query/ping/stats (docs/protocol.md §7) on blend.endpoint. Keys: endpoint, bind, mode, ratio,\n"
@@ -455,7 +480,13 @@ int main(int argc, char **argv) {
     int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch, fault_delay;
     bool store;
     if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "ratio", 0.0, 1.0, 0.15, &b.def.ratio, err, sizeof err) ||
+        !config_ratio(cfg, &b.def.ratio, &b.def.ratio_auto, err, sizeof err) ||
+        !cb_config_double(cfg, SECTION, "auto_target", 1e-6, 1.0, CB_BLEND_DEFAULT_AUTO_TARGET, &ga.auto_target, err,
+                          sizeof err) ||
+        !cb_config_double(cfg, SECTION, "auto_floor", 0.0, 1.0, CB_BLEND_DEFAULT_AUTO_FLOOR, &ga.auto_floor, err,
+                          sizeof err) ||
+        !cb_config_double(cfg, SECTION, "auto_ceil", 0.0, 1.0, CB_BLEND_DEFAULT_AUTO_CEIL, &ga.auto_ceil, err,
+                          sizeof err) ||
         !cb_config_int(cfg, SECTION, "k", 1, GEN_MAX_CONTEXTS, 3, &b.def.k, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_tokens", 1, 4096, 64, &b.def.max_tokens, err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "temperature", 0.0, 5.0, 0.0, &b.def.temperature, err, sizeof err) ||
@@ -486,6 +517,10 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "cacheindex_timeout_ms", 1, 3600000, 2000, &ct, err, sizeof err) ||
         !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", ga.kv_dir, sizeof ga.kv_dir, err, sizeof err)) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        goto out;
+    }
+    if (ga.auto_floor > ga.auto_ceil) {
+        cb_log(CB_LOG_ERROR, NULL, "config blend.auto_floor %g > blend.auto_ceil %g", ga.auto_floor, ga.auto_ceil);
         goto out;
     }
     int md = cb_blend_mode_parse(mode);

@@ -380,6 +380,9 @@ static int prefill_start(gen_t *g, query_t *r, char *err, size_t errlen) {
     cb_blend_opts_default(&o);
     o.mode = r->q->mode;
     o.ratio = (float)r->q->ratio;
+    o.auto_target = r->q->ratio_auto ? (float)a->auto_target : 0.0f;
+    o.auto_floor = (float)a->auto_floor;
+    o.auto_ceil = (float)a->auto_ceil;
     o.check_layer = a->check_layer;
     o.metric = a->metric;
     o.lead_tokens = a->lead_tokens;
@@ -502,7 +505,10 @@ static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
     cb_msg_put_str(w, "finish_reason", r->finish ? r->finish : "length");
     cb_msg_begin_map(w, "metrics");
     cb_msg_put_str(w, "mode", cb_blend_mode_str(q->mode));
-    cb_msg_put_double(w, "ratio", q->ratio);
+    cb_msg_put_double(w, "ratio", q->ratio_auto ? (double)mt->bs.ratio_chosen : q->ratio); /* auto: what it chose */
+    cb_msg_put_bool(w, "ratio_auto", q->ratio_auto);
+    cb_msg_put_double(w, "ratio_chosen", (double)mt->bs.ratio_chosen);
+    cb_msg_put_int(w, "n_candidates", mt->bs.n_candidates);
     cb_msg_put_double(w, "ttft_ms", mt->ttft_ms);
     cb_msg_put_double(w, "queue_ms", mt->queue_ms);
     cb_msg_put_double(w, "retrieve_ms", mt->retrieve_ms);

@@ -68,6 +68,7 @@ typedef struct gen_query {
     int k;
     cb_blend_mode_t mode;
     double ratio;
+    bool ratio_auto;                         /* ratio = "auto": chosen per request (blend.auto_*), `ratio` unused */
     int max_tokens;
     double temperature, top_p;
     double frequency_penalty, presence_penalty; /* [-2, 2] each (sampler.h) */
@@ -123,6 +124,7 @@ typedef struct {
     int check_layer;
     char metric;                 /* 'a', 'k' or 'v' (blend.h) */
     int lead_tokens;
+    double auto_target, auto_floor, auto_ceil; /* ratio = auto (blend.h opts.auto_*) */
     bool store_misses;           /* `put` computed chunks into cb-cacheindex */
     int cacheindex_timeout_ms;   /* per touch/put of the notifier (one attempt) */
     cb_kvmem_t *mem;             /* borrowed, thread-safe: the in-memory tier */

@@ -1,6 +1,6 @@
 /* cbctl query: asks cb-blend a question and streams the answer to stdout as it is generated.
  *
- *   cbctl query [--mode M] [--ratio R] [--k K] [--context TEXT]... [--max-tokens N] [--temperature T]
+ *   cbctl query [--mode M] [--ratio R|auto] [--k K] [--context TEXT]... [--max-tokens N] [--temperature T]
  *               [--top-p P] [--seed S] [--frequency-penalty F] [--presence-penalty F] [--stop S]...
  *               [--json] QUESTION
  *
@@ -31,7 +31,7 @@
 #define MAX_STOP_BYTES 256
 
 static int usage(cbctl_t *ctl, const char *why) {
-    cbctl_error(ctl, "%s\nusage: cbctl query [--mode full|prefix|reuse|blend] [--ratio R] [--k K] [--context TEXT]...\n"
+    cbctl_error(ctl, "%s\nusage: cbctl query [--mode full|prefix|reuse|blend] [--ratio R|auto] [--k K] [--context TEXT]...\n"
                      "                   [--max-tokens N] [--temperature T] [--top-p P] [--seed S]\n"
                      "                   [--frequency-penalty F] [--presence-penalty F] [--stop S]... [--json] QUESTION\n"
                      "  penalties -2..2 (default blend.*_penalty, 0); at most 4 --stop of 1..256 bytes",
@@ -51,6 +51,7 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
     const char *mode = NULL, *question = NULL;
     const char *contexts[MAX_CONTEXTS];
     int n_ctx = 0;
+    bool ratio_auto = false;
     double ratio = -1, k = -1, max_tokens = -1, temp = -1, top_p = -1, seed = -1;
     double freq_pen = NAN, pres_pen = NAN; /* NaN: not given (0 and negatives are values) */
     const char *stops[MAX_STOP];
@@ -64,6 +65,11 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
         if (!has_val || !parse_num(argv[++i], lo, hi, &var)) return usage(ctl, "bad value for " flag); \
         continue;                                                                       \
     }
+        if (!strcmp(a, "--ratio") && has_val && !strcmp(argv[i + 1], "auto")) {
+            ratio_auto = true;
+            i++;
+            continue;
+        }
         NUM("--ratio", ratio, 0, 1)
         NUM("--k", k, 1, MAX_CONTEXTS)
         NUM("--max-tokens", max_tokens, 1, 4096)
@@ -128,7 +134,8 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
         cb_msg_end_array(w);
     }
     if (mode) cb_msg_put_str(w, "mode", mode);
-    if (ratio >= 0) cb_msg_put_double(w, "ratio", ratio);
+    if (ratio_auto) cb_msg_put_str(w, "ratio", "auto");
+    else if (ratio >= 0) cb_msg_put_double(w, "ratio", ratio);
     if (k >= 0) cb_msg_put_int(w, "k", (int64_t)k);
     if (max_tokens >= 0) cb_msg_put_int(w, "max_tokens", (int64_t)max_tokens);
     if (temp >= 0) cb_msg_put_double(w, "temperature", temp);
@@ -216,5 +223,5 @@ out:
     return rc;
 }
 
-CBCTL_COMMAND(query, "query [--mode M] [--ratio R] [--k K] [--context TEXT]... [--stop S]... [--json] Q",
+CBCTL_COMMAND(query, "query [--mode M] [--ratio R|auto] [--k K] [--context TEXT]... [--stop S]... [--json] Q",
               "ask cb-blend; the answer streams to stdout", run_query)

@@ -153,9 +153,18 @@ static bool parse_ext(json_t *root, gw_chat_t *r, char *err, size_t errlen, cons
         r->mode = m;
     }
     int64_t k = -1;
-    if (!get_number(cb, "ratio", 0, 1, &r->ratio, err, errlen, param) ||
-        !get_int(cb, "k", 1, GW_MAX_DOCUMENTS, &k, err, errlen, param)) {
-        *param = !strcmp(*param, "k") ? "cacheblend.k" : "cacheblend.ratio";
+    json_t *ratio = json_object_get(cb, "ratio");
+    if (json_is_string(ratio)) { /* "auto": chosen per request by cb-blend */
+        if (strcmp(json_string_value(ratio), "auto"))
+            return fail(err, errlen, param, "cacheblend.ratio", "'%s' must be a number in [0, 1] or \"auto\"", "cacheblend.ratio");
+        r->ratio_auto = true;
+    } else if (!get_number(cb, "ratio", 0, 1, &r->ratio, err, errlen, param)) {
+        *param = "cacheblend.ratio";
+        return false;
+    }
+    if (
+!get_int(cb, "k", 1, GW_MAX_DOCUMENTS, &k, err, errlen, param)) {
+        *param = "cacheblend.k";
         return false;
     }
     r->k = (int)k;
@@ -219,7 +228,8 @@ void gw_chat_query(const gw_chat_t *r, const char *id, cb_msg_writer_t *w) {
         cb_msg_end_array(w);
     }
     if (r->mode) cb_msg_put_str(w, "mode", r->mode);
-    if (r->ratio >= 0) cb_msg_put_double(w, "ratio", r->ratio);
+    if (r->ratio_auto) cb_msg_put_str(w, "ratio", "auto");
+    else if (r->ratio >= 0) cb_msg_put_double(w, "ratio", r->ratio);
     if (r->k > 0) cb_msg_put_int(w, "k", r->k);
     if (r->max_tokens > 0) cb_msg_put_int(w, "max_tokens", r->max_tokens);
     if (r->temperature >= 0) cb_msg_put_double(w, "temperature", r->temperature);

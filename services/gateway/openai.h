@@ -39,6 +39,7 @@ typedef struct {
     int n_stop;
     const char *mode;                  /* cacheblend.mode or NULL */
     double ratio;                      /* cacheblend.ratio, -1 when absent */
+    bool ratio_auto;                   /* cacheblend.ratio = "auto" */
     int k;                             /* cacheblend.k, -1 when absent */
     int max_tokens;                    /* -1 when absent */
     double temperature, top_p;         /* -1 when absent */

@@ -1,6 +1,6 @@
 /* cb-eval: quality and speed of the four reuse modes (full, prefix, reuse, blend) on MuSiQue (docs/eval.md).
  *
- *   cb-eval [--model PATH] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R] [--metric k|v|a]
+ *   cb-eval [--model PATH] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R|auto] [--metric k|v|a]
  *           [--check-layer L] [--gradual R1:L] [--lead N] [--probe-layers N] [--probe-suffix N] [--no-overlap]
  *           [--kv-dir DIR] [--kv-dtype f16|f32|bf16] [--mem-mb N] [--out DIR] [--threads N] [--max-new N]
  *           [--ref RESULTS.jsonl]
@@ -69,6 +69,7 @@ typedef struct {
     /* sums over examples */
     int n, n_agree, n_ftm, n_kl;
     double f1, agree, ftm, kl, ttft, ttft_cpu, rfrac, load, wait, sel, comp, resolve;
+    double rchosen;            /* sum of the blend's ratio_chosen (ratio = auto: what each example chose) */
 } variant_t;
 
 static int usage(const char *why) {
@@ -78,8 +79,10 @@ static int usage(const char *why) {
             "  --limit N          first N examples (after --skip; default all)\n"
             "  --skip N           skip the first N examples\n"
             "  --modes LIST       comma list (default full,prefix,reuse,blend); a token may carry overrides,\n"
-            "                     blend:r=0.05:metric=k:check=1:gradual=0.3/6:lead=4:probe=15:psuf=16:overlap=0\n"
-            "  --ratio R          blend recompute ratio (default %.2f)\n"
+            "                     blend:r=0.05:metric=k:check=1:gradual=0.3/6:lead=4:probe=15:psuf=16:overlap=0,\n"
+            "                     blend:r=auto (ratio = auto), blend:t=0.6:floor=0.02:ceil=0.4 (auto with that target)\n"
+            "  --ratio R|auto     blend recompute ratio (default %.2f), or auto: chosen per example\n"
+            "  --auto-target T    ratio = auto's share of the candidates' score to cover (implies auto)\n"
             "  --metric k|v|a     selection metric: K or V deviation, or attention from the question (default %c)\n"
             "  --check-layer L    check layer (default %d)\n"
             "  --gradual R1:L     gradual filtering from ratio R1 at the check layer to R at layer L\n"
@@ -142,8 +145,17 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
         *eq = 0;
         const char *k = kv, *val = eq + 1;
         long l;
-        if (!strcmp(k, "r")) {
+        if (!strcmp(k, "r") && !strcmp(val, "auto")) {
+            if (v->o.auto_target == 0.0f) v->o.auto_target = CB_BLEND_DEFAULT_AUTO_TARGET;
+        } else if (!strcmp(k, "r")) {
             if (!parse_float(val, 0.0f, 1.0f, &v->o.ratio)) return false;
+            v->o.auto_target = 0.0f;
+        } else if (!strcmp(k, "t")) { /* ratio = auto with this target */
+            if (!parse_float(val, 1e-6f, 1.0f, &v->o.auto_target)) return false;
+        } else if (!strcmp(k, "floor")) {
+            if (!parse_float(val, 0.0f, 1.0f, &v->o.auto_floor)) return false;
+        } else if (!strcmp(k, "ceil")) {
+            if (!parse_float(val, 0.0f, 1.0f, &v->o.auto_ceil)) return false;
         } else if (!strcmp(k, "metric")) {
             if (!cb_blend_metric_parse(val)) return false;
             v->o.metric = val[0];
@@ -223,6 +235,7 @@ static json_t *summary_mode(const variant_t *v, const variant_t *full) {
                                                  ? json_real((v->ttft_cpu / n) / (full->ttft_cpu / full->n))
                                                  : json_null());
     json_object_set_new(m, "recompute_frac", json_real(v->rfrac / n));
+    json_object_set_new(m, "ratio_chosen", json_real(v->rchosen / n));
     json_object_set_new(m, "load_ms", json_real(v->load / n));
     json_object_set_new(m, "load_wait_ms", json_real(v->wait / n));
     json_object_set_new(m, "select_ms", json_real(v->sel / n));
@@ -232,6 +245,7 @@ static json_t *summary_mode(const variant_t *v, const variant_t *full) {
     json_object_set_new(c, "mode", json_string(cb_blend_mode_str(v->o.mode)));
     if (v->o.mode == CB_BLEND_BLEND) {
         json_object_set_new(c, "ratio", json_real(v->o.ratio));
+        json_object_set_new(c, "auto_target", json_real(v->o.auto_target));
         char mt[2] = {v->o.metric, 0};
         json_object_set_new(c, "metric", json_string(mt));
         json_object_set_new(c, "check_layer", json_integer(v->o.check_layer));
@@ -463,7 +477,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--limit")) { if (!parse_long(v, 0, INT_MAX, &limit)) return usage("bad --limit"); }
         else if (!strcmp(a, "--skip")) { if (!parse_long(v, 0, INT_MAX, &skip)) return usage("bad --skip"); }
         else if (!strcmp(a, "--modes")) modes_arg = v, modes_given = true;
+        else if (!strcmp(a, "--ratio") && !strcmp(v, "auto")) base.auto_target = CB_BLEND_DEFAULT_AUTO_TARGET;
         else if (!strcmp(a, "--ratio")) { if (!parse_float(v, 0.0f, 1.0f, &base.ratio)) return usage("bad --ratio"); }
+        else if (!strcmp(a, "--auto-target")) { if (!parse_float(v, 1e-6f, 1.0f, &base.auto_target)) return usage("bad --auto-target"); }
         else if (!strcmp(a, "--metric")) {
             if (!cb_blend_metric_parse(v)) return usage("bad --metric");
             base.metric = v[0];
@@ -830,6 +846,7 @@ int main(int argc, char **argv) {
             v->ttft += ttft;
             v->ttft_cpu += ttft_cpu;
             v->rfrac += (double)bst.tokens_recomputed / (double)bst.n_tokens;
+            v->rchosen += bst.ratio_chosen;
             v->load += bst.t_load_ms;
             v->wait += bst.t_load_wait_ms;
             v->sel += bst.t_select_ms;
@@ -848,6 +865,7 @@ int main(int argc, char **argv) {
             json_object_set_new(line, "kl_first", kl >= 0 ? json_real(kl) : json_null());
             json_object_set_new(line, "tokens_reused", json_integer(bst.tokens_reused));
             json_object_set_new(line, "tokens_recomputed", json_integer(bst.tokens_recomputed));
+            json_object_set_new(line, "ratio_chosen", json_real(bst.ratio_chosen));
             json_object_set_new(line, "n_tokens", json_integer(bst.n_tokens));
             json_object_set_new(line, "output", json_string(clean));
             json_object_set_new(line, "load_ms", json_real(bst.t_load_ms));

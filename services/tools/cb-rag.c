@@ -83,10 +83,15 @@ int main(int argc, char **argv) {
     if (!question || !*question) return usage("no QUESTION");
 
     const char *mode_s, *metric, *model_path, *sys;
-    double ratio, temp, top_p, freq_pen, pres_pen;
+    double ratio = CB_BLEND_DEFAULT_RATIO, temp, top_p, freq_pen, pres_pen, auto_t, auto_f, auto_c;
+    const char *ratio_raw = cb_config_raw(cfg, "blend", "ratio", NULL, NULL); /* a number, or "auto" */
+    bool ratio_auto = ratio_raw && !strcmp(ratio_raw, "auto");
     int64_t max_tokens, seed, check, lead, ctx_size, hot, threads, pool_bytes;
     if (!cb_config_str(cfg, "blend", "mode", "blend", &mode_s, err, sizeof err) ||
-        !cb_config_double(cfg, "blend", "ratio", 0, 1, 0.15, &ratio, err, sizeof err) ||
+        (!ratio_auto && !cb_config_double(cfg, "blend", "ratio", 0, 1, 0.15, &ratio, err, sizeof err)) ||
+        !cb_config_double(cfg, "blend", "auto_target", 1e-6, 1, CB_BLEND_DEFAULT_AUTO_TARGET, &auto_t, err, sizeof err) ||
+        !cb_config_double(cfg, "blend", "auto_floor", 0, 1, CB_BLEND_DEFAULT_AUTO_FLOOR, &auto_f, err, sizeof err) ||
+        !cb_config_double(cfg, "blend", "auto_ceil", 0, 1, CB_BLEND_DEFAULT_AUTO_CEIL, &auto_c, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "max_tokens", 1, 4096, 64, &max_tokens, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "temperature", 0, 5, 0, &temp, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "top_p", 1e-9, 1, 1, &top_p, err, sizeof err) ||
@@ -160,6 +165,9 @@ int main(int argc, char **argv) {
     cb_blend_opts_default(&o);
     o.mode = (cb_blend_mode_t)mode;
     o.ratio = (float)ratio;
+    o.auto_target = ratio_auto ? (float)auto_t : 0.0f; /* blend.ratio = auto, as cb-blend */
+    o.auto_floor = (float)auto_f;
+    o.auto_ceil = (float)auto_c;
     o.check_layer = (int)check;
     o.metric = metric[0];
     o.lead_tokens = (int)lead;
@@ -230,7 +238,8 @@ int main(int argc, char **argv) {
     if (json) {
         json_t *o2 = json_pack("{s:s, s:O, s:O, s:i, s:i, s:i, s:s, s:f}", "text", text, "ttft_ms", ttfts, "prefill_ms",
                                prefills, "n_prompt", N, "n_generated", n_gen, "tokens_recomputed", st.tokens_recomputed,
-                               "mode", cb_blend_mode_str((cb_blend_mode_t)mode), "ratio", ratio);
+                               "mode", cb_blend_mode_str((cb_blend_mode_t)mode), "ratio",
+                               ratio_auto ? (double)st.ratio_chosen : ratio);
         if (!o2) {
             /* text that is not valid UTF-8 (a character cut at max_tokens): print it escaped by bytes */
             json_t *bytes = json_stringn_nocheck(text, strlen(text));
