@@ -402,6 +402,7 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_uint(w, "queries_overloaded", atomic_load(&s->queries_overloaded));
     cb_msg_put_uint(w, "cacheindex_unavailable", atomic_load(&s->index_unavailable));
     cb_msg_put_uint(w, "cacheindex_dropped", atomic_load(&s->index_dropped));
+    cb_msg_put_uint(w, "kv_write_failed", atomic_load(&s->kv_write_failed));
     cb_msg_put_int(w, "pool_blocks_total", atomic_load(&s->pool_blocks));
     cb_msg_put_int(w, "pool_blocks_used", atomic_load(&s->pool_blocks_used));
     cb_msg_put_int(w, "pool_blocks_free", atomic_load(&s->pool_blocks_free));

@@ -250,8 +250,9 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
         else
             cb_log(CB_LOG_DEBUG, job->job, "chunk %d (%d tokens) already on disk: %s", idx, nt, hex);
         struct stat sb;
-        if (stat(path, &sb) != 0) {
-            snprintf(err, errlen, "KV file %.200s missing after it was written: %s", path, strerror(errno));
+        if (lstat(path, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+            snprintf(err, errlen, "KV file %.200s missing (or not a regular file) after it was written: %s", path,
+                     errno ? strerror(errno) : "?");
             st = STEP_FAIL;
             break;
         }
