@@ -253,11 +253,11 @@ static int store_entry(cb_kvstore_t *s, const uint8_t key[32], cb_kvmem_entry_t 
                 s->cap_k[l] = (float *)cb_kvmem_entry_k(ent, l);
                 s->cap_v[l] = (float *)cb_kvmem_entry_v(ent, l);
             }
-            char werr[256] = "";
+            char werr[600] = "";
             if (cb_kvfile_write_layers(path, &meta, cb_kvmem_entry_tokens(ent), cb_kvmem_entry_n_tokens(ent),
                                        (const float *const *)s->cap_k, (const float *const *)s->cap_v, werr,
                                        sizeof werr) != 0) {
-                cb_set_err(err, errlen, "kvstore: writing %s: %s", path, werr);
+                cb_set_err(err, errlen, "kvstore: %s", werr); /* werr names the path */
                 write_failed(s, key, werr);
                 rc = -1;
             }

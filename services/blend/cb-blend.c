@@ -50,7 +50,8 @@ typedef struct {
     int64_t max_queue;
     int max_seqs;
     int64_t heartbeat_ms;
-    int64_t stuck_ms;          /* health: a busy step loop silent this long is stuck */
+    int64_t stuck_ms;          /* health: a busy step loop (or retrieval) silent this long is stuck */
+    fetch_args_t *fa;          /* the retrieval thread's args (its liveness) */
     gen_query_t *head, *tail;  /* in flight, arrival order */
     int n_inflight;
     uint64_t accepted, rejected;
@@ -354,6 +355,13 @@ static double step_age_ms(const blendsvc_t *b) {
     return age > 0.0 ? age : 0.0;
 }
 
+/* How long the retrieval thread has been in one search (0 when it is not in one). */
+static double fetch_age_ms(const blendsvc_t *b) {
+    if (!b->fa || !atomic_load(&b->fa->busy)) return 0.0;
+    double age = cb_now_ms() - (double)atomic_load(&b->fa->beat_ms);
+    return age > 0.0 ? age : 0.0;
+}
+
 /* The served model: `model` (its file name), `model_path`, `model_fingerprint` (hex; "" until ready). */
 static void put_model(const blendsvc_t *b, cb_msg_writer_t *w) {
     const char *slash = b->model_path ? strrchr(b->model_path, '/') : NULL;
@@ -377,6 +385,13 @@ static const char *health(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, 
     if (age > (double)b->stuck_ms) {
         snprintf(why, whylen, "the step loop is stuck: no step for %.0f ms with %d queries in flight (blend.stuck_ms "
                  "= %lld)", age, b->n_inflight, (long long)b->stuck_ms);
+        return why;
+    }
+    double fage = fetch_age_ms(b);
+    cb_msg_put_double(w, "retrieval_age_ms", fage);
+    if (fage > (double)b->stuck_ms) {
+        snprintf(why, whylen, "the retrieval thread is stuck: one cb-retriever search for %.0f ms (blend.stuck_ms = "
+                 "%lld)", fage, (long long)b->stuck_ms);
         return why;
     }
     return NULL;
@@ -521,6 +536,7 @@ int main(int argc, char **argv) {
     ga.lead_tokens = (int)lead;
     ga.store_misses = store;
     static fetch_args_t fa;
+    b.fa = &fa;
     fa.cfg = cfg;
     fa.timeout_ms = (int)rt;
     ga.cacheindex_timeout_ms = (int)ct;
