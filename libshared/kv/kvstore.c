@@ -231,6 +231,15 @@ static void write_failed(cb_kvstore_t *s, const uint8_t key[32], const char *why
         CB_WARN("kvstore: KV file of chunk %.16s not written: %s", cb_kvfile_hex(key, hex), why);
 }
 
+/* Whether a failed write of key was warned about in the last minute. */
+static bool recently_warned(const cb_kvstore_t *s, const uint8_t key[32]) {
+    double now = cb_now_ms();
+    for (int i = 0; i < KVSTORE_WARN_SLOTS; i++)
+        if (s->warned[i].at_ms > 0 && !memcmp(s->warned[i].key, key, 32))
+            return now - s->warned[i].at_ms < KVSTORE_WARN_EVERY_MS;
+    return false;
+}
+
 /* Stores an entry as a KV file (if kv_dir) and in the memory tier (if mem). 0, or -1 when the file write
  * failed (err; counted, and logged by write_failed, rate limited). */
 static int store_entry(cb_kvstore_t *s, const uint8_t key[32], cb_kvmem_entry_t *ent, char *err, size_t errlen) {
@@ -347,9 +356,12 @@ static cb_kvfile_t *open_chunk_file(cb_kvstore_t *s, const uint8_t key[32], cons
     ex.head_dim = s->HD;
     ex.tokens = tokens;
     ex.n_tokens = n;
-    char err[256] = "";
+    char err[512] = "";
     cb_kvfile_t *f = cb_kvfile_open(path, &ex, why, err, sizeof err);
-    if (!f && *why != CB_KV_MISS_NOT_FOUND) CB_WARN("kvstore: chunk file miss (%s): %s", cb_kv_miss_str(*why), err);
+    /* a key whose rewrite keeps failing (an obstacle at its path) was warned about with the write failure */
+    if (!f && *why != CB_KV_MISS_NOT_FOUND)
+        cb_log(recently_warned(s, key) ? CB_LOG_DEBUG : CB_LOG_WARN, NULL, "kvstore: chunk file miss (%s): %s",
+               cb_kv_miss_str(*why), err);
     return f;
 }
 
