@@ -1005,6 +1005,7 @@ static long long resolve_unit(cb_blend_t *b, job_t *J, char *err, size_t errlen)
     if (rrc) return rrc == CB_ENGINE_EPOOL ? CB_ENGINE_EPOOL : -1;
     cb_blend_chunk_info_t *in = &b->info[c];
     memcpy(in->key, rs->key, 32);
+    if (rs->src == CB_KVSTORE_COMPUTED) in->stored = in->stored || rs->stored; /* its KV file was written */
     if (rs->src == CB_KVSTORE_COMPUTED && in->src != CB_KVSTORE_COMPUTED) { /* first computed now */
         in->src = CB_KVSTORE_COMPUTED;
         if (!J->force[c]) in->why = rs->why; /* a forced one keeps the failure that forced it */

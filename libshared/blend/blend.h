@@ -139,6 +139,7 @@ typedef struct {
                                    file is new); else MEM or FILE */
     cb_kv_miss_t why;           /* COMPUTED: why the cached KV was not used (NOT_FOUND, a bad header, or the
                                    checksum failure that restarted the prefill); CB_KV_OK otherwise */
+    bool stored;                /* COMPUTED: its KV file was written (false: the write failed, or no file tier) */
     uint8_t key[32];            /* the chunk key */
 } cb_blend_chunk_info_t;
 

@@ -10,6 +10,7 @@
  */
 #include "format/kvfile.h"
 #include "base/err.h"
+#include "base/log.h"
 #include "format/quant.h"
 
 #include <dirent.h>
@@ -150,6 +151,7 @@ const char *cb_kv_miss_str(cb_kv_miss_t why) {
         [CB_KV_MISS_TOKENS_MISMATCH] = "tokens_mismatch",
         [CB_KV_MISS_PAYLOAD_CHECKSUM] = "payload_checksum",
         [CB_KV_MISS_BAD_ARG] = "bad_arg",
+        [CB_KV_MISS_NOT_REGULAR] = "not_regular",
     };
     if ((int)why < 0 || why >= CB_KV_MISS_COUNT_) return "unknown";
     return names[why];
@@ -263,6 +265,46 @@ static int ensure_dir(const char *dir) {
     return fsync_dir(parent);
 }
 
+/* Opens the directory a KV file goes into, creating it when missing, never through a symbolic link (the
+ * writer must not put a file outside the directory it was given). The descriptor, or -1 with err. */
+static int open_dir_nofollow(const char *dir, char *err, size_t errlen) {
+    const int flags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
+    int fd = open(dir, flags);
+    if (fd < 0 && errno == ENOENT && ensure_dir(dir) == 0) fd = open(dir, flags);
+    if (fd >= 0) return fd;
+    int e = errno;
+    struct stat st;
+    if ((e == ELOOP || e == ENOTDIR) && lstat(dir, &st) == 0 && S_ISLNK(st.st_mode))
+        cb_set_err(err, errlen, "kvfile write: %s is a symbolic link: not written through (remove it)", dir);
+    else if (e == ENOTDIR)
+        cb_set_err(err, errlen, "kvfile write: %s is not a directory (remove it)", dir);
+    else
+        cb_set_err(err, errlen, "kvfile write: directory %s: %s", dir, strerror(e));
+    return -1;
+}
+
+/* Renames tmp to base inside dfd, which replaces any non-directory at base (a stale file, a FIFO, a
+ * symbolic link: the link itself, never its target). An empty directory at base is removed first (logged);
+ * a non-empty one is left alone and the write fails. 0, or -1 with err. */
+static int rename_into_place(int dfd, const char *dir, const char *tmp, const char *base, char *err,
+                             size_t errlen) {
+    if (renameat(dfd, tmp, dfd, base) == 0) return 0;
+    int e = errno;
+    if (e == EISDIR || e == ENOTEMPTY || e == EEXIST) {
+        if (unlinkat(dfd, base, AT_REMOVEDIR) == 0) {
+            CB_WARN("kvfile write: removed an empty directory in the way of %s/%s", dir, base);
+            if (renameat(dfd, tmp, dfd, base) == 0) return 0;
+            e = errno;
+        } else if (errno == ENOTEMPTY || errno == EEXIST) {
+            cb_set_err(err, errlen, "kvfile write: %s/%s is a directory that is not empty: left alone, the KV file "
+                       "is not written (remove it to let this chunk be cached)", dir, base);
+            return -1;
+        }
+    }
+    cb_set_err(err, errlen, "kvfile write: rename %s -> %s in %s: %s", tmp, base, dir, strerror(e));
+    return -1;
+}
+
 static void convert_out(const float *src, uint8_t *dst, size_t n, uint32_t dtype) {
     if (dtype == CB_KV_F32) {
         memcpy(dst, src, n * 4);
@@ -318,20 +360,20 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
         cb_set_err(err, errlen, "kvfile write: bad path '%s'", path);
         return -1;
     }
-    char tmp[PATH_MAX];
-    snprintf(tmp, sizeof tmp, "%s" KV_TMP_MARK "%ld.%u", path, (long)getpid(),
-             atomic_fetch_add(&g_tmp_counter, 1u));
+    char tmp[PATH_MAX]; /* the temporary file's name inside dir */
+    snprintf(tmp, sizeof tmp, "%s" KV_TMP_MARK "%ld.%u", base, (long)getpid(), atomic_fetch_add(&g_tmp_counter, 1u));
 
     kv_layout_t lay = layout_of((uint64_t)meta->n_layer, (uint64_t)meta->n_head_kv, (uint64_t)meta->head_dim,
                                 (uint64_t)n_tokens, (uint32_t)meta->dtype);
     uint8_t *stage = NULL, *metabuf = NULL;
     int fd = -1, rc = -1;
-    int fd_flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
-
-    fd = open(tmp, fd_flags, 0644);
-    if (fd < 0 && errno == ENOENT && ensure_dir(dir) == 0) fd = open(tmp, fd_flags, 0644);
+    int dfd = open_dir_nofollow(dir, err, errlen);
+    if (dfd < 0) return -1;
+    /* O_EXCL | O_NOFOLLOW: never opens anything already there, a symbolic link included */
+    fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0) {
-        cb_set_err(err, errlen, "kvfile write: cannot create %s: %s", tmp, strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: cannot create %s/%s: %s", dir, tmp, strerror(errno));
+        close(dfd);
         return -1;
     }
     stage = aligned_alloc(KV_LAYER_ALIGN, (size_t)lay.layer_stride);
@@ -351,7 +393,7 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
         convert_out(v_layers[l], stage + lay.v_offset, n_elem, (uint32_t)meta->dtype);
         sums[l] = XXH3_64bits(stage, (size_t)lay.layer_stride);
         if (pwrite_all(fd, stage, (size_t)lay.layer_stride, lay.payload_offset + (uint64_t)l * lay.layer_stride)) {
-            cb_set_err(err, errlen, "kvfile write: %s: %s", tmp, strerror(errno));
+            cb_set_err(err, errlen, "kvfile write: %s/%s: %s", dir, tmp, strerror(errno));
             goto fail;
         }
     }
@@ -378,46 +420,48 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
     h.meta_checksum = XXH3_64bits(metabuf, (size_t)lay.meta_bytes);
     h.header_checksum = XXH3_64bits(&h, offsetof(kv_header_t, header_checksum));
     if (pwrite_all(fd, metabuf, (size_t)lay.meta_bytes, KV_HEADER_SIZE) || pwrite_all(fd, &h, sizeof h, 0)) {
-        cb_set_err(err, errlen, "kvfile write: %s: %s", tmp, strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: %s/%s: %s", dir, tmp, strerror(errno));
         goto fail;
     }
     if (fsync(fd) != 0) {
-        cb_set_err(err, errlen, "kvfile write: fsync %s: %s (disk tier degraded; do not retry)", tmp, strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: fsync %s/%s: %s (disk tier degraded; do not retry)", dir, tmp,
+                   strerror(errno));
         rc = -2;
         goto fail;
     }
     int cfd = fd;
     fd = -1;
     if (close(cfd) != 0) {
-        cb_set_err(err, errlen, "kvfile write: close %s: %s (disk tier degraded)", tmp, strerror(errno));
+        cb_set_err(err, errlen, "kvfile write: close %s/%s: %s (disk tier degraded)", dir, tmp, strerror(errno));
         rc = -2;
         goto fail;
     }
     if (atomic_load(&g_stop_before_rename)) {
-        cb_set_err(err, errlen, "kvfile write: stopped before rename (test hook); %s left behind", tmp);
+        cb_set_err(err, errlen, "kvfile write: stopped before rename (test hook); %s/%s left behind", dir, tmp);
         free(stage);
         free(metabuf);
+        close(dfd);
         return -1;
     }
-    if (rename(tmp, path) != 0) {
-        cb_set_err(err, errlen, "kvfile write: rename %s -> %s: %s", tmp, path, strerror(errno));
-        goto fail;
-    }
-    if (fsync_dir(dir) != 0) {
+    if (rename_into_place(dfd, dir, tmp, base, err, errlen) != 0) goto fail;
+    if (fsync(dfd) != 0) {
         cb_set_err(err, errlen, "kvfile write: fsync of directory %s: %s (disk tier degraded; do not retry)", dir,
                    strerror(errno));
-        unlink(path);
+        unlinkat(dfd, base, 0);
         free(stage);
         free(metabuf);
+        close(dfd);
         return -2;
     }
     free(stage);
     free(metabuf);
+    close(dfd);
     return 0;
 
 fail:
     if (fd >= 0) close(fd);
-    unlink(tmp);
+    unlinkat(dfd, tmp, 0);
+    close(dfd);
     free(stage);
     free(metabuf);
     return rc;
@@ -615,15 +659,26 @@ cb_kvfile_t *cb_kvfile_open(const char *path, const cb_kv_expect_t *expect, cb_k
         w = miss(CB_KV_MISS_BAD_ARG, err, errlen, "NULL path");
         goto out;
     }
-    fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; O_NOFOLLOW: a symbolic link at
+     * the name is not followed. Only a regular file is read (mmap ignores O_NONBLOCK). */
+    fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY);
     if (fd < 0) {
-        w = errno == ENOENT ? miss(CB_KV_MISS_NOT_FOUND, err, errlen, "%s", path)
-                            : miss(CB_KV_MISS_IO, err, errlen, "%s: %s", path, strerror(errno));
+        int e = errno;
+        if (e == ENOENT) w = miss(CB_KV_MISS_NOT_FOUND, err, errlen, "%s", path);
+        else if (e == ELOOP) w = miss(CB_KV_MISS_NOT_REGULAR, err, errlen, "%s: a symbolic link (not followed)", path);
+        else if (e == ENXIO) w = miss(CB_KV_MISS_NOT_REGULAR, err, errlen, "%s: a socket or device", path);
+        else w = miss(CB_KV_MISS_IO, err, errlen, "%s: %s", path, strerror(e));
         goto out;
     }
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        w = miss(CB_KV_MISS_IO, err, errlen, "%s: not a readable regular file", path);
+    if (fstat(fd, &st) != 0) {
+        w = miss(CB_KV_MISS_IO, err, errlen, "%s: fstat: %s", path, strerror(errno));
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        w = miss(CB_KV_MISS_NOT_REGULAR, err, errlen, "%s: not a regular file (%s)", path,
+                 S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" :
+                 S_ISSOCK(st.st_mode) ? "a socket" : "a device");
         goto out;
     }
     if (st.st_size <= 0) {

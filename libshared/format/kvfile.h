@@ -9,9 +9,13 @@
  * the hex of the key in its header, so a temporary or misnamed file is never taken as a chunk.
  *
  * Writing: a temporary file next to the final name (<name>.tmp.<pid>.<n>), fsync, rename, fsync of
- * the directory. Nothing is visible under the final name until it is complete and durable.
+ * the directory. Nothing is visible under the final name until it is complete and durable. The writer
+ * never writes through a symbolic link (neither the file nor its directory is followed); the rename
+ * replaces whatever non-directory is at the name (a stale file, a FIFO, a symbolic link), and an empty
+ * directory there is removed; a non-empty directory is left alone and the write fails.
  *
- * Reading: cb_kvfile_open validates everything but the payload (magic, version, header checksums,
+ * Reading: cb_kvfile_open opens the name without following a symbolic link and without waiting (a FIFO
+ * at the name is a miss, never a hang), accepts only a regular file, validates everything but the payload (magic, version, header checksums,
  * name, fingerprints, geometry, size, tokens) and mmaps the file; each layer's checksum is verified
  * before its bytes are used (cb_kvfile_read_layer) or all up front (cb_kvfile_verify). Any failure is a
  * *miss* with a reason (cb_kv_miss_t) and a message: the caller recomputes the chunk. No file content
@@ -72,7 +76,7 @@ typedef struct {
 typedef enum {
     CB_KV_OK = 0,
     CB_KV_MISS_NOT_FOUND,         /* no file under that name */
-    CB_KV_MISS_IO,                /* open/stat/mmap/read failed, or not a regular file */
+    CB_KV_MISS_IO,                /* open/stat/mmap/read failed */
     CB_KV_MISS_TRUNCATED,         /* shorter than its header says */
     CB_KV_MISS_BAD_MAGIC,         /* not a kv file */
     CB_KV_MISS_BAD_VERSION,       /* a format version this reader does not know */
@@ -85,6 +89,8 @@ typedef enum {
     CB_KV_MISS_TOKENS_MISMATCH,   /* token ids differ from the expected ones */
     CB_KV_MISS_PAYLOAD_CHECKSUM,  /* a layer's bytes do not match their checksum */
     CB_KV_MISS_BAD_ARG,           /* caller error (NULL pointer, layer out of range) */
+    CB_KV_MISS_NOT_REGULAR,       /* something other than a regular file at the name (a FIFO, a directory, a
+                                     device, a socket, a symbolic link: never followed, never waited on) */
     CB_KV_MISS_COUNT_
 } cb_kv_miss_t;
 
@@ -115,8 +121,10 @@ int cb_kvfile_rel_path(const uint8_t key[32], char *buf, size_t buflen);
 
 /* Writes a chunk's KV to path (its basename should be "<hex(key)>.kv", see cb_kvfile_path; the parent
  * directory, the two-hex-digit shard, is created if missing; kv_dir itself must exist). k and v are packed [n_layer][n_tokens][kv_dim] f32, K pre-RoPE.
- * Atomic and durable: temp file, fsync, rename, fsync(dir). Returns 0 on success; -1 on failure with
- * nothing under path (err says why); -2 when an fsync failed: nothing left under path, do not retry
+ * Atomic and durable: temp file, fsync, rename, fsync(dir). The directory must not be a symbolic link
+ * (refused: nothing is written through one); at path, any non-directory is replaced and an empty directory
+ * removed (logged), a non-empty directory makes the write fail. Returns 0 on success; -1 on failure with
+ * nothing new under path (err says why); -2 when an fsync failed: nothing left under path, do not retry
  * and trust a later success, mark the disk tier degraded (RELIABILITY.md §4.1). Caller keeps ownership
  * of all arguments. */
 int cb_kvfile_write(const char *path, const cb_kv_meta_t *meta, const int32_t *tokens, int n_tokens,

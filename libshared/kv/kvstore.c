@@ -4,14 +4,19 @@
  */
 #include "kv/kvstore.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
+#include "base/clock.h"
 #include "base/err.h"
 #include "base/log.h"
 #include "format/quant.h"
+
+#define KVSTORE_WARN_SLOTS 16     /* keys whose failed writes are remembered for rate limiting */
+#define KVSTORE_WARN_EVERY_MS 60000.0
 
 struct cb_kvstore {
     cb_engine_t *e;
@@ -31,6 +36,14 @@ struct cb_kvstore {
 
     cb_seq_t *work;            /* chunk computes: shares the context's blocks, then the chunk */
     float **cap_k, **cap_v;    /* [L] capture pointers of one compute */
+
+    /* failed KV file writes: a counter any thread may read, and the keys warned about lately */
+    atomic_uint_fast64_t write_failed;
+    struct {
+        uint8_t key[32];
+        double at_ms;          /* 0: free */
+        uint64_t suppressed;   /* failures of this key not logged since */
+    } warned[KVSTORE_WARN_SLOTS];
 };
 
 const char *cb_kvstore_src_str(cb_kvstore_src_t s) {
@@ -66,6 +79,7 @@ cb_kvstore_t *cb_kvstore_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t
     s->hp = cb_model_hparams(s->model);
     s->mem = mem;
     s->dtype = dtype;
+    atomic_init(&s->write_failed, 0);
     cb_model_fingerprint(s->model, s->model_fp);
     s->L = s->hp->n_layer;
     s->HD = s->hp->head_dim;
@@ -107,6 +121,9 @@ cb_kvmem_t *cb_kvstore_mem(const cb_kvstore_t *self) { return self->mem; }
 cb_kv_dtype_t cb_kvstore_dtype(const cb_kvstore_t *self) { return self->dtype; }
 const cb_seq_t *cb_kvstore_context_seq(const cb_kvstore_t *self) { return self->ctx_seq; }
 int cb_kvstore_context_len(const cb_kvstore_t *self) { return self->ctx_n; }
+uint64_t cb_kvstore_write_failures(const cb_kvstore_t *self) {
+    return self ? atomic_load(&((cb_kvstore_t *)self)->write_failed) : 0;
+}
 
 /* ---------------------------------------------------------------- keys and checks */
 
@@ -181,8 +198,50 @@ int cb_kvstore_set_context(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, ch
 
 /* ---------------------------------------------------------------- compute and store */
 
+/* A failed KV file write of key: counted; logged as a warning at most once a minute per key (a key that
+ * keeps failing, e.g. a directory in the way, would otherwise log at every query), with the number of
+ * failures not logged since. */
+static void write_failed(cb_kvstore_t *s, const uint8_t key[32], const char *why) {
+    atomic_fetch_add(&s->write_failed, 1);
+    double now = cb_now_ms();
+    int slot = -1, oldest = 0;
+    for (int i = 0; i < KVSTORE_WARN_SLOTS; i++) {
+        if (s->warned[i].at_ms > 0 && !memcmp(s->warned[i].key, key, 32)) {
+            slot = i;
+            break;
+        }
+        if (s->warned[i].at_ms < s->warned[oldest].at_ms) oldest = i;
+    }
+    if (slot >= 0 && now - s->warned[slot].at_ms < KVSTORE_WARN_EVERY_MS) {
+        s->warned[slot].suppressed++;
+        return;
+    }
+    uint64_t quiet = slot >= 0 ? s->warned[slot].suppressed : 0;
+    if (slot < 0) {
+        slot = oldest;
+        memcpy(s->warned[slot].key, key, 32);
+    }
+    s->warned[slot].at_ms = now;
+    s->warned[slot].suppressed = 0;
+    char hex[CB_KV_HEX_BYTES];
+    if (quiet)
+        CB_WARN("kvstore: KV file of chunk %.16s not written: %s (%llu more failures of it in the last minute)",
+                cb_kvfile_hex(key, hex), why, (unsigned long long)quiet);
+    else
+        CB_WARN("kvstore: KV file of chunk %.16s not written: %s", cb_kvfile_hex(key, hex), why);
+}
+
+/* Whether a failed write of key was warned about in the last minute. */
+static bool recently_warned(const cb_kvstore_t *s, const uint8_t key[32]) {
+    double now = cb_now_ms();
+    for (int i = 0; i < KVSTORE_WARN_SLOTS; i++)
+        if (s->warned[i].at_ms > 0 && !memcmp(s->warned[i].key, key, 32))
+            return now - s->warned[i].at_ms < KVSTORE_WARN_EVERY_MS;
+    return false;
+}
+
 /* Stores an entry as a KV file (if kv_dir) and in the memory tier (if mem). 0, or -1 when the file write
- * failed (err). */
+ * failed (err; counted, and logged by write_failed, rate limited). */
 static int store_entry(cb_kvstore_t *s, const uint8_t key[32], cb_kvmem_entry_t *ent, char *err, size_t errlen) {
     int rc = 0;
     if (s->kv_dir) {
@@ -203,11 +262,12 @@ static int store_entry(cb_kvstore_t *s, const uint8_t key[32], cb_kvmem_entry_t 
                 s->cap_k[l] = (float *)cb_kvmem_entry_k(ent, l);
                 s->cap_v[l] = (float *)cb_kvmem_entry_v(ent, l);
             }
-            char werr[256] = "";
+            char werr[600] = "";
             if (cb_kvfile_write_layers(path, &meta, cb_kvmem_entry_tokens(ent), cb_kvmem_entry_n_tokens(ent),
                                        (const float *const *)s->cap_k, (const float *const *)s->cap_v, werr,
                                        sizeof werr) != 0) {
-                cb_set_err(err, errlen, "kvstore: writing %s: %s", path, werr);
+                cb_set_err(err, errlen, "kvstore: %s", werr); /* werr names the path */
+                write_failed(s, key, werr);
                 rc = -1;
             }
         }
@@ -296,9 +356,12 @@ static cb_kvfile_t *open_chunk_file(cb_kvstore_t *s, const uint8_t key[32], cons
     ex.head_dim = s->HD;
     ex.tokens = tokens;
     ex.n_tokens = n;
-    char err[256] = "";
+    char err[512] = "";
     cb_kvfile_t *f = cb_kvfile_open(path, &ex, why, err, sizeof err);
-    if (!f && *why != CB_KV_MISS_NOT_FOUND) CB_WARN("kvstore: chunk file miss (%s): %s", cb_kv_miss_str(*why), err);
+    /* a key whose rewrite keeps failing (an obstacle at its path) was warned about with the write failure */
+    if (!f && *why != CB_KV_MISS_NOT_FOUND)
+        cb_log(recently_warned(s, key) ? CB_LOG_DEBUG : CB_LOG_WARN, NULL, "kvstore: chunk file miss (%s): %s",
+               cb_kv_miss_str(*why), err);
     return f;
 }
 
@@ -361,16 +424,14 @@ static int lookup(cb_kvstore_t *s, const int32_t *tokens, int n, bool skip_cache
     rs->entry = compute_chunk(s, tokens, n, &crc, err, errlen);
     if (!rs->entry) return crc;
     rs->src = CB_KVSTORE_COMPUTED;
-    char serr[256] = "";
+    char serr[512] = "";
     if (store_entry(s, rs->key, rs->entry, serr, sizeof serr) != 0) {
-        if (!strict_store) {
-            CB_WARN("%s (the chunk is used from memory)", serr);
-            return 0;
-        }
+        if (!strict_store) return 0; /* logged (rate limited); the chunk is used from memory, rs->stored false */
         cb_set_err(err, errlen, "%s", serr);
         cb_kvstore_chunk_release(rs);
         return -1;
     }
+    rs->stored = s->kv_dir != NULL;
     return 0;
 }
 

@@ -57,6 +57,9 @@ int cb_kvstore_set_context(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, ch
 /* The current context: its sequence (positions [0, n)), its length (0 = none yet), its fingerprint. */
 const cb_seq_t *cb_kvstore_context_seq(const cb_kvstore_t *self);
 int cb_kvstore_context_len(const cb_kvstore_t *self);
+/* KV file writes that failed since the store was made (any thread may read it). Each failure is also
+ * logged, at most once a minute per chunk key. */
+uint64_t cb_kvstore_write_failures(const cb_kvstore_t *self);
 
 /* The chunk key of tokens [n] after ctx [n_ctx] under the engine's model (see above). */
 void cb_kvstore_chunk_key(const cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
@@ -72,11 +75,13 @@ typedef struct {
     cb_kvmem_entry_t *entry;   /* MEM or COMPUTED: owned reference */
     cb_kvfile_t *file;         /* FILE: owned handle */
     cb_kv_miss_t why;          /* the miss reason that led to COMPUTED (CB_KV_OK otherwise) */
+    bool stored;               /* COMPUTED: its KV file was written (false: no kv_dir, or the write failed) */
     uint8_t key[32];
 } cb_kvstore_chunk_t;
 
 /* Resolves chunk tokens [n] after the current context (cb_kvstore_set_context first): memory tier, file,
- * or computed now and stored (a failed store is logged; the chunk is used from memory). skip_cached: a
+ * or computed now and stored (a failed store is counted and logged, and `stored` is false; the chunk is used
+ * from memory). skip_cached: a
  * file of this chunk failed mid-stream: forget the memory-tier entry, skip the file, recompute. 0, or with
  * err CB_ENGINE_EPOOL (no room in the pool to compute it) or -1. Release with cb_kvstore_chunk_release. */
 int cb_kvstore_resolve(cb_kvstore_t *self, const int32_t *tokens, int n, bool skip_cached, cb_kvstore_chunk_t *out,

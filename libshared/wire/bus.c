@@ -621,6 +621,10 @@ void cb_bus_service_stop(cb_bus_service_t *svc) { svc->stop = true; }
 
 const char *cb_bus_req_id(const cb_bus_req_t *req) { return req->id; }
 const char *cb_bus_req_type(const cb_bus_req_t *req) { return req->type; }
+const uint8_t *cb_bus_req_peer(const cb_bus_req_t *req, size_t *len) {
+    *len = req->identity ? zframe_size(req->identity) : 0;
+    return req->identity ? zframe_data(req->identity) : (const uint8_t *)"";
+}
 
 /* Sends [identity, (empty,) body] on the ROUTER. */
 static int req_send(cb_bus_req_t *req, const void *data, size_t len) {

@@ -160,6 +160,9 @@ void cb_bus_service_stop(cb_bus_service_t *svc);
 /* The request being handled. */
 const char *cb_bus_req_id(const cb_bus_req_t *req);
 const char *cb_bus_req_type(const cb_bus_req_t *req);
+/* The requester's ZeroMQ routing id (the ROUTER's identity frame: libzmq makes one per connection unless
+ * the client sets ZMQ_ROUTING_ID): *len bytes (0..255) at the returned pointer, valid while req is. */
+const uint8_t *cb_bus_req_peer(const cb_bus_req_t *req, size_t *len);
 /* Sends the message finished in w (cb_msg_end is called here) to the requester. When the writer
  * failed, an internal error reply is sent instead. Returns 0, or -1 when the requester is gone. */
 int cb_bus_reply(cb_bus_req_t *req, cb_msg_writer_t *w);

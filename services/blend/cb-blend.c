@@ -51,7 +51,8 @@ typedef struct {
     int64_t max_queue;
     int max_seqs;
     int64_t heartbeat_ms;
-    int64_t stuck_ms;          /* health: a busy step loop silent this long is stuck */
+    int64_t stuck_ms;          /* health: a busy step loop (or retrieval) silent this long is stuck */
+    fetch_args_t *fa;          /* the retrieval thread's args (its liveness) */
     gen_query_t *head, *tail;  /* in flight, arrival order */
     int n_inflight;
     uint64_t accepted, rejected;
@@ -368,6 +369,13 @@ static double step_age_ms(const blendsvc_t *b) {
     return age > 0.0 ? age : 0.0;
 }
 
+/* How long the retrieval thread has been in one search (0 when it is not in one). */
+static double fetch_age_ms(const blendsvc_t *b) {
+    if (!b->fa || !atomic_load(&b->fa->busy)) return 0.0;
+    double age = cb_now_ms() - (double)atomic_load(&b->fa->beat_ms);
+    return age > 0.0 ? age : 0.0;
+}
+
 /* The served model: `model` (its file name), `model_path`, `model_fingerprint` (hex; "" until ready). */
 static void put_model(const blendsvc_t *b, cb_msg_writer_t *w) {
     const char *slash = b->model_path ? strrchr(b->model_path, '/') : NULL;
@@ -393,6 +401,13 @@ static const char *health(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, 
                  "= %lld)", age, b->n_inflight, (long long)b->stuck_ms);
         return why;
     }
+    double fage = fetch_age_ms(b);
+    cb_msg_put_double(w, "retrieval_age_ms", fage);
+    if (fage > (double)b->stuck_ms) {
+        snprintf(why, whylen, "the retrieval thread is stuck: one cb-retriever search for %.0f ms (blend.stuck_ms = "
+                 "%lld)", fage, (long long)b->stuck_ms);
+        return why;
+    }
     return NULL;
 }
 
@@ -416,6 +431,7 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_uint(w, "queries_overloaded", atomic_load(&s->queries_overloaded));
     cb_msg_put_uint(w, "cacheindex_unavailable", atomic_load(&s->index_unavailable));
     cb_msg_put_uint(w, "cacheindex_dropped", atomic_load(&s->index_dropped));
+    cb_msg_put_uint(w, "kv_write_failed", atomic_load(&s->kv_write_failed));
     cb_msg_put_int(w, "pool_blocks_total", atomic_load(&s->pool_blocks));
     cb_msg_put_int(w, "pool_blocks_used", atomic_load(&s->pool_blocks_used));
     cb_msg_put_int(w, "pool_blocks_free", atomic_load(&s->pool_blocks_free));
@@ -555,6 +571,7 @@ int main(int argc, char **argv) {
     ga.lead_tokens = (int)lead;
     ga.store_misses = store;
     static fetch_args_t fa;
+    b.fa = &fa;
     fa.cfg = cfg;
     fa.timeout_ms = (int)rt;
     ga.cacheindex_timeout_ms = (int)ct;

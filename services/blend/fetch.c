@@ -75,7 +75,7 @@ static void fetch_one(fetch_t *f, gen_query_t *q) {
 }
 
 void fetch_actor(zsock_t *pipe, void *args) {
-    const fetch_args_t *a = args;
+    fetch_args_t *a = args;
     fetch_t f = {.pipe = pipe};
     zsock_signal(pipe, 0);
     char err[512];
@@ -97,7 +97,13 @@ void fetch_actor(zsock_t *pipe, void *args) {
             gen_query_t *q = NULL;
             if (fr && zframe_size(fr) == sizeof q) memcpy(&q, zframe_data(fr), sizeof q);
             zframe_destroy(&fr);
-            if (q) fetch_one(&f, q);
+            if (q) {
+                atomic_store(&a->beat_ms, (uint64_t)cb_now_ms());
+                atomic_store(&a->busy, true);
+                fetch_one(&f, q);
+                atomic_store(&a->busy, false);
+                atomic_store(&a->beat_ms, (uint64_t)cb_now_ms());
+            }
         }
         zstr_free(&cmd);
         zmsg_destroy(&m);

@@ -19,6 +19,7 @@
 #define CB_FETCH_H
 
 #include <czmq.h>
+#include <stdatomic.h>
 
 #include "gen.h"
 #include "wire/config.h"
@@ -26,6 +27,11 @@
 typedef struct {
     const cb_config_t *cfg;      /* borrowed: blend.retriever_endpoint and the bus options */
     int timeout_ms;              /* per attempt (one retry) */
+    /* liveness, for the service's health (written here, read by the loop): busy while a retrieval is in
+     * progress, beat_ms when it began or ended. Each retrieval is bounded (2 x timeout_ms), so a busy thread
+     * silent for blend.stuck_ms is stuck. */
+    atomic_bool busy;
+    atomic_uint_fast64_t beat_ms;
 } fetch_args_t;
 
 /* zactor_new(fetch_actor, args): args (fetch_args_t *) must outlive the actor. */

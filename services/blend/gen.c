@@ -421,6 +421,7 @@ static void chunk_note(gen_t *g, query_t *r) {
         for (int j = 0; j < nt->n && !seen; j++) seen = memcmp(nt->chunks[j].key, key, 32) == 0;
         if (seen) continue;
         r->mt.corrupt += rejected(c);
+        if (c->src == CB_KVSTORE_COMPUTED && !c->stored) continue; /* no file was written: nothing to put */
         notify_chunk_t *nc = &nt->chunks[nt->n++];
         memcpy(nc->key, key, 32);
         nc->tokens = r->cn[i];
@@ -812,6 +813,7 @@ static void publish_loop(gen_t *g, bool busy) {
     gen_stats_t *s = g->a->stats;
     atomic_store(&s->busy, busy);
     atomic_store(&s->beat_ms, (uint64_t)cb_now_ms());
+    atomic_store(&s->kv_write_failed, cb_kvstore_write_failures(g->store));
 }
 
 void gen_actor(zsock_t *pipe, void *args) {

@@ -96,6 +96,7 @@ typedef struct {
     atomic_uint_fast64_t cache_hits, cache_misses, cache_corrupt;
     atomic_uint_fast64_t index_unavailable;  /* touches/puts that could not reach cb-cacheindex */
     atomic_uint_fast64_t index_dropped;      /* cache-index notices dropped (the notifier's pipe was full) */
+    atomic_uint_fast64_t kv_write_failed;    /* KV files of computed chunks that could not be written (no put) */
     /* the engine's KV pool (cb_engine_pool_stats), as of the worker's last update: after its start, after
      * each prefill and at the end of each query */
     atomic_int pool_blocks, pool_blocks_used, pool_blocks_free, pool_blocks_shared, pool_block_tokens;

@@ -47,8 +47,12 @@ static void put_chunk(notifier_t *n, const char *qid, const notify_chunk_t *c) {
     char path[4096 + CB_KV_REL_PATH_BYTES + 2];
     snprintf(path, sizeof path, "%s/%s", n->a->kv_dir, nm.rel);
     struct stat sb;
-    if (stat(path, &sb) != 0) {
+    if (lstat(path, &sb) != 0) {
         cb_log(CB_LOG_WARN, qid, "chunk %.16s: no KV file to register (%s)", nm.hex, strerror(errno));
+        return;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        cb_log(CB_LOG_WARN, qid, "chunk %.16s: not a regular file at its KV path: not registered", nm.hex);
         return;
     }
     char id[CB_MSG_MAX_ID + 1];

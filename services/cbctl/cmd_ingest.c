@@ -12,7 +12,9 @@
  *
  * Every document is acknowledged by cb-precompute only once it is durably recorded; requests are retried
  * (Lazy Pirate, cbctl.request_timeout_ms x request_retries; an ingest of the same doc_id and text is
- * idempotent). With --wait, cbctl then polls each job's status until all are processed, failing when
+ * idempotent). Every ingest carries `client: "cbctl-<host>-<pid>"` (cb-precompute's fairness and per-client
+ * limits see one client per run); a document refused `overloaded` (this client has too much queued) is
+ * sent again after a wait (0.2 s doubling to 5 s), for up to cbctl.ingest_timeout_ms. With --wait, cbctl then polls each job's status until all are processed, failing when
  * nothing progresses for cbctl.ingest_timeout_ms.
  * Exit: 0 every document acknowledged (and with --wait processed), 1 some document was refused or
  * failed, 2 usage or unreadable input, 3 cb-precompute unreachable or silent.
@@ -50,6 +52,8 @@ typedef struct {
     bool unavailable;   /* cb-precompute could not be reached: stop */
     bool tty;
     double t0;
+    int64_t stall_ms;   /* cbctl.ingest_timeout_ms: also how long a document refused `overloaded` is retried */
+    char client[64];    /* the `client` field of every ingest: this run, across reconnects */
     size_t total_hint;  /* for the bar: documents found so far */
     bool bar_open;      /* the bar's line is not ended yet */
 } ingest_t;
@@ -124,13 +128,24 @@ static void send_doc(ingest_t *in, const char *doc_id, const char *text, size_t 
         in->n_errors++;
         return;
     }
-    char id[32];
-    cb_msg_begin(in->w, "ingest", cb_bus_new_id(id, sizeof id));
-    cb_msg_put_str(in->w, "doc_id", full_id);
-    cb_msg_put_strn(in->w, "text", text, len);
     cb_err_t code;
     char err[512];
-    cb_msg_t *r = cb_bus_call(in->c, in->w, &code, err, sizeof err);
+    cb_msg_t *r = NULL;
+    /* cb-precompute refuses a document `overloaded` while this client has too much queued: wait for the
+     * worker to take some, then send it again (at most ingest_timeout_ms in all) */
+    double until = cb_now_ms() + (double)in->stall_ms;
+    for (int backoff = 200;; backoff = backoff * 2 > 5000 ? 5000 : backoff * 2) {
+        char id[32];
+        cb_msg_begin(in->w, "ingest", cb_bus_new_id(id, sizeof id));
+        cb_msg_put_str(in->w, "doc_id", full_id);
+        cb_msg_put_strn(in->w, "text", text, len);
+        cb_msg_put_str(in->w, "client", in->client);
+        r = cb_bus_call(in->c, in->w, &code, err, sizeof err);
+        if (!r || cb_msg_ok(r) || cb_msg_err_code(r) != CB_ERR_OVERLOADED || cb_now_ms() + backoff > until) break;
+        cb_msg_destroy(&r);
+        bar(in, "ingest", in->n - 1, in->total_hint > in->n ? in->total_hint : in->n, "waiting (overloaded)");
+        zclock_sleep(backoff);
+    }
     if (!r) {
         bar_end(in);
         cbctl_error(in->ctl, "precompute: %s", err);
@@ -382,7 +397,13 @@ static int run_ingest(cbctl_t *ctl, int argc, char **argv) {
         cbctl_error(ctl, "%s", err);
         return CBCTL_EXIT_USAGE;
     }
-    ingest_t in = {.ctl = ctl, .prefix = prefix, .tty = isatty(2) != 0, .t0 = cb_now_ms()};
+    ingest_t in = {.ctl = ctl, .prefix = prefix, .tty = isatty(2) != 0, .t0 = cb_now_ms(), .stall_ms = stall};
+    char host[32] = "";
+    if (gethostname(host, sizeof host - 1) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = 0;
+    for (char *h = host; *h; h++)
+        if (*h < 0x21 || *h > 0x7e) *h = '_';
+    snprintf(in.client, sizeof in.client, "cbctl-%.31s-%ld", host, (long)getpid());
     if (!(in.c = cbctl_client(ctl, "precompute", 0, -1, err, sizeof err)) || !(in.w = cb_msg_writer_new())) {
         cbctl_error(ctl, "%s", err);
         cb_bus_client_destroy(&in.c);

@@ -13,8 +13,12 @@
  *
  * Liveness: cb-blend sends a heartbeat to a query that has heard nothing for a while (its interval is in
  * the heartbeat), so the client gives up after 3 silent intervals (at least 1 s) once it has heard one;
- * before the first message it waits cbctl.request_timeout_ms; and never more than cbctl.query_timeout_ms.
- * Exit: 0 answered, 1 cb-blend answered with an error, 2 usage, 3 cb-blend unreachable, silent or overloaded.
+ * before the first message it waits cbctl.request_timeout_ms. And the whole query, from the send to the
+ * `done`, is bounded by cbctl.query_timeout_ms whatever arrives meanwhile (a stuck cb-blend that keeps
+ * sending heartbeats, or a very slow answer): past it cbctl gives up with a clear error (exit 3); cb-blend
+ * drops the query when its next message finds the client gone.
+ * Exit: 0 answered, 1 cb-blend answered with an error, 2 usage, 3 cb-blend unreachable, silent, overloaded
+ * or past the query deadline.
  */
 #include <jansson.h>
 #include <math.h>
@@ -165,12 +169,22 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
     }
     bool newline = true; /* the output ends with a newline */
     int silence = (int)(first_ms < cap_ms ? first_ms : cap_ms);
+    const double deadline = t0 + (double)cap_ms; /* the whole query, heartbeats or not */
     for (;;) {
-        cb_msg_t *m = cb_bus_recv(c, id, silence, &code, err, sizeof err);
+        double left = deadline - cb_now_ms();
+        int wait = left <= 0 ? 0 : left < (double)silence ? (int)left + 1 : silence;
+        cb_msg_t *m = left <= 0 ? NULL : cb_bus_recv(c, id, wait, &code, err, sizeof err);
+        if (!m && cb_now_ms() >= deadline) {
+            if (!newline) fputc('\n', stdout);
+            cbctl_error(ctl, "the query took longer than cbctl.query_timeout_ms (%lld ms) at %s: giving up",
+                        (long long)cap_ms, cb_bus_client_endpoint(c));
+            rc = CBCTL_EXIT_UNAVAILABLE;
+            break;
+        }
         if (!m) {
             if (!newline) fputc('\n', stdout);
             cbctl_error(ctl, "no answer from cb-blend at %s for %d ms (is it running?): %s", cb_bus_client_endpoint(c),
-                        silence, err);
+                        wait, err);
             rc = CBCTL_EXIT_UNAVAILABLE;
             break;
         }

@@ -113,6 +113,19 @@ static int connection_fd(struct MHD_Connection *c) {
     return ci ? ci->connect_fd : -1;
 }
 
+/* The ingest `client` of an HTTP request (cb-precompute's fairness and per-client limits): "gw:" + the peer's
+ * address, so that one HTTP client is one client whatever connections it opens. */
+static void ingest_client(struct MHD_Connection *c, char *out, size_t cap) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    char addr[INET6_ADDRSTRLEN] = "?";
+    const struct sockaddr *sa = ci ? ci->client_addr : NULL;
+    if (sa && sa->sa_family == AF_INET)
+        inet_ntop(AF_INET, &((const struct sockaddr_in *)(const void *)sa)->sin_addr, addr, sizeof addr);
+    else if (sa && sa->sa_family == AF_INET6)
+        inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)(const void *)sa)->sin6_addr, addr, sizeof addr);
+    snprintf(out, cap, "gw:%s", addr);
+}
+
 static void new_query_id(char *buf, size_t size) { cb_bus_new_id(buf, size); }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -486,6 +499,8 @@ static enum MHD_Result documents(gw_server_t *s, struct MHD_Connection *c, req_t
     enum MHD_Result rc = MHD_YES;
     bool failed = !pc || !w;
     if (failed) rc = send_error(s, c, r, 500, "server_error", NULL, "internal", "%s", pc ? "out of memory" : err);
+    char client[64];
+    ingest_client(c, client, sizeof client);
     for (size_t i = 0; !failed && i < n; i++) {
         json_t *d = json_array_get(docs, i), *meta = json_object_get(d, "meta");
         char id[32];
@@ -495,15 +510,17 @@ static enum MHD_Result documents(gw_server_t *s, struct MHD_Connection *c, req_t
         cb_msg_put_strn(w, "text", json_string_value(json_object_get(d, "text")),
                         json_string_length(json_object_get(d, "text")));
         if (json_is_object(meta)) cb_msg_put_json(w, "meta", meta);
+        cb_msg_put_str(w, "client", client);
         cb_err_t code;
         cb_msg_t *m = cb_bus_call_ok(pc, w, &code, err, sizeof err);
         const char *job;
         size_t jl;
-        bool dup = false;
+        bool dup = false, restored = false;
         if (m && cb_msg_str(m, "job", 64, &job, &jl)) {
             cb_msg_bool_or(m, "duplicate", false, &dup);
-            json_array_append_new(data, json_pack("{s:O, s:s%, s:b}", "id", json_object_get(d, "id"), "job", job, jl,
-                                                  "duplicate", dup));
+            cb_msg_bool_or(m, "restored", false, &restored);
+            json_array_append_new(data, json_pack("{s:O, s:s%, s:b, s:b}", "id", json_object_get(d, "id"), "job", job,
+                                                  jl, "duplicate", dup, "restored", restored));
         } else {
             failed = true;
             http_err_t he = map_err(m ? CB_ERR_INTERNAL : code);

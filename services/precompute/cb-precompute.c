@@ -5,16 +5,26 @@
  *
  *   cb-precompute [--config PATH] [--precompute.KEY=VALUE | --KEY VALUE]...
  *
+ * Each document belongs to a client (the `client` field, else the connection, else "pull"): the worker
+ * takes turns across clients (jobs.h), and a client over its queued limits is refused `overloaded`. A
+ * document whose job is done, ingested again, is checked by the verifier thread (verify.h) and queued again
+ * when it is missing from cb-retriever or its KV files are gone (`restored`). `ping` fails while the worker
+ * has work and no progress for stuck_ms.
+ *
  * Keys (section precompute, then common): endpoint, bind, pull_endpoint, pull_bind, db, chunk_tokens,
- * max_doc_bytes, retriever_timeout_ms, cacheindex_timeout_ms; common: data_dir, kv_dir, model, threads,
- * and the socket options; blend.system_prompt fixes the precompute context (it must be cb-blend's).
+ * max_doc_bytes, max_queued_jobs_per_client, max_queued_bytes_per_client, retriever_timeout_ms,
+ * cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, fault_chunk_delay_ms (tests); common: data_dir, kv_dir,
+ * model, threads, and the socket options; blend.system_prompt fixes the precompute context (it must be
+ * cb-blend's).
  * Exit: 0 after SIGINT/SIGTERM, 1 on a startup failure or when the worker cannot run.
  */
 #include <jansson.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/clock.h"
 #include "engine/backend_select.h"
 #include "wire/bus.h"
 #include "wire/config.h"
@@ -22,27 +32,81 @@
 #include "jobs.h"
 #include "base/log.h"
 #include "wire/msg.h"
+#include "verify.h"
 #include "worker.h"
 
 #define SECTION "precompute"
 #define MAX_DOC_ID 256
 #define MAX_META_ENTRIES 64
+#define MAX_CLIENT 64         /* bytes of an ingest's `client` field */
+#define MAX_CHECKS 1024       /* re-ingest checks waiting for the verifier; beyond it, not checked */
+
+/* A re-ingest of a done job waiting for the verifier (verify.h). */
+typedef struct check_s {
+    cb_bus_req_t *req;        /* detached; NULL for a PULL message (no reply) */
+    char job[CB_JOB_ID_LEN + 1];
+    char client[CB_JOB_CLIENT_MAX + 1];
+    char doc_id[MAX_DOC_ID + 1];
+    struct check_s *next;
+} check_t;
 
 typedef struct {
     cb_bus_service_t *svc;
     cb_jobs_t *jobs;
     zactor_t *worker;
+    zactor_t *verifier;       /* re-ingest checks (verify.h) */
     zsock_t *pull;
     int64_t max_doc_bytes;
+    cb_jobs_limits_t limits;  /* per client */
+    int64_t stuck_ms;         /* health: a worker with work and no progress this long is stuck */
+    pc_worker_stats_t *wst;   /* the worker's (worker.h) */
+    check_t *checks;          /* waiting for the verifier */
+    int n_checks;
     bool worker_ready;
     bool fatal;
-    uint64_t pulled, pull_dropped;
+    uint64_t pulled, pull_dropped, overloaded, restored;
 } precompute_t;
 
-/* Validates an ingest message and records it. Returns CB_ERR_NONE with job/duplicate set, or a code with
- * a reason in why. */
-static cb_err_t ingest(precompute_t *p, const cb_msg_t *m, char job[CB_JOB_ID_LEN + 1], bool *duplicate, char *why,
-                       size_t whylen) {
+/* The client key of an ingest (jobs.h): its `client` field ("c:" + it: 1..64 printable ASCII bytes), else
+ * "pull" for the PULL socket (peer == NULL), else "peer:" + the hex of the routing id (of its BLAKE2b-128
+ * when longer than 32 bytes). False with why when the field is invalid. */
+static bool client_key(const cb_msg_t *m, const uint8_t *peer, size_t peer_len, char out[CB_JOB_CLIENT_MAX + 1],
+                       char *why, size_t whylen) {
+    if (cb_msg_has(m, "client")) {
+        const char *c;
+        size_t n;
+        if (!cb_msg_str(m, "client", MAX_CLIENT, &c, &n)) {
+            snprintf(why, whylen, "%s", cb_msg_last_error(m));
+            return false;
+        }
+        bool ok = n > 0;
+        for (size_t i = 0; i < n && ok; i++) ok = c[i] >= 0x20 && c[i] <= 0x7e;
+        if (!ok) {
+            snprintf(why, whylen, "field 'client': 1..%d printable ASCII characters", MAX_CLIENT);
+            return false;
+        }
+        snprintf(out, CB_JOB_CLIENT_MAX + 1, "c:%.*s", (int)n, c);
+        return true;
+    }
+    if (!peer) {
+        snprintf(out, CB_JOB_CLIENT_MAX + 1, "pull");
+        return true;
+    }
+    uint8_t h[16];
+    if (peer_len > 32) {
+        crypto_generichash(h, sizeof h, peer, peer_len, NULL, 0);
+        peer = h;
+        peer_len = sizeof h;
+    }
+    memcpy(out, "peer:", 5);
+    sodium_bin2hex(out + 5, CB_JOB_CLIENT_MAX + 1 - 5, peer, peer_len);
+    return true;
+}
+
+/* Validates an ingest message and records it for client. Returns CB_ERR_NONE with job, duplicate and state
+ * (of a duplicate) set, or a code with a reason in why. */
+static cb_err_t ingest(precompute_t *p, const cb_msg_t *m, const char *client, char job[CB_JOB_ID_LEN + 1],
+                       bool *duplicate, cb_job_state_t *state, char *why, size_t whylen) {
     const char *doc, *text;
     size_t doc_len, text_len;
     if (!cb_msg_str(m, "doc_id", MAX_DOC_ID, &doc, &doc_len) || doc_len == 0) {
@@ -92,8 +156,14 @@ static cb_err_t ingest(precompute_t *p, const cb_msg_t *m, char job[CB_JOB_ID_LE
         json_decref(js);
     }
     char err[512];
-    int rc = cb_jobs_submit(p->jobs, doc, doc_len, text, text_len, meta, job, duplicate, err, sizeof err);
+    int rc = cb_jobs_submit(p->jobs, doc, doc_len, text, text_len, meta, client, &p->limits, job, duplicate, state,
+                            err, sizeof err);
     free(meta);
+    if (rc == 1) {
+        p->overloaded++;
+        snprintf(why, whylen, "%.400s", err);
+        return CB_ERR_OVERLOADED;
+    }
     if (rc != 0) {
         snprintf(why, whylen, "cannot record the document: %.400s", err);
         return CB_ERR_INTERNAL;
@@ -102,21 +172,137 @@ static cb_err_t ingest(precompute_t *p, const cb_msg_t *m, char job[CB_JOB_ID_LE
     return CB_ERR_NONE;
 }
 
-static void on_ingest(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
+/* The reply to an ingest: {job, duplicate, restored}. */
+static void reply_ingest(precompute_t *p, cb_bus_req_t *req, const char *job, bool dup, bool restored) {
+    cb_msg_writer_t *w = cb_bus_service_writer(p->svc);
+    cb_msg_begin_reply_as(w, "ingest", cb_bus_req_id(req));
+    cb_msg_put_str(w, "job", job);
+    cb_msg_put_bool(w, "duplicate", dup);
+    cb_msg_put_bool(w, "restored", restored);
+    cb_bus_reply(req, w);
+}
+
+/* A document ingested again after its job was done: asks the verifier whether it is still indexed and
+ * cached (verify.h); the answer (and the reply, for a request) comes in on_verifier. False when it cannot be
+ * asked (then it is a plain duplicate). req: detached by the caller on success, or NULL (PULL). */
+static bool start_check(precompute_t *p, cb_bus_req_t *req, const char *job, const char *client) {
+    if (!p->verifier || p->n_checks >= MAX_CHECKS) return false;
+    cb_job_status_t st;
+    cb_job_chunk_t *cs = NULL;
+    int n = 0;
+    char err[256];
+    if (cb_jobs_status(p->jobs, job, &st, err, sizeof err) != 1 || st.state != CB_JOB_DONE ||
+        cb_jobs_chunks(p->jobs, job, &cs, &n, err, sizeof err) != 0)
+        return false;
+    char *keys = malloc((size_t)n * 64 + 1);
+    check_t *c = calloc(1, sizeof *c);
+    if (!keys || !c) {
+        free(keys);
+        free(c);
+        free(cs);
+        return false;
+    }
+    for (int i = 0; i < n; i++) memcpy(keys + 64 * i, cs[i].key, 64);
+    free(cs);
+    snprintf(c->job, sizeof c->job, "%s", job);
+    snprintf(c->client, sizeof c->client, "%s", client);
+    snprintf(c->doc_id, sizeof c->doc_id, "%s", st.doc_id);
+    if (req && !(c->req = cb_bus_req_detach(req))) {
+        free(keys);
+        free(c);
+        return false;
+    }
+    zmsg_t *zm = zmsg_new();
+    zmsg_addstr(zm, "CHECK");
+    zmsg_addmem(zm, &c, sizeof c);
+    zmsg_addstr(zm, st.doc_id);
+    zmsg_addmem(zm, keys, (size_t)n * 64);
+    free(keys);
+    c->next = p->checks;
+    p->checks = c;
+    p->n_checks++;
+    zmsg_send(&zm, p->verifier);
+    return true;
+}
+
+/* The verifier's answer: a document found missing is queued again (restored), else it is a duplicate. */
+static int on_verifier(zloop_t *loop, zsock_t *sock, void *arg) {
+    (void)loop;
     precompute_t *p = arg;
-    char job[CB_JOB_ID_LEN + 1], why[512];
+    zmsg_t *zm = zmsg_recv(sock);
+    if (!zm) return zsys_interrupted ? -1 : 0;
+    char *what = zmsg_popstr(zm);
+    zframe_t *tok = zmsg_pop(zm);
+    char *verdict = zmsg_popstr(zm), *why = zmsg_popstr(zm);
+    check_t *c = NULL, **pp = &p->checks;
+    if (what && !strcmp(what, "CHECKED") && tok && zframe_size(tok) == sizeof c) {
+        memcpy(&c, zframe_data(tok), sizeof c);
+        while (*pp && *pp != c) pp = &(*pp)->next;
+        if (*pp) {
+            *pp = c->next;
+            p->n_checks--;
+        } else {
+            c = NULL; /* not ours */
+        }
+    }
+    if (c) {
+        const char *rid = c->req ? cb_bus_req_id(c->req) : NULL;
+        bool dup = true, restored = false;
+        if (verdict && !strcmp(verdict, "missing")) {
+            char err[512];
+            int rc = cb_jobs_restore(p->jobs, c->job, c->client, &p->limits, &restored, err, sizeof err);
+            if (rc == 1) {
+                p->overloaded++;
+                if (c->req) cb_bus_reply_error(c->req, CB_ERR_OVERLOADED, "%s", err);
+                cb_log(CB_LOG_WARN, rid, "doc '%s' (job %s) is missing (%s) but not restored: %s", c->doc_id, c->job,
+                       why ? why : "?", err);
+                goto done;
+            }
+            if (rc < 0) cb_log(CB_LOG_ERROR, rid, "restore of job %s: %s", c->job, err);
+            if (restored) {
+                dup = false;
+                p->restored++;
+                zstr_send(p->worker, "WORK");
+                cb_log(CB_LOG_INFO, rid, "doc '%s' ingested again, its job %s was done but %s: queued again (restored)",
+                       c->doc_id, c->job, why ? why : "?");
+            }
+        } else if (verdict && !strcmp(verdict, "unknown")) {
+            cb_log(CB_LOG_WARN, rid, "doc '%s' ingested again: cannot check that it is still indexed (%s); taken as a "
+                   "duplicate", c->doc_id, why ? why : "?");
+        }
+        if (c->req) reply_ingest(p, c->req, c->job, dup, restored);
+    done:
+        cb_bus_req_destroy(&c->req);
+        free(c);
+    }
+    zstr_free(&what);
+    zstr_free(&verdict);
+    zstr_free(&why);
+    zframe_destroy(&tok);
+    zmsg_destroy(&zm);
+    return 0;
+}
+
+static void on_ingest(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
+    (void)svc;
+    precompute_t *p = arg;
+    char job[CB_JOB_ID_LEN + 1], why[512], client[CB_JOB_CLIENT_MAX + 1];
     bool dup = false;
-    cb_err_t code = ingest(p, m, job, &dup, why, sizeof why);
+    cb_job_state_t state = CB_JOB_QUEUED;
+    size_t plen;
+    const uint8_t *peer = cb_bus_req_peer(req, &plen);
+    if (!client_key(m, peer, plen, client, why, sizeof why)) {
+        cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "%s", why);
+        return;
+    }
+    cb_err_t code = ingest(p, m, client, job, &dup, &state, why, sizeof why);
     if (code != CB_ERR_NONE) {
         cb_bus_reply_error(req, code, "%s", why);
         return;
     }
-    cb_log(CB_LOG_DEBUG, cb_bus_req_id(req), "ingest -> job %s%s", job, dup ? " (duplicate)" : "");
-    cb_msg_writer_t *w = cb_bus_service_writer(svc);
-    cb_msg_begin_reply(w, m);
-    cb_msg_put_str(w, "job", job);
-    cb_msg_put_bool(w, "duplicate", dup);
-    cb_bus_reply(req, w);
+    cb_log(CB_LOG_DEBUG, cb_bus_req_id(req), "ingest from %s -> job %s%s", client, job, dup ? " (duplicate)" : "");
+    if (dup && state == CB_JOB_DONE && start_check(p, req, job, client)) return; /* answered in on_verifier */
+    reply_ingest(p, req, job, dup, false);
 }
 
 static void on_status(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
@@ -145,6 +331,13 @@ static void on_status(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
     cb_bus_reply(req, w);
 }
 
+/* How long the worker has had work without a sign of progress (0 when it has none). */
+static double worker_age_ms(const precompute_t *p) {
+    if (!atomic_load(&p->wst->busy)) return 0.0;
+    double age = cb_now_ms() - (double)atomic_load(&p->wst->beat_ms);
+    return age > 0.0 ? age : 0.0;
+}
+
 static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     (void)svc;
     precompute_t *p = arg;
@@ -161,7 +354,34 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_int(w, "chunks_done", chunks);
     cb_msg_put_uint(w, "pulled", p->pulled);
     cb_msg_put_uint(w, "pull_dropped", p->pull_dropped);
+    int64_t clients = 0;
+    if (cb_jobs_clients_waiting(p->jobs, &clients, err, sizeof err) != 0) cb_log(CB_LOG_WARN, NULL, "stats: %s", err);
+    cb_msg_put_int(w, "clients_waiting", clients);
+    cb_msg_put_uint(w, "overloaded", p->overloaded);
+    cb_msg_put_uint(w, "restored", p->restored);
+    cb_msg_put_uint(w, "kv_write_failed", atomic_load(&p->wst->kv_write_failed));
+    cb_msg_put_uint(w, "turns", atomic_load(&p->wst->turns));
+    cb_msg_put_double(w, "worker_age_ms", worker_age_ms(p));
     cb_msg_put_bool(w, "worker_ready", p->worker_ready);
+}
+
+/* Health (`ping`): the worker is not stuck (work in hand, no progress for stuck_ms). */
+static const char *health(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, char *why, size_t whylen) {
+    (void)svc;
+    precompute_t *p = arg;
+    double age = worker_age_ms(p);
+    cb_msg_put_bool(w, "worker_ready", p->worker_ready);
+    cb_msg_put_double(w, "worker_age_ms", age);
+    if (age > (double)p->stuck_ms) {
+        char what[sizeof p->wst->what];
+        pthread_mutex_lock(&p->wst->mu);
+        snprintf(what, sizeof what, "%s", p->wst->what);
+        pthread_mutex_unlock(&p->wst->mu);
+        snprintf(why, whylen, "the worker is stuck: no progress for %.0f ms (precompute.stuck_ms = %lld) on %s", age,
+                 (long long)p->stuck_ms, what);
+        return why;
+    }
+    return NULL;
 }
 
 /* A document on the PULL socket: same validation, no reply; invalid ones are logged and dropped. */
@@ -193,14 +413,18 @@ static int on_pull(zloop_t *loop, zsock_t *sock, void *arg) {
         cb_msg_destroy(&m);
         return 0;
     }
-    char job[CB_JOB_ID_LEN + 1], why[512];
-    bool dup;
-    cb_err_t code = ingest(p, m, job, &dup, why, sizeof why);
+    char job[CB_JOB_ID_LEN + 1], why[512], client[CB_JOB_CLIENT_MAX + 1];
+    bool dup = false;
+    cb_job_state_t state = CB_JOB_QUEUED;
+    cb_err_t code = client_key(m, NULL, 0, client, why, sizeof why) ? ingest(p, m, client, job, &dup, &state, why,
+                                                                           sizeof why)
+                                                                    : CB_ERR_BAD_REQUEST;
     if (code != CB_ERR_NONE) {
         cb_log(CB_LOG_WARN, cb_msg_id(m), "pull: dropped ingest: %s: %s", cb_err_name(code), why);
         p->pull_dropped++;
     } else {
         cb_log(CB_LOG_INFO, cb_msg_id(m), "pull ingest -> job %s%s", job, dup ? " (duplicate)" : "");
+        if (dup && state == CB_JOB_DONE) start_check(p, NULL, job, client);
     }
     cb_msg_destroy(&m);
     return 0;
@@ -233,8 +457,10 @@ static void usage(FILE *f) {
     fprintf(f, "usage: cb-precompute [--config PATH] [--precompute.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves ingest/status/ping/stats (docs/protocol.md §6) on precompute.endpoint and takes ingest\n"
                "  messages on precompute.pull_endpoint. Keys: endpoint, bind, pull_endpoint, pull_bind, db,\n"
-               "  chunk_tokens, max_doc_bytes, retriever_timeout_ms, cacheindex_timeout_ms, and common.* (data_dir,\n"
-               "  kv_dir, model, threads, ...); blend.system_prompt. Environment CB_PRECOMPUTE_<KEY> overrides the file.\n");
+               "  chunk_tokens, max_doc_bytes, max_queued_jobs_per_client, max_queued_bytes_per_client,\n"
+               "  retriever_timeout_ms, cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, fault_chunk_delay_ms\n"
+               "  (tests), and common.* (data_dir, kv_dir, model, threads, ...); blend.system_prompt.\n"
+               "  Environment CB_PRECOMPUTE_<KEY> overrides the file.\n");
 }
 
 int main(int argc, char **argv) {
@@ -245,8 +471,14 @@ int main(int argc, char **argv) {
     if (!cfg) return exit_code;
     precompute_t p = {0};
     static pc_worker_args_t wa;
+    static pc_worker_stats_t wst;
+    static pc_verify_args_t va;
+    pthread_mutex_init(&wst.mu, NULL);
+    snprintf(wst.what, sizeof wst.what, "loading the model");
+    p.wst = &wst;
+    wa.stats = &wst;
     int rc = 1;
-    int64_t chunk_tokens, threads, rt, ct;
+    int64_t chunk_tokens, threads, rt, ct, vt, fault_delay;
     const char *model, *sys, *backend, *pull_ep = NULL, *pull_bind = NULL;
     wa.cfg = cfg;
     if (!cb_config_int(cfg, SECTION, "chunk_tokens", 16, 8192, 512, &chunk_tokens, err, sizeof err) ||
@@ -254,6 +486,13 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "retriever_timeout_ms", 1, 3600000, 5000, &rt, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "cacheindex_timeout_ms", 1, 3600000, 5000, &ct, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "verify_timeout_ms", 1, 60000, 1000, &vt, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_queued_jobs_per_client", 0, INT64_MAX, 10000, &p.limits.max_jobs, err,
+                       sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_queued_bytes_per_client", 0, INT64_MAX, (int64_t)64 << 20,
+                       &p.limits.max_bytes, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "stuck_ms", 100, 86400000, 120000, &p.stuck_ms, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "fault_chunk_delay_ms", 0, 3600000, 0, &fault_delay, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
         !cb_config_str(cfg, "blend", "system_prompt", "", &sys, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
@@ -275,6 +514,11 @@ int main(int argc, char **argv) {
     wa.threads = (int)threads;
     wa.retriever_timeout_ms = (int)rt;
     wa.cacheindex_timeout_ms = (int)ct;
+    wa.fault_chunk_delay_ms = (int)fault_delay;
+    if (fault_delay > 0)
+        cb_log(CB_LOG_WARN, NULL, "fault injection: every chunk waits %lld ms first", (long long)fault_delay);
+    va.cfg = cfg;
+    va.timeout_ms = (int)vt;
     snprintf(wa.model_path, sizeof wa.model_path, "%s", model);
     snprintf(wa.system_prompt, sizeof wa.system_prompt, "%s", sys);
     cb_config_log(cfg, SECTION);
@@ -307,14 +551,25 @@ int main(int argc, char **argv) {
         cb_log(CB_LOG_ERROR, NULL, "cannot start the worker thread");
         goto out;
     }
+    snprintf(va.kv_dir, sizeof va.kv_dir, "%s", wa.kv_dir);
+    if (!(p.verifier = zactor_new(pc_verify_actor, &va)))
+        cb_log(CB_LOG_WARN, NULL, "cannot start the verifier thread: re-ingested documents are not checked");
     zloop_t *loop = cb_bus_service_loop(p.svc);
     zloop_reader(loop, (zsock_t *)p.worker, on_worker, &p);
+    if (p.verifier) zloop_reader(loop, (zsock_t *)p.verifier, on_verifier, &p);
     if (p.pull) zloop_reader(loop, p.pull, on_pull, &p);
     cb_bus_service_on(p.svc, "ingest", on_ingest, &p);
     cb_bus_service_on(p.svc, "status", on_status, &p);
     cb_bus_service_set_stats(p.svc, stats_extra, &p);
+    cb_bus_service_set_health(p.svc, health, &p);
     rc = cb_bus_service_run(p.svc) == 0 && !p.fatal ? 0 : 1;
 out:
+    zactor_destroy(&p.verifier); /* $TERM: after the check in progress (bounded by verify_timeout_ms) */
+    while (p.checks) {           /* their requests go with the service */
+        check_t *c = p.checks;
+        p.checks = c->next;
+        free(c);
+    }
     zactor_destroy(&p.worker); /* $TERM: the worker stops after its current step */
     zsock_destroy(&p.pull);
     cb_bus_service_destroy(&p.svc);

@@ -23,7 +23,9 @@ static const char SCHEMA[] =
     "  chunks_done INTEGER NOT NULL DEFAULT 0,"
     "  error TEXT,"
     "  created REAL NOT NULL,"
-    "  updated REAL NOT NULL);"
+    "  updated REAL NOT NULL,"
+    "  client TEXT NOT NULL DEFAULT '',"  /* who submitted it (fairness, per-client limits) */
+    "  text_bytes INTEGER NOT NULL DEFAULT 0);"
     "CREATE INDEX IF NOT EXISTS jobs_doc ON jobs(doc_id, seq);"
     "CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);"
     "CREATE TABLE IF NOT EXISTS chunks("
@@ -36,10 +38,16 @@ static const char SCHEMA[] =
     "  done INTEGER NOT NULL DEFAULT 0,"
     "  PRIMARY KEY(job, idx)) WITHOUT ROWID;";
 
+/* A job is ready for a turn when it is queued or running and no older unfinished version of its document
+ * exists (alias j). */
+#define READY "j.state IN (0, 1) AND NOT EXISTS (SELECT 1 FROM jobs o WHERE o.doc_id = j.doc_id AND o.state IN (0, 1) " \
+              "AND o.seq < j.seq)"
+
 struct cb_jobs {
     sqlite3 *db;
-    sqlite3_stmt *find, *latest, *insert, *requeue, *drop_chunks, *status, *counts, *chunk_sum, *next, *mark_running,
-        *older, *plan_chunk, *plan_job, *chunks, *chunk_done, *job_done_inc, *replaced, *finish;
+    sqlite3_stmt *find, *latest, *insert, *requeue, *drop_chunks, *status, *counts, *chunk_sum, *get, *mark_running,
+        *older, *plan_chunk, *plan_job, *chunks, *chunk_done, *job_done_inc, *replaced, *finish, *client_load,
+        *pick_after, *pick_first, *pick_job, *next_chunk, *clients;
 };
 
 static const char *const STATE_NAMES[CB_JOB_STATE_COUNT_] = {"queued", "running", "done", "failed"};
@@ -62,14 +70,40 @@ static int db_fail(cb_jobs_t *j, char *err, size_t errlen, const char *what) {
 void cb_jobs_close(cb_jobs_t **self_p) {
     if (!self_p || !*self_p) return;
     cb_jobs_t *j = *self_p;
-    sqlite3_stmt **all[] = {&j->find,  &j->latest,  &j->insert,       &j->requeue,    &j->drop_chunks,
-                            &j->status, &j->counts,  &j->chunk_sum,    &j->next,       &j->mark_running,
-                            &j->older,  &j->plan_chunk, &j->plan_job,  &j->chunks,     &j->chunk_done,
-                            &j->job_done_inc, &j->replaced, &j->finish};
+    sqlite3_stmt **all[] = {&j->find,       &j->latest,     &j->insert,     &j->requeue,    &j->drop_chunks,
+                            &j->status,     &j->counts,     &j->chunk_sum,  &j->get,        &j->mark_running,
+                            &j->older,      &j->plan_chunk, &j->plan_job,   &j->chunks,     &j->chunk_done,
+                            &j->job_done_inc, &j->replaced, &j->finish,     &j->client_load, &j->pick_after,
+                            &j->pick_first, &j->pick_job,   &j->next_chunk, &j->clients};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) sqlite3_finalize(*all[i]);
     cb_db_close(&j->db);
     free(j);
     *self_p = NULL;
+}
+
+/* A table made before the client columns existed gets them (its jobs belong to client "", their sizes are
+ * measured); then the index the turn picking uses. 0 or -1. */
+static int migrate(cb_jobs_t *j, char *err, size_t errlen) {
+    sqlite3_stmt *st = cb_db_prepare(j->db, "SELECT count(*) FROM pragma_table_info('jobs') WHERE name = 'client'",
+                                     err, errlen);
+    if (!st) return -1;
+    int has = sqlite3_step(st) == SQLITE_ROW && sqlite3_column_int(st, 0) > 0;
+    sqlite3_finalize(st);
+    if (!has && cb_db_exec(j->db,
+                           "BEGIN IMMEDIATE;"
+                           "ALTER TABLE jobs ADD COLUMN client TEXT NOT NULL DEFAULT '';"
+                           "ALTER TABLE jobs ADD COLUMN text_bytes INTEGER NOT NULL DEFAULT 0;"
+                           "UPDATE jobs SET text_bytes = length(CAST(text AS BLOB));"
+                           "COMMIT;",
+                           err, errlen) != 0) {
+        cb_db_exec(j->db, "ROLLBACK", NULL, 0);
+        /* another connection may have done it meanwhile */
+        st = cb_db_prepare(j->db, "SELECT count(*) FROM pragma_table_info('jobs') WHERE name = 'client'", err, errlen);
+        has = st && sqlite3_step(st) == SQLITE_ROW && sqlite3_column_int(st, 0) > 0;
+        sqlite3_finalize(st);
+        if (!has) return -1;
+    }
+    return cb_db_exec(j->db, "CREATE INDEX IF NOT EXISTS jobs_client ON jobs(state, client, seq);", err, errlen);
 }
 
 cb_jobs_t *cb_jobs_open(const char *path, char *err, size_t errlen) {
@@ -78,20 +112,30 @@ cb_jobs_t *cb_jobs_open(const char *path, char *err, size_t errlen) {
         snprintf(err, errlen, "jobs: out of memory");
         return NULL;
     }
-    if (!(j->db = cb_db_open(path, true, err, errlen)) || cb_db_exec(j->db, SCHEMA, err, errlen) != 0) goto fail;
+    if (!(j->db = cb_db_open(path, true, err, errlen)) || cb_db_exec(j->db, SCHEMA, err, errlen) != 0 ||
+        migrate(j, err, errlen) != 0)
+        goto fail;
 #define PREP(field, sql) \
     if (!(j->field = cb_db_prepare(j->db, sql, err, errlen))) goto fail
-    PREP(find, "SELECT seq, state FROM jobs WHERE job = ?1");
+    PREP(find, "SELECT seq, state, doc_id, text_bytes FROM jobs WHERE job = ?1");
     PREP(latest, "SELECT max(seq) FROM jobs WHERE doc_id = ?1");
-    PREP(insert, "INSERT INTO jobs(job, doc_id, text, meta, state, created, updated) VALUES(?1, ?2, ?3, ?4, 0, ?5, ?5)");
+    PREP(insert, "INSERT INTO jobs(job, doc_id, text, meta, state, created, updated, client, text_bytes) "
+                 "VALUES(?1, ?2, ?3, ?4, 0, ?5, ?5, ?6, ?7)");
     PREP(requeue, "UPDATE jobs SET seq = (SELECT max(seq) + 1 FROM jobs), state = 0, planned = 0, replaced = 0, "
-                  "chunks_total = 0, chunks_done = 0, error = NULL, updated = ?2 WHERE job = ?1");
+                  "chunks_total = 0, chunks_done = 0, error = NULL, updated = ?2, client = ?3 WHERE job = ?1");
     PREP(drop_chunks, "DELETE FROM chunks WHERE job = ?1");
-    PREP(status, "SELECT state, chunks_done, chunks_total, coalesce(error, '') FROM jobs WHERE job = ?1");
+    PREP(status, "SELECT state, chunks_done, chunks_total, coalesce(error, ''), doc_id FROM jobs WHERE job = ?1");
     PREP(counts, "SELECT state, count(*) FROM jobs GROUP BY state");
     PREP(chunk_sum, "SELECT coalesce(sum(chunks_done), 0) FROM jobs");
-    PREP(next, "SELECT seq, job, doc_id, text, planned, replaced FROM jobs WHERE state IN (0, 1) ORDER BY seq LIMIT 1");
+    PREP(get, "SELECT seq, job, doc_id, text, planned, replaced, client, chunks_done, chunks_total FROM jobs "
+              "WHERE job = ?1 AND state IN (0, 1)");
     PREP(mark_running, "UPDATE jobs SET state = 1, updated = ?2 WHERE job = ?1 AND state = 0");
+    PREP(client_load, "SELECT count(*), coalesce(sum(text_bytes), 0) FROM jobs WHERE state IN (0, 1) AND client = ?1");
+    PREP(pick_after, "SELECT j.client FROM jobs j WHERE " READY " AND j.client > ?1 ORDER BY j.client LIMIT 1");
+    PREP(pick_first, "SELECT j.client FROM jobs j WHERE " READY " ORDER BY j.client LIMIT 1");
+    PREP(pick_job, "SELECT j.job FROM jobs j WHERE " READY " AND j.client = ?1 ORDER BY j.seq LIMIT 1");
+    PREP(next_chunk, "SELECT idx, off, len, key, tokens FROM chunks WHERE job = ?1 AND done = 0 ORDER BY idx LIMIT 1");
+    PREP(clients, "SELECT count(DISTINCT client) FROM jobs WHERE state IN (0, 1)");
     PREP(older, "SELECT EXISTS(SELECT 1 FROM jobs WHERE doc_id = ?1 AND seq < ?2)");
     PREP(plan_chunk, "INSERT OR REPLACE INTO chunks(job, idx, off, len, key, tokens, done) VALUES(?1, ?2, ?3, ?4, ?5, ?6, 0)");
     PREP(plan_job, "UPDATE jobs SET planned = 1, chunks_total = ?2, chunks_done = 0, updated = ?3 WHERE job = ?1");
@@ -124,67 +168,132 @@ static int exec_simple(cb_jobs_t *j, const char *sql, char *err, size_t errlen) 
     return cb_db_exec(j->db, sql, err, errlen);
 }
 
+/* Within a transaction: 0 when client may queue one more job of bytes bytes, 1 (err) when that would take
+ * it over lim, -1 on a database error. */
+static int check_limits(cb_jobs_t *self, const char *client, const cb_jobs_limits_t *lim, int64_t bytes, char *err,
+                        size_t errlen) {
+    if (!lim || (lim->max_jobs <= 0 && lim->max_bytes <= 0)) return 0;
+    sqlite3_stmt *s = self->client_load;
+    sqlite3_bind_text(s, 1, client, -1, SQLITE_STATIC);
+    int rc = sqlite3_step(s);
+    int64_t n = rc == SQLITE_ROW ? sqlite3_column_int64(s, 0) : 0, have = rc == SQLITE_ROW ? sqlite3_column_int64(s, 1) : 0;
+    sqlite3_reset(s);
+    if (rc != SQLITE_ROW) return db_fail(self, err, errlen, "client load");
+    if (n == 0) return 0; /* one document is always let through; max_doc_bytes bounds it */
+    if (lim->max_jobs > 0 && n + 1 > lim->max_jobs) {
+        snprintf(err, errlen, "this client has %lld documents queued (precompute.max_queued_jobs_per_client = %lld); "
+                 "retry when some are done", (long long)n, (long long)lim->max_jobs);
+        return 1;
+    }
+    if (lim->max_bytes > 0 && have + bytes > lim->max_bytes) {
+        snprintf(err, errlen, "this client has %lld bytes queued, %lld more would exceed "
+                 "precompute.max_queued_bytes_per_client (%lld); retry when some are done", (long long)have,
+                 (long long)bytes, (long long)lim->max_bytes);
+        return 1;
+    }
+    return 0;
+}
+
+/* Within a transaction: queues job again for client (at the end of the queue, its chunks dropped). 0 or -1. */
+static int requeue(cb_jobs_t *self, const char *job, const char *client, char *err, size_t errlen) {
+    sqlite3_bind_text(self->requeue, 1, job, CB_JOB_ID_LEN, SQLITE_STATIC);
+    sqlite3_bind_double(self->requeue, 2, now_s());
+    sqlite3_bind_text(self->requeue, 3, client, -1, SQLITE_STATIC);
+    sqlite3_bind_text(self->drop_chunks, 1, job, CB_JOB_ID_LEN, SQLITE_STATIC);
+    int rc = sqlite3_step(self->requeue) == SQLITE_DONE && sqlite3_step(self->drop_chunks) == SQLITE_DONE ? 0 : -1;
+    if (rc) db_fail(self, err, errlen, "requeue");
+    sqlite3_reset(self->requeue);
+    sqlite3_reset(self->drop_chunks);
+    return rc;
+}
+
+/* Ends the open transaction: COMMIT when rc is 0, else ROLLBACK; returns rc (or -1 when COMMIT failed). */
+static int end_tx(cb_jobs_t *self, int rc, char *err, size_t errlen) {
+    if (rc == 0 && exec_simple(self, "COMMIT", err, errlen) == 0) return 0;
+    exec_simple(self, "ROLLBACK", NULL, 0);
+    return rc == 0 ? -1 : rc;
+}
+
 int cb_jobs_submit(cb_jobs_t *self, const char *doc_id, size_t doc_len, const char *text, size_t text_len,
-                   const char *meta_json, char job[CB_JOB_ID_LEN + 1], bool *duplicate, char *err, size_t errlen) {
+                   const char *meta_json, const char *client, const cb_jobs_limits_t *lim,
+                   char job[CB_JOB_ID_LEN + 1], bool *duplicate, cb_job_state_t *state, char *err, size_t errlen) {
     cb_jobs_id(doc_id, doc_len, text, text_len, job);
     *duplicate = false;
+    if (!client) client = "";
     if (exec_simple(self, "BEGIN IMMEDIATE", err, errlen) != 0) return -1;
     sqlite3_stmt *f = self->find;
     sqlite3_bind_text(f, 1, job, CB_JOB_ID_LEN, SQLITE_STATIC);
-    int rc = sqlite3_step(f);
+    int rc = sqlite3_step(f), out = 0;
     if (rc == SQLITE_ROW) {
         int64_t seq = sqlite3_column_int64(f, 0);
-        int state = sqlite3_column_int(f, 1);
+        int st = sqlite3_column_int(f, 1);
         sqlite3_reset(f);
         sqlite3_bind_text(self->latest, 1, doc_id, (int)doc_len, SQLITE_STATIC);
         int64_t latest = sqlite3_step(self->latest) == SQLITE_ROW ? sqlite3_column_int64(self->latest, 0) : seq;
         sqlite3_reset(self->latest);
-        bool finished = state == CB_JOB_DONE || state == CB_JOB_FAILED;
-        if (state == CB_JOB_FAILED || (finished && latest != seq)) {
+        bool finished = st == CB_JOB_DONE || st == CB_JOB_FAILED;
+        if (st == CB_JOB_FAILED || (finished && latest != seq)) {
             /* retry a failed document; bring back an older version pushed again after a newer one */
-            sqlite3_bind_text(self->requeue, 1, job, CB_JOB_ID_LEN, SQLITE_STATIC);
-            sqlite3_bind_double(self->requeue, 2, now_s());
-            sqlite3_bind_text(self->drop_chunks, 1, job, CB_JOB_ID_LEN, SQLITE_STATIC);
-            if (sqlite3_step(self->requeue) != SQLITE_DONE || sqlite3_step(self->drop_chunks) != SQLITE_DONE) {
-                db_fail(self, err, errlen, "requeue");
-                sqlite3_reset(self->requeue);
-                sqlite3_reset(self->drop_chunks);
-                exec_simple(self, "ROLLBACK", NULL, 0);
-                return -1;
-            }
-            sqlite3_reset(self->requeue);
-            sqlite3_reset(self->drop_chunks);
+            out = check_limits(self, client, lim, (int64_t)text_len, err, errlen);
+            if (out == 0) out = requeue(self, job, client, err, errlen);
         } else {
             *duplicate = true;
+            if (state) *state = (unsigned)st < CB_JOB_STATE_COUNT_ ? (cb_job_state_t)st : CB_JOB_FAILED;
         }
     } else if (rc == SQLITE_DONE) {
         sqlite3_reset(f);
-        sqlite3_stmt *ins = self->insert;
-        sqlite3_bind_text(ins, 1, job, CB_JOB_ID_LEN, SQLITE_STATIC);
-        sqlite3_bind_text(ins, 2, doc_id, (int)doc_len, SQLITE_STATIC);
-        sqlite3_bind_text(ins, 3, text, (int)text_len, SQLITE_STATIC);
-        if (meta_json) sqlite3_bind_text(ins, 4, meta_json, -1, SQLITE_STATIC);
-        else sqlite3_bind_null(ins, 4);
-        sqlite3_bind_double(ins, 5, now_s());
-        rc = sqlite3_step(ins);
-        sqlite3_reset(ins);
-        sqlite3_clear_bindings(ins);
-        if (rc != SQLITE_DONE) {
-            db_fail(self, err, errlen, "insert");
-            exec_simple(self, "ROLLBACK", NULL, 0);
-            return -1;
+        out = check_limits(self, client, lim, (int64_t)text_len, err, errlen);
+        if (out == 0) {
+            sqlite3_stmt *ins = self->insert;
+            sqlite3_bind_text(ins, 1, job, CB_JOB_ID_LEN, SQLITE_STATIC);
+            sqlite3_bind_text(ins, 2, doc_id, (int)doc_len, SQLITE_STATIC);
+            sqlite3_bind_text(ins, 3, text, (int)text_len, SQLITE_STATIC);
+            if (meta_json) sqlite3_bind_text(ins, 4, meta_json, -1, SQLITE_STATIC);
+            else sqlite3_bind_null(ins, 4);
+            sqlite3_bind_double(ins, 5, now_s());
+            sqlite3_bind_text(ins, 6, client, -1, SQLITE_STATIC);
+            sqlite3_bind_int64(ins, 7, (int64_t)text_len);
+            rc = sqlite3_step(ins);
+            sqlite3_reset(ins);
+            sqlite3_clear_bindings(ins);
+            if (rc != SQLITE_DONE) out = db_fail(self, err, errlen, "insert");
         }
     } else {
-        db_fail(self, err, errlen, "lookup");
         sqlite3_reset(f);
-        exec_simple(self, "ROLLBACK", NULL, 0);
-        return -1;
+        out = db_fail(self, err, errlen, "lookup");
     }
-    if (exec_simple(self, "COMMIT", err, errlen) != 0) {
-        exec_simple(self, "ROLLBACK", NULL, 0);
-        return -1;
+    return end_tx(self, out, err, errlen);
+}
+
+int cb_jobs_restore(cb_jobs_t *self, const char *job, const char *client, const cb_jobs_limits_t *lim,
+                    bool *requeued, char *err, size_t errlen) {
+    *requeued = false;
+    if (!client) client = "";
+    if (exec_simple(self, "BEGIN IMMEDIATE", err, errlen) != 0) return -1;
+    sqlite3_stmt *f = self->find;
+    sqlite3_bind_text(f, 1, job, -1, SQLITE_STATIC);
+    int rc = sqlite3_step(f), out = 0;
+    if (rc == SQLITE_ROW) {
+        int64_t seq = sqlite3_column_int64(f, 0);
+        int st = sqlite3_column_int(f, 1);
+        char doc[257];
+        snprintf(doc, sizeof doc, "%s", (const char *)sqlite3_column_text(f, 2));
+        int64_t bytes = sqlite3_column_int64(f, 3);
+        sqlite3_reset(f);
+        sqlite3_bind_text(self->latest, 1, doc, -1, SQLITE_STATIC);
+        int64_t latest = sqlite3_step(self->latest) == SQLITE_ROW ? sqlite3_column_int64(self->latest, 0) : seq;
+        sqlite3_reset(self->latest);
+        if (st == CB_JOB_DONE && latest == seq) {
+            out = check_limits(self, client, lim, bytes, err, errlen);
+            if (out == 0 && (out = requeue(self, job, client, err, errlen)) == 0) *requeued = true;
+        }
+    } else if (rc != SQLITE_DONE) {
+        out = db_fail(self, err, errlen, "lookup");
+        sqlite3_reset(f);
+    } else {
+        sqlite3_reset(f);
     }
-    return 0;
+    return end_tx(self, out, err, errlen);
 }
 
 int cb_jobs_status(cb_jobs_t *self, const char *job, cb_job_status_t *st, char *err, size_t errlen) {
@@ -197,6 +306,7 @@ int cb_jobs_status(cb_jobs_t *self, const char *job, cb_job_status_t *st, char *
         st->chunks_done = sqlite3_column_int64(s, 1);
         st->chunks_total = sqlite3_column_int64(s, 2);
         snprintf(st->error, sizeof st->error, "%s", (const char *)sqlite3_column_text(s, 3));
+        snprintf(st->doc_id, sizeof st->doc_id, "%s", (const char *)sqlite3_column_text(s, 4));
         out = 1;
     } else if (rc == SQLITE_DONE) {
         out = 0;
@@ -231,16 +341,53 @@ void cb_job_free(cb_job_t **job_p) {
     *job_p = NULL;
 }
 
-int cb_jobs_next(cb_jobs_t *self, cb_job_t **out, char *err, size_t errlen) {
+int cb_jobs_clients_waiting(cb_jobs_t *self, int64_t *n, char *err, size_t errlen) {
+    int rc = sqlite3_step(self->clients);
+    *n = rc == SQLITE_ROW ? sqlite3_column_int64(self->clients, 0) : 0;
+    sqlite3_reset(self->clients);
+    return rc == SQLITE_ROW ? 0 : db_fail(self, err, errlen, "clients");
+}
+
+/* The first column of s's first row (a text) into out[cap]: 1, 0 (no row), -1 (error). Resets s. */
+static int first_text(sqlite3_stmt *s, char *out, size_t cap) {
+    int rc = sqlite3_step(s), r = 0;
+    if (rc == SQLITE_ROW) {
+        const char *t = (const char *)sqlite3_column_text(s, 0);
+        snprintf(out, cap, "%s", t ? t : "");
+        r = 1;
+    } else if (rc != SQLITE_DONE) {
+        r = -1;
+    }
+    sqlite3_reset(s);
+    return r;
+}
+
+int cb_jobs_pick(cb_jobs_t *self, const char *after_client, char job[CB_JOB_ID_LEN + 1], char *client, char *err,
+                 size_t errlen) {
+    int r = 0;
+    if (after_client && *after_client) {
+        sqlite3_bind_text(self->pick_after, 1, after_client, -1, SQLITE_STATIC);
+        r = first_text(self->pick_after, client, CB_JOB_CLIENT_MAX + 1);
+    }
+    if (r == 0) r = first_text(self->pick_first, client, CB_JOB_CLIENT_MAX + 1);
+    if (r == 1) {
+        sqlite3_bind_text(self->pick_job, 1, client, -1, SQLITE_STATIC);
+        r = first_text(self->pick_job, job, CB_JOB_ID_LEN + 1);
+    }
+    return r < 0 ? db_fail(self, err, errlen, "pick") : r;
+}
+
+int cb_jobs_get(cb_jobs_t *self, const char *id, cb_job_t **out, char *err, size_t errlen) {
     *out = NULL;
-    sqlite3_stmt *s = self->next;
+    sqlite3_stmt *s = self->get;
+    sqlite3_bind_text(s, 1, id, -1, SQLITE_STATIC);
     int rc = sqlite3_step(s);
     if (rc == SQLITE_DONE) {
         sqlite3_reset(s);
         return 0;
     }
     if (rc != SQLITE_ROW) {
-        db_fail(self, err, errlen, "next");
+        db_fail(self, err, errlen, "get");
         sqlite3_reset(s);
         return -1;
     }
@@ -262,6 +409,9 @@ int cb_jobs_next(cb_jobs_t *self, cb_job_t **out, char *err, size_t errlen) {
     j->text_len = (size_t)text_len;
     j->planned = sqlite3_column_int(s, 4) != 0;
     j->replaced = sqlite3_column_int(s, 5) != 0;
+    snprintf(j->client, sizeof j->client, "%s", (const char *)sqlite3_column_text(s, 6));
+    j->chunks_done = sqlite3_column_int64(s, 7);
+    j->chunks_total = sqlite3_column_int64(s, 8);
     sqlite3_reset(s);
     sqlite3_bind_text(self->older, 1, j->doc_id, -1, SQLITE_STATIC);
     sqlite3_bind_int64(self->older, 2, j->seq);
@@ -278,6 +428,25 @@ int cb_jobs_next(cb_jobs_t *self, cb_job_t **out, char *err, size_t errlen) {
     }
     *out = j;
     return 1;
+}
+
+int cb_jobs_next_chunk(cb_jobs_t *self, const char *job, int *idx, cb_job_chunk_t *c, char *err, size_t errlen) {
+    sqlite3_stmt *s = self->next_chunk;
+    sqlite3_bind_text(s, 1, job, -1, SQLITE_STATIC);
+    int rc = sqlite3_step(s), r = 0;
+    if (rc == SQLITE_ROW) {
+        *idx = sqlite3_column_int(s, 0);
+        c->off = sqlite3_column_int64(s, 1);
+        c->len = sqlite3_column_int64(s, 2);
+        snprintf(c->key, sizeof c->key, "%s", (const char *)sqlite3_column_text(s, 3));
+        c->n_tokens = sqlite3_column_int(s, 4);
+        c->done = false;
+        r = 1;
+    } else if (rc != SQLITE_DONE) {
+        r = db_fail(self, err, errlen, "next chunk");
+    }
+    sqlite3_reset(s);
+    return r;
 }
 
 int cb_jobs_plan(cb_jobs_t *self, const char *job, const cb_job_chunk_t *chunks, int n, char *err, size_t errlen) {

@@ -10,6 +10,14 @@
  * rows carry a done flag so that a restarted worker resumes a job where it stopped (every step of a chunk
  * is idempotent: content-addressed KV file, idempotent put and index).
  *
+ * Fairness: every job records the client that submitted it (a key chosen by the service: the request's
+ * `client` field, the peer's routing id, or "pull"). The worker takes turns across clients (cb_jobs_pick:
+ * round robin in client-key order, each turn one unit of work of that client's oldest job), so one client's
+ * big document never holds another client's small one back for longer than a turn; the turn order is
+ * rebuilt from the table at any time (nothing of it is kept elsewhere), so a restart keeps it. A job waits
+ * while an older unfinished job of the same doc_id exists (versions of a document are processed in order).
+ * Per-client limits on what is queued (jobs and bytes) are checked in the transaction that records a job.
+ *
  * Threads: one cb_jobs_t per thread (each owns its SQLite connection); several connections to the same
  * file (the service's loop and its worker) are fine, busy_timeout absorbs their write contention.
  */
@@ -20,31 +28,50 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define CB_JOB_ID_LEN 32 /* hex characters of a job id */
+#define CB_JOB_ID_LEN 32     /* hex characters of a job id */
+#define CB_JOB_CLIENT_MAX 80 /* bytes of a client key */
 
 typedef struct cb_jobs cb_jobs_t;
 
 typedef enum { CB_JOB_QUEUED = 0, CB_JOB_RUNNING, CB_JOB_DONE, CB_JOB_FAILED, CB_JOB_STATE_COUNT_ } cb_job_state_t;
 const char *cb_job_state_name(cb_job_state_t s); /* "queued" ... */
 
-/* Opens (creating the file, its directories and the schema) the database at path. NULL + err. */
+/* Opens (creating the file, its directories and the schema; adding the client columns to a table made by
+ * an older version) the database at path. NULL + err. */
 cb_jobs_t *cb_jobs_open(const char *path, char *err, size_t errlen);
 void cb_jobs_close(cb_jobs_t **self_p);
 
 /* The job id of (doc_id, text) into job[CB_JOB_ID_LEN + 1]. */
 void cb_jobs_id(const char *doc_id, size_t doc_len, const char *text, size_t text_len, char job[CB_JOB_ID_LEN + 1]);
 
-/* Records a document durably, in one committed transaction. New (doc_id, text): a queued job
- * (*duplicate = false). Already known: the same job, *duplicate = true, unless that job had failed, or is
- * finished but a newer version of the document came after it: then it is queued again (*duplicate =
- * false). meta_json (may be NULL) is stored as is. Returns 0, or -1 with err. */
+/* What one client may have queued (queued or running jobs): 0 = no limit. A client with nothing queued may
+ * always submit one document (so a limit below the document size limit still lets documents through). */
+typedef struct {
+    int64_t max_jobs;
+    int64_t max_bytes;
+} cb_jobs_limits_t;
+
+/* Records a document durably, in one committed transaction, for client (a key of 1..CB_JOB_CLIENT_MAX
+ * bytes). New (doc_id, text): a queued job (*duplicate = false). Already known: the same job, *duplicate =
+ * true and *state (may be NULL) its state, unless that job had failed, or is finished but a newer version
+ * of the document came after it: then it is queued again (*duplicate = false) for this client. meta_json
+ * (may be NULL) is stored as is. Returns 0; 1 when queuing it would take the client over lim (NULL = no
+ * limits; nothing recorded, err says why); -1 with err on a database error. */
 int cb_jobs_submit(cb_jobs_t *self, const char *doc_id, size_t doc_len, const char *text, size_t text_len,
-                   const char *meta_json, char job[CB_JOB_ID_LEN + 1], bool *duplicate, char *err, size_t errlen);
+                   const char *meta_json, const char *client, const cb_jobs_limits_t *lim,
+                   char job[CB_JOB_ID_LEN + 1], bool *duplicate, cb_job_state_t *state, char *err, size_t errlen);
+
+/* Queues a done job again (a restore: its document was found missing from the retriever or its KV files),
+ * for client, if it is still done and the latest version of its document. *requeued says whether it was.
+ * 0, 1 (over lim, as in submit), or -1 with err. */
+int cb_jobs_restore(cb_jobs_t *self, const char *job, const char *client, const cb_jobs_limits_t *lim,
+                    bool *requeued, char *err, size_t errlen);
 
 typedef struct {
     cb_job_state_t state;
     int64_t chunks_done, chunks_total;
-    char error[256]; /* when failed */
+    char error[768]; /* when failed */
+    char doc_id[257];
 } cb_job_status_t;
 
 /* 1 = found (st filled), 0 = no such job, -1 = database error (err). */
@@ -53,6 +80,8 @@ int cb_jobs_status(cb_jobs_t *self, const char *job, cb_job_status_t *st, char *
 /* Jobs per state (counts[CB_JOB_STATE_COUNT_]) and chunks done over all jobs. 0 or -1. */
 int cb_jobs_counts(cb_jobs_t *self, int64_t counts[CB_JOB_STATE_COUNT_], int64_t *chunks_done, char *err,
                    size_t errlen);
+/* Distinct clients with queued or running jobs. 0 or -1. */
+int cb_jobs_clients_waiting(cb_jobs_t *self, int64_t *n, char *err, size_t errlen);
 
 /* ---- worker side -------------------------------------------------------------------------------------- */
 
@@ -60,17 +89,25 @@ int cb_jobs_counts(cb_jobs_t *self, int64_t counts[CB_JOB_STATE_COUNT_], int64_t
 typedef struct {
     int64_t seq;                       /* queue order */
     char job[CB_JOB_ID_LEN + 1];
+    char client[CB_JOB_CLIENT_MAX + 1];
     char *doc_id;                      /* NUL-terminated */
     char *text;                        /* [text_len] + NUL */
     size_t text_len;
     bool planned;                      /* chunk rows exist */
     bool replaced;                     /* older versions' retriever entries were deleted already */
     bool has_older;                    /* another job for the same doc_id came earlier */
+    int64_t chunks_done, chunks_total;
 } cb_job_t;
 void cb_job_free(cb_job_t **job_p);
 
-/* The oldest job that is queued or running (marked running). 1 = *out set, 0 = none, -1 = error. */
-int cb_jobs_next(cb_jobs_t *self, cb_job_t **out, char *err, size_t errlen);
+/* The next turn: the first client after after_client (NULL or "" = from the start) in client-key order,
+ * wrapping around, that has a job ready (queued or running, no older unfinished version of its document),
+ * and that client's oldest such job. 1 = job and client (client[CB_JOB_CLIENT_MAX + 1]) set, 0 = nothing
+ * to do, -1 = error. */
+int cb_jobs_pick(cb_jobs_t *self, const char *after_client, char job[CB_JOB_ID_LEN + 1], char *client,
+                 char *err, size_t errlen);
+/* Loads a queued or running job (marked running). 1 = *out set, 0 = no such job (or finished), -1 = error. */
+int cb_jobs_get(cb_jobs_t *self, const char *job, cb_job_t **out, char *err, size_t errlen);
 
 /* A planned chunk: document bytes [off, off + len), its key (hex) and tokens, and whether it is done. */
 typedef struct {
@@ -84,6 +121,8 @@ typedef struct {
 int cb_jobs_plan(cb_jobs_t *self, const char *job, const cb_job_chunk_t *chunks, int n, char *err, size_t errlen);
 /* The planned chunks of a job in order (caller frees *chunks). 0 or -1. */
 int cb_jobs_chunks(cb_jobs_t *self, const char *job, cb_job_chunk_t **chunks, int *n, char *err, size_t errlen);
+/* The first chunk of a job not done yet: 1 = *idx and *chunk set, 0 = all done, -1 = error. */
+int cb_jobs_next_chunk(cb_jobs_t *self, const char *job, int *idx, cb_job_chunk_t *chunk, char *err, size_t errlen);
 /* Marks chunk idx done and counts it. 0 or -1. */
 int cb_jobs_chunk_done(cb_jobs_t *self, const char *job, int idx, char *err, size_t errlen);
 /* Marks that the older versions' retriever entries were deleted. 0 or -1. */

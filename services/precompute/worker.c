@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,12 +42,31 @@ typedef struct {
     int n_prefix;
     int max_ctx;
     char fp_hex[CB_KV_HEX_BYTES];
+    pc_worker_stats_t *st;       /* borrowed from the args */
+    bool busy;                   /* a job in hand */
+    zhashx_t *started;           /* job id -> double *: when this process first took a turn of it */
 } worker_t;
 
-typedef enum { STEP_OK = 0, STEP_FAIL, STEP_TERM } step_t;
+typedef enum { STEP_OK = 0, STEP_FAIL, STEP_TERM, STEP_DONE } step_t;
 
-/* Reads pipe commands for up to wait_ms (0 = just drain). Returns true when $TERM arrived. */
-static bool poll_pipe(worker_t *w, int wait_ms) {
+/* A sign of progress (the loop's health check reads it). */
+static void beat(worker_t *w) {
+    atomic_store(&w->st->busy, w->busy);
+    atomic_store(&w->st->beat_ms, (uint64_t)cb_now_ms());
+}
+
+static void doing(worker_t *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void doing(worker_t *w, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    pthread_mutex_lock(&w->st->mu);
+    vsnprintf(w->st->what, sizeof w->st->what, fmt, ap);
+    pthread_mutex_unlock(&w->st->mu);
+    va_end(ap);
+}
+
+/* Reads pipe commands for up to wait_ms (0 = just drain) without a sign of progress. True on $TERM. */
+static bool wait_pipe(worker_t *w, int wait_ms) {
     if (w->term) return true;
     void *h = zsock_resolve(w->pipe);
     for (;;) {
@@ -69,7 +89,16 @@ static bool poll_pipe(worker_t *w, int wait_ms) {
     }
 }
 
+/* The same, as a deliberate wait (idle, or a back-off): a sign of progress before and after. */
+static bool poll_pipe(worker_t *w, int wait_ms) {
+    beat(w);
+    bool term = wait_pipe(w, wait_ms);
+    beat(w);
+    return term;
+}
+
 static void worker_free(worker_t *w) {
+    zhashx_destroy(&w->started);
     cb_bus_client_destroy(&w->retriever);
     cb_bus_client_destroy(&w->cacheindex);
     cb_msg_writer_destroy(&w->w);
@@ -80,6 +109,11 @@ static void worker_free(worker_t *w) {
     cb_ragprompt_destroy(&w->rp);
     cb_tokenizer_destroy(&w->tok);
     cb_model_destroy(&w->model);
+}
+
+static void free_item(void **item) {
+    free(*item);
+    *item = NULL;
 }
 
 static int worker_init(worker_t *w, char *err, size_t errlen) {
@@ -107,10 +141,11 @@ static int worker_init(worker_t *w, char *err, size_t errlen) {
     if (!(w->cacheindex = cb_bus_client_from_config(a->cfg, "precompute", "cacheindex", err, errlen))) return -1;
     cb_bus_client_set_timeout(w->retriever, a->retriever_timeout_ms, -1);
     cb_bus_client_set_timeout(w->cacheindex, a->cacheindex_timeout_ms, -1);
-    if (!(w->w = cb_msg_writer_new())) {
+    if (!(w->w = cb_msg_writer_new()) || !(w->started = zhashx_new())) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
+    zhashx_set_destructor(w->started, free_item); /* values: malloc'd doubles */
     uint8_t fp[32];
     cb_model_fingerprint(w->model, fp);
     cb_kvfile_hex(fp, w->fp_hex);
@@ -207,6 +242,8 @@ static step_t plan_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
     int rc = cb_jobs_plan(w->jobs, job->job, cs, n, err, errlen);
     free(cs);
     if (rc != 0) return STEP_FAIL;
+    job->planned = true;
+    job->chunks_total = n;
     cb_log(CB_LOG_INFO, job->job, "doc '%s': %zu bytes -> %d chunks", job->doc_id, job->text_len, n);
     return STEP_OK;
 }
@@ -228,6 +265,10 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
                  w->max_ctx - w->n_prefix);
         return STEP_FAIL;
     }
+    if (w->a->fault_chunk_delay_ms > 0 && wait_pipe(w, w->a->fault_chunk_delay_ms)) { /* tests only */
+        free(toks);
+        return STEP_TERM;
+    }
     uint8_t key[32];
     char hex[CB_KV_HEX_BYTES], path[4400], rel[CB_KV_REL_PATH_BYTES];
     cb_kvstore_chunk_key(w->store, w->prefix, w->n_prefix, toks, nt, key);
@@ -241,7 +282,9 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
     for (int attempt = 0; attempt < 2; attempt++) {
         cb_kvstore_src_t src;
         cb_kv_miss_t why = CB_KV_OK;
-        if (cb_kvstore_ensure(w->store, w->prefix, w->n_prefix, toks, nt, &src, &why, err, errlen) != 0) {
+        int erc = cb_kvstore_ensure(w->store, w->prefix, w->n_prefix, toks, nt, &src, &why, err, errlen);
+        atomic_store(&w->st->kv_write_failed, cb_kvstore_write_failures(w->store));
+        if (erc != 0) { /* e.g. the KV file could not be written: no put for it, the job fails with the reason */
             st = STEP_FAIL;
             break;
         }
@@ -250,8 +293,13 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
         else
             cb_log(CB_LOG_DEBUG, job->job, "chunk %d (%d tokens) already on disk: %s", idx, nt, hex);
         struct stat sb;
-        if (stat(path, &sb) != 0) {
+        if (lstat(path, &sb) != 0) {
             snprintf(err, errlen, "KV file %.200s missing after it was written: %s", path, strerror(errno));
+            st = STEP_FAIL;
+            break;
+        }
+        if (!S_ISREG(sb.st_mode)) {
+            snprintf(err, errlen, "KV file %.200s is not a regular file after it was written", path);
             st = STEP_FAIL;
             break;
         }
@@ -289,11 +337,17 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
     return cb_jobs_chunk_done(w->jobs, job->job, idx, err, errlen) == 0 ? STEP_OK : STEP_FAIL;
 }
 
-static step_t process_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
+/* One unit of a job: its plan, the deletion of an older version's chunks, or its next chunk. STEP_OK (more
+ * to do), STEP_DONE (nothing left: the job is done), STEP_FAIL (err), STEP_TERM. */
+static step_t job_turn(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
     step_t st;
-    if (!job->planned && (st = plan_job(w, job, err, errlen)) != STEP_OK) return st;
+    if (!job->planned) {
+        doing(w, "job %s (doc '%.64s'): chunking %zu bytes", job->job, job->doc_id, job->text_len);
+        return plan_job(w, job, err, errlen);
+    }
     if (job->has_older && !job->replaced) {
         /* a new version of a document: its older chunks leave the retriever before the new ones come */
+        doing(w, "job %s (doc '%.64s'): deleting the older version at cb-retriever", job->job, job->doc_id);
         char id[32];
         cb_msg_begin(w->w, "delete", cb_bus_new_id(id, sizeof id));
         cb_msg_put_str(w->w, "doc_id", job->doc_id);
@@ -305,32 +359,45 @@ static step_t process_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) 
         cb_log(CB_LOG_INFO, job->job, "doc '%s' replaced: %" PRId64 " old chunks removed from the retriever",
                job->doc_id, deleted);
         if (cb_jobs_set_replaced(w->jobs, job->job, err, errlen) != 0) return STEP_FAIL;
+        job->replaced = true;
+        return STEP_OK;
     }
-    cb_job_chunk_t *cs = NULL;
-    int n = 0;
-    if (cb_jobs_chunks(w->jobs, job->job, &cs, &n, err, errlen) != 0) return STEP_FAIL;
-    int done = 0;
-    for (int i = 0; i < n; i++) {
-        if (cs[i].done) {
-            done++;
-            continue;
-        }
-        if (poll_pipe(w, 0)) {
-            free(cs);
-            return STEP_TERM;
-        }
-        if ((st = do_chunk(w, job, i, &cs[i], err, errlen)) != STEP_OK) {
-            free(cs);
-            return st;
-        }
-    }
-    free(cs);
-    if (done > 0) cb_log(CB_LOG_INFO, job->job, "resumed: %d of %d chunks were done already", done, n);
-    return STEP_OK;
+    int idx = -1;
+    cb_job_chunk_t c;
+    int r = cb_jobs_next_chunk(w->jobs, job->job, &idx, &c, err, errlen);
+    if (r < 0) return STEP_FAIL;
+    if (r == 0) return STEP_DONE;
+    doing(w, "job %s (doc '%.64s'): chunk %d of %lld", job->job, job->doc_id, idx + 1, (long long)job->chunks_total);
+    return do_chunk(w, job, idx, &c, err, errlen);
+}
+
+/* The first turn of a job in this process: remembered (for its time), and a resumed one said so. */
+static void job_started(worker_t *w, const cb_job_t *job) {
+    if (zhashx_lookup(w->started, job->job)) return;
+    double *t0 = malloc(sizeof *t0);
+    if (!t0) return;
+    *t0 = cb_now_ms();
+    zhashx_insert(w->started, job->job, t0);
+    if (job->planned && job->chunks_done > 0)
+        cb_log(CB_LOG_INFO, job->job, "resumed: %lld of %lld chunks were done already", (long long)job->chunks_done,
+               (long long)job->chunks_total);
+}
+
+/* A job that ended (done or failed): recorded, logged, told to the loop. */
+static void job_ended(worker_t *w, const cb_job_t *job, bool ok, const char *why) {
+    char e2[256];
+    if (cb_jobs_finish(w->jobs, job->job, ok, why, e2, sizeof e2) != 0) cb_log(CB_LOG_ERROR, job->job, "worker: %s", e2);
+    const double *t0 = zhashx_lookup(w->started, job->job);
+    double ms = t0 ? cb_now_ms() - *t0 : 0.0;
+    if (ok) cb_log(CB_LOG_INFO, job->job, "doc '%s' done in %.0f ms", job->doc_id, ms);
+    else cb_log(CB_LOG_WARN, job->job, "doc '%s' failed: %s", job->doc_id, why);
+    zhashx_delete(w->started, job->job);
+    zstr_sendx(w->pipe, "JOB", job->job, ok ? "done" : "failed", NULL);
 }
 
 void pc_worker_actor(zsock_t *pipe, void *args) {
     worker_t w = {.pipe = pipe, .a = args};
+    w.st = w.a->stats;
     zsock_signal(pipe, 0);
     char err[1024];
     if (worker_init(&w, err, sizeof err) != 0) {
@@ -345,33 +412,54 @@ void pc_worker_actor(zsock_t *pipe, void *args) {
     cb_log(CB_LOG_INFO, NULL, "worker ready: precompute context %d tokens, chunks of <= %d tokens, kv_dir %s",
            w.n_prefix, w.a->chunk_tokens, w.a->kv_dir);
     zstr_send(pipe, "READY");
-    while (!w.term) {
-        cb_job_t *job = NULL;
-        int r = cb_jobs_next(w.jobs, &job, err, sizeof err);
+    char last[CB_JOB_CLIENT_MAX + 1] = ""; /* the client whose turn it was */
+    cb_job_t *cur = NULL;                  /* the job of the last turn, kept while it keeps its turns */
+    while (!wait_pipe(&w, 0)) {
+        w.busy = cur != NULL;
+        beat(&w);
+        char id[CB_JOB_ID_LEN + 1], client[CB_JOB_CLIENT_MAX + 1];
+        int r = cb_jobs_pick(w.jobs, last, id, client, err, sizeof err);
         if (r < 0) {
             cb_log(CB_LOG_ERROR, NULL, "worker: %s", err);
             poll_pipe(&w, BACKOFF_MIN_MS);
             continue;
         }
         if (r == 0) {
+            cb_job_free(&cur);
+            w.busy = false;
+            last[0] = 0;
+            doing(&w, "idle");
             poll_pipe(&w, 1000);
             continue;
         }
-        double t0 = cb_now_ms();
-        err[0] = 0;
-        step_t st = process_job(&w, job, err, sizeof err);
-        double ms = cb_now_ms() - t0;
-        if (st == STEP_TERM) {
-            cb_log(CB_LOG_INFO, job->job, "stopping in the middle of doc '%s' (resumes at the next start)", job->doc_id);
-        } else {
-            char e2[256];
-            if (cb_jobs_finish(w.jobs, job->job, st == STEP_OK, err, e2, sizeof e2) != 0)
-                cb_log(CB_LOG_ERROR, job->job, "worker: %s", e2);
-            if (st == STEP_OK) cb_log(CB_LOG_INFO, job->job, "doc '%s' done in %.0f ms", job->doc_id, ms);
-            else cb_log(CB_LOG_WARN, job->job, "doc '%s' failed: %s", job->doc_id, err);
-            zstr_sendx(pipe, "JOB", job->job, st == STEP_OK ? "done" : "failed", NULL);
+        snprintf(last, sizeof last, "%s", client);
+        if (!cur || strcmp(cur->job, id) != 0) {
+            cb_job_free(&cur);
+            int g = cb_jobs_get(w.jobs, id, &cur, err, sizeof err);
+            if (g <= 0) {
+                if (g < 0) cb_log(CB_LOG_ERROR, id, "worker: %s", err);
+                if (g < 0) poll_pipe(&w, BACKOFF_MIN_MS);
+                continue;
+            }
+            job_started(&w, cur);
         }
-        cb_job_free(&job);
+        w.busy = true;
+        beat(&w);
+        err[0] = 0;
+        step_t st = job_turn(&w, cur, err, sizeof err);
+        atomic_fetch_add(&w.st->turns, 1);
+        beat(&w);
+        if (st == STEP_TERM) {
+            cb_log(CB_LOG_INFO, cur->job, "stopping in the middle of doc '%s' (resumes at the next start)", cur->doc_id);
+            break;
+        }
+        if (st == STEP_DONE || st == STEP_FAIL) {
+            job_ended(&w, cur, st == STEP_DONE, err);
+            cb_job_free(&cur);
+        }
     }
+    cb_job_free(&cur);
+    w.busy = false;
+    beat(&w);
     worker_free(&w);
 }

@@ -1,5 +1,5 @@
 /* cb-retriever: the chunk-text search service. Owns a SQLite database (WAL) with an FTS5 index of
- * chunk text and answers index / delete / search / ping / stats (docs/protocol.md §4) on a ROUTER
+ * chunk text and answers index / delete / search / count / ping / stats (docs/protocol.md §4) on a ROUTER
  * socket. User queries are never passed to FTS5 as syntax: they are split into words, each quoted,
  * OR-ed and ranked by BM25.
  *
@@ -27,7 +27,7 @@ typedef struct {
     char db_path[4096];
     int64_t default_k, max_k, max_query_bytes, max_text_bytes;
     sqlite3_stmt *get_chunk, *ins_chunk, *upd_chunk, *ins_link, *del_links_chunk, *del_chunk,
-        *del_doc_chunks, *del_doc_links, *search, *count_chunks, *count_docs;
+        *del_doc_chunks, *del_doc_links, *search, *count_chunks, *count_docs, *count_doc;
     char *fts; /* scratch for the FTS5 query: [max_query_bytes * 2 + 64] */
 } retriever_t;
 
@@ -67,6 +67,7 @@ static int prepare_all(retriever_t *r, char *err, size_t errlen) {
          " WHERE chunks_fts MATCH ?1 ORDER BY bm25(chunks_fts) LIMIT ?2"},
         {&r->count_chunks, "SELECT COUNT(*) FROM chunks"},
         {&r->count_docs, "SELECT COUNT(DISTINCT doc_id) FROM chunk_docs"},
+        {&r->count_doc, "SELECT COUNT(*) FROM chunk_docs WHERE doc_id = ?1"},
     };
     for (size_t i = 0; i < sizeof all / sizeof *all; i++)
         if (!(*all[i].st = cb_db_prepare(r->db, all[i].sql, err, errlen))) return -1;
@@ -76,7 +77,7 @@ static int prepare_all(retriever_t *r, char *err, size_t errlen) {
 static void retriever_close(retriever_t *r) {
     sqlite3_stmt *all[] = {r->get_chunk, r->ins_chunk, r->upd_chunk, r->ins_link, r->del_links_chunk,
                            r->del_chunk, r->del_doc_chunks, r->del_doc_links, r->search, r->count_chunks,
-                           r->count_docs};
+                           r->count_docs, r->count_doc};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) sqlite3_finalize(all[i]);
     cb_db_close(&r->db);
     free(r->fts);
@@ -251,6 +252,32 @@ static void on_delete(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
     cb_bus_reply(req, w);
 }
 
+/* count {doc_id} -> {chunks}: how many chunks the document holds (cb-precompute checks a re-ingested
+ * document with it). A document that is not there has 0. */
+static void on_count(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
+    retriever_t *r = arg;
+    const char *doc;
+    size_t n;
+    if (!cb_msg_str(m, "doc_id", MAX_DOC_ID, &doc, &n)) {
+        cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "%s", cb_msg_last_error(m));
+        return;
+    }
+    if (n == 0) {
+        cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "field 'doc_id': empty");
+        return;
+    }
+    sqlite3_bind_text(r->count_doc, 1, doc, (int)n, SQLITE_STATIC);
+    int64_t c = count(r->count_doc);
+    if (c < 0) {
+        cb_bus_reply_error(req, CB_ERR_INTERNAL, "count failed: SQLite: %s", sqlite3_errmsg(r->db));
+        return;
+    }
+    cb_msg_writer_t *w = cb_bus_service_writer(svc);
+    cb_msg_begin_reply(w, m);
+    cb_msg_put_int(w, "chunks", c);
+    cb_bus_reply(req, w);
+}
+
 static void on_search(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
     retriever_t *r = arg;
     const char *q;
@@ -355,6 +382,7 @@ int main(int argc, char **argv) {
     cb_bus_service_on(svc, "index", on_index, &r);
     cb_bus_service_on(svc, "delete", on_delete, &r);
     cb_bus_service_on(svc, "search", on_search, &r);
+    cb_bus_service_on(svc, "count", on_count, &r);
     cb_bus_service_set_stats(svc, stats_extra, &r);
     rc = cb_bus_service_run(svc) == 0 ? 0 : 1;
 out:

@@ -44,6 +44,15 @@ check "stats: chunks" "$(jget "$out" chunks)" "12"
 check "stats: docs" "$(jget "$out" docs)" "12"
 [ "$(jget "$out" db_bytes)" -gt 0 ] && echo "ok: stats: db_bytes > 0" || { echo "FAIL: db_bytes"; FAILS=$((FAILS+1)); }
 
+# count {doc_id}: the chunks a document holds (cb-precompute's re-ingest check)
+out=$(send "$EP" "{\"type\":\"index\",\"chunk_id\":\"$(printf 'b%039d' 1 | tr 'b' 'b')\",\"doc_id\":\"doc0\",\"text\":\"Hamlet's second chunk.\"}")
+check "count: a document's chunks" "$(jget "$(send "$EP" '{"type":"count","doc_id":"doc0"}')" chunks)" 2
+check "count: an unknown document has 0" "$(jget "$(send "$EP" '{"type":"count","doc_id":"nope"}')" chunks)" 0
+check_error "count: empty doc_id" "$(send "$EP" '{"type":"count","doc_id":""}')" bad_request
+check_error "count: no doc_id" "$(send "$EP" '{"type":"count"}')" bad_request
+out=$(send "$EP" "{\"type\":\"delete\",\"chunk_id\":\"$(printf 'b%039d' 1)\"}")
+check "count: after a delete" "$(jget "$(send "$EP" '{"type":"count","doc_id":"doc0"}')" chunks)" 1
+
 out=$(send "$EP" '{"type":"search","query":"Who wrote Hamlet, the Danish tragedy?","k":3}')
 check "search: best hit" "$(jget "$out" hits.0.chunk_id)" "$HAMLET"
 check "search: doc_id" "$(jget "$out" hits.0.doc_id)" "doc0"

@@ -727,6 +727,63 @@ TEST(test_file_miss_recomputed) {
     free(good), free(lg);
 }
 
+static int is_regular(const char *path) {
+    struct stat s;
+    return lstat(path, &s) == 0 && S_ISREG(s.st_mode);
+}
+
+/* Something other than a file at a chunk's KV path (the probe's findings): a FIFO or a link to one is a miss
+ * at once (never a hang), the chunk is computed (the same logits) and the path healed; a non-empty directory
+ * stays, the chunk is used from memory, the failed write counted and the chunk reported not stored (no put);
+ * a strict store (cb-precompute's ensure) fails with the reason. */
+TEST(test_special_files_at_kv_path) {
+    SETUP();
+    int V = g_hp->n_vocab;
+    const char *dir = make_dir();
+    CHECK(dir);
+    char err[512], path[512], fifo[600], inner[600];
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
+    float *good = malloc(sizeof(float) * V), *lg = malloc(sizeof(float) * V);
+    cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
+    cb_blend_stats_t st;
+    CHECK(run(&f, g_k, &o, good, &st) == 0 && st.chunks_file == g_k);
+    chunk_path(&f, dir, 1, path, sizeof path);
+    snprintf(fifo, sizeof fifo, "%s/a.fifo", dir);
+    for (int kind = 0; kind < 2; kind++) {
+        CHECK(unlink(path) == 0);
+        if (kind == 0) CHECK(mkfifo(path, 0644) == 0);
+        else CHECK(mkfifo(fifo, 0644) == 0 && symlink(fifo, path) == 0);
+        CHECK(run(&f, g_k, &o, lg, &st) == 0);
+        CHECK(st.chunks_computed == 1 && st.chunks_file == g_k - 1);
+        CHECK(st.chunks[1].src == CB_KVSTORE_COMPUTED && st.chunks[1].why == CB_KV_MISS_NOT_REGULAR && st.chunks[1].stored);
+        CHECK(!memcmp(good, lg, sizeof(float) * V));
+        CHECK(is_regular(path));
+    }
+    uint64_t w0 = cb_kvstore_write_failures(f.store);
+    CHECK(unlink(path) == 0 && mkdir(path, 0755) == 0);
+    snprintf(inner, sizeof inner, "%s/keep", path);
+    CHECK(mkdir(inner, 0755) == 0);
+    for (int i = 0; i < 2; i++) {
+        CHECK(run(&f, g_k, &o, lg, &st) == 0);
+        CHECK(st.chunks[1].src == CB_KVSTORE_COMPUTED && !st.chunks[1].stored);
+        CHECK(!memcmp(good, lg, sizeof(float) * V));
+    }
+    CHECK(cb_kvstore_write_failures(f.store) == w0 + 2);
+    cb_kvstore_src_t src;
+    CHECK(cb_kvstore_ensure(f.store, g_prefix, g_np, g_ch[1].tokens, g_ch[1].n, &src, NULL, err, sizeof err) != 0);
+    CHECK_MSG(strstr(err, "not empty") != NULL, "%s", err);
+    CHECK(cb_kvstore_write_failures(f.store) == w0 + 3);
+    CHECK(rmdir(inner) == 0); /* empty now: the next write replaces it */
+    CHECK(cb_kvstore_ensure(f.store, g_prefix, g_np, g_ch[1].tokens, g_ch[1].n, &src, NULL, err, sizeof err) == 0);
+    CHECK(src == CB_KVSTORE_COMPUTED && is_regular(path));
+    unlink(fifo);
+    fix_close(&f);
+    rm_dir(dir);
+    free(good), free(lg);
+}
+
 /* the memory tier: files stream into it, the next prefill hits it, results are identical (bf16 files:
  * the blend's own conversion of streamed rows equals kvfile's decoding into the tier) */
 TEST(test_memory_tier) {
@@ -1119,6 +1176,7 @@ int main(void) {
     RUN(test_selection);
     RUN(test_causal_limits);
     RUN(test_file_miss_recomputed);
+    RUN(test_special_files_at_kv_path);
     RUN(test_memory_tier);
     RUN(test_bad_args);
     RUN(test_prefix_blocks_shared);

@@ -1,5 +1,7 @@
 /* test_kvfile: chunk KV files: keys, round trips per dtype, every corruption and truncation a miss
- * with the right reason, identity mismatches, interrupted writes, and the temp-file sweep. */
+ * with the right reason, identity mismatches, interrupted writes, the temp-file sweep, and what else can
+ * sit at a file's name (a FIFO, a symbolic link, a directory): a miss without waiting or following, then
+ * replaced by the writer (a non-empty directory and a symbolic-link directory are refused). */
 #include "format/kvfile.h"
 #include "test.h"
 
@@ -7,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -368,7 +371,7 @@ TEST(test_identity_mismatches) {
     f = cb_kvfile_open(p2, &e, &why, err, sizeof err);
     CHECK(!f && why == CB_KV_MISS_NOT_FOUND);
     f = cb_kvfile_open(g_dir, &e, &why, err, sizeof err);
-    CHECK(!f && why == CB_KV_MISS_IO);
+    CHECK(!f && why == CB_KV_MISS_NOT_REGULAR);
     size_t len;
     uint8_t *b = slurp(c.path, &len);
     uint8_t k2[32];
@@ -524,6 +527,120 @@ TEST(test_concurrent_writers) {
     chunk_free(&c);
 }
 
+/* The file is a regular file with valid content. */
+static int is_valid_regular(const chunk_t *c) {
+    struct stat st;
+    if (lstat(c->path, &st) != 0 || !S_ISREG(st.st_mode)) return 0;
+    cb_kv_expect_t e = expect_of(c);
+    cb_kv_miss_t why;
+    char err[256];
+    cb_kvfile_t *f = cb_kvfile_open(c->path, &e, &why, err, sizeof err);
+    int ok = f && cb_kvfile_verify(f) == CB_KV_OK;
+    cb_kvfile_destroy(&f);
+    return ok;
+}
+
+static cb_kv_miss_t open_reason(const chunk_t *c, char *err, size_t errlen) {
+    cb_kv_expect_t e = expect_of(c);
+    cb_kv_miss_t why = CB_KV_OK;
+    cb_kvfile_t *f = cb_kvfile_open(c->path, &e, &why, err, errlen);
+    cb_kvfile_destroy(&f);
+    return why;
+}
+
+static void on_alarm(int sig) {
+    (void)sig;
+    static const char m[] = "test_kvfile: an open or a write hung on a special file\n";
+    (void)!write(2, m, sizeof m - 1);
+    _exit(3);
+}
+
+/* A FIFO, a symbolic link (to a FIFO, to a valid file) or a directory at a KV file's name: the reader
+ * gives NOT_REGULAR at once (never waits for a FIFO writer, never follows a link); the writer replaces a
+ * FIFO or a link (never writing through it: the link's target is unchanged) and removes an empty
+ * directory; a non-empty directory stays and the write fails with a clear message. */
+TEST(test_special_files_at_the_name) {
+    signal(SIGALRM, on_alarm);
+    alarm(20); /* a hang fails the program instead of blocking the suite */
+    chunk_t c;
+    chunk_init(&c, NL, NH, HD, NT, CB_KV_F16);
+    char err[512], dir[512], other[600], fifo[600];
+    snprintf(dir, sizeof dir, "%s", c.path);
+    *strrchr(dir, '/') = 0;
+    mkdir(dir, 0755);
+    snprintf(fifo, sizeof fifo, "%s/a.fifo", g_dir);
+    snprintf(other, sizeof other, "%s/outside.kv", g_dir);
+    /* 1. a FIFO at the name */
+    unlink(c.path);
+    CHECK(mkfifo(c.path, 0644) == 0);
+    CHECK_MSG(open_reason(&c, err, sizeof err) == CB_KV_MISS_NOT_REGULAR, "%s", err);
+    CHECK_MSG(strstr(err, "FIFO") != NULL, "%s", err);
+    CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == 0);
+    CHECK(is_valid_regular(&c));
+    /* 2. a symbolic link to a FIFO */
+    unlink(c.path);
+    CHECK(mkfifo(fifo, 0644) == 0);
+    CHECK(symlink(fifo, c.path) == 0);
+    CHECK_MSG(open_reason(&c, err, sizeof err) == CB_KV_MISS_NOT_REGULAR, "%s", err);
+    CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == 0);
+    CHECK(is_valid_regular(&c));
+    struct stat st;
+    CHECK(lstat(fifo, &st) == 0 && S_ISFIFO(st.st_mode)); /* the target is untouched */
+    /* 3. a symbolic link to a valid file elsewhere: not followed on read, replaced (not written through) */
+    size_t len;
+    uint8_t *b = slurp(c.path, &len);
+    CHECK(b && spit(other, b, len) == 0);
+    unlink(c.path);
+    CHECK(symlink(other, c.path) == 0);
+    CHECK_MSG(open_reason(&c, err, sizeof err) == CB_KV_MISS_NOT_REGULAR, "%s", err);
+    CHECK(truncate(other, 100) == 0); /* so that a write through the link would show */
+    CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == 0);
+    CHECK(is_valid_regular(&c));
+    CHECK(stat(other, &st) == 0 && st.st_size == 100);
+    free(b);
+    /* 4. an empty directory at the name: removed, the file written */
+    unlink(c.path);
+    CHECK(mkdir(c.path, 0755) == 0);
+    CHECK(open_reason(&c, err, sizeof err) == CB_KV_MISS_NOT_REGULAR);
+    CHECK_MSG(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == 0, "%s", err);
+    CHECK(is_valid_regular(&c));
+    /* 5. a non-empty directory: left alone, a clear failure, no temporary file left */
+    unlink(c.path);
+    char inner[700];
+    CHECK(mkdir(c.path, 0755) == 0);
+    snprintf(inner, sizeof inner, "%s/keep", c.path);
+    CHECK(spit(inner, (const uint8_t *)"x", 1) == 0);
+    CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == -1);
+    CHECK_MSG(strstr(err, "not empty") != NULL, "%s", err);
+    CHECK(stat(inner, &st) == 0);
+    char tmp[1400];
+    DIR *d = opendir(dir);
+    int n_tmp = 0;
+    struct dirent *de;
+    while (d && (de = readdir(d)) != NULL) n_tmp += strstr(de->d_name, ".tmp.") != NULL;
+    if (d) closedir(d);
+    CHECK(n_tmp == 0);
+    unlink(inner);
+    rmdir(c.path);
+    /* 6. the shard directory is a symbolic link: nothing is written through it */
+    char real[700];
+    snprintf(real, sizeof real, "%s/realshard", g_dir);
+    CHECK(mkdir(real, 0755) == 0);
+    unlink(c.path);
+    CHECK(rmdir(dir) == 0);
+    CHECK(symlink(real, dir) == 0);
+    CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == -1);
+    CHECK_MSG(strstr(err, "symbolic link") != NULL, "%s", err);
+    snprintf(tmp, sizeof tmp, "%s/%s", real, strrchr(c.path, '/') + 1);
+    CHECK(lstat(tmp, &st) != 0);
+    unlink(dir);
+    rmdir(real);
+    unlink(fifo);
+    unlink(other);
+    alarm(0);
+    chunk_free(&c);
+}
+
 int main(void) {
     RUN(test_key_and_names);
     RUN(test_roundtrip_dtypes);
@@ -535,6 +652,7 @@ int main(void) {
     RUN(test_write_errors);
     RUN(test_random_corruption);
     RUN(test_concurrent_writers);
+    RUN(test_special_files_at_the_name);
     rm_rf(g_dir);
     return test_summary();
 }

@@ -1,0 +1,225 @@
+/* test_jobs: cb-precompute's job table (services/precompute/jobs.c, included here): idempotent submit,
+ * turns across clients (round robin, each client's oldest job, versions of a document in order), the
+ * per-client limits, the restore of a done job, the state surviving a reopen, and the migration of a table
+ * made before the client columns. */
+#include "../../services/precompute/jobs.c"
+#include "test.h"
+
+#include <unistd.h>
+
+static char g_db[256];
+
+static cb_jobs_t *fresh(void) {
+    snprintf(g_db, sizeof g_db, "/tmp/test_jobs.%d.db", (int)getpid());
+    char p[300];
+    unlink(g_db);
+    snprintf(p, sizeof p, "%s-wal", g_db);
+    unlink(p);
+    snprintf(p, sizeof p, "%s-shm", g_db);
+    unlink(p);
+    char err[256];
+    cb_jobs_t *j = cb_jobs_open(g_db, err, sizeof err);
+    if (!j) fprintf(stderr, "  open: %s\n", err);
+    return j;
+}
+
+static int submit(cb_jobs_t *j, const char *doc, const char *text, const char *client, const cb_jobs_limits_t *lim,
+                  char job[CB_JOB_ID_LEN + 1], bool *dup) {
+    char err[256];
+    cb_job_state_t st;
+    int rc = cb_jobs_submit(j, doc, strlen(doc), text, strlen(text), NULL, client, lim, job, dup, &st, err, sizeof err);
+    if (rc < 0) fprintf(stderr, "  submit: %s\n", err);
+    return rc;
+}
+
+/* Takes a turn: picks after *last, loads the job; returns its doc_id's first char ('-' when none). */
+static char turn(cb_jobs_t *j, char *last, char job[CB_JOB_ID_LEN + 1]) {
+    char client[CB_JOB_CLIENT_MAX + 1], err[256];
+    if (cb_jobs_pick(j, last, job, client, err, sizeof err) != 1) return '-';
+    snprintf(last, CB_JOB_CLIENT_MAX + 1, "%s", client);
+    cb_job_t *jb = NULL;
+    if (cb_jobs_get(j, job, &jb, err, sizeof err) != 1) return '?';
+    char c = jb->doc_id[0];
+    cb_job_free(&jb);
+    return c;
+}
+
+static void finish(cb_jobs_t *j, const char *job) {
+    char err[256];
+    cb_jobs_finish(j, job, true, NULL, err, sizeof err);
+}
+
+TEST(submit_is_idempotent) {
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char job[CB_JOB_ID_LEN + 1], job2[CB_JOB_ID_LEN + 1];
+    bool dup = true;
+    CHECK(submit(j, "d1", "text one", "A", NULL, job, &dup) == 0 && !dup);
+    CHECK(submit(j, "d1", "text one", "B", NULL, job2, &dup) == 0 && dup && !strcmp(job, job2));
+    cb_job_status_t st;
+    char err[256];
+    CHECK(cb_jobs_status(j, job, &st, err, sizeof err) == 1 && st.state == CB_JOB_QUEUED && !strcmp(st.doc_id, "d1"));
+    cb_jobs_close(&j);
+}
+
+TEST(turns_go_round_the_clients) {
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char a1[33], a2[33], b1[33], c1[33], job[33], last[CB_JOB_CLIENT_MAX + 1] = "";
+    bool dup;
+    CHECK(submit(j, "a-big", "A's big document", "A", NULL, a1, &dup) == 0);
+    CHECK(submit(j, "a-second", "A's second", "A", NULL, a2, &dup) == 0);
+    CHECK(submit(j, "b-small", "B's small one", "B", NULL, b1, &dup) == 0);
+    CHECK(submit(j, "c-small", "C's", "C", NULL, c1, &dup) == 0);
+    /* A's oldest job keeps its turn until it is done; B and C get theirs in between */
+    CHECK(turn(j, last, job) == 'a' && !strcmp(job, a1));
+    CHECK(turn(j, last, job) == 'b' && !strcmp(job, b1));
+    finish(j, b1);
+    CHECK(turn(j, last, job) == 'c');
+    finish(j, c1);
+    CHECK(turn(j, last, job) == 'a' && !strcmp(job, a1));
+    CHECK(turn(j, last, job) == 'a' && !strcmp(job, a1)); /* alone now */
+    finish(j, a1);
+    CHECK(turn(j, last, job) == 'a' && !strcmp(job, a2));
+    finish(j, a2);
+    CHECK(turn(j, last, job) == '-');
+    int64_t n = -1;
+    char err[256];
+    CHECK(cb_jobs_clients_waiting(j, &n, err, sizeof err) == 0 && n == 0);
+    cb_jobs_close(&j);
+}
+
+TEST(versions_of_a_document_in_order) {
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char v1[33], v2[33], job[33], last[CB_JOB_CLIENT_MAX + 1] = "";
+    bool dup;
+    CHECK(submit(j, "doc", "version one", "A", NULL, v1, &dup) == 0);
+    CHECK(submit(j, "doc", "version two", "B", NULL, v2, &dup) == 0);
+    /* B's newer version waits for A's older one, whoever's turn it is */
+    CHECK(turn(j, last, job) == 'd' && !strcmp(job, v1));
+    CHECK(turn(j, last, job) == 'd' && !strcmp(job, v1));
+    finish(j, v1);
+    CHECK(turn(j, last, job) == 'd' && !strcmp(job, v2));
+    cb_job_t *jb = NULL;
+    char err[256];
+    CHECK(cb_jobs_get(j, v2, &jb, err, sizeof err) == 1 && jb->has_older);
+    cb_job_free(&jb);
+    cb_jobs_close(&j);
+}
+
+TEST(per_client_limits) {
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    cb_jobs_limits_t lim = {.max_jobs = 2, .max_bytes = 0};
+    char job[33];
+    bool dup;
+    CHECK(submit(j, "a1", "one", "A", &lim, job, &dup) == 0);
+    CHECK(submit(j, "a2", "two", "A", &lim, job, &dup) == 0);
+    CHECK(submit(j, "a3", "three", "A", &lim, job, &dup) == 1); /* over the job limit */
+    CHECK(submit(j, "a2", "two", "A", &lim, job, &dup) == 0 && dup); /* a duplicate adds nothing */
+    CHECK(submit(j, "b1", "other client", "B", &lim, job, &dup) == 0);
+    cb_job_status_t st;
+    char err[256];
+    cb_jobs_id("a3", 2, "three", 5, job);
+    CHECK(cb_jobs_status(j, job, &st, err, sizeof err) == 0); /* nothing recorded */
+    /* bytes: the first document always passes, the next one that would exceed the budget does not */
+    cb_jobs_limits_t lb = {.max_jobs = 0, .max_bytes = 10};
+    CHECK(submit(j, "c1", "a document longer than ten bytes", "C", &lb, job, &dup) == 0);
+    CHECK(submit(j, "c2", "x", "C", &lb, job, &dup) == 1);
+    char e2[256];
+    CHECK(cb_jobs_submit(j, "c2", 2, "x", 1, NULL, "C", &lb, job, &dup, NULL, e2, sizeof e2) == 1);
+    CHECK_MSG(strstr(e2, "max_queued_bytes_per_client") != NULL, "%s", e2);
+    cb_jobs_close(&j);
+}
+
+TEST(restore_requeues_a_done_job) {
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char v1[33], v2[33], job[33], last[CB_JOB_CLIENT_MAX + 1] = "", err[256];
+    bool dup, req = true;
+    CHECK(submit(j, "doc", "text", "A", NULL, v1, &dup) == 0);
+    CHECK(cb_jobs_restore(j, v1, "A", NULL, &req, err, sizeof err) == 0 && !req); /* not done: nothing */
+    CHECK(turn(j, last, job) == 'd');
+    finish(j, v1);
+    CHECK(cb_jobs_restore(j, v1, "B", NULL, &req, err, sizeof err) == 0 && req);
+    cb_job_status_t st;
+    CHECK(cb_jobs_status(j, v1, &st, err, sizeof err) == 1 && st.state == CB_JOB_QUEUED && st.chunks_total == 0);
+    CHECK(cb_jobs_restore(j, v1, "B", NULL, &req, err, sizeof err) == 0 && !req); /* queued already */
+    CHECK(turn(j, last, job) == 'd' && !strcmp(job, v1) && !strcmp(last, "B"));
+    finish(j, v1);
+    /* an older version is never brought back by a restore (a submit of it does that) */
+    CHECK(submit(j, "doc", "newer text", "A", NULL, v2, &dup) == 0 && !dup);
+    CHECK(turn(j, last, job) == 'd');
+    finish(j, v2);
+    CHECK(cb_jobs_restore(j, v1, "A", NULL, &req, err, sizeof err) == 0 && !req);
+    CHECK(cb_jobs_restore(j, "0123", "A", NULL, &req, err, sizeof err) == 0 && !req); /* unknown */
+    cb_jobs_close(&j);
+}
+
+TEST(turn_state_survives_a_reopen) {
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char a1[33], b1[33], job[33], last[CB_JOB_CLIENT_MAX + 1] = "", err[256];
+    bool dup;
+    CHECK(submit(j, "a", "A's", "A", NULL, a1, &dup) == 0);
+    CHECK(submit(j, "b", "B's", "B", NULL, b1, &dup) == 0);
+    CHECK(turn(j, last, job) == 'a');
+    cb_job_chunk_t cs[2] = {{.off = 0, .len = 1, .key = "k0", .n_tokens = 1}, {.off = 1, .len = 2, .key = "k1", .n_tokens = 1}};
+    CHECK(cb_jobs_plan(j, a1, cs, 2, err, sizeof err) == 0 && cb_jobs_chunk_done(j, a1, 0, err, sizeof err) == 0);
+    cb_jobs_close(&j);
+    CHECK((j = cb_jobs_open(g_db, err, sizeof err)) != NULL);
+    last[0] = 0;
+    CHECK(turn(j, last, job) == 'a'); /* A's running job resumes at its undone chunk */
+    int idx = -1;
+    cb_job_chunk_t c;
+    CHECK(cb_jobs_next_chunk(j, a1, &idx, &c, err, sizeof err) == 1 && idx == 1 && !strcmp(c.key, "k1"));
+    CHECK(cb_jobs_chunk_done(j, a1, 1, err, sizeof err) == 0);
+    CHECK(cb_jobs_next_chunk(j, a1, &idx, &c, err, sizeof err) == 0);
+    CHECK(turn(j, last, job) == 'b');
+    int64_t n = 0;
+    CHECK(cb_jobs_clients_waiting(j, &n, err, sizeof err) == 0 && n == 2);
+    cb_jobs_close(&j);
+}
+
+TEST(old_table_is_migrated) {
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    cb_jobs_close(&j);
+    unlink(g_db);
+    sqlite3 *db = NULL;
+    CHECK(sqlite3_open(g_db, &db) == SQLITE_OK);
+    CHECK(sqlite3_exec(db,
+                       "CREATE TABLE jobs(seq INTEGER PRIMARY KEY, job TEXT NOT NULL UNIQUE, doc_id TEXT NOT NULL,"
+                       " text TEXT NOT NULL, meta TEXT, state INTEGER NOT NULL DEFAULT 0, planned INTEGER NOT NULL"
+                       " DEFAULT 0, replaced INTEGER NOT NULL DEFAULT 0, chunks_total INTEGER NOT NULL DEFAULT 0,"
+                       " chunks_done INTEGER NOT NULL DEFAULT 0, error TEXT, created REAL NOT NULL, updated REAL"
+                       " NOT NULL);"
+                       "INSERT INTO jobs(job, doc_id, text, created, updated) VALUES('j1', 'old', 'caf\xC3\xA9', 0, 0);",
+                       NULL, NULL, NULL) == SQLITE_OK);
+    sqlite3_close(db);
+    char err[256], job[33], client[CB_JOB_CLIENT_MAX + 1] = "x";
+    CHECK_MSG((j = cb_jobs_open(g_db, err, sizeof err)) != NULL, "%s", err);
+    CHECK(cb_jobs_pick(j, NULL, job, client, err, sizeof err) == 1 && !strcmp(job, "j1") && client[0] == 0);
+    cb_jobs_limits_t lim = {.max_jobs = 0, .max_bytes = 5};
+    bool dup;
+    CHECK(submit(j, "new", "x", "", &lim, job, &dup) == 1); /* the old job's 5 bytes were measured */
+    cb_jobs_close(&j);
+}
+
+int main(void) {
+    RUN(submit_is_idempotent);
+    RUN(turns_go_round_the_clients);
+    RUN(versions_of_a_document_in_order);
+    RUN(per_client_limits);
+    RUN(restore_requeues_a_done_job);
+    RUN(turn_state_survives_a_reopen);
+    RUN(old_table_is_migrated);
+    char p[300];
+    unlink(g_db);
+    snprintf(p, sizeof p, "%s-wal", g_db);
+    unlink(p);
+    snprintf(p, sizeof p, "%s-shm", g_db);
+    unlink(p);
+    return test_summary();
+}
