@@ -841,7 +841,9 @@ static int build_rows(cb_blend_t *b, cb_blend_mode_t mode, const int32_t *prefix
                 s->raw_k = calloc((size_t)b->L, sizeof(void *));
                 s->raw_v = calloc((size_t)b->L, sizeof(void *));
                 if (!s->raw_k || !s->raw_v) return -1;
-                if (cb_kvstore_mem(b->store)) {
+                /* with a memory tier the file is decoded into an entry that joins it; a block dtype (q8_0),
+                 * which the backends' row loads do not take, is decoded into one in any case */
+                if (cb_kvstore_mem(b->store) || !cb_kv_dtype_size(s->dtype)) {
                     s->fill = cb_kvmem_entry_new(b->L, b->hp->n_head_kv, b->HD, s->n);
                     if (!s->fill) return -1;
                     memcpy(cb_kvmem_entry_tokens_mut(s->fill), chunks[c].tokens, sizeof(int32_t) * (size_t)s->n);

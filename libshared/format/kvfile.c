@@ -11,12 +11,14 @@
 #include "format/kvfile.h"
 #include "base/err.h"
 #include "base/log.h"
+#include "format/gguf.h"
 #include "format/quant.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <sodium.h>
 #include <stdarg.h>
@@ -113,13 +115,38 @@ size_t cb_kv_dtype_size(uint32_t dtype) {
     }
 }
 
+#define Q8_BLOCK 32                      /* values per Q8_0 block */
+#define Q8_BLOCK_BYTES (2 + Q8_BLOCK)    /* f16 scale + 32 int8 */
+
+size_t cb_kv_row_bytes(uint32_t dtype, size_t kv_dim) {
+    if (dtype == CB_KV_Q8_0) return kv_dim % Q8_BLOCK == 0 ? kv_dim / Q8_BLOCK * Q8_BLOCK_BYTES : 0;
+    return kv_dim * cb_kv_dtype_size(dtype);
+}
+
+static const struct {
+    uint32_t dtype;
+    const char *name;
+} DTYPE_NAMES[] = {{CB_KV_F32, "f32"}, {CB_KV_F16, "f16"}, {CB_KV_BF16, "bf16"}, {CB_KV_Q8_0, "q8_0"}};
+
+const char *cb_kv_dtype_name(uint32_t dtype) {
+    for (size_t i = 0; i < sizeof DTYPE_NAMES / sizeof DTYPE_NAMES[0]; i++)
+        if (DTYPE_NAMES[i].dtype == dtype) return DTYPE_NAMES[i].name;
+    return "?";
+}
+
+int cb_kv_dtype_parse(const char *name) {
+    for (size_t i = 0; name && i < sizeof DTYPE_NAMES / sizeof DTYPE_NAMES[0]; i++)
+        if (!strcmp(DTYPE_NAMES[i].name, name)) return (int)DTYPE_NAMES[i].dtype;
+    return -1;
+}
+
 /* Geometry must already be within the limits (then nothing here overflows 64 bits). */
 static kv_layout_t layout_of(uint64_t n_layer, uint64_t n_head_kv, uint64_t head_dim, uint64_t n_tokens,
                              uint32_t dtype) {
     kv_layout_t l;
     l.kv_dim = n_head_kv * head_dim;
     l.elsize = cb_kv_dtype_size(dtype);
-    l.k_bytes = n_tokens * l.kv_dim * l.elsize;
+    l.k_bytes = n_tokens * cb_kv_row_bytes(dtype, l.kv_dim);
     l.meta_bytes = round_up(4 * n_tokens, 8) + 8 * n_layer;
     l.payload_offset = round_up(KV_HEADER_SIZE + l.meta_bytes, KV_PAYLOAD_ALIGN);
     l.v_offset = round_up(l.k_bytes, KV_LAYER_ALIGN);
@@ -305,8 +332,32 @@ static int rename_into_place(int dfd, const char *dir, const char *tmp, const ch
     return -1;
 }
 
+/* Q8_0 blocks of src [n] (n % 32 == 0) into dst [n / 32 * 34]: per block d = f16(max|x| / 127) and
+ * q = round(x / d) in [-127, 127] (round to nearest, ties away from zero); an all-zero block has d = 0.
+ * The scale is rounded to f16 first and q computed with that d, so a value's error is at most d / 2. */
+static void q8_0_encode(const float *src, uint8_t *dst, size_t n) {
+    for (size_t b = 0; b < n / Q8_BLOCK; b++, src += Q8_BLOCK, dst += Q8_BLOCK_BYTES) {
+        float amax = 0.0f;
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            float a = fabsf(src[i]);
+            if (a > amax) amax = a; /* NaN never wins */
+        }
+        uint16_t dh = cb_f32_to_f16(amax / 127.0f);
+        float d = cb_f16_to_f32(dh), id = d > 0.0f ? 1.0f / d : 0.0f;
+        memcpy(dst, &dh, 2);
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            float q = roundf(src[i] * id);
+            if (!(q >= -127.0f)) q = q != q ? 0.0f : -127.0f; /* NaN -> 0 */
+            if (q > 127.0f) q = 127.0f;
+            dst[2 + i] = (uint8_t)(int8_t)q;
+        }
+    }
+}
+
 static void convert_out(const float *src, uint8_t *dst, size_t n, uint32_t dtype) {
-    if (dtype == CB_KV_F32) {
+    if (dtype == CB_KV_Q8_0) {
+        q8_0_encode(src, dst, n);
+    } else if (dtype == CB_KV_F32) {
         memcpy(dst, src, n * 4);
     } else if (dtype == CB_KV_F16) {
         uint16_t *d = (uint16_t *)dst;
@@ -318,7 +369,9 @@ static void convert_out(const float *src, uint8_t *dst, size_t n, uint32_t dtype
 }
 
 static void convert_in(const uint8_t *src, float *dst, size_t n, uint32_t dtype) {
-    if (dtype == CB_KV_F32) {
+    if (dtype == CB_KV_Q8_0) {
+        cb_dequant(CB_TYPE_Q8_0, src, dst, n); /* the GGUF Q8_0 block: the same layout */
+    } else if (dtype == CB_KV_F32) {
         memcpy(dst, src, n * 4);
     } else if (dtype == CB_KV_F16) {
         const uint16_t *s = (const uint16_t *)src;
@@ -336,7 +389,8 @@ static int check_write_args(const char *path, const cb_kv_meta_t *meta, const in
         cb_set_err(err, errlen, "kvfile write: NULL argument");
         return -1;
     }
-    if (!geometry_ok(meta->n_layer, meta->n_head_kv, meta->head_dim, n_tokens) || !cb_kv_dtype_size(meta->dtype)) {
+    if (!geometry_ok(meta->n_layer, meta->n_head_kv, meta->head_dim, n_tokens) ||
+        !cb_kv_row_bytes(meta->dtype, (size_t)meta->n_head_kv * (size_t)meta->head_dim)) {
         cb_set_err(err, errlen, "kvfile write: bad geometry or dtype (layers %d, kv heads %d, head_dim %d, "
                    "tokens %d, dtype %d)", meta->n_layer, meta->n_head_kv, meta->head_dim, n_tokens, (int)meta->dtype);
         return -1;
@@ -570,13 +624,16 @@ static cb_kv_miss_t validate(cb_kvfile_t *self, const char *name, const cb_kv_ex
     /* The header is what its writer wrote; now check that it is self-consistent. */
     if (h.header_size != KV_HEADER_SIZE || h.meta_offset != KV_HEADER_SIZE)
         return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "header size %u", h.header_size);
-    if (!cb_kv_dtype_size(h.dtype)) return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "unknown dtype %u", h.dtype);
+    if (!cb_kv_row_bytes(h.dtype, 32)) return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "unknown dtype %u", h.dtype);
     if (h.flags != KV_FLAG_K_PRE_ROPE) return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "unknown flags 0x%x", h.flags);
     if (!all_zero(h.reserved, sizeof h.reserved))
         return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "reserved bytes not zero");
     if (!geometry_ok(h.n_layer, h.n_head_kv, h.head_dim, h.n_tokens))
         return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "geometry out of limits (layers %u, kv heads %u, "
                     "head_dim %u, tokens %u)", h.n_layer, h.n_head_kv, h.head_dim, h.n_tokens);
+    if (!cb_kv_row_bytes(h.dtype, (size_t)h.n_head_kv * h.head_dim))
+        return miss(CB_KV_MISS_BAD_HEADER, err, errlen, "kv_dim %u is not a multiple of %s's block",
+                    h.n_head_kv * h.head_dim, cb_kv_dtype_name(h.dtype));
     kv_layout_t lay = layout_of(h.n_layer, h.n_head_kv, h.head_dim, h.n_tokens, h.dtype);
     if (h.meta_bytes != lay.meta_bytes || h.payload_offset != lay.payload_offset ||
         h.layer_stride != lay.layer_stride || h.v_offset != lay.v_offset || h.file_size != lay.file_size)

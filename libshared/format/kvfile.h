@@ -46,10 +46,19 @@ extern "C" { /* kernels/cuda includes it through engine/backend.h */
 #define CB_KV_MAX_KV_DIM   65536          /* n_head_kv * head_dim */
 #define CB_KV_MAX_TOKENS   (1 << 22)
 
-/* Payload element type; the values are ggml type ids (gguf.h cb_type_t). */
-typedef enum { CB_KV_F32 = 0, CB_KV_F16 = 1, CB_KV_BF16 = 30 } cb_kv_dtype_t;
-/* Bytes of one value of dtype (4 or 2); 0 for a value that is not a cb_kv_dtype_t. */
+/* Payload element type; the values are ggml type ids (gguf.h cb_type_t). CB_KV_Q8_0 is ggml's Q8_0 block
+ * (32 values: an f16 scale d = max|x| / 127, then 32 int8 q, x ~ d * q; 34 bytes), for compressed files
+ * (1.06 bytes a value against f16's 2); a row of kv_dim values is kv_dim / 32 blocks (kv_dim % 32 == 0). */
+typedef enum { CB_KV_F32 = 0, CB_KV_F16 = 1, CB_KV_Q8_0 = 8, CB_KV_BF16 = 30 } cb_kv_dtype_t;
+/* Bytes of one value of an element dtype (4 or 2); 0 for Q8_0 (a block type: see cb_kv_row_bytes) and for
+ * a value that is not a cb_kv_dtype_t. The backends' raw row ops (kv_load, kv_deviation) take these. */
 size_t cb_kv_dtype_size(uint32_t dtype);
+/* Bytes of one row of kv_dim values of dtype; 0 for an unknown dtype or a Q8_0 row whose kv_dim is not a
+ * multiple of 32. */
+size_t cb_kv_row_bytes(uint32_t dtype, size_t kv_dim);
+/* "f32", "f16", "bf16", "q8_0"; "?" otherwise. cb_kv_dtype_parse: the dtype of a name, or -1. */
+const char *cb_kv_dtype_name(uint32_t dtype);
+int cb_kv_dtype_parse(const char *name);
 
 /* What a file is: identity, geometry and dtype. kv_dim = n_head_kv * head_dim. */
 typedef struct {

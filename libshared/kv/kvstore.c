@@ -58,7 +58,7 @@ cb_kvstore_t *cb_kvstore_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t
         cb_set_err(err, errlen, "kvstore: no engine");
         return NULL;
     }
-    if (dtype != CB_KV_F32 && dtype != CB_KV_F16 && dtype != CB_KV_BF16) {
+    if (!cb_kv_row_bytes(dtype, 32)) {
         cb_set_err(err, errlen, "kvstore: unknown KV dtype %d", (int)dtype);
         return NULL;
     }
@@ -87,6 +87,11 @@ cb_kvstore_t *cb_kvstore_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t
     if (s->L > CB_KV_MAX_LAYERS || s->hp->n_head_kv > CB_KV_MAX_HEADS_KV || s->HD > CB_KV_MAX_HEAD_DIM ||
         s->KVD > CB_KV_MAX_KV_DIM || (s->HD & 1)) {
         cb_set_err(err, errlen, "kvstore: model geometry outside the KV file limits");
+        goto fail;
+    }
+    if (!cb_kv_row_bytes(dtype, (size_t)s->KVD)) {
+        cb_set_err(err, errlen, "kvstore: KV dtype %s cannot hold this model's rows (kv_dim %d is not a multiple of "
+                   "its block)", cb_kv_dtype_name(dtype), s->KVD);
         goto fail;
     }
     if (kv_dir && !(s->kv_dir = strdup(kv_dir))) goto oom;

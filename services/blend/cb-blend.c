@@ -492,7 +492,7 @@ int main(int argc, char **argv) {
     static blendsvc_t b;
     static gen_args_t ga;
     int rc = 1;
-    const char *mode, *metric, *model, *sys, *backend;
+    const char *mode, *metric, *model, *sys, *backend, *kv_dtype_s = "f16";
     int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch, fault_delay;
     bool store;
     if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
@@ -531,7 +531,8 @@ int main(int argc, char **argv) {
         !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "retriever_timeout_ms", 1, 3600000, 5000, &rt, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "cacheindex_timeout_ms", 1, 3600000, 2000, &ct, err, sizeof err) ||
-        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", ga.kv_dir, sizeof ga.kv_dir, err, sizeof err)) {
+        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", ga.kv_dir, sizeof ga.kv_dir, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "kv_dtype", "f16", &kv_dtype_s, err, sizeof err)) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
@@ -539,6 +540,12 @@ int main(int argc, char **argv) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.auto_floor %g > blend.auto_ceil %g", ga.auto_floor, ga.auto_ceil);
         goto out;
     }
+    int kvdt = cb_kv_dtype_parse(kv_dtype_s);
+    if (kvdt < 0) {
+        cb_log(CB_LOG_ERROR, NULL, "config kv_dtype = '%s': expected f16, bf16, f32 or q8_0", kv_dtype_s);
+        goto out;
+    }
+    ga.kv_dtype = (cb_kv_dtype_t)kvdt;
     int md = cb_blend_mode_parse(mode);
     if (md < 0) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.mode = '%s': expected full, prefix, reuse or blend", mode);

@@ -115,6 +115,7 @@ typedef struct {
     const cb_config_t *cfg;      /* borrowed; read-only lookups */
     char model_path[4096];
     char kv_dir[4096];           /* must exist */
+    cb_kv_dtype_t kv_dtype;      /* payload of the KV files it writes for misses (kv_dtype) */
     char system_prompt[2048];
     int ctx_size;
     size_t kv_pool_bytes;        /* engine KV pool budget; 0 = max_seqs + 1 sequences of ctx_size */

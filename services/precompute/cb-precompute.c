@@ -479,7 +479,7 @@ int main(int argc, char **argv) {
     wa.stats = &wst;
     int rc = 1;
     int64_t chunk_tokens, threads, rt, ct, vt, fault_delay;
-    const char *model, *sys, *backend, *pull_ep = NULL, *pull_bind = NULL;
+    const char *model, *sys, *backend, *pull_ep = NULL, *pull_bind = NULL, *kv_dtype_s = "f16";
     wa.cfg = cfg;
     if (!cb_config_int(cfg, SECTION, "chunk_tokens", 16, 8192, 512, &chunk_tokens, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_doc_bytes", 1, (int64_t)1 << 30, 4 << 20, &p.max_doc_bytes, err, sizeof err) ||
@@ -499,10 +499,17 @@ int main(int argc, char **argv) {
         !cb_config_endpoint(cfg, SECTION, "pull_endpoint", NULL, &pull_ep, err, sizeof err) ||
         !cb_config_endpoint(cfg, SECTION, "pull_bind", NULL, &pull_bind, err, sizeof err) ||
         !cb_config_data_path(cfg, SECTION, "db", "precompute.db", wa.db_path, sizeof wa.db_path, err, sizeof err) ||
-        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", wa.kv_dir, sizeof wa.kv_dir, err, sizeof err)) {
+        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", wa.kv_dir, sizeof wa.kv_dir, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "kv_dtype", "f16", &kv_dtype_s, err, sizeof err)) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
+    int kvdt = cb_kv_dtype_parse(kv_dtype_s);
+    if (kvdt < 0) {
+        cb_log(CB_LOG_ERROR, NULL, "config kv_dtype = '%s': expected f16, bf16, f32 or q8_0", kv_dtype_s);
+        goto out;
+    }
+    wa.kv_dtype = (cb_kv_dtype_t)kvdt;
     cb_backend_kind_t bk;
     if (!cb_backend_kind_parse(backend, &bk)) {
         cb_log(CB_LOG_ERROR, NULL, "config precompute.backend = '%s': expected auto, cpu or cuda", backend);

@@ -30,6 +30,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 
+#include "format/kvfile.h"
 #include "wire/config.h"
 
 /* What the worker tells the loop (stats, health): atomics it writes and the loop reads; `what` under mu. */
@@ -46,6 +47,7 @@ typedef struct {
     const cb_config_t *cfg;      /* borrowed (read-only lookups are thread-safe); outlives the actor */
     char model_path[4096];
     char kv_dir[4096];           /* must exist */
+    cb_kv_dtype_t kv_dtype;      /* the KV files' payload (kv_dtype: f16, bf16, f32 or q8_0) */
     char db_path[4096];
     char system_prompt[2048];
     int chunk_tokens;

@@ -91,7 +91,7 @@ static int usage(const char *why) {
             "  --probe-suffix N   metric a: last suffix rows the probe pass computes (default %d; 0 = all)\n"
             "  --no-overlap       load each layer's KV serially (no loader thread)\n"
             "  --kv-dir DIR       chunk KV files (default var/kv; created)\n"
-            "  --kv-dtype T       f16 (default), bf16 or f32 for new files\n"
+            "  --kv-dtype T       f16 (default), bf16, f32 or q8_0 (int8 blocks) for new files\n"
             "  --mem-mb N         in-memory KV tier of N MiB (default 0: every mode streams from files)\n"
             "  --out DIR          results directory (default results/eval; created)\n"
             "  --threads N        engine threads (default $CB_THREADS or all cores)\n"
@@ -499,10 +499,9 @@ int main(int argc, char **argv) {
             base.probe_suffix = (int)l;
         } else if (!strcmp(a, "--kv-dir")) kv_dir = v;
         else if (!strcmp(a, "--kv-dtype")) {
-            if (!strcmp(v, "f16")) dtype = CB_KV_F16;
-            else if (!strcmp(v, "f32")) dtype = CB_KV_F32;
-            else if (!strcmp(v, "bf16")) dtype = CB_KV_BF16;
-            else return usage("bad --kv-dtype");
+            int dt = cb_kv_dtype_parse(v);
+            if (dt < 0) return usage("bad --kv-dtype");
+            dtype = (cb_kv_dtype_t)dt;
         } else if (!strcmp(a, "--mem-mb")) { if (!parse_long(v, 0, 1 << 20, &mem_mb)) return usage("bad --mem-mb"); }
         else if (!strcmp(a, "--out")) out = v;
         else if (!strcmp(a, "--ref")) ref_path = v;

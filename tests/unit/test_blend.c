@@ -22,6 +22,7 @@
 #include "kv/kvstore.h"
 #include "model/model.h"
 #include "model/synth.h"
+#include "engine/sampler.h"
 #include "test.h"
 
 #include <dirent.h>
@@ -347,6 +348,51 @@ TEST(test_ratio_auto) {
     fix_close(&f);
     rm_dir(dir);
     free(full), free(a), free(b2);
+}
+
+/* q8_0 (int8 per 32-value block) chunk files: blend and reuse read them (decoded to f32 on the host, with
+ * and without a memory tier) and stay close to the same modes over f16 files; what the int8 error costs */
+TEST(test_q8_files) {
+    SETUP();
+    if ((g_hp->n_head_kv * g_hp->head_dim) % 32) {
+        fprintf(stderr, "  skip: kv_dim %d is not a multiple of 32\n", g_hp->n_head_kv * g_hp->head_dim);
+        return;
+    }
+    int V = g_hp->n_vocab;
+    const char *dirs[2];
+    char d16[256], d8[256];
+    snprintf(d16, sizeof d16, "%s", make_dir());
+    snprintf(d8, sizeof d8, "%s", make_dir());
+    dirs[0] = d16, dirs[1] = d8;
+    float *l16 = malloc(sizeof(float) * V), *l8 = malloc(sizeof(float) * V);
+    const cb_blend_mode_t modes[2] = {CB_BLEND_BLEND, CB_BLEND_REUSE};
+    for (int with_mem = 0; with_mem < 2; with_mem++)
+        for (int mi = 0; mi < 2; mi++) {
+            cb_kvmem_t *mem = with_mem ? cb_kvmem_new(64 << 20) : NULL;
+            fix_t f16, f8;
+            CHECK(fix_open(&f16, dirs[0], NULL, CB_KV_F16) == 0 && fix_open(&f8, dirs[1], mem, CB_KV_Q8_0) == 0);
+            CHECK(ensure_all(&f16, g_k) == 0 && ensure_all(&f8, g_k) == 0);
+            cb_blend_opts_t o = opts_mode(modes[mi]);
+            cb_blend_stats_t s16, s8;
+            CHECK(run(&f16, g_k, &o, l16, &s16) == 0);
+            CHECK(run(&f8, g_k, &o, l8, &s8) == 0);
+            CHECK(s8.chunks_file + s8.chunks_mem == g_k && s8.chunks_computed == 0);
+            double d = max_diff(l16, l8, V);
+            int a16 = cb_argmax(l16, V), a8 = cb_argmax(l8, V);
+            fprintf(stderr, "  %s over q8_0 vs f16 files (%s memory tier): max |dlogit| %.3g, argmax %s\n",
+                    cb_blend_mode_str(modes[mi]), with_mem ? "with a" : "no", d, a16 == a8 ? "same" : "differs");
+            CHECK(d < 0.5); /* int8 at 1/254 of each block's range: a small logit change, not a different model */
+            if (with_mem) { /* a second run from the memory tier: the same as the first */
+                CHECK(run(&f8, g_k, &o, l16, &s8) == 0);
+                CHECK(s8.chunks_mem == g_k && max_diff(l16, l8, V) == 0.0);
+            }
+            fix_close(&f16);
+            fix_close(&f8);
+            cb_kvmem_destroy(&mem);
+        }
+    rm_dir(d16);
+    rm_dir(d8);
+    free(l16), free(l8);
 }
 
 /* reuse with one chunk precomputed right after the prefix is exact (f32 files) */
@@ -1170,6 +1216,7 @@ int main(void) {
     RUN(test_full_equals_engine_prefill);
     RUN(test_blend_ratio1_equals_full);
     RUN(test_ratio_auto);
+    RUN(test_q8_files);
     RUN(test_reuse_single_chunk_equals_full);
     RUN(test_prefix_equals_full);
     RUN(test_repositioning);

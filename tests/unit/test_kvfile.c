@@ -3,6 +3,7 @@
  * sit at a file's name (a FIFO, a symbolic link, a directory): a miss without waiting or following, then
  * replaced by the writer (a non-empty directory and a symbolic-link directory are refused). */
 #include "format/kvfile.h"
+#include "format/quant.h"
 #include "test.h"
 
 #include <dirent.h>
@@ -245,6 +246,65 @@ TEST(test_roundtrip_dtypes) {
     chunk_free(&c);
 }
 
+/* Q8_0 files: every value within half a step of its block (d = max|x| / 127, rounded to f16), zero blocks
+ * exact, both writers the same bytes, 34 bytes per 32 values; a kv_dim that is not a multiple of 32 refused. */
+TEST(test_roundtrip_q8_0) {
+    chunk_t c;
+    chunk_init(&c, NL, 3, 32, NT, CB_KV_Q8_0);
+    size_t per = (size_t)NT * 96;
+    for (size_t i = 0; i < 32; i++) c.k[i] = 0.0f; /* one all-zero block */
+    c.v[5] = 1000.0f;                              /* one block with an outlier */
+    char err[256];
+    CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == 0);
+    size_t l1;
+    uint8_t *a = slurp(c.path, &l1);
+    cb_kv_expect_t e = expect_of(&c);
+    cb_kv_miss_t why;
+    cb_kvfile_t *f = cb_kvfile_open(c.path, &e, &why, err, sizeof err);
+    CHECK(f && cb_kvfile_meta(f)->dtype == CB_KV_Q8_0 && cb_kvfile_layer_bytes(f) == (size_t)NT * 3 * 34);
+    float *k = malloc(per * sizeof(float)), *v = malloc(per * sizeof(float));
+    double worst = 0.0, sum_sq = 0.0;
+    for (int l = 0; f && l < NL; l++) {
+        CHECK(cb_kvfile_read_layer(f, l, k, v) == CB_KV_OK);
+        for (int which = 0; which < 2; which++) {
+            const float *x = (which ? c.v : c.k) + l * per, *y = which ? v : k;
+            for (size_t b0 = 0; b0 < per; b0 += 32) {
+                float amax = 0.0f;
+                for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[b0 + i]));
+                double d = cb_f16_to_f32(cb_f32_to_f16(amax / 127.0f));
+                for (int i = 0; i < 32; i++) {
+                    double err1 = fabs((double)y[b0 + i] - x[b0 + i]);
+                    sum_sq += err1 * err1;
+                    if (amax == 0.0f) CHECK(y[b0 + i] == 0.0f);
+                    double r = d > 0 ? err1 / d : 0.0;
+                    if (r > worst) worst = r;
+                }
+            }
+        }
+    }
+    fprintf(stderr, "  q8_0: worst error %.3f of a step, rms %.4g (values in [-4, 4])\n", worst,
+            sqrt(sum_sq / (2.0 * NL * per)));
+    CHECK(worst <= 0.5 + 1e-3);
+    cb_kvfile_destroy(&f);
+    /* the other writer: the same bytes */
+    const float *kl[NL], *vl[NL];
+    for (int l = 0; l < NL; l++) { kl[l] = c.k + l * per; vl[l] = c.v + l * per; }
+    CHECK(cb_kvfile_write_layers(c.path, &c.meta, c.tokens, NT, kl, vl, err, sizeof err) == 0);
+    size_t l2;
+    uint8_t *b = slurp(c.path, &l2);
+    CHECK(l1 == l2 && memcmp(a, b, l1) == 0);
+    free(a), free(b), free(k), free(v);
+    chunk_free(&c);
+    chunk_init(&c, NL, NH, HD, NT, CB_KV_Q8_0); /* kv_dim 24 */
+    CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == -1);
+    CHECK_MSG(strstr(err, "dtype") != NULL, "%s", err);
+    chunk_free(&c);
+    CHECK(cb_kv_row_bytes(CB_KV_Q8_0, 192) == 6 * 34 && cb_kv_row_bytes(CB_KV_F16, 192) == 384 &&
+          cb_kv_row_bytes(CB_KV_Q8_0, 100) == 0 && cb_kv_row_bytes(7, 32) == 0);
+    CHECK(cb_kv_dtype_parse("q8_0") == CB_KV_Q8_0 && cb_kv_dtype_parse("f16") == CB_KV_F16 &&
+          cb_kv_dtype_parse("int8") == -1 && !strcmp(cb_kv_dtype_name(CB_KV_Q8_0), "q8_0"));
+}
+
 TEST(test_both_writers_same_bytes) {
     chunk_t c;
     chunk_init(&c, NL, NH, HD, NT, CB_KV_BF16);
@@ -261,9 +321,11 @@ TEST(test_both_writers_same_bytes) {
 }
 
 /* Every single-byte change anywhere in the file is a miss; the reason depends on where it is. */
-TEST(test_every_byte_flip_is_a_miss) {
+static void test_every_byte_flip_is_a_miss_of(cb_kv_dtype_t dt, int nh, int hd) {
+    const int kvd = nh * hd;
+    (void)kvd;
     chunk_t c;
-    chunk_init(&c, NL, NH, HD, NT, CB_KV_F16);
+    chunk_init(&c, NL, nh, hd, NT, dt);
     char err[256];
     CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == 0);
     size_t len;
@@ -290,10 +352,10 @@ TEST(test_every_byte_flip_is_a_miss) {
     cb_kv_miss_t why;
     cb_kvfile_t *f = cb_kvfile_open(c.path, &e, &why, err, sizeof err);
     CHECK(f != NULL);
-    float k[NT * KVD], v[NT * KVD];
-    for (int i = 0; i < NT * KVD; i++) k[i] = v[i] = 42.0f;
+    float *k = malloc(sizeof(float) * NT * kvd), *v = malloc(sizeof(float) * NT * kvd);
+    for (int i = 0; i < NT * kvd; i++) k[i] = v[i] = 42.0f;
     CHECK(cb_kvfile_read_layer(f, NL - 1, k, v) == CB_KV_MISS_PAYLOAD_CHECKSUM);
-    CHECK(k[0] == 42.0f && v[NT * KVD - 1] == 42.0f);
+    CHECK(k[0] == 42.0f && v[NT * kvd - 1] == 42.0f);
     CHECK(cb_kvfile_read_layer(f, 0, k, v) == CB_KV_OK);
     CHECK(cb_kvfile_verify(f) == CB_KV_MISS_PAYLOAD_CHECKSUM);
     cb_kvfile_destroy(&f);
@@ -305,12 +367,21 @@ TEST(test_every_byte_flip_is_a_miss) {
     CHECK(f == NULL && why == CB_KV_MISS_HEADER_CHECKSUM);
     CHECK_MSG(strstr(err, "header_checksum") != NULL, "%s", err);
     free(b);
+    free(k);
+    free(v);
     chunk_free(&c);
 }
 
-TEST(test_truncation_and_trailing) {
+TEST(test_every_byte_flip_is_a_miss) {
+    test_every_byte_flip_is_a_miss_of(CB_KV_F16, NH, HD);
+    test_every_byte_flip_is_a_miss_of(CB_KV_Q8_0, 3, 32); /* the compressed files: every case of the others (kv_dim 96: 3 blocks a row) */
+}
+
+static void test_truncation_and_trailing_of(cb_kv_dtype_t dt, int nh, int hd) {
+    const int kvd = nh * hd;
+    (void)kvd;
     chunk_t c;
-    chunk_init(&c, NL, NH, HD, NT, CB_KV_F32);
+    chunk_init(&c, NL, nh, hd, NT, dt);
     char err[256];
     CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == 0);
     size_t len;
@@ -340,9 +411,16 @@ TEST(test_truncation_and_trailing) {
     chunk_free(&c);
 }
 
-TEST(test_identity_mismatches) {
+TEST(test_truncation_and_trailing) {
+    test_truncation_and_trailing_of(CB_KV_F32, NH, HD);
+    test_truncation_and_trailing_of(CB_KV_Q8_0, 3, 32); /* the compressed files: every case of the others (kv_dim 96: 3 blocks a row) */
+}
+
+static void test_identity_mismatches_of(cb_kv_dtype_t dt, int nh, int hd) {
+    const int kvd = nh * hd;
+    (void)kvd;
     chunk_t c;
-    chunk_init(&c, NL, NH, HD, NT, CB_KV_F16);
+    chunk_init(&c, NL, nh, hd, NT, dt);
     char err[256];
     CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == 0);
     cb_kv_miss_t why;
@@ -353,8 +431,8 @@ TEST(test_identity_mismatches) {
     e.model_fp[3] ^= 1; EXPECT_MISS(e, CB_KV_MISS_MODEL_MISMATCH); e.model_fp[3] ^= 1;
     e.ctx_fp[31] ^= 1;  EXPECT_MISS(e, CB_KV_MISS_CONTEXT_MISMATCH); e.ctx_fp[31] ^= 1;
     e.n_layer = NL + 1; EXPECT_MISS(e, CB_KV_MISS_GEOMETRY_MISMATCH); e.n_layer = NL;
-    e.n_head_kv = 9;    EXPECT_MISS(e, CB_KV_MISS_GEOMETRY_MISMATCH); e.n_head_kv = NH;
-    e.head_dim = 64;    EXPECT_MISS(e, CB_KV_MISS_GEOMETRY_MISMATCH); e.head_dim = HD;
+    e.n_head_kv = 9;    EXPECT_MISS(e, CB_KV_MISS_GEOMETRY_MISMATCH); e.n_head_kv = nh;
+    e.head_dim = 64;    EXPECT_MISS(e, CB_KV_MISS_GEOMETRY_MISMATCH); e.head_dim = hd;
     e.n_tokens = NT - 1; EXPECT_MISS(e, CB_KV_MISS_TOKENS_MISMATCH); e.n_tokens = NT;
     int32_t other[NT];
     memcpy(other, c.tokens, sizeof other);
@@ -389,10 +467,15 @@ TEST(test_identity_mismatches) {
     /* Integrity-only open (expect NULL) reads the identity from the file. */
     f = cb_kvfile_open(c.path, NULL, &why, err, sizeof err);
     CHECK(f && memcmp(cb_kvfile_meta(f)->model_fp, c.meta.model_fp, 32) == 0);
-    CHECK(cb_kvfile_layer_bytes(f) == (size_t)NT * KVD * 2);
+    CHECK(cb_kvfile_layer_bytes(f) == (size_t)NT * cb_kv_row_bytes(dt, (size_t)kvd));
     cb_kvfile_destroy(&f);
     chunk_free(&c);
 #undef EXPECT_MISS
+}
+
+TEST(test_identity_mismatches) {
+    test_identity_mismatches_of(CB_KV_F16, NH, HD);
+    test_identity_mismatches_of(CB_KV_Q8_0, 3, 32); /* the compressed files: every case of the others (kv_dim 96: 3 blocks a row) */
 }
 
 static int count_tmp(const char *dir, char *found, size_t foundlen) {
@@ -472,9 +555,11 @@ TEST(test_write_errors) {
 }
 
 /* Random multi-byte corruption: every open/verify is either a miss or returns the original bytes. */
-TEST(test_random_corruption) {
+static void test_random_corruption_of(cb_kv_dtype_t dt, int nh, int hd) {
+    const int kvd = nh * hd;
+    (void)kvd;
     chunk_t c;
-    chunk_init(&c, NL, NH, HD, NT, CB_KV_BF16);
+    chunk_init(&c, NL, nh, hd, NT, dt);
     char err[256];
     CHECK(cb_kvfile_write(c.path, &c.meta, c.tokens, NT, c.k, c.v, err, sizeof err) == 0);
     size_t len;
@@ -495,6 +580,11 @@ TEST(test_random_corruption) {
     free(b);
     free(orig);
     chunk_free(&c);
+}
+
+TEST(test_random_corruption) {
+    test_random_corruption_of(CB_KV_BF16, NH, HD);
+    test_random_corruption_of(CB_KV_Q8_0, 3, 32); /* the compressed files: every case of the others (kv_dim 96: 3 blocks a row) */
 }
 
 typedef struct { chunk_t *c; int rc; } writer_arg_t;
@@ -644,6 +734,7 @@ TEST(test_special_files_at_the_name) {
 int main(void) {
     RUN(test_key_and_names);
     RUN(test_roundtrip_dtypes);
+    RUN(test_roundtrip_q8_0);
     RUN(test_both_writers_same_bytes);
     RUN(test_every_byte_flip_is_a_miss);
     RUN(test_truncation_and_trailing);
