@@ -2,11 +2,13 @@
  * file until a total count is reached, and the time to the first token and to the end of each answer is
  * measured at the client. For scripts/bench-stack.sh and scripts/bench-serve.sh.
  *
- *   cb-load [--clients N] [--queries M | --per-client M] [--duration S] [--mode M] [--ratio R]
- *           [--max-tokens T] [--timeout MS] [--json] ENDPOINT QUERIES.jsonl
+ *   cb-load [--clients N] [--queries M | --per-client M] [--duration S] [--backoff MS] [--mode M]
+ *           [--ratio R] [--max-tokens T] [--timeout MS] [--json] ENDPOINT QUERIES.jsonl
  *
  * QUERIES.jsonl: one object per line {"question": str, "contexts": [str...], "mode": str} (contexts optional:
  * then cb-blend retrieves; mode optional: the line's mode wins over --mode, so one file can mix modes).
+ * --backoff MS: a client waits MS after an `overloaded` reply before its next query (a polite client; 0, the
+ * default, resends at once).
  * --duration S: no query is started after S seconds (those not sent are counted in "not_sent", neither ok
  * nor errors), so a run is bounded by count and by time. With --queries M (default: as many as the file has), queries are taken in order,
  * round-robin over the file, by whichever client is free, until M were sent. With --per-client M, each
@@ -29,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/clock.h"
 #include "wire/bus.h"
@@ -52,6 +55,7 @@ typedef struct {
     atomic_int no_reply;   /* errors without a reply: a send failure or --timeout of silence */
     atomic_int not_sent;   /* slots left when --duration ran out */
     double deadline_ms;    /* cb_now_ms() after which no query starts; 0 = none */
+    int backoff_ms;        /* pause after an `overloaded` reply */
 } load_t;
 
 typedef struct {
@@ -138,8 +142,10 @@ static void *client(void *arg) {
             if (!cb_msg_ok(m)) {
                 fprintf(stderr, "cb-load: query %d: %s: %s\n", i, cb_msg_err_code_name(m), cb_msg_err_message(m));
                 atomic_fetch_add(&L->errors, 1);
-                if (cb_msg_err_code(m) == CB_ERR_OVERLOADED) atomic_fetch_add(&L->overloaded, 1);
+                bool over = cb_msg_err_code(m) == CB_ERR_OVERLOADED;
+                if (over) atomic_fetch_add(&L->overloaded, 1);
                 cb_msg_destroy(&m);
+                if (over && L->backoff_ms > 0) usleep((useconds_t)L->backoff_ms * 1000);
                 break;
             }
             bool done = cb_msg_is_type(m, "done");
@@ -201,8 +207,8 @@ static json_t *mean_or_null(const int64_t *v, int n, int64_t *sum_out) {
 }
 
 static int usage(void) {
-    fprintf(stderr, "usage: cb-load [--clients N] [--queries M | --per-client M] [--duration S] [--mode M] [--ratio R]\n"
-                    "               [--max-tokens T] [--timeout MS] [--json] ENDPOINT QUERIES.jsonl\n");
+    fprintf(stderr, "usage: cb-load [--clients N] [--queries M | --per-client M] [--duration S] [--backoff MS]\n"
+                    "               [--mode M] [--ratio R] [--max-tokens T] [--timeout MS] [--json] ENDPOINT QUERIES.jsonl\n");
     return 2;
 }
 
@@ -224,6 +230,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--duration") && i + 1 < argc) {
             duration_s = atof(argv[++i]);
             if (!(duration_s > 0 && duration_s < 1e6)) return usage();
+        }
+        else if (!strcmp(argv[i], "--backoff") && i + 1 < argc) {
+            L.backoff_ms = atoi(argv[++i]);
+            if (L.backoff_ms < 0 || L.backoff_ms > 60000) return usage();
         }
         else if (!strcmp(argv[i], "--mode") && i + 1 < argc) L.mode = argv[++i];
         else if (!strcmp(argv[i], "--ratio") && i + 1 < argc) L.ratio = atof(argv[++i]);
