@@ -16,7 +16,7 @@
 # size, payload checksums) and no stray temporary file once the writes are over.
 . "$(dirname "$0")/lib/faults.bash"
 faults_begin diskfull
-if [ "$(id -u)" != 0 ] || ! faults_mount_tmpfs "$CB_DATA_DIR" 96m; then
+if [ "$(id -u)" != 0 ] || ! faults_mount_tmpfs "$CB_DATA_DIR" 256m; then
   echo "skip: cannot mount a tmpfs on $CB_DATA_DIR (needs root)"; exit 77
 fi
 KVCHECK="$ROOT/build/bin/cb-kvcheck"
@@ -141,20 +141,31 @@ faults_row_end
 
 # --- allfull: documents acknowledged, then the disk fills up while they are processed ---------------------
 faults_row_begin allfull
-fill_to $(( KVBYTES / 1024 / 3 ))
+unfill
+# a long document first (12 paragraphs: several seconds of work), so that the worker is busy with it when
+# the disk fills up right after the next four are acknowledged: they all meet the full disk (KV files and
+# job table alike) in the queue, deterministically
+big=""
+for p in $(seq 1 6); do big="$big$(make_doc $((2290 + p)) | sed "s/zq$((2290 + p))x/zq2290x/g")"$'\n\n'; done
+out=$("$SEND" --timeout 3000 "$CB_PRECOMPUTE_ENDPOINT" "$(jq -cn --arg t "$big" '{type: "ingest", doc_id: "fd-2290", text: $t}')")
+[ "$(jget "$out" ok)" = true ] && echo "fd-2290 $(jget "$out" job)" >>"$T/ack-all.txt"
 ingest_docs "$T/ack-all.txt" 2200 4
 fill_to 0
 w0=$(grep -c . "$T/precompute.log")
 c0=$(awk '{ print $14 + $15 }' "/proc/${SVC_PID[precompute]}/stat")
 sleep 5
 c1=$(awk '{ print $14 + $15 }' "/proc/${SVC_PID[precompute]}/stat")
-states=$(sqlite3 "$CB_DATA_DIR/precompute.db" "SELECT group_concat(state, ',') FROM jobs WHERE doc_id LIKE 'fd-22%'")
-note "5 s on a full disk: job states ${states:-none}; cb-precompute used $(( (c1 - c0) * 10 )) ms of CPU and wrote $(( $(grep -c . "$T/precompute.log") - w0 )) log lines"
+states=$(sqlite3 "$CB_DATA_DIR/precompute.db" "SELECT group_concat(state, ',') FROM jobs WHERE doc_id LIKE 'fd-22%' OR doc_id = 'fd-2290'")
+cpu_ms=$(( (c1 - c0) * 10 )) lines=$(( $(grep -c . "$T/precompute.log") - w0 ))
+note "5 s on a full disk: job states ${states:-none}; cb-precompute used $cpu_ms ms of CPU and wrote $lines log lines"
+if [ "$cpu_ms" -gt 1000 ] || [ "$lines" -gt 20 ]; then
+  fail "cb-precompute retries a job on a full disk without back-off: $cpu_ms ms of CPU and $lines log lines in 5 s (recomputing the chunk each time)"
+fi
 up "disk full while processing"
 kv_whole "disk full while processing"
 unfill
 sleep 2
-nfail=$(sqlite3 "$CB_DATA_DIR/precompute.db" "SELECT count(*) FROM jobs WHERE doc_id LIKE 'fd-22%' AND state = 3")
+nfail=$(sqlite3 "$CB_DATA_DIR/precompute.db" "SELECT count(*) FROM jobs WHERE (doc_id LIKE 'fd-22%' OR doc_id = 'fd-2290') AND state = 3")
 if [ "$nfail" -gt 0 ]; then
   fail "$nfail acknowledged documents failed when the disk filled up under them"
   LOST=$((LOST + nfail)); retry_failed "$T/ack-all.txt" >/dev/null

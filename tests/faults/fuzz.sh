@@ -2,7 +2,7 @@
 # tests/faults/fuzz.sh: fuzzing with committed corpora, bounded.
 #   libFuzzer   fuzz_msg (cb_msg_decode_ex and every accessor), fuzz_kvfile (the KV file reader), fuzz_gguf (the
 #               GGUF reader), fuzz_tokenizer (encode/decode round trips on the real vocabulary), fuzz_qa (the
-#               MuSiQue parser), each for CB_FAULTS_FUZZ_S seconds (default 45) from a copy of its committed
+#               MuSiQue parser), each for CB_FAULTS_FUZZ_S seconds (default 40) from a copy of its committed
 #               seed corpus tests/fuzz/corpus_<name>/ (ASan + UBSan; any crash, leak, timeout or OOM is a
 #               failure, its input kept under build/faults/fuzz-artifacts/<name>/). Skipped when clang cannot
 #               build a libFuzzer target.
@@ -12,7 +12,7 @@
 #               dropped), no stream may hang, and the service must stay up.
 . "$(dirname "$0")/lib/faults.bash"
 faults_begin fuzz
-FUZZ_S=${CB_FAULTS_FUZZ_S:-45}
+FUZZ_S=${CB_FAULTS_FUZZ_S:-40}
 SOCK_N=${CB_FAULTS_SOCK_N:-60}
 [ "$FAULTS_QUICK" = 1 ] && FUZZ_S=5 SOCK_N=10
 ART="$FAULTS_OUT/fuzz-artifacts"

@@ -11,7 +11,7 @@
 #
 # Environment: CB_FAULTS_SEED (default 1: the kill points, stop lengths and mutations; the same seed repeats
 # them), CB_FAULTS_ROUNDS (kill -9 rounds per service, 3), CB_FAULTS_ROUNDS_STOP (SIGSTOP rounds, 2),
-# CB_FAULTS_LOAD_S (150), CB_FAULTS_FUZZ_S (45 per fuzzer), CB_FAULTS_SOCK_N (60 per request type),
+# CB_FAULTS_LOAD_S (150), CB_FAULTS_FUZZ_S (40 per fuzzer), CB_FAULTS_SOCK_N (60 per request type),
 # CB_FAULTS_QUICK=1 (one round, 20 s of load, 5 s per fuzzer: a smoke run of a few minutes),
 # CB_FAULTS_STRICT=1 (a skipped scenario counts as a failure).
 # Exit: 0 when no row and no scenario failed (skips allowed unless strict), 1 otherwise.
@@ -39,7 +39,7 @@ for s in "${scenarios[@]}"; do
   echo "=== $s"
   st=$(date +%s)
   rows0=$( [ -f "$OUT/rows.jsonl" ] && wc -l <"$OUT/rows.jsonl" || echo 0)
-  timeout 1800 bash "$script" 2>&1 | tee "$OUT/$s.log" | grep --line-buffered -E '^(ok|FAIL|skip|row) ' | sed -u "s/^/[$s] /"
+  timeout 1800 bash "$script" 2>&1 | tee "$OUT/$s.log" | grep --line-buffered -E '^(ok|FAIL|skip|row)[: ]' | sed -u "s/^/[$s] /"
   rc=${PIPESTATUS[0]}
   secs=$(( $(date +%s) - st ))
   case $rc in
