@@ -83,7 +83,7 @@ why=$(sqlite3 "$CB_DATA_DIR/precompute.db" "SELECT error FROM jobs WHERE doc_id 
 note "jobs 4 s after their acknowledgement: ${states:-none}${why:+ (\"$why\")}"
 up "KV dir full"
 kv_whole "KV dir full"
-"$CBCTL" health >"$T/health.out" 2>&1; note "cbctl health on the full disk: exit $? ($(tr '\n' ' ' <"$T/health.out" | head -c 200))"
+"$CBCTL" health >"$T/health.out" 2>&1; note "cbctl health on the full disk: exit $? ($(grep -c ' ok ' "$T/health.out") of 4 services ok)"
 unfill
 sleep 3
 retried=0
