@@ -48,7 +48,7 @@ LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasL
 endif
 endif
 
-.PHONY: all test test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway cuda fuzz clean model eval check-layers
+.PHONY: all test test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway cuda fuzz clean model eval check-layers
 all: build/lib/libshared.a $(CUDA_LIB) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
@@ -114,10 +114,33 @@ test-compose:
 test-gpu: all gpu-tests
 	@tests/run-gpu.sh
 
-fuzz: build/lib/libshared.a
-	@mkdir -p build/fuzz
-	@for f in $(FUZZ_SRC); do n=$$(basename $$f .c); \
-	  clang $(CSTD) $(WARN) -g -O1 -fsanitize=fuzzer,address,undefined -Ilibshared -Ikernels $(PKG_CFLAGS) $$f $(LIB_SRC) $(PKG_LIBS) -lm -lpthread -o build/fuzz/$$n || exit 1; done
+# libFuzzer targets: libshared is compiled once with clang (ASan + UBSan, coverage), then each harness links it.
+FUZZ_CC    ?= clang
+FUZZ_FLAGS := $(CSTD) $(WARN) -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined -Ilibshared -Ikernels $(PKG_CFLAGS)
+FUZZ_BINS  := $(patsubst tests/fuzz/%.c,build/fuzz/%,$(FUZZ_SRC))
+
+build/fuzz/obj/%.o: %.c $(LIB_HDR)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
+
+build/fuzz/libshared.a: $(patsubst %.c,build/fuzz/obj/%.o,$(LIB_SRC))
+	@mkdir -p $(dir $@)
+	ar rcs $@ $^
+
+build/fuzz/fuzz_%: tests/fuzz/fuzz_%.c build/fuzz/libshared.a
+	$(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer $< build/fuzz/libshared.a $(PKG_LIBS) -lm -lpthread -o $@
+
+fuzz: $(FUZZ_BINS)
+
+# The seed corpora's generator (tests/fuzz/make-corpora.sh): the real writers, so the seeds are valid files.
+build/tests/gen_corpora: tests/fuzz/gen_corpora.c build/lib/libshared.a $(CUDA_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $< build/lib/libshared.a $(CUDA_LIB) $(LDLIBS) -o $@
+
+# The fault and load suite (tests/faults/run.sh; docs/reliability.md): kill -9, a full disk, SIGSTOP, slow
+# clients, bounded load, fuzzing. Not part of `make test`; about 20 minutes on 2 cores. Needs root for tmpfs.
+test-faults: all model
+	@tests/faults/run.sh
 
 cuda:
 	$(MAKE) CB_CUDA=1 all

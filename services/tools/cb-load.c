@@ -2,17 +2,23 @@
  * file until a total count is reached, and the time to the first token and to the end of each answer is
  * measured at the client. For scripts/bench-stack.sh and scripts/bench-serve.sh.
  *
- *   cb-load [--clients N] [--queries M | --per-client M] [--mode M] [--ratio R] [--max-tokens T]
- *           [--timeout MS] [--json] ENDPOINT QUERIES.jsonl
+ *   cb-load [--clients N] [--queries M | --per-client M] [--duration S] [--backoff MS] [--mode M]
+ *           [--ratio R] [--max-tokens T] [--timeout MS] [--json] ENDPOINT QUERIES.jsonl
  *
- * QUERIES.jsonl: one object per line {"question": str, "contexts": [str...]} (contexts optional: then
- * cb-blend retrieves). With --queries M (default: as many as the file has), queries are taken in order,
+ * QUERIES.jsonl: one object per line {"question": str, "contexts": [str...], "mode": str} (contexts optional:
+ * then cb-blend retrieves; mode optional: the line's mode wins over --mode, so one file can mix modes).
+ * --backoff MS: a client waits MS after an `overloaded` reply before its next query (a polite client; 0, the
+ * default, resends at once).
+ * --duration S: no query is started after S seconds (those not sent are counted in "not_sent", neither ok
+ * nor errors), so a run is bounded by count and by time. With --queries M (default: as many as the file has), queries are taken in order,
  * round-robin over the file, by whichever client is free, until M were sent. With --per-client M, each
  * client sends M queries of its own, one after the other, starting at its own offset in the file (client c
  * of N at line c * lines / N, then round-robin), so that the clients do not all ask the same one at once;
  * N x M queries in all.
  * Output: a summary line, or with --json one object {"clients", "queries", "ok", "errors", "overloaded"
- * (of the errors, those cb-blend answered `overloaded`: queue full or KV pool full), "wall_s", "qps",
+ * (of the errors, those cb-blend answered `overloaded`: queue full or KV pool full), "no_reply" (of the
+ * errors, those that got nothing for --timeout ms or could not be sent: timeouts, not error replies),
+ * "not_sent" (--duration ran out first), "wall_s", "qps",
  * "ttft_ms": {"mean", "p50", "p90", "p99", "max"}, "total_ms": {...}, "per_client" (M, or null without
  * --per-client), and from the `done` messages' metrics: "tokens_generated" (sum of n_generated over the
  * answered queries), "tokens_per_s" (tokens_generated / wall_s), "generated_mean" and "prompt_tokens_mean"
@@ -25,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/clock.h"
 #include "wire/bus.h"
@@ -45,6 +52,10 @@ typedef struct {
     int64_t *gen, *prompt; /* [total] n_generated, n_prompt_tokens of the done metrics; -1 when absent */
     atomic_int errors;
     atomic_int overloaded; /* errors with code `overloaded` */
+    atomic_int no_reply;   /* errors without a reply: a send failure or --timeout of silence */
+    atomic_int not_sent;   /* slots left when --duration ran out */
+    double deadline_ms;    /* cb_now_ms() after which no query starts; 0 = none */
+    int backoff_ms;        /* pause after an `overloaded` reply */
 } load_t;
 
 typedef struct {
@@ -92,13 +103,20 @@ static void *client(void *arg) {
         size_t line = 0;
         int i = next_slot(A, &line);
         if (i < 0) break;
+        if (L->deadline_ms > 0 && cb_now_ms() > L->deadline_ms) {
+            L->ttft[i] = L->tot[i] = -1;
+            atomic_fetch_add(&L->not_sent, 1);
+            continue;
+        }
         json_t *q = json_array_get(L->queries, line);
         char id[32];
         cb_msg_begin(w, "query", cb_bus_new_id(id, sizeof id));
         cb_msg_put_str(w, "question", json_string_value(json_object_get(q, "question")));
         json_t *ctx = json_object_get(q, "contexts");
         if (json_is_array(ctx)) cb_msg_put_json(w, "contexts", ctx);
-        if (L->mode) cb_msg_put_str(w, "mode", L->mode);
+        json_t *qm = json_object_get(q, "mode");
+        if (json_is_string(qm)) cb_msg_put_str(w, "mode", json_string_value(qm));
+        else if (L->mode) cb_msg_put_str(w, "mode", L->mode);
         if (L->ratio >= 0) cb_msg_put_double(w, "ratio", L->ratio);
         if (L->max_tokens > 0) cb_msg_put_int(w, "max_tokens", L->max_tokens);
         size_t len;
@@ -110,6 +128,7 @@ static void *client(void *arg) {
         if (!d || cb_bus_send(c, d, len, &code, err, sizeof err) != 0) {
             fprintf(stderr, "cb-load: query %d: %s\n", i, d ? err : cb_msg_writer_error(w));
             atomic_fetch_add(&L->errors, 1);
+            if (d) atomic_fetch_add(&L->no_reply, 1);
             continue;
         }
         for (;;) {
@@ -117,13 +136,16 @@ static void *client(void *arg) {
             if (!m) {
                 fprintf(stderr, "cb-load: query %d: %s\n", i, err);
                 atomic_fetch_add(&L->errors, 1);
+                atomic_fetch_add(&L->no_reply, 1);
                 break;
             }
             if (!cb_msg_ok(m)) {
                 fprintf(stderr, "cb-load: query %d: %s: %s\n", i, cb_msg_err_code_name(m), cb_msg_err_message(m));
                 atomic_fetch_add(&L->errors, 1);
-                if (cb_msg_err_code(m) == CB_ERR_OVERLOADED) atomic_fetch_add(&L->overloaded, 1);
+                bool over = cb_msg_err_code(m) == CB_ERR_OVERLOADED;
+                if (over) atomic_fetch_add(&L->overloaded, 1);
                 cb_msg_destroy(&m);
+                if (over && L->backoff_ms > 0) usleep((useconds_t)L->backoff_ms * 1000);
                 break;
             }
             bool done = cb_msg_is_type(m, "done");
@@ -185,8 +207,8 @@ static json_t *mean_or_null(const int64_t *v, int n, int64_t *sum_out) {
 }
 
 static int usage(void) {
-    fprintf(stderr, "usage: cb-load [--clients N] [--queries M | --per-client M] [--mode M] [--ratio R] [--max-tokens T]\n"
-                    "               [--timeout MS] [--json] ENDPOINT QUERIES.jsonl\n");
+    fprintf(stderr, "usage: cb-load [--clients N] [--queries M | --per-client M] [--duration S] [--backoff MS]\n"
+                    "               [--mode M] [--ratio R] [--max-tokens T] [--timeout MS] [--json] ENDPOINT QUERIES.jsonl\n");
     return 2;
 }
 
@@ -196,6 +218,7 @@ int main(int argc, char **argv) {
     load_t L = {.ratio = -1, .timeout_ms = 60000};
     int clients = 1, i = 1;
     bool json = false;
+    double duration_s = 0;
     L.total = 0;
     for (; i < argc && argv[i][0] == '-'; i++) {
         if (!strcmp(argv[i], "--clients") && i + 1 < argc) clients = atoi(argv[++i]);
@@ -203,6 +226,14 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--per-client") && i + 1 < argc) {
             L.per_client = atoi(argv[++i]);
             if (L.per_client < 1) return usage();
+        }
+        else if (!strcmp(argv[i], "--duration") && i + 1 < argc) {
+            duration_s = atof(argv[++i]);
+            if (!(duration_s > 0 && duration_s < 1e6)) return usage();
+        }
+        else if (!strcmp(argv[i], "--backoff") && i + 1 < argc) {
+            L.backoff_ms = atoi(argv[++i]);
+            if (L.backoff_ms < 0 || L.backoff_ms > 60000) return usage();
         }
         else if (!strcmp(argv[i], "--mode") && i + 1 < argc) L.mode = argv[++i];
         else if (!strcmp(argv[i], "--ratio") && i + 1 < argc) L.ratio = atof(argv[++i]);
@@ -256,22 +287,29 @@ int main(int argc, char **argv) {
     atomic_init(&L.next, 0);
     atomic_init(&L.errors, 0);
     atomic_init(&L.overloaded, 0);
+    atomic_init(&L.no_reply, 0);
+    atomic_init(&L.not_sent, 0);
     zsys_init();
     pthread_t th[MAX_CLIENTS];
     client_arg_t args[MAX_CLIENTS];
     double t0 = cb_now_ms();
+    L.deadline_ms = duration_s > 0 ? t0 + duration_s * 1000.0 : 0;
     for (int c = 0; c < clients; c++) {
         args[c] = (client_arg_t){.L = &L, .index = c};
         pthread_create(&th[c], NULL, client, &args[c]);
     }
     for (int c = 0; c < clients; c++) pthread_join(th[c], NULL);
     double wall = (cb_now_ms() - t0) / 1000.0;
-    int errors = atomic_load(&L.errors), ok = L.total - errors, overloaded = atomic_load(&L.overloaded);
+    int errors = atomic_load(&L.errors), overloaded = atomic_load(&L.overloaded);
+    int no_reply = atomic_load(&L.no_reply), not_sent = atomic_load(&L.not_sent);
+    int ok = L.total - errors - not_sent;
     json_t *out = json_pack("{s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:o, s:o}", "clients", clients, "queries", L.total, "ok",
                             ok, "errors", errors, "overloaded", overloaded, "wall_s", wall, "qps", wall > 0 ? ok / wall : 0.0, "ttft_ms",
                             summary(L.ttft, L.total), "total_ms", summary(L.tot, L.total));
     int64_t gen_sum = 0;
     json_t *gen_mean = mean_or_null(L.gen, L.total, &gen_sum);
+    json_object_set_new(out, "no_reply", json_integer(no_reply));
+    json_object_set_new(out, "not_sent", json_integer(not_sent));
     json_object_set_new(out, "per_client", L.per_client > 0 ? json_integer(L.per_client) : json_null());
     json_object_set_new(out, "tokens_generated", json_integer(gen_sum));
     json_object_set_new(out, "tokens_per_s", json_real(wall > 0 ? (double)gen_sum / wall : 0.0));
