@@ -360,6 +360,7 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_uint(w, "overloaded", p->overloaded);
     cb_msg_put_uint(w, "restored", p->restored);
     cb_msg_put_uint(w, "kv_write_failed", atomic_load(&p->wst->kv_write_failed));
+    cb_msg_put_uint(w, "storage_retries", atomic_load(&p->wst->storage_retries));
     cb_msg_put_uint(w, "turns", atomic_load(&p->wst->turns));
     cb_msg_put_double(w, "worker_age_ms", worker_age_ms(p));
     cb_msg_put_bool(w, "worker_ready", p->worker_ready);

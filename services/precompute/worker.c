@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 
 #include "base/clock.h"
 #include "wire/bus.h"
@@ -41,13 +42,16 @@ typedef struct {
     const int32_t *prefix;       /* [n_prefix] the precompute context P */
     int n_prefix;
     int max_ctx;
+    uint64_t bytes_per_token;    /* a KV file's payload per token (all layers, K and V) */
     char fp_hex[CB_KV_HEX_BYTES];
     pc_worker_stats_t *st;       /* borrowed from the args */
     bool busy;                   /* a job in hand */
     zhashx_t *started;           /* job id -> double *: when this process first took a turn of it */
 } worker_t;
 
-typedef enum { STEP_OK = 0, STEP_FAIL, STEP_TERM, STEP_DONE } step_t;
+/* STEP_RETRY: a local resource failed for now (the KV dir's disk is full, cb-cacheindex could not store
+ * the row): the job keeps its state and is tried again after a back-off, never failed for it. */
+typedef enum { STEP_OK = 0, STEP_FAIL, STEP_TERM, STEP_DONE, STEP_RETRY } step_t;
 
 /* A sign of progress (the loop's health check reads it). */
 static void beat(worker_t *w) {
@@ -133,6 +137,7 @@ static int worker_init(worker_t *w, char *err, size_t errlen) {
     if (!(w->engine = cb_engine_new(w->model, w->max_ctx, err, errlen))) return -1;
     if (a->threads > 0) cb_engine_set_threads(w->engine, a->threads);
     if (!(w->store = cb_kvstore_new(w->engine, a->kv_dir, NULL, a->kv_dtype, err, errlen))) return -1;
+    w->bytes_per_token = 2u * (uint64_t)hp->n_layer * cb_kv_row_bytes(a->kv_dtype, (size_t)hp->n_head_kv * hp->head_dim);
     /* P's KV now, so the first document does not pay for it (and a bad context fails at start) */
     if (cb_kvstore_set_context(w->store, w->prefix, w->n_prefix, err, errlen) != 0) return -1;
     if (!(w->chunker = cb_chunker_new(w->tok, a->chunk_tokens, err, errlen))) return -1;
@@ -210,6 +215,14 @@ static step_t call_retry(worker_t *w, cb_bus_client_t *c, const char *job, const
     }
 }
 
+/* Whether the file system of dir has less than need bytes (plus 1 MiB) free for us: a failed write there is
+ * then the disk being full, not the file's fault. */
+static bool disk_full(const char *dir, uint64_t need) {
+    struct statvfs vs;
+    if (statvfs(dir, &vs) != 0) return false;
+    return (uint64_t)vs.f_bavail * (uint64_t)vs.f_frsize < need + (1u << 20);
+}
+
 /* Chunks a document and records the plan. */
 static step_t plan_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
     cb_chunk_span_t *spans = NULL;
@@ -284,8 +297,10 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
         cb_kv_miss_t why = CB_KV_OK;
         int erc = cb_kvstore_ensure(w->store, w->prefix, w->n_prefix, toks, nt, &src, &why, err, errlen);
         atomic_store(&w->st->kv_write_failed, cb_kvstore_write_failures(w->store));
-        if (erc != 0) { /* e.g. the KV file could not be written: no put for it, the job fails with the reason */
-            st = STEP_FAIL;
+        if (erc != 0) { /* the KV file could not be written: no put for it */
+            /* a full disk is transient (retried with back-off, the job kept); an obstacle at the path (a
+             * non-empty directory) is not: the job fails with the reason */
+            st = disk_full(w->a->kv_dir, (uint64_t)nt * w->bytes_per_token) ? STEP_RETRY : STEP_FAIL;
             break;
         }
         if (src == CB_KVSTORE_COMPUTED)
@@ -315,6 +330,7 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
         cb_err_t code;
         st = call_retry(w, w->cacheindex, job->job, "put", &r, &code, err, errlen);
         cb_msg_destroy(&r);
+        if (st == STEP_FAIL && code == CB_ERR_INTERNAL) st = STEP_RETRY; /* e.g. its database's disk is full */
         /* a put refused because the file vanished or changed in between (gc, eviction): write it again once */
         if (st == STEP_FAIL && attempt == 0 && (code == CB_ERR_NOT_FOUND || code == CB_ERR_BAD_REQUEST)) {
             cb_log(CB_LOG_WARN, job->job, "chunk %d: %s; writing the file again", idx, err);
@@ -383,16 +399,21 @@ static void job_started(worker_t *w, const cb_job_t *job) {
                (long long)job->chunks_total);
 }
 
-/* A job that ended (done or failed): recorded, logged, told to the loop. */
-static void job_ended(worker_t *w, const cb_job_t *job, bool ok, const char *why) {
+/* A job that ended (done or failed): recorded, logged, told to the loop. -1 when the job table could not
+ * record it (e.g. its disk is full): the job is still running there and is retried after a back-off. */
+static int job_ended(worker_t *w, const cb_job_t *job, bool ok, const char *why) {
     char e2[256];
-    if (cb_jobs_finish(w->jobs, job->job, ok, why, e2, sizeof e2) != 0) cb_log(CB_LOG_ERROR, job->job, "worker: %s", e2);
+    if (cb_jobs_finish(w->jobs, job->job, ok, why, e2, sizeof e2) != 0) {
+        cb_log(CB_LOG_ERROR, job->job, "worker: %s", e2);
+        return -1;
+    }
     const double *t0 = zhashx_lookup(w->started, job->job);
     double ms = t0 ? cb_now_ms() - *t0 : 0.0;
     if (ok) cb_log(CB_LOG_INFO, job->job, "doc '%s' done in %.0f ms", job->doc_id, ms);
     else cb_log(CB_LOG_WARN, job->job, "doc '%s' failed: %s", job->doc_id, why);
     zhashx_delete(w->started, job->job);
     zstr_sendx(w->pipe, "JOB", job->job, ok ? "done" : "failed", NULL);
+    return 0;
 }
 
 void pc_worker_actor(zsock_t *pipe, void *args) {
@@ -414,6 +435,7 @@ void pc_worker_actor(zsock_t *pipe, void *args) {
     zstr_send(pipe, "READY");
     char last[CB_JOB_CLIENT_MAX + 1] = ""; /* the client whose turn it was */
     cb_job_t *cur = NULL;                  /* the job of the last turn, kept while it keeps its turns */
+    int retry_ms = BACKOFF_MIN_MS;         /* the back-off after a storage failure (STEP_RETRY) */
     while (!wait_pipe(&w, 0)) {
         w.busy = cur != NULL;
         beat(&w);
@@ -453,9 +475,19 @@ void pc_worker_actor(zsock_t *pipe, void *args) {
             cb_log(CB_LOG_INFO, cur->job, "stopping in the middle of doc '%s' (resumes at the next start)", cur->doc_id);
             break;
         }
-        if (st == STEP_DONE || st == STEP_FAIL) {
-            job_ended(&w, cur, st == STEP_DONE, err);
-            cb_job_free(&cur);
+        if ((st == STEP_DONE || st == STEP_FAIL) && job_ended(&w, cur, st == STEP_DONE, err) != 0) st = STEP_RETRY;
+        else if (st == STEP_DONE || st == STEP_FAIL) cb_job_free(&cur);
+        if (st == STEP_RETRY) { /* back off (1 s .. 30 s, doubling); nothing is failed or lost for it */
+            atomic_fetch_add(&w.st->storage_retries, 1);
+            cb_log(CB_LOG_WARN, cur ? cur->job : NULL, "%s; retrying in %d ms", err[0] ? err : "storage failure",
+                   retry_ms);
+            doing(&w, "waiting for storage");
+            if (poll_pipe(&w, retry_ms)) break;
+            retry_ms = retry_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : retry_ms * 2;
+            cb_job_free(&cur); /* read again from the table: the next turn goes on from what it holds */
+            last[0] = 0;
+        } else {
+            retry_ms = BACKOFF_MIN_MS;
         }
     }
     cb_job_free(&cur);

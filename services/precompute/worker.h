@@ -38,7 +38,8 @@ typedef struct {
     atomic_bool busy;                  /* it has work in hand */
     atomic_uint_fast64_t beat_ms;      /* cb_now_ms() at its last sign of progress */
     atomic_uint_fast64_t turns;        /* units of work done */
-    atomic_uint_fast64_t kv_write_failed; /* KV files that could not be written (their jobs failed, no put) */
+    atomic_uint_fast64_t kv_write_failed; /* KV files that could not be written (no put for them) */
+    atomic_uint_fast64_t storage_retries; /* turns backed off because storage failed for now (a full disk) */
     pthread_mutex_t mu;
     char what[192];                    /* what it is doing now, for the health reason */
 } pc_worker_stats_t;
