@@ -12,6 +12,8 @@
  *   --raw-hex HEX    send these bytes as the frame instead of JSON (malformed-input tests)
  *   --raw-file PATH  send the file's bytes as the frame
  *   --max-bytes N    ZMQ_MAXMSGSIZE of this client (default 64 MiB, so it can send oversized frames)
+ *   --config PATH, --SECTION.KEY=VALUE   the configuration: with common.curve = on, cb-send connects as
+ *                    CURVE client `cbctl` (keys in common.keys_dir), to a configured service endpoint
  *
  * Exit status: 0 ok reply (for --stream: the stream ended with ok "done"), 1 error reply, 2 no reply
  * (timeout, unavailable, or the service dropped the connection), 3 bad usage or input.
@@ -88,6 +90,16 @@ static int print_frame(const void *data, size_t len, cb_msg_t **out) {
 
 int main(int argc, char **argv) {
     cb_log_set_component("cb-send");
+    /* the CURVE settings (common.curve, keys_dir) and identity of cbctl; --config, --SECTION.KEY=V */
+    static cb_curve_t curve;
+    char cerr[1024];
+    cb_config_t *cfg = cb_config_new("cbctl", &argc, argv, cerr, sizeof cerr);
+    bool curve_ok = cfg && cb_curve_from_config(cfg, "cbctl", &curve, cerr, sizeof cerr);
+    cb_config_destroy(&cfg);
+    if (!curve_ok) {
+        fprintf(stderr, "cb-send: %s\n", cerr);
+        return 3;
+    }
     int timeout = 3000, retries = 0;
     bool stream = false;
     const char *raw_hex = NULL, *raw_file = NULL, *endpoint = NULL, *json_arg = NULL;
@@ -118,6 +130,7 @@ int main(int argc, char **argv) {
     o.request_retries = retries;
     o.max_msg_bytes = max_bytes;
     o.send_timeout_ms = timeout < 2000 ? timeout : 2000;
+    o.curve = curve;
     cb_bus_client_t *c = cb_bus_client_new(endpoint, &o, err, sizeof err);
     if (!c) {
         fprintf(stderr, "cb-send: %s\n", err);
