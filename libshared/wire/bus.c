@@ -116,13 +116,13 @@ zsock_t *cb_bus_socket(int type, const char *endpoint, bool bind, const cb_bus_o
     (ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | \
      ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
 
-/* A PAIR socket receiving s's handshake events (zmq_socket_monitor on a fresh inproc name), or NULL. */
-static zsock_t *monitor_attach(zsock_t *s, char *err, size_t errlen) {
+/* A PAIR socket receiving s's `events` (zmq_socket_monitor on a fresh inproc name), or NULL. */
+static zsock_t *monitor_attach(zsock_t *s, int events, char *err, size_t errlen) {
     static atomic_uint_fast64_t counter;
     char ep[64];
     snprintf(ep, sizeof ep, "inproc://cb-bus-monitor-%d-%llu", (int)getpid(),
              (unsigned long long)(atomic_fetch_add(&counter, 1) + 1));
-    if (zmq_socket_monitor(zsock_resolve(s), ep, HANDSHAKE_EVENTS) != 0) {
+    if (zmq_socket_monitor(zsock_resolve(s), ep, events) != 0) {
         snprintf(err, errlen, "cannot monitor a socket: %s", zmq_strerror(zmq_errno()));
         return NULL;
     }
@@ -207,7 +207,7 @@ cb_bus_conn_t *cb_bus_conn_new(int type, const char *endpoint, const cb_bus_opts
     }
     /* the monitor must be listening before the connection starts: socket first, then connect */
     c->sock = cb_bus_socket(type, NULL, false, o, err, errlen);
-    if (c->sock) c->mon = monitor_attach(c->sock, err, errlen);
+    if (c->sock) c->mon = monitor_attach(c->sock, HANDSHAKE_EVENTS, err, errlen);
     if (!c->mon || cb_curve_apply(&o->curve, c->sock, false, endpoint, err, errlen) != 0) {
         cb_bus_conn_destroy(&c);
         return NULL;
@@ -249,13 +249,15 @@ static void conn_refuse(cb_bus_conn_t *c, uint16_t event, uint32_t value) {
     else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)
         snprintf(c->why, sizeof c->why, "refused by %s: the %s handshake failed (ZMTP error 0x%x)", ep,
                  c->curve ? "CURVE" : "ZeroMQ", (unsigned)value);
+    /* a dropped handshake: the server saw something it rejects (a mismatch is seen by both sides, but
+     * the side that closes first may leave the other with no reason) */
     else if (c->curve)
         snprintf(c->why, sizeof c->why, "refused by %s: the server drops our CURVE handshake: the server key we have "
-                 "(%s/public/%s.key) is probably not its key (keys from another `cbctl keys init`?)", ep, c->keys_dir,
-                 c->peer);
+                 "(%s/public/%s.key) is probably not its key (keys from another `cbctl keys init`?), or it does not "
+                 "use CURVE (common.curve must be the same on both sides)", ep, c->keys_dir, c->peer);
     else
-        snprintf(c->why, sizeof c->why, "refused by %s: the server drops our ZeroMQ handshake (not a cacheblend "
-                 "service?)", ep);
+        snprintf(c->why, sizeof c->why, "refused by %s: the server drops our plaintext handshake: it probably "
+                 "requires CURVE (set common.curve = on and common.keys_dir)", ep);
     c->refused = true;
 }
 
@@ -762,7 +764,8 @@ cb_bus_service_t *cb_bus_service_new(const char *name, const char *endpoint, con
     }
     char *last = zsock_last_endpoint(svc->router);
     svc->endpoint = last ? last : strdup(endpoint);
-    if (!(svc->mon = monitor_attach(svc->router, err, errlen))) {
+    if (!(svc->mon = monitor_attach(svc->router, ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH,
+                                    err, errlen))) {
         cb_bus_service_destroy(&svc);
         return NULL;
     }

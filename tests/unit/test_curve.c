@@ -301,7 +301,7 @@ TEST(plaintext_client_refused) {
     double ms;
     cb_msg_t *m = echo(c, &code, err, sizeof err, &ms);
     CHECK(!m);
-    CHECK_MSG(code == CB_ERR_UNAVAILABLE && strstr(err, "the server requires CURVE and we connect in plaintext"), "%s",
+    CHECK_MSG(code == CB_ERR_UNAVAILABLE && strstr(err, "requires CURVE") && strstr(err, "common.curve = on"), "%s",
               err);
     CHECK_MSG(ms < REFUSAL_BOUND_MS, "refused after %.0f ms", ms);
     cb_bus_client_destroy(&c);
@@ -316,7 +316,7 @@ TEST(curve_client_of_plaintext_service_refused) {
     double ms;
     cb_msg_t *m = echo(c, &code, err, sizeof err, &ms);
     CHECK(!m);
-    CHECK_MSG(code == CB_ERR_UNAVAILABLE && strstr(err, "does not use CURVE and we do"), "%s", err);
+    CHECK_MSG(code == CB_ERR_UNAVAILABLE && strstr(err, "does not use CURVE"), "%s", err);
     CHECK_MSG(ms < REFUSAL_BOUND_MS, "refused after %.0f ms", ms);
     cb_bus_client_destroy(&c);
     /* plaintext to plaintext still works */
