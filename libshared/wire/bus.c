@@ -277,14 +277,18 @@ bool cb_bus_conn_refused(cb_bus_conn_t *c, char *err, size_t errlen) {
 int cb_bus_conn_send(cb_bus_conn_t *c, const void *data, size_t len, int timeout_ms, char *err, size_t errlen) {
     void *h = zsock_resolve(c->sock);
     double deadline = cb_now_ms() + timeout_ms;
+    if (c->refused) {
+        snprintf(err, errlen, "%s", c->why);
+        return -2;
+    }
     for (;;) {
-        if (cb_bus_conn_refused(c, err, errlen)) return -2;
-        if (zmq_send(h, data, len, ZMQ_DONTWAIT) >= 0) return 0;
+        if (zmq_send(h, data, len, ZMQ_DONTWAIT) >= 0) return 0; /* connected: the monitor is not read */
         int e = zmq_errno();
         if (e != EAGAIN) {
             snprintf(err, errlen, "cannot send to %s: %s", c->endpoint, zmq_strerror(e));
             return -1;
         }
+        if (cb_bus_conn_refused(c, err, errlen)) return -2;
         double left = deadline - cb_now_ms();
         if (left <= 0) break;
         /* not connected (ZMQ_IMMEDIATE) or at the HWM: wait for room, or for the handshake to fail */
