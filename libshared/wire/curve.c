@@ -91,12 +91,12 @@ bool cb_curve_read(const char *path, char public_txt[CB_CURVE_TXT], char secret_
     bool ok = true;
     if (secret_txt) {
         char derived[CB_CURVE_TXT];
+        snprintf(secret_txt, CB_CURVE_TXT, "%s", zcert_secret_txt(cert));
         if (all_zero(zcert_secret_key(cert))) {
             snprintf(err, errlen, "%s has no secret key (curve/secret-key): a public key file where a key pair belongs?",
                      path);
             ok = false;
-        } else if (snprintf(secret_txt, CB_CURVE_TXT, "%s", zcert_secret_txt(cert)),
-                   zmq_curve_public(derived, secret_txt) != 0 || strcmp(derived, public_txt) != 0) {
+        } else if (zmq_curve_public(derived, secret_txt) != 0 || strcmp(derived, public_txt) != 0) {
             snprintf(err, errlen, "%s: its public key does not belong to its secret key", path);
             ok = false;
         } else if (st.st_mode & 077) {
