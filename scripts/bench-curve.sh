@@ -14,7 +14,10 @@
 #      KV cached), alternating which stack goes first, after 3 warm-up queries each. Client TTFT (cbctl's
 #      query sent -> first token, a new connection and handshake each time, as cbctl makes) and
 #      cb-blend's metrics.ttft_ms (the service receiving the query -> first token).
-# Output: a table on stdout and $BENCH_CURVE_OUT/summary.json (default results/bench-curve).
+#   3. The transport alone: 6 x 2000 round trips on one connection (`cb-send --repeat`) of a ping and of a
+#      search of cb-retriever (a reply of 5 chunk texts), alternating the stacks; medians of the p50s.
+# Output: a table on stdout and $BENCH_CURVE_OUT/summary.json (default results/bench-curve);
+# BENCH_CURVE_KEEP=1 keeps the services' logs (cb-precompute's "doc ... done in N ms" lines time the compute).
 # A benchmark, not a test: timings on a shared machine are noisy; compare the columns of one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +52,10 @@ env_for() {
 # on_stack off|on COMMAND...: runs COMMAND in that stack's environment
 on_stack() { local s=$1; shift; mapfile -t E < <(env_for "$s"); env "${E[@]}" "$@"; }
 
-stop_all() { for s in off on; do on_stack $s scripts/stack.sh stop >/dev/null 2>&1 || true; done; rm -rf "$TMP"; }
+stop_all() {
+  for s in off on; do on_stack $s scripts/stack.sh stop >/dev/null 2>&1 || true; done
+  if [ -n "${BENCH_CURVE_KEEP:-}" ]; then echo "bench-curve: logs kept in $TMP/{off,on}/log"; else rm -rf "$TMP"; fi
+}
 trap stop_all EXIT
 build/bin/cbctl keys init "$TMP/keys" >/dev/null || die "cbctl keys init failed"
 for s in off on; do
@@ -115,16 +121,37 @@ for i in range(nq):
     for s in (("off", "on") if i % 2 == 0 else ("on", "off")):
         ttft[s].append(query(s))
 
+# 3. the transport itself: round trips on one connection (cb-send --repeat), a ping (about 100 bytes each
+# way) and a search (a reply of k chunk texts, several KiB), alternating the stacks
+import re
+def rtt(s, req, n):
+    p = port + (10 if s == "on" else 0)
+    r = subprocess.run(["build/bin/cb-send", "--repeat", str(n), f"tcp://127.0.0.1:{p}", req], env=env(s),
+                       capture_output=True, text=True, check=True)
+    m = re.search(r"mean ([0-9.]+) ms, p50 ([0-9.]+) ms", r.stderr)
+    return float(m.group(1)), float(m.group(2)), len(r.stdout)
+reqs = {"ping": '{"type":"ping"}', "search": json.dumps({"type": "search", "query": q, "k": 5})}
+rt = {k: {"off": [], "on": []} for k in reqs}
+for k, req in reqs.items():
+    for i in range(6):
+        for s in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            rt[k][s].append(rtt(s, req, 2000))
+
 res = {"source": source, "rounds": rounds, "docs_per_round": ndocs, "queries": nq, "question": q, "max_tokens": maxtok}
 for s in ("off", "on"):
     docs = sum(n for n, _ in ingest[s]); secs = sum(t for _, t in ingest[s])
     cl = [c for c, _, _ in ttft[s]]; sv = [v for _, v, _ in ttft[s]]
     res[s] = {"ingest_docs": docs, "ingest_s": round(secs, 3), "docs_per_s": round(docs / secs, 3),
+              "ingest_runs_s": [round(t, 3) for _, t in ingest[s]],
               "client_ttft_ms": {"median": round(statistics.median(cl), 3), "mean": round(statistics.mean(cl), 3),
                                  "p90": round(sorted(cl)[int(0.9 * (len(cl) - 1))], 3)},
               "server_ttft_ms": {"median": round(statistics.median(sv), 3), "mean": round(statistics.mean(sv), 3),
                                  "p90": round(sorted(sv)[int(0.9 * (len(sv) - 1))], 3)},
               "cache_hits_min": min(h for _, _, h in ttft[s])}
+    for k in reqs:
+        res[s][f"{k}_rtt_ms"] = {"p50": round(statistics.median(p for _, p, _ in rt[k][s]), 4),
+                                 "mean": round(statistics.mean(m for m, _, _ in rt[k][s]), 4),
+                                 "reply_bytes": rt[k][s][0][2]}
 def pct(a, b): return round(100.0 * (b - a) / a, 2) if a else None
 res["cost_pct"] = {"docs_per_s": round(100.0 * (res["off"]["docs_per_s"] - res["on"]["docs_per_s"]) / res["off"]["docs_per_s"], 2),
                    "client_ttft_median": pct(res["off"]["client_ttft_ms"]["median"], res["on"]["client_ttft_ms"]["median"]),
@@ -139,5 +166,9 @@ for k, name in (("client_ttft_ms", "client TTFT median (ms)"), ("server_ttft_ms"
 for k, name in (("client_ttft_ms", "client TTFT mean (ms)"), ("server_ttft_ms", "server TTFT mean (ms)")):
     a, b = res["off"][k]["mean"], res["on"][k]["mean"]
     print(f"{name:28}{a:>12.2f}{b:>12.2f}{100.0 * (b - a) / a:>11.2f}%")
+for k in reqs:
+    a, b = res["off"][f"{k}_rtt_ms"]["p50"], res["on"][f"{k}_rtt_ms"]["p50"]
+    name = f"{k} round trip p50 (ms)"
+    print(f"{name:28}{a:>12.4f}{b:>12.4f}{100.0 * (b - a) / a:>11.2f}%   ({1000 * (b - a):+.1f} us a request; reply ~{res['off'][f'{k}_rtt_ms']['reply_bytes']} B as JSON)")
 print(f"(cost: on vs off; positive = CURVE slower; summary: {os.path.join(outdir, 'summary.json')})")
 PY
