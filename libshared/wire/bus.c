@@ -737,8 +737,8 @@ struct cb_bus_service_s {
     bool stop;
     cb_bus_req_t *detached; /* head of the list */
     zsock_t *mon;           /* PAIR: the ROUTER's failed handshakes, logged (rate-limited) */
-    double mon_last_ms[3];  /* per kind (ZAP denied, mechanism mismatch, other): last line logged */
-    int mon_quiet[3];       /* refusals not logged since */
+    double mon_last_ms[4];  /* per kind (ZAP denied, mechanism mismatch, other, dropped): last line logged */
+    int mon_quiet[4];       /* refusals not logged since */
 };
 
 static cb_bus_handler_fn s_ping, s_stats;
@@ -768,8 +768,8 @@ cb_bus_service_t *cb_bus_service_new(const char *name, const char *endpoint, con
     }
     char *last = zsock_last_endpoint(svc->router);
     svc->endpoint = last ? last : strdup(endpoint);
-    if (!(svc->mon = monitor_attach(svc->router, ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH,
-                                    err, errlen))) {
+    if (!(svc->mon = monitor_attach(svc->router, ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                                                     ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL, err, errlen))) {
         cb_bus_service_destroy(&svc);
         return NULL;
     }
@@ -1036,8 +1036,9 @@ static int s_on_monitor(zloop_t *loop, zsock_t *sock, void *arg) {
         int kind = ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? 0
                    : ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && val == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH ? 1
                    : ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ? 2
+                   : ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL ? 3
                    : -1;
-        if (kind < 0) continue; /* succeeded, or dropped without a reason (the client went away) */
+        if (kind < 0) continue;
         double now = cb_now_ms();
         if (svc->mon_last_ms[kind] > 0 && now - svc->mon_last_ms[kind] < 10000) {
             svc->mon_quiet[kind]++;
@@ -1052,11 +1053,14 @@ static int s_on_monitor(zloop_t *loop, zsock_t *sock, void *arg) {
         else if (kind == 1)
             cb_log(CB_LOG_WARN, NULL, "refused a client on %s: it connects %s and this service %s%s", svc->endpoint,
                    cv->on ? "in plaintext" : "with CURVE", cv->on ? "requires CURVE" : "has common.curve off", more);
-        else
+        else if (kind == 2)
             cb_log(CB_LOG_WARN, NULL, "refused a client on %s: %s handshake failed (ZMTP error 0x%x%s)%s", svc->endpoint,
                    cv->on ? "CURVE" : "ZeroMQ", (unsigned)val,
                    val == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC ? ": the client has another key for this server?" : "",
                    more);
+        else /* the client hung up first: it saw a mismatch itself, gave up, or does not speak ZeroMQ */
+            cb_log(CB_LOG_INFO, NULL, "a client on %s dropped its handshake (common.curve set otherwise on its side, a "
+                   "client that gave up, or not a ZeroMQ peer)%s", svc->endpoint, more);
         svc->mon_last_ms[kind] = now;
         svc->mon_quiet[kind] = 0;
     }
