@@ -14,8 +14,10 @@
 #      KV cached), alternating which stack goes first, after 3 warm-up queries each. Client TTFT (cbctl's
 #      query sent -> first token, a new connection and handshake each time, as cbctl makes) and
 #      cb-blend's metrics.ttft_ms (the service receiving the query -> first token).
-#   3. The transport alone: 6 x 2000 round trips on one connection (`cb-send --repeat`) of a ping and of a
-#      search of cb-retriever (a reply of 5 chunk texts), alternating the stacks; medians of the p50s.
+#   3. The transport alone, against cb-retriever: 6 x 4000 round trips on one connection (`cb-send --repeat`)
+#      of a ping and of a search (a reply of 5 chunk texts), and 6 x 400 pings on a new connection each
+#      (`--fresh`: connect + handshake + request), alternating the stacks: medians of the p50s, and the CPU
+#      time per request of the client and of cb-retriever (robust to the other processes on the machine).
 # Output: a table on stdout and $BENCH_CURVE_OUT/summary.json (default results/bench-curve);
 # BENCH_CURVE_KEEP=1 keeps the services' logs (cb-precompute's "doc ... done in N ms" lines time the compute).
 # A benchmark, not a test: timings on a shared machine are noisy; compare the columns of one run.
@@ -121,21 +123,33 @@ for i in range(nq):
     for s in (("off", "on") if i % 2 == 0 else ("on", "off")):
         ttft[s].append(query(s))
 
-# 3. the transport itself: round trips on one connection (cb-send --repeat), a ping (about 100 bytes each
-# way) and a search (a reply of k chunk texts, several KiB), alternating the stacks
-import re
-def rtt(s, req, n):
+# 3. the transport itself: round trips (cb-send --repeat) of a ping (about 100 bytes each way) and of a
+# search (a reply of k chunk texts, several KiB) on one connection, and of a ping on a new connection each
+# (--fresh: connect, handshake, request), alternating the stacks. Wall time is at the mercy of the other
+# processes on the machine; the CPU time the client and cb-retriever spend is not, so it is counted too.
+import re, resource
+def cpu_children():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+def cpu_pid(pid):
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+rpid = {s: int(open(f"{tmp}/{s}/run/retriever.pid").read()) for s in ("off", "on")}
+def rtt(s, req, n, fresh):
     p = port + (10 if s == "on" else 0)
-    r = subprocess.run(["build/bin/cb-send", "--repeat", str(n), f"tcp://127.0.0.1:{p}", req], env=env(s),
-                       capture_output=True, text=True, check=True)
+    c0, s0 = cpu_children(), cpu_pid(rpid[s])
+    r = subprocess.run(["build/bin/cb-send", "--repeat", str(n)] + (["--fresh"] if fresh else []) +
+                       [f"tcp://127.0.0.1:{p}", req], env=env(s), capture_output=True, text=True, check=True)
+    c1, s1 = cpu_children(), cpu_pid(rpid[s])
     m = re.search(r"mean ([0-9.]+) ms, p50 ([0-9.]+) ms", r.stderr)
-    return float(m.group(1)), float(m.group(2)), len(r.stdout)
-reqs = {"ping": '{"type":"ping"}', "search": json.dumps({"type": "search", "query": q, "k": 5})}
+    return float(m.group(1)), float(m.group(2)), len(r.stdout), c1 - c0, s1 - s0, n
+reqs = {"ping": ('{"type":"ping"}', 4000, False), "search": (json.dumps({"type": "search", "query": q, "k": 5}), 4000, False),
+        "ping_new_connection": ('{"type":"ping"}', 400, True)}
 rt = {k: {"off": [], "on": []} for k in reqs}
-for k, req in reqs.items():
+for k, (req, n, fresh) in reqs.items():
     for i in range(6):
         for s in (("off", "on") if i % 2 == 0 else ("on", "off")):
-            rt[k][s].append(rtt(s, req, 2000))
+            rt[k][s].append(rtt(s, req, n, fresh))
 
 res = {"source": source, "rounds": rounds, "docs_per_round": ndocs, "queries": nq, "question": q, "max_tokens": maxtok}
 for s in ("off", "on"):
@@ -149,9 +163,13 @@ for s in ("off", "on"):
                                  "p90": round(sorted(sv)[int(0.9 * (len(sv) - 1))], 3)},
               "cache_hits_min": min(h for _, _, h in ttft[s])}
     for k in reqs:
-        res[s][f"{k}_rtt_ms"] = {"p50": round(statistics.median(p for _, p, _ in rt[k][s]), 4),
-                                 "mean": round(statistics.mean(m for m, _, _ in rt[k][s]), 4),
-                                 "reply_bytes": rt[k][s][0][2]}
+        runs = rt[k][s]
+        total = sum(r[5] for r in runs)
+        res[s][f"{k}_rtt_ms"] = {"p50": round(statistics.median(r[1] for r in runs), 4),
+                                 "mean": round(statistics.mean(r[0] for r in runs), 4),
+                                 "client_cpu_us": round(1e6 * sum(r[3] for r in runs) / total, 2),
+                                 "server_cpu_us": round(1e6 * sum(r[4] for r in runs) / total, 2),
+                                 "requests": total, "reply_bytes": runs[0][2]}
 def pct(a, b): return round(100.0 * (b - a) / a, 2) if a else None
 res["cost_pct"] = {"docs_per_s": round(100.0 * (res["off"]["docs_per_s"] - res["on"]["docs_per_s"]) / res["off"]["docs_per_s"], 2),
                    "client_ttft_median": pct(res["off"]["client_ttft_ms"]["median"], res["on"]["client_ttft_ms"]["median"]),
@@ -167,8 +185,10 @@ for k, name in (("client_ttft_ms", "client TTFT mean (ms)"), ("server_ttft_ms", 
     a, b = res["off"][k]["mean"], res["on"][k]["mean"]
     print(f"{name:28}{a:>12.2f}{b:>12.2f}{100.0 * (b - a) / a:>11.2f}%")
 for k in reqs:
-    a, b = res["off"][f"{k}_rtt_ms"]["p50"], res["on"][f"{k}_rtt_ms"]["p50"]
-    name = f"{k} round trip p50 (ms)"
-    print(f"{name:28}{a:>12.4f}{b:>12.4f}{100.0 * (b - a) / a:>11.2f}%   ({1000 * (b - a):+.1f} us a request; reply ~{res['off'][f'{k}_rtt_ms']['reply_bytes']} B as JSON)")
+    o, n = res["off"][f"{k}_rtt_ms"], res["on"][f"{k}_rtt_ms"]
+    a, b = o["p50"], n["p50"]
+    print(f"{k + ' round trip p50 (ms)':28}{a:>12.4f}{b:>12.4f}{100.0 * (b - a) / a:>11.2f}%   ({1000 * (b - a):+.1f} us)")
+    a, b = o["client_cpu_us"] + o["server_cpu_us"], n["client_cpu_us"] + n["server_cpu_us"]
+    print(f"{'  CPU a request (us)':28}{a:>12.1f}{b:>12.1f}{100.0 * (b - a) / a:>11.2f}%   ({b - a:+.1f} us: client + cb-retriever, {o['requests']} requests)")
 print(f"(cost: on vs off; positive = CURVE slower; summary: {os.path.join(outdir, 'summary.json')})")
 PY

@@ -14,6 +14,7 @@
  *   --max-bytes N    ZMQ_MAXMSGSIZE of this client (default 64 MiB, so it can send oversized frames)
  *   --repeat N       send the request N times, one after the other on one connection (not with --stream);
  *                    prints the last reply, and the round-trip times (mean, p50, p99 in ms) on stderr
+ *   --fresh          with --repeat: a new connection (and handshake) for every request
  *   --config PATH, --SECTION.KEY=VALUE   the configuration: with common.curve = on, cb-send connects as
  *                    CURVE client `cbctl` (keys in common.keys_dir), to a configured service endpoint
  *
@@ -34,7 +35,7 @@
 
 static void usage(FILE *f) {
     fprintf(f, "usage: cb-send [--timeout MS] [--retries N] [--stream] [--raw-hex HEX | --raw-file PATH]\n"
-               "               [--max-bytes N] [--repeat N] ENDPOINT [JSON|-]\n"
+               "               [--max-bytes N] [--repeat N [--fresh]] ENDPOINT [JSON|-]\n"
                "exit: 0 ok reply, 1 error reply, 2 no reply, 3 bad usage or input\n");
 }
 
@@ -109,7 +110,7 @@ int main(int argc, char **argv) {
         return 3;
     }
     int timeout = 3000, retries = 0, repeat = 1;
-    bool stream = false;
+    bool stream = false, fresh = false;
     const char *raw_hex = NULL, *raw_file = NULL, *endpoint = NULL, *json_arg = NULL;
     int64_t max_bytes = 64 << 20;
     for (int i = 1; i < argc; i++) {
@@ -122,6 +123,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--raw-file") && i + 1 < argc) raw_file = argv[++i];
         else if (!strcmp(a, "--max-bytes") && i + 1 < argc) max_bytes = atoll(argv[++i]);
         else if (!strcmp(a, "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
+        else if (!strcmp(a, "--fresh")) fresh = true;
         else if (a[0] == '-' && a[1] == '-') { fprintf(stderr, "cb-send: unknown option %s\n", a); usage(stderr); return 3; }
         else if (!endpoint) endpoint = a;
         else if (!json_arg) json_arg = a;
@@ -247,6 +249,13 @@ int main(int argc, char **argv) {
         for (int r = 0; r < repeat; r++) { /* the same bytes, the same id: each reply comes before the next send */
             cb_msg_destroy(&rep);
             double t0 = cb_now_ms();
+            if (fresh && r > 0) {
+                cb_bus_client_destroy(&c);
+                if (!(c = cb_bus_client_new(endpoint, &o, err, sizeof err))) {
+                    code = CB_ERR_INTERNAL;
+                    break;
+                }
+            }
             if (!(rep = cb_bus_request(c, data, len, &code, err, sizeof err))) break;
             if (rtt) rtt[r] = cb_now_ms() - t0;
         }
