@@ -48,7 +48,7 @@ LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasL
 endif
 endif
 
-.PHONY: all test test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway cuda fuzz clean model eval check-layers
+.PHONY: all test test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve cuda fuzz clean model eval check-layers
 all: build/lib/libshared.a $(CUDA_LIB) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
@@ -161,6 +161,9 @@ bench-serve: all model
 
 bench-gateway: all model
 	@scripts/bench-gateway.sh
+
+bench-curve: all model
+	@scripts/bench-curve.sh
 
 clean:
 	rm -rf build

@@ -16,6 +16,7 @@
 /* Options, setup, sockets                                                                         */
 
 void cb_bus_opts_default(cb_bus_opts_t *o) {
+    memset(o, 0, sizeof *o); /* CURVE off */
     o->max_msg_bytes = CB_MSG_DEFAULT_MAX_BYTES;
     o->linger_ms = 1000;
     o->sndhwm = 1000;
@@ -44,7 +45,7 @@ bool cb_bus_opts_from_config(const cb_config_t *cfg, const char *section, cb_bus
     GETI(request_timeout_ms, 1, 3600000);
     GETI(request_retries, 0, 100);
 #undef GETI
-    return true;
+    return cb_curve_from_config(cfg, section, &o->curve, err, errlen);
 }
 
 void cb_bus_init(const char *program_name) {
@@ -61,6 +62,10 @@ zsock_t *cb_bus_socket(int type, const char *endpoint, bool bind, const cb_bus_o
     if (!o) {
         cb_bus_opts_default(&def);
         o = &def;
+    }
+    if (endpoint && !cb_config_endpoint_valid(endpoint)) {
+        snprintf(err, errlen, "invalid endpoint '%s'", endpoint);
+        return NULL;
     }
     zsock_t *s = zsock_new(type);
     if (!s) {
@@ -82,8 +87,8 @@ zsock_t *cb_bus_socket(int type, const char *endpoint, bool bind, const cb_bus_o
         return NULL;
     }
     if (endpoint) {
-        if (!cb_config_endpoint_valid(endpoint)) {
-            snprintf(err, errlen, "invalid endpoint '%s'", endpoint);
+        /* CURVE options must be set before the bind or connect they apply to */
+        if (cb_curve_apply(&o->curve, s, bind, endpoint, err, errlen) != 0) {
             zsock_destroy(&s);
             return NULL;
         }
@@ -94,8 +99,209 @@ zsock_t *cb_bus_socket(int type, const char *endpoint, bool bind, const cb_bus_o
             zsock_destroy(&s);
             return NULL;
         }
+        if (bind && o->curve.on)
+            cb_log(CB_LOG_INFO, NULL, "curve: %s is a CURVE server (key %s/server/%s.key_secret)", endpoint,
+                   o->curve.keys_dir, o->curve.service);
+        else if (bind && cb_curve_endpoint_public(endpoint))
+            cb_log(CB_LOG_WARN, NULL, "%s is bound to a non-loopback address without CURVE: anyone who reaches it can "
+                   "use it (set common.curve = on: docs/protocol.md section 1.1)", endpoint);
     }
     return s;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Handshake monitors                                                                              */
+
+#define HANDSHAKE_EVENTS \
+    (ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | \
+     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+
+/* A PAIR socket receiving s's `events` (zmq_socket_monitor on a fresh inproc name), or NULL. */
+static zsock_t *monitor_attach(zsock_t *s, int events, char *err, size_t errlen) {
+    static atomic_uint_fast64_t counter;
+    char ep[64];
+    snprintf(ep, sizeof ep, "inproc://cb-bus-monitor-%d-%llu", (int)getpid(),
+             (unsigned long long)(atomic_fetch_add(&counter, 1) + 1));
+    if (zmq_socket_monitor(zsock_resolve(s), ep, events) != 0) {
+        snprintf(err, errlen, "cannot monitor a socket: %s", zmq_strerror(zmq_errno()));
+        return NULL;
+    }
+    zsock_t *pair = zsock_new(ZMQ_PAIR);
+    if (!pair || zsock_connect(pair, "%s", ep) != 0) {
+        snprintf(err, errlen, "cannot monitor a socket: %s", zmq_strerror(zmq_errno()));
+        zsock_destroy(&pair);
+        zmq_socket_monitor(zsock_resolve(s), NULL, 0);
+        return NULL;
+    }
+    return pair;
+}
+
+/* Stops the monitor of s and closes its PAIR. */
+static void monitor_detach(zsock_t *s, zsock_t **pair_p) {
+    if (!*pair_p) return;
+    if (s) zmq_socket_monitor(zsock_resolve(s), NULL, 0);
+    zsock_destroy(pair_p);
+}
+
+/* The next pending event (libzmq 4.x: a 6-byte frame {u16 event, u32 value}, then the endpoint). */
+static bool monitor_next(zsock_t *pair, uint16_t *event, uint32_t *value) {
+    void *h = zsock_resolve(pair);
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    if (zmq_msg_recv(&m, h, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&m);
+        return false;
+    }
+    bool ok = zmq_msg_size(&m) >= 6;
+    if (ok) {
+        memcpy(event, zmq_msg_data(&m), 2);
+        memcpy(value, (const char *)zmq_msg_data(&m) + 2, 4);
+    }
+    while (zmq_msg_more(&m)) { /* the endpoint frame */
+        zmq_msg_close(&m);
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, h, ZMQ_DONTWAIT) < 0) break;
+    }
+    zmq_msg_close(&m);
+    return ok;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Connections                                                                                     */
+
+struct cb_bus_conn_s {
+    zsock_t *sock;
+    zsock_t *mon;        /* PAIR: sock's handshake events */
+    char *endpoint;
+    bool curve;          /* this link uses CURVE */
+    char identity[32];   /* our CURVE identity and keys dir, and the peer's key file, for the messages */
+    char keys_dir[512];
+    char peer[16];
+    int n_no_detail;     /* handshakes dropped without a reason since the last success */
+    bool refused;
+    char why[1024];
+};
+
+cb_bus_conn_t *cb_bus_conn_new(int type, const char *endpoint, const cb_bus_opts_t *o, char *err, size_t errlen) {
+    cb_bus_opts_t def;
+    if (!o) {
+        cb_bus_opts_default(&def);
+        o = &def;
+    }
+    if (!endpoint || !cb_config_endpoint_valid(endpoint)) {
+        snprintf(err, errlen, "invalid endpoint '%s'", endpoint ? endpoint : "(null)");
+        return NULL;
+    }
+    cb_bus_conn_t *c = calloc(1, sizeof *c);
+    if (!c || !(c->endpoint = strdup(endpoint))) {
+        free(c);
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    c->curve = o->curve.on;
+    if (c->curve) {
+        const cb_curve_peer_t *p = cb_curve_peer(&o->curve, endpoint);
+        snprintf(c->identity, sizeof c->identity, "%s", o->curve.identity);
+        snprintf(c->keys_dir, sizeof c->keys_dir, "%s", o->curve.keys_dir);
+        snprintf(c->peer, sizeof c->peer, "%s", p ? p->name : "?");
+    }
+    /* the monitor must be listening before the connection starts: socket first, then connect */
+    c->sock = cb_bus_socket(type, NULL, false, o, err, errlen);
+    if (c->sock) c->mon = monitor_attach(c->sock, HANDSHAKE_EVENTS, err, errlen);
+    if (!c->mon || cb_curve_apply(&o->curve, c->sock, false, endpoint, err, errlen) != 0) {
+        cb_bus_conn_destroy(&c);
+        return NULL;
+    }
+    if (zsock_connect(c->sock, "%s", endpoint) != 0) {
+        snprintf(err, errlen, "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        cb_bus_conn_destroy(&c);
+        return NULL;
+    }
+    return c;
+}
+
+void cb_bus_conn_destroy(cb_bus_conn_t **self_p) {
+    if (!self_p || !*self_p) return;
+    cb_bus_conn_t *c = *self_p;
+    monitor_detach(c->sock, &c->mon);
+    zsock_destroy(&c->sock);
+    free(c->endpoint);
+    free(c);
+    *self_p = NULL;
+}
+
+zsock_t *cb_bus_conn_sock(cb_bus_conn_t *c) { return c->sock; }
+void *cb_bus_conn_monitor(cb_bus_conn_t *c) { return zsock_resolve(c->mon); }
+
+static void conn_refuse(cb_bus_conn_t *c, uint16_t event, uint32_t value) {
+    const char *ep = c->endpoint;
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH && value == 400)
+        snprintf(c->why, sizeof c->why, "refused by %s: our CURVE key is not in the server's allowed clients (ZAP; we "
+                 "are '%s' of %s)", ep, c->identity, c->keys_dir);
+    else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+        snprintf(c->why, sizeof c->why, "refused by %s: the server's authentication failed (ZAP status %u)", ep,
+                 (unsigned)value);
+    else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+        snprintf(c->why, sizeof c->why, c->curve
+                 ? "refused by %s: the server does not use CURVE and we do (common.curve must be the same on both sides)"
+                 : "refused by %s: the server requires CURVE and we connect in plaintext (set common.curve = on and "
+                   "common.keys_dir)", ep);
+    else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        snprintf(c->why, sizeof c->why, "refused by %s: the %s handshake failed (ZMTP error 0x%x)", ep,
+                 c->curve ? "CURVE" : "ZeroMQ", (unsigned)value);
+    /* a dropped handshake: the server saw something it rejects (a mismatch is seen by both sides, but
+     * the side that closes first may leave the other with no reason) */
+    else if (c->curve)
+        snprintf(c->why, sizeof c->why, "refused by %s: the server drops our CURVE handshake: the server key we have "
+                 "(%s/public/%s.key) is probably not its key (keys from another `cbctl keys init`?), or it does not "
+                 "use CURVE (common.curve must be the same on both sides)", ep, c->keys_dir, c->peer);
+    else
+        snprintf(c->why, sizeof c->why, "refused by %s: the server drops our plaintext handshake: it probably "
+                 "requires CURVE (set common.curve = on and common.keys_dir)", ep);
+    c->refused = true;
+}
+
+bool cb_bus_conn_refused(cb_bus_conn_t *c, char *err, size_t errlen) {
+    uint16_t ev;
+    uint32_t val;
+    while (!c->refused && monitor_next(c->mon, &ev, &val)) {
+        if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) c->n_no_detail = 0;
+        else if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) conn_refuse(c, ev, val);
+        else if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && ++c->n_no_detail >= 2) conn_refuse(c, ev, val);
+        /* one dropped handshake may be a server going down; two in a row are a pattern */
+    }
+    if (c->refused && err) snprintf(err, errlen, "%s", c->why);
+    return c->refused;
+}
+
+int cb_bus_conn_send(cb_bus_conn_t *c, const void *data, size_t len, int timeout_ms, char *err, size_t errlen) {
+    void *h = zsock_resolve(c->sock);
+    double deadline = cb_now_ms() + timeout_ms;
+    if (c->refused) {
+        snprintf(err, errlen, "%s", c->why);
+        return -2;
+    }
+    for (;;) {
+        if (zmq_send(h, data, len, ZMQ_DONTWAIT) >= 0) return 0; /* connected: the monitor is not read */
+        int e = zmq_errno();
+        if (e != EAGAIN) {
+            snprintf(err, errlen, "cannot send to %s: %s", c->endpoint, zmq_strerror(e));
+            return -1;
+        }
+        if (cb_bus_conn_refused(c, err, errlen)) return -2;
+        double left = deadline - cb_now_ms();
+        if (left <= 0) break;
+        /* not connected (ZMQ_IMMEDIATE) or at the HWM: wait for room, or for the handshake to fail */
+        zmq_pollitem_t items[2] = {{h, 0, ZMQ_POLLOUT, 0}, {zsock_resolve(c->mon), 0, ZMQ_POLLIN, 0}};
+        if (zmq_poll(items, 2, (long)left + 1) < 0 && (zmq_errno() != EINTR || zsys_interrupted)) {
+            snprintf(err, errlen, "interrupted");
+            return -1;
+        }
+    }
+    if (cb_bus_conn_refused(c, err, errlen)) return -2;
+    snprintf(err, errlen, "%s is unavailable: no connection within %d ms (is the service running?)", c->endpoint,
+             timeout_ms);
+    return -1;
 }
 
 const char *cb_bus_new_id(char *buf, size_t size) {
@@ -111,7 +317,7 @@ const char *cb_bus_new_id(char *buf, size_t size) {
 struct cb_bus_client_s {
     char *endpoint;
     cb_bus_opts_t o;
-    zsock_t *sock; /* NULL until used, and after a timeout (Lazy Pirate) */
+    cb_bus_conn_t *conn; /* NULL until used, and after a timeout (Lazy Pirate) */
 };
 
 cb_bus_client_t *cb_bus_client_new(const char *endpoint, const cb_bus_opts_t *o, char *err, size_t errlen) {
@@ -144,10 +350,10 @@ cb_bus_client_t *cb_bus_client_from_config(const cb_config_t *cfg, const char *s
 }
 
 static void client_close(cb_bus_client_t *c) {
-    if (c->sock) {
+    if (c->conn) {
         /* unsent messages are dropped: a retry must not deliver the old copy later */
-        zsock_set_linger(c->sock, 0);
-        zsock_destroy(&c->sock);
+        zsock_set_linger(cb_bus_conn_sock(c->conn), 0);
+        cb_bus_conn_destroy(&c->conn);
     }
 }
 
@@ -168,31 +374,26 @@ void cb_bus_client_set_timeout(cb_bus_client_t *c, int timeout_ms, int retries) 
 }
 
 static int client_open(cb_bus_client_t *c, char *err, size_t errlen) {
-    if (c->sock) return 0;
-    c->sock = cb_bus_socket(ZMQ_DEALER, c->endpoint, false, &c->o, err, errlen);
-    return c->sock ? 0 : -1;
+    if (c->conn) return 0;
+    c->conn = cb_bus_conn_new(ZMQ_DEALER, c->endpoint, &c->o, err, errlen);
+    return c->conn ? 0 : -1;
 }
 
-/* One frame, blocking up to send_timeout_ms (ZMQ_IMMEDIATE: fails when nothing is connected). */
+/* One frame, waiting up to send_timeout_ms for the connection (ZMQ_IMMEDIATE: fails when nothing is
+ * connected). 0, -1, or -2 when the handshake was refused (err: why). */
 static int client_send(cb_bus_client_t *c, const void *data, size_t len, char *err, size_t errlen) {
     if (client_open(c, err, errlen) != 0) return -1;
-    if (zmq_send(zsock_resolve(c->sock), data, len, 0) < 0) {
-        int e = zmq_errno();
-        if (e == EAGAIN)
-            snprintf(err, errlen, "%s is unavailable: no connection within %d ms (is the service running?)",
-                     c->endpoint, c->o.send_timeout_ms);
-        else snprintf(err, errlen, "cannot send to %s: %s", c->endpoint, zmq_strerror(e));
-        client_close(c);
-        return -1;
-    }
-    return 0;
+    int rc = cb_bus_conn_send(c->conn, data, len, c->o.send_timeout_ms, err, errlen);
+    if (rc != 0) client_close(c);
+    return rc;
 }
 
 /* Waits up to timeout_ms for one message; returns its last frame, or NULL (timeout/interrupt). */
 static zframe_t *client_recv_frame(cb_bus_client_t *c, double deadline, bool *interrupted) {
     *interrupted = false;
-    if (!c->sock) return NULL;
-    void *h = zsock_resolve(c->sock);
+    if (!c->conn) return NULL;
+    zsock_t *sock = cb_bus_conn_sock(c->conn);
+    void *h = zsock_resolve(sock);
     for (;;) {
         double left = deadline - cb_now_ms(); /* <= 0: one look at what is there already */
         zmq_pollitem_t item = {h, 0, ZMQ_POLLIN, 0};
@@ -206,7 +407,7 @@ static zframe_t *client_recv_frame(cb_bus_client_t *c, double deadline, bool *in
             if (deadline - cb_now_ms() <= 0) return NULL;
             continue;
         }
-        zmsg_t *m = zmsg_recv(c->sock);
+        zmsg_t *m = zmsg_recv(sock);
         if (!m) continue;
         zframe_t *last = zmsg_last(m);
         zframe_t *f = last ? zframe_dup(last) : NULL;
@@ -260,11 +461,13 @@ cb_msg_t *cb_bus_request(cb_bus_client_t *c, const void *data, size_t len, cb_er
     *code = CB_ERR_NONE;
     char id[CB_MSG_MAX_ID + 1];
     if (!own_id(c, data, len, id, code, err, errlen)) return NULL;
-    bool sent_any = false;
-    char last[256] = "";
-    for (int attempt = 0; attempt <= c->o.request_retries; attempt++) {
+    bool sent_any = false, refused = false;
+    char last[400] = "";
+    for (int attempt = 0; attempt <= c->o.request_retries && !refused; attempt++) {
         if (zsys_interrupted) break;
-        if (client_send(c, data, len, last, sizeof last) != 0) continue;
+        int rc = client_send(c, data, len, last, sizeof last);
+        refused = rc == -2; /* a retry would be refused the same way */
+        if (rc != 0) continue;
         sent_any = true;
         bool intr;
         cb_msg_t *m = client_wait(c, id, cb_now_ms() + c->o.request_timeout_ms, &intr);
@@ -277,7 +480,7 @@ cb_msg_t *cb_bus_request(cb_bus_client_t *c, const void *data, size_t len, cb_er
     if (zsys_interrupted) {
         *code = CB_ERR_INTERNAL;
         snprintf(err, errlen, "interrupted");
-    } else if (sent_any) {
+    } else if (sent_any && !refused) {
         *code = CB_ERR_TIMEOUT;
         snprintf(err, errlen, "timeout: no reply from %s after %d attempt%s of %d ms", c->endpoint,
                  c->o.request_retries + 1, c->o.request_retries ? "s" : "", c->o.request_timeout_ms);
@@ -334,10 +537,10 @@ cb_msg_t *cb_bus_recv(cb_bus_client_t *c, const char *id, int timeout_ms, cb_err
     return m;
 }
 
-void *cb_bus_client_handle(cb_bus_client_t *c) { return c->sock ? zsock_resolve(c->sock) : NULL; }
+void *cb_bus_client_handle(cb_bus_client_t *c) { return c->conn ? zsock_resolve(cb_bus_conn_sock(c->conn)) : NULL; }
 
 int cb_bus_send_raw(cb_bus_client_t *c, const void *data, size_t len, char *err, size_t errlen) {
-    return client_send(c, data, len, err, errlen);
+    return client_send(c, data, len, err, errlen) == 0 ? 0 : -1;
 }
 
 zframe_t *cb_bus_recv_raw(cb_bus_client_t *c, int timeout_ms) {
@@ -347,18 +550,21 @@ zframe_t *cb_bus_recv_raw(cb_bus_client_t *c, int timeout_ms) {
 
 /* Fan-out with one DEALER per endpoint (ZMQ_IMMEDIATE): a socket becomes writable only once its
  * connection is up, so "unavailable" (never connected) and "timeout" (sent, no answer) are told apart
- * while all services are tried at the same time. */
+ * while all services are tried at the same time; each socket's monitor reports a refused handshake. */
 void cb_bus_fanout(const cb_bus_opts_t *opts, const char *type, const char *const *endpoints, int n, int connect_ms,
                    int timeout_ms, cb_bus_result_t *results) {
-    zsock_t *socks[CB_BUS_FANOUT_MAX] = {0};
+    cb_bus_conn_t *conns[CB_BUS_FANOUT_MAX] = {0};
     char ids[CB_BUS_FANOUT_MAX][32];
     bool sent[CB_BUS_FANOUT_MAX] = {0}, done[CB_BUS_FANOUT_MAX] = {0};
     double t_sent[CB_BUS_FANOUT_MAX] = {0};
     if (n > CB_BUS_FANOUT_MAX) n = CB_BUS_FANOUT_MAX;
-    cb_bus_opts_t o = *opts;
-    o.request_timeout_ms = timeout_ms;
-    if (o.send_timeout_ms > timeout_ms) o.send_timeout_ms = timeout_ms;
-    cb_msg_writer_t *w = cb_msg_writer_new();
+    cb_bus_opts_t *o = malloc(sizeof *o); /* a few KiB with the CURVE keys: not on the stack */
+    if (o) {
+        *o = *opts;
+        o->request_timeout_ms = timeout_ms;
+        if (o->send_timeout_ms > timeout_ms) o->send_timeout_ms = timeout_ms;
+    }
+    cb_msg_writer_t *w = o ? cb_msg_writer_new() : NULL;
     int pending = 0;
     for (int i = 0; i < n; i++) {
         cb_bus_result_t *r = &results[i];
@@ -377,8 +583,8 @@ void cb_bus_fanout(const cb_bus_opts_t *opts, const char *type, const char *cons
             done[i] = true;
             continue;
         }
-        socks[i] = cb_bus_socket(ZMQ_DEALER, endpoints[i], false, &o, r->error, sizeof r->error);
-        if (!socks[i]) {
+        conns[i] = cb_bus_conn_new(ZMQ_DEALER, endpoints[i], o, r->error, sizeof r->error);
+        if (!conns[i]) {
             done[i] = true;
             continue;
         }
@@ -396,12 +602,17 @@ void cb_bus_fanout(const cb_bus_opts_t *opts, const char *type, const char *cons
                     pending--;
                 }
         if (pending == 0) break;
-        zmq_pollitem_t items[CB_BUS_FANOUT_MAX];
-        int map[CB_BUS_FANOUT_MAX], k = 0;
+        zmq_pollitem_t items[2 * CB_BUS_FANOUT_MAX];
+        int map[2 * CB_BUS_FANOUT_MAX], k = 0;
         for (int i = 0; i < n; i++) {
             if (done[i]) continue;
-            items[k] = (zmq_pollitem_t){zsock_resolve(socks[i]), 0, (short)(sent[i] ? ZMQ_POLLIN : ZMQ_POLLOUT), 0};
+            void *h = zsock_resolve(cb_bus_conn_sock(conns[i]));
+            items[k] = (zmq_pollitem_t){h, 0, (short)(sent[i] ? ZMQ_POLLIN : ZMQ_POLLOUT), 0};
             map[k++] = i;
+            if (!sent[i]) { /* still connecting: its handshake may be refused */
+                items[k] = (zmq_pollitem_t){cb_bus_conn_monitor(conns[i]), 0, ZMQ_POLLIN, 0};
+                map[k++] = -1 - i;
+            }
         }
         int64_t left = deadline - zclock_mono();
         bool connecting = false;
@@ -416,21 +627,31 @@ void cb_bus_fanout(const cb_bus_opts_t *opts, const char *type, const char *cons
             break;
         }
         for (int j = 0; j < k; j++) {
-            int i = map[j];
+            int i = map[j] < 0 ? -1 - map[j] : map[j];
             cb_bus_result_t *r = &results[i];
+            if (done[i]) continue;
+            if (map[j] < 0) {
+                if ((items[j].revents & ZMQ_POLLIN) && cb_bus_conn_refused(conns[i], r->error, sizeof r->error)) {
+                    r->refused = true;
+                    done[i] = true;
+                    pending--;
+                }
+                continue;
+            }
+            zsock_t *sock = cb_bus_conn_sock(conns[i]);
             if ((items[j].revents & ZMQ_POLLOUT) && !sent[i]) {
                 cb_msg_begin(w, type, ids[i]);
                 size_t len;
                 const void *data = cb_msg_end(w, &len);
-                if (data && zmq_send(zsock_resolve(socks[i]), data, len, ZMQ_DONTWAIT) >= 0) {
+                if (data && zmq_send(zsock_resolve(sock), data, len, ZMQ_DONTWAIT) >= 0) {
                     sent[i] = true;
                     t_sent[i] = cb_now_ms();
                 }
             } else if (items[j].revents & ZMQ_POLLIN) {
-                zmsg_t *zm = zmsg_recv(socks[i]);
+                zmsg_t *zm = zmsg_recv(sock);
                 zframe_t *f = zm ? zmsg_last(zm) : NULL;
                 cb_msg_error_t e;
-                cb_msg_t *m = f ? cb_msg_decode_ex(zframe_data(f), zframe_size(f), (size_t)o.max_msg_bytes, &e) : NULL;
+                cb_msg_t *m = f ? cb_msg_decode_ex(zframe_data(f), zframe_size(f), (size_t)o->max_msg_bytes, &e) : NULL;
                 zmsg_destroy(&zm);
                 if (!m || !cb_msg_is_reply(m) || strcmp(cb_msg_id(m), ids[i]) != 0) {
                     cb_msg_destroy(&m); /* not our answer: keep waiting */
@@ -447,22 +668,25 @@ void cb_bus_fanout(const cb_bus_opts_t *opts, const char *type, const char *cons
     }
     for (int i = 0; i < n; i++) {
         cb_bus_result_t *r = &results[i];
-        if (!r->reply && socks[i]) {
+        if (!r->reply && !r->refused && conns[i]) {
             if (sent[i]) {
                 r->code = CB_ERR_TIMEOUT;
                 snprintf(r->error, sizeof r->error, "timeout: no answer from %s within %d ms", r->endpoint, timeout_ms);
+            } else if (cb_bus_conn_refused(conns[i], r->error, sizeof r->error)) {
+                r->refused = true;
             } else {
                 r->code = CB_ERR_UNAVAILABLE;
                 snprintf(r->error, sizeof r->error, "unavailable: no connection to %s within %d ms (is it running?)",
                          r->endpoint, connect_ms);
             }
         }
-        if (socks[i]) {
-            zsock_set_linger(socks[i], 0);
-            zsock_destroy(&socks[i]);
+        if (conns[i]) {
+            zsock_set_linger(cb_bus_conn_sock(conns[i]), 0);
+            cb_bus_conn_destroy(&conns[i]);
         }
     }
     cb_msg_writer_destroy(&w);
+    free(o);
 }
 
 void cb_bus_results_free(cb_bus_result_t *results, int n) {
@@ -512,6 +736,9 @@ struct cb_bus_service_s {
     uint64_t requests, errors;
     bool stop;
     cb_bus_req_t *detached; /* head of the list */
+    zsock_t *mon;           /* PAIR: the ROUTER's failed handshakes, logged (rate-limited) */
+    double mon_last_ms[4];  /* per kind (ZAP denied, mechanism mismatch, other, dropped): last line logged */
+    int mon_quiet[4];       /* refusals not logged since */
 };
 
 static cb_bus_handler_fn s_ping, s_stats;
@@ -541,6 +768,11 @@ cb_bus_service_t *cb_bus_service_new(const char *name, const char *endpoint, con
     }
     char *last = zsock_last_endpoint(svc->router);
     svc->endpoint = last ? last : strdup(endpoint);
+    if (!(svc->mon = monitor_attach(svc->router, ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                                                     ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL, err, errlen))) {
+        cb_bus_service_destroy(&svc);
+        return NULL;
+    }
     cb_bus_service_on(svc, "ping", s_ping, NULL);
     cb_bus_service_on(svc, "stats", s_stats, NULL);
     return svc;
@@ -580,6 +812,7 @@ void cb_bus_service_destroy(cb_bus_service_t **self_p) {
         req_free(r);
     }
     zloop_destroy(&svc->loop);
+    monitor_detach(svc->router, &svc->mon);
     zsock_destroy(&svc->router);
     cb_msg_writer_destroy(&svc->w);
     free(svc->endpoint);
@@ -797,6 +1030,47 @@ static int s_on_router(zloop_t *loop, zsock_t *sock, void *arg) {
     return svc->stop ? -1 : 0;
 }
 
+/* A client's handshake failed on the ROUTER: one warning per kind per 10 s (a refused client may retry). */
+static int s_on_monitor(zloop_t *loop, zsock_t *sock, void *arg) {
+    (void)loop;
+    cb_bus_service_t *svc = arg;
+    uint16_t ev;
+    uint32_t val;
+    while (monitor_next(sock, &ev, &val)) {
+        int kind = ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? 0
+                   : ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && val == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH ? 1
+                   : ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ? 2
+                   : ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL ? 3
+                   : -1;
+        if (kind < 0) continue;
+        double now = cb_now_ms();
+        if (svc->mon_last_ms[kind] > 0 && now - svc->mon_last_ms[kind] < 10000) {
+            svc->mon_quiet[kind]++;
+            continue;
+        }
+        char more[64] = "";
+        if (svc->mon_quiet[kind]) snprintf(more, sizeof more, " (and %d more since the last such line)", svc->mon_quiet[kind]);
+        const cb_curve_t *cv = &svc->o.curve;
+        if (kind == 0)
+            cb_log(CB_LOG_WARN, NULL, "refused a client on %s: its CURVE key is not in %s/allowed (ZAP status %u; "
+                   "log_level = debug shows the key)%s", svc->endpoint, cv->keys_dir, (unsigned)val, more);
+        else if (kind == 1)
+            cb_log(CB_LOG_WARN, NULL, "refused a client on %s: it connects %s and this service %s%s", svc->endpoint,
+                   cv->on ? "in plaintext" : "with CURVE", cv->on ? "requires CURVE" : "has common.curve off", more);
+        else if (kind == 2)
+            cb_log(CB_LOG_WARN, NULL, "refused a client on %s: %s handshake failed (ZMTP error 0x%x%s)%s", svc->endpoint,
+                   cv->on ? "CURVE" : "ZeroMQ", (unsigned)val,
+                   val == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC ? ": the client has another key for this server?" : "",
+                   more);
+        else /* the client hung up first: it saw a mismatch itself, gave up, or does not speak ZeroMQ */
+            cb_log(CB_LOG_INFO, NULL, "a client on %s dropped its handshake (common.curve set otherwise on its side, a "
+                   "client that gave up, or not a ZeroMQ peer)%s", svc->endpoint, more);
+        svc->mon_last_ms[kind] = now;
+        svc->mon_quiet[kind] = 0;
+    }
+    return svc->stop ? -1 : 0;
+}
+
 /* Wakes the loop every 100 ms: a signal that lands between zloop's check of zsys_interrupted and its
  * zmq_poll would otherwise go unnoticed until the next message (the poll would sleep on). */
 static int s_tick(zloop_t *loop, int timer_id, void *arg) {
@@ -808,13 +1082,15 @@ static int s_tick(zloop_t *loop, int timer_id, void *arg) {
 int cb_bus_service_run(cb_bus_service_t *svc) {
     svc->stop = false;
     int tick = zloop_timer(svc->loop, 100, 0, s_tick, svc);
-    if (tick < 0 || zloop_reader(svc->loop, svc->router, s_on_router, svc) != 0) {
+    if (tick < 0 || zloop_reader(svc->loop, svc->router, s_on_router, svc) != 0 ||
+        zloop_reader(svc->loop, svc->mon, s_on_monitor, svc) != 0) {
         cb_log(CB_LOG_ERROR, NULL, "cannot register the service socket in the loop");
         return -1;
     }
     cb_log(CB_LOG_INFO, NULL, "listening on %s", svc->endpoint);
     int rc = zloop_start(svc->loop);
     zloop_reader_end(svc->loop, svc->router);
+    zloop_reader_end(svc->loop, svc->mon);
     zloop_timer_end(svc->loop, tick);
     if (zsys_interrupted) cb_log(CB_LOG_INFO, NULL, "interrupted, shutting down");
     else if (svc->stop) cb_log(CB_LOG_INFO, NULL, "stopped");

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "wire/config.h"
+#include "wire/curve.h"
 #include "wire/msg.h"
 
 #define CB_BUS_VERSION "0.1.0"
@@ -33,12 +34,16 @@ typedef struct {
     int send_timeout_ms;    /* ZMQ_SNDTIMEO */
     int request_timeout_ms; /* client: wait for a reply this long per attempt */
     int request_retries;    /* client: resends after a timeout (0 = one attempt) */
+    cb_curve_t curve;       /* transport security: off, or this process's keys (wire/curve.h) */
 } cb_bus_opts_t;
 
-/* Built-in defaults (8 MiB, 1000 ms linger, 1000/1000 HWM, 1000 ms send, 2500 ms x 2 retries). */
+/* Built-in defaults (8 MiB, 1000 ms linger, 1000/1000 HWM, 1000 ms send, 2500 ms x 2 retries, CURVE
+ * off). */
 void cb_bus_opts_default(cb_bus_opts_t *o);
 /* Reads common.{max_msg_bytes, linger_ms, sndhwm, rcvhwm, send_timeout_ms, request_timeout_ms,
- * request_retries} with section-level overrides. False with err on a bad value. */
+ * request_retries, curve, keys_dir} with section-level overrides. `section` also names the process's
+ * CURVE identity: its client key pair, and its server key pair when it is a service (cb_curve_from_config;
+ * tools use "cbctl"). False with err on a bad value, or with curve on, a key that cannot be read. */
 bool cb_bus_opts_from_config(const cb_config_t *cfg, const char *section, cb_bus_opts_t *o, char *err,
                              size_t errlen);
 
@@ -47,9 +52,28 @@ bool cb_bus_opts_from_config(const cb_config_t *cfg, const char *section, cb_bus
 void cb_bus_init(const char *program_name);
 
 /* A socket of `type` (ZMQ_ROUTER, ZMQ_DEALER, ZMQ_PULL, ...) with the options set before it binds
- * (bind=true) or connects to endpoint (NULL: neither). Caller owns (zsock_destroy). */
+ * (bind=true) or connects to endpoint (NULL: neither). With o->curve on, a bound socket is a CURVE server
+ * (the process's ZAP handler admits the allowed client keys) and a connected one a CURVE client of the
+ * service at endpoint; a socket bound to a non-loopback TCP address without CURVE logs a warning.
+ * Caller owns (zsock_destroy). */
 zsock_t *cb_bus_socket(int type, const char *endpoint, bool bind, const cb_bus_opts_t *o, char *err,
                        size_t errlen);
+
+/* A connecting socket (DEALER, PUSH) with a monitor of its handshakes, which tells "refused" (ZAP denied
+ * our key, CURVE on one side only, the server's key is not the one we have) from "nothing there". */
+typedef struct cb_bus_conn_s cb_bus_conn_t;
+/* cb_bus_socket(type, endpoint, false, o) plus the monitor. Caller owns; cb_bus_conn_destroy. */
+cb_bus_conn_t *cb_bus_conn_new(int type, const char *endpoint, const cb_bus_opts_t *o, char *err, size_t errlen);
+void cb_bus_conn_destroy(cb_bus_conn_t **self_p);
+zsock_t *cb_bus_conn_sock(cb_bus_conn_t *c);
+/* The monitor's handle, to poll for ZMQ_POLLIN beside the socket (then call cb_bus_conn_refused). */
+void *cb_bus_conn_monitor(cb_bus_conn_t *c);
+/* Reads the monitor's pending events: true once a handshake was refused, with the reason ("refused by
+ * tcp://...: our CURVE key is not in the server's allowed clients (ZAP)") in err. Sticky. */
+bool cb_bus_conn_refused(cb_bus_conn_t *c, char *err, size_t errlen);
+/* Sends one frame: at once when the connection is up, else waiting up to timeout_ms for it. 0; -1 with
+ * err "... unavailable: no connection within N ms ..."; -2 when refused (err: the reason, at once). */
+int cb_bus_conn_send(cb_bus_conn_t *c, const void *data, size_t len, int timeout_ms, char *err, size_t errlen);
 
 /* Writes a fresh request id "<pid>-<n>" into buf (size >= 32); thread-safe. Returns buf. */
 const char *cb_bus_new_id(char *buf, size_t size);
@@ -74,7 +98,8 @@ void cb_bus_client_set_timeout(cb_bus_client_t *c, int timeout_ms, int retries);
  * id (stale replies are dropped), retrying as configured. Returns the decoded reply (caller owns;
  * cb_msg_destroy), which may be an error reply (check cb_msg_ok); or NULL with *code set to
  * CB_ERR_TIMEOUT, CB_ERR_UNAVAILABLE, CB_ERR_BAD_REQUEST (our own message is invalid) or
- * CB_ERR_INTERNAL (invalid reply, interrupted) and a message in err naming the endpoint. */
+ * CB_ERR_INTERNAL (invalid reply, interrupted) and a message in err naming the endpoint. A refused
+ * handshake (cb_bus_conn_refused) is CB_ERR_UNAVAILABLE with its reason, at once, without retries. */
 cb_msg_t *cb_bus_request(cb_bus_client_t *c, const void *data, size_t len, cb_err_t *code, char *err,
                          size_t errlen);
 /* cb_msg_end(w) + cb_bus_request. */
@@ -83,21 +108,24 @@ cb_msg_t *cb_bus_call(cb_bus_client_t *c, cb_msg_writer_t *w, cb_err_t *code, ch
 cb_msg_t *cb_bus_call_ok(cb_bus_client_t *c, cb_msg_writer_t *w, cb_err_t *code, char *err, size_t errlen);
 
 /* Streams: send once (no retry), then receive messages with that id until the caller sees "done" or
- * an error. cb_bus_send returns 0, or -1 with CB_ERR_UNAVAILABLE. cb_bus_recv returns the next
+ * an error. cb_bus_send returns 0, or -1 with CB_ERR_UNAVAILABLE (not connected in time, or refused:
+ * the reason in err). cb_bus_recv returns the next
  * message with the given id (others are dropped), or NULL with CB_ERR_TIMEOUT after timeout_ms. */
 int cb_bus_send(cb_bus_client_t *c, const void *data, size_t len, cb_err_t *code, char *err, size_t errlen);
 cb_msg_t *cb_bus_recv(cb_bus_client_t *c, const char *id, int timeout_ms, cb_err_t *code, char *err,
                       size_t errlen);
 /* Fan-out: sends a request of `type` (no fields) to several endpoints at once and waits for every reply
  * until one common deadline (timeout_ms). An endpoint not connected within connect_ms (<= timeout_ms) is
- * reported unavailable; one that got the request but did not answer, timeout. results[i] is for
+ * reported unavailable; one that refused the handshake, unavailable with refused set and the reason;
+ * one that got the request but did not answer, timeout. results[i] is for
  * endpoints[i]; n <= CB_BUS_FANOUT_MAX (more are ignored). Thread: the caller's (its own sockets). */
 #define CB_BUS_FANOUT_MAX 16
 typedef struct {
     const char *endpoint; /* borrowed from the caller */
     cb_msg_t *reply;      /* NULL when the endpoint did not answer (owned; cb_bus_results_free) */
     cb_err_t code;        /* why not (timeout, unavailable), or the reply's error code */
-    char error[256];
+    char error[320];
+    bool refused;         /* the handshake was refused (CURVE/ZAP): error says why */
     double latency_ms;
 } cb_bus_result_t;
 void cb_bus_fanout(const cb_bus_opts_t *o, const char *type, const char *const *endpoints, int n, int connect_ms,

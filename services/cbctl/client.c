@@ -63,7 +63,7 @@ cb_msg_t *cbctl_call(cbctl_t *ctl, const char *name, cb_msg_writer_t *w, cb_err_
         if (code) *code = CB_ERR_BAD_REQUEST;
         return NULL;
     }
-    char e2[256];
+    char e2[512];
     cb_msg_t *m = cb_bus_call(c, w, code, e2, sizeof e2);
     if (!m) snprintf(err, errlen, "%s: %s", name, e2);
     cb_bus_client_destroy(&c);
@@ -103,11 +103,11 @@ void cbctl_fanout(cbctl_t *ctl, const char *type, const char *const *names, int 
         r->code = br[i].code;
         r->latency_ms = br[i].latency_ms;
         const cbctl_service_t *svc = cbctl_service_find(r->name);
-        if (!r->reply && r->code == CB_ERR_UNAVAILABLE && svc)
+        if (!r->reply && r->code == CB_ERR_UNAVAILABLE && !br[i].refused && svc)
             snprintf(r->error, sizeof r->error, "unavailable: no connection to %s within %d ms (is %s running?)", eps[i],
                      connect_ms > 0 && connect_ms <= timeout_ms ? connect_ms : timeout_ms, svc->program);
         else
-            memcpy(r->error, br[i].error, sizeof r->error);
+            snprintf(r->error, sizeof r->error, "%s", br[i].error);
     }
 }
 

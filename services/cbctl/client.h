@@ -42,7 +42,7 @@ typedef struct {
     const char *endpoint; /* borrowed from the config */
     cb_msg_t *reply;      /* NULL when the service did not answer (owned; cbctl_results_free) */
     cb_err_t code;        /* why not (timeout, unavailable), or the reply's error code */
-    char error[256];
+    char error[320];      /* with the reason when the service refused our handshake (CURVE/ZAP) */
     double latency_ms;
 } cbctl_result_t;
 void cbctl_fanout(cbctl_t *ctl, const char *type, const char *const *names, int n, int connect_ms, int timeout_ms,

@@ -23,6 +23,8 @@
  * --per-client), and from the `done` messages' metrics: "tokens_generated" (sum of n_generated over the
  * answered queries), "tokens_per_s" (tokens_generated / wall_s), "generated_mean" and "prompt_tokens_mean"
  * (means of n_generated and n_prompt_tokens; null when no answer carried them)}.
+ * --config PATH and --SECTION.KEY=VALUE flags are read as by cbctl: with common.curve = on, the clients
+ * connect as CURVE client `cbctl` (keys in common.keys_dir).
  * Exit: 0 when every query was answered, 1 when some failed, 2 usage.
  */
 #include <jansson.h>
@@ -80,6 +82,8 @@ static int next_slot(client_arg_t *a, size_t *line) {
     return i;
 }
 
+static cb_curve_t s_curve; /* common.curve and keys_dir, as CURVE client `cbctl` (read-only in the clients) */
+
 static void *client(void *arg) {
     client_arg_t *A = arg;
     load_t *L = A->L;
@@ -88,6 +92,7 @@ static void *client(void *arg) {
     cb_bus_opts_default(&o);
     o.request_timeout_ms = L->timeout_ms;
     o.send_timeout_ms = 5000;
+    o.curve = s_curve;
     cb_bus_client_t *c = cb_bus_client_new(L->endpoint, &o, err, sizeof err);
     cb_msg_writer_t *w = cb_msg_writer_new();
     if (!c || !w) {
@@ -214,6 +219,14 @@ static int usage(void) {
 
 int main(int argc, char **argv) {
     cb_log_set_component("cb-load");
+    char cerr[1024];
+    cb_config_t *cfg = cb_config_new("cbctl", &argc, argv, cerr, sizeof cerr);
+    bool curve_ok = cfg && cb_curve_from_config(cfg, "cbctl", &s_curve, cerr, sizeof cerr);
+    cb_config_destroy(&cfg);
+    if (!curve_ok) {
+        fprintf(stderr, "cb-load: %s\n", cerr);
+        return 2;
+    }
     setenv("ZSYS_SIGHANDLER", "false", 0);
     load_t L = {.ratio = -1, .timeout_ms = 60000};
     int clients = 1, i = 1;

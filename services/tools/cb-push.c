@@ -5,6 +5,7 @@
  *   cb-push [--timeout MS] [--raw-hex HEX] ENDPOINT [JSON... | -]
  *     JSON   e.g. '{"type":"ingest","doc_id":"d1","text":"..."}'; "v" and "id" are added when missing.
  *   --timeout MS   how long to wait for the connection before giving up on a message (default 3000)
+ *   --config PATH, --SECTION.KEY=VALUE   the configuration (common.curve on: CURVE client `cbctl`)
  * Exit: 0 every message handed over, 2 not connected in time, 3 bad usage or input.
  */
 #include <jansson.h>
@@ -58,6 +59,15 @@ static const void *encode(cb_msg_writer_t *w, const char *js, size_t *len) {
 
 int main(int argc, char **argv) {
     cb_log_set_component("cb-push");
+    static cb_curve_t curve; /* common.curve and keys_dir, as CURVE client `cbctl` */
+    char cerr[1024];
+    cb_config_t *cfg = cb_config_new("cbctl", &argc, argv, cerr, sizeof cerr);
+    bool curve_ok = cfg && cb_curve_from_config(cfg, "cbctl", &curve, cerr, sizeof cerr);
+    cb_config_destroy(&cfg);
+    if (!curve_ok) {
+        fprintf(stderr, "cb-push: %s\n", cerr);
+        return 3;
+    }
     int timeout = 3000, i = 1;
     const char *raw = NULL;
     for (; i < argc && argv[i][0] == '-' && argv[i][1]; i++) {
@@ -72,9 +82,10 @@ int main(int argc, char **argv) {
     o.max_msg_bytes = (int64_t)64 << 20;
     o.send_timeout_ms = timeout > 0 ? timeout : 1;
     o.linger_ms = 5000; /* hand everything over before exit */
-    char err[512];
+    o.curve = curve;
+    char err[1024];
     zsys_init();
-    zsock_t *s = cb_bus_socket(ZMQ_PUSH, ep, false, &o, err, sizeof err);
+    cb_bus_conn_t *s = cb_bus_conn_new(ZMQ_PUSH, ep, &o, err, sizeof err);
     if (!s) {
         fprintf(stderr, "cb-push: %s\n", err);
         return 3;
@@ -128,8 +139,10 @@ int main(int argc, char **argv) {
         } else {
             break;
         }
-        if (zmq_send(zsock_resolve(s), d, len, 0) < 0) {
-            fprintf(stderr, "cb-push: %s: not connected within %d ms\n", ep, timeout);
+        int sent = cb_bus_conn_send(s, d, len, o.send_timeout_ms, err, sizeof err);
+        if (sent != 0) {
+            if (sent == -2) fprintf(stderr, "cb-push: %s\n", err); /* refused: CURVE/ZAP */
+            else fprintf(stderr, "cb-push: %s: not connected within %d ms\n", ep, timeout);
             free(bytes);
             rc = 2;
             break;
@@ -138,6 +151,6 @@ int main(int argc, char **argv) {
     }
     free(line);
     cb_msg_writer_destroy(&w);
-    zsock_destroy(&s);
+    cb_bus_conn_destroy(&s);
     return rc;
 }

@@ -12,6 +12,11 @@
  *   --raw-hex HEX    send these bytes as the frame instead of JSON (malformed-input tests)
  *   --raw-file PATH  send the file's bytes as the frame
  *   --max-bytes N    ZMQ_MAXMSGSIZE of this client (default 64 MiB, so it can send oversized frames)
+ *   --repeat N       send the request N times, one after the other on one connection (not with --stream);
+ *                    prints the last reply, and the round-trip times (mean, p50, p99 in ms) on stderr
+ *   --fresh          with --repeat: a new connection (and handshake) for every request
+ *   --config PATH, --SECTION.KEY=VALUE   the configuration: with common.curve = on, cb-send connects as
+ *                    CURVE client `cbctl` (keys in common.keys_dir), to a configured service endpoint
  *
  * Exit status: 0 ok reply (for --stream: the stream ended with ok "done"), 1 error reply, 2 no reply
  * (timeout, unavailable, or the service dropped the connection), 3 bad usage or input.
@@ -21,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/clock.h"
 #include "wire/bus.h"
 #include "base/log.h"
 #include "wire/msg.h"
@@ -29,7 +35,7 @@
 
 static void usage(FILE *f) {
     fprintf(f, "usage: cb-send [--timeout MS] [--retries N] [--stream] [--raw-hex HEX | --raw-file PATH]\n"
-               "               [--max-bytes N] ENDPOINT [JSON|-]\n"
+               "               [--max-bytes N] [--repeat N [--fresh]] ENDPOINT [JSON|-]\n"
                "exit: 0 ok reply, 1 error reply, 2 no reply, 3 bad usage or input\n");
 }
 
@@ -63,6 +69,11 @@ static char *read_all(FILE *f, size_t *len) {
     return buf;
 }
 
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
 /* Prints a frame as a JSON line: the decoded message, or {"$invalid": reason, "$raw": hex}. */
 static int print_frame(const void *data, size_t len, cb_msg_t **out) {
     cb_msg_error_t e;
@@ -88,8 +99,18 @@ static int print_frame(const void *data, size_t len, cb_msg_t **out) {
 
 int main(int argc, char **argv) {
     cb_log_set_component("cb-send");
-    int timeout = 3000, retries = 0;
-    bool stream = false;
+    /* the CURVE settings (common.curve, keys_dir) and identity of cbctl; --config, --SECTION.KEY=V */
+    static cb_curve_t curve;
+    char cerr[1024];
+    cb_config_t *cfg = cb_config_new("cbctl", &argc, argv, cerr, sizeof cerr);
+    bool curve_ok = cfg && cb_curve_from_config(cfg, "cbctl", &curve, cerr, sizeof cerr);
+    cb_config_destroy(&cfg);
+    if (!curve_ok) {
+        fprintf(stderr, "cb-send: %s\n", cerr);
+        return 3;
+    }
+    int timeout = 3000, retries = 0, repeat = 1;
+    bool stream = false, fresh = false;
     const char *raw_hex = NULL, *raw_file = NULL, *endpoint = NULL, *json_arg = NULL;
     int64_t max_bytes = 64 << 20;
     for (int i = 1; i < argc; i++) {
@@ -101,12 +122,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--raw-hex") && i + 1 < argc) raw_hex = argv[++i];
         else if (!strcmp(a, "--raw-file") && i + 1 < argc) raw_file = argv[++i];
         else if (!strcmp(a, "--max-bytes") && i + 1 < argc) max_bytes = atoll(argv[++i]);
+        else if (!strcmp(a, "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
+        else if (!strcmp(a, "--fresh")) fresh = true;
         else if (a[0] == '-' && a[1] == '-') { fprintf(stderr, "cb-send: unknown option %s\n", a); usage(stderr); return 3; }
         else if (!endpoint) endpoint = a;
         else if (!json_arg) json_arg = a;
         else { usage(stderr); return 3; }
     }
-    if (!endpoint || timeout <= 0 || retries < 0 || max_bytes < 256) {
+    if (!endpoint || timeout <= 0 || retries < 0 || max_bytes < 256 || repeat < 1 || repeat > 10000000 ||
+        (repeat > 1 && stream)) {
         usage(stderr);
         return 3;
     }
@@ -118,6 +142,7 @@ int main(int argc, char **argv) {
     o.request_retries = retries;
     o.max_msg_bytes = max_bytes;
     o.send_timeout_ms = timeout < 2000 ? timeout : 2000;
+    o.curve = curve;
     cb_bus_client_t *c = cb_bus_client_new(endpoint, &o, err, sizeof err);
     if (!c) {
         fprintf(stderr, "cb-send: %s\n", err);
@@ -219,7 +244,29 @@ int main(int argc, char **argv) {
             goto out;
         }
         cb_msg_destroy(&self);
-        cb_msg_t *rep = cb_bus_request(c, data, len, &code, err, sizeof err);
+        double *rtt = repeat > 1 ? malloc((size_t)repeat * sizeof *rtt) : NULL;
+        cb_msg_t *rep = NULL;
+        for (int r = 0; r < repeat; r++) { /* the same bytes, the same id: each reply comes before the next send */
+            cb_msg_destroy(&rep);
+            double t0 = cb_now_ms();
+            if (fresh && r > 0) {
+                cb_bus_client_destroy(&c);
+                if (!(c = cb_bus_client_new(endpoint, &o, err, sizeof err))) {
+                    code = CB_ERR_INTERNAL;
+                    break;
+                }
+            }
+            if (!(rep = cb_bus_request(c, data, len, &code, err, sizeof err))) break;
+            if (rtt) rtt[r] = cb_now_ms() - t0;
+        }
+        if (rep && rtt) {
+            qsort(rtt, (size_t)repeat, sizeof *rtt, cmp_double);
+            double sum = 0;
+            for (int r = 0; r < repeat; r++) sum += rtt[r];
+            fprintf(stderr, "cb-send: %d requests to %s: round trip mean %.4f ms, p50 %.4f ms, p99 %.4f ms\n", repeat,
+                    endpoint, sum / repeat, rtt[repeat / 2], rtt[(int)(0.99 * (repeat - 1))]);
+        }
+        free(rtt);
         if (!rep) {
             fprintf(stderr, "cb-send: %s: %s\n", cb_err_name(code), err);
             rc = code == CB_ERR_TIMEOUT || code == CB_ERR_UNAVAILABLE ? 2 : 3;

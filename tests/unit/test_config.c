@@ -41,6 +41,8 @@ static void clear_env(void) {
     unsetenv("CB_COMMON_DATA_DIR");
     unsetenv("CB_CONFIG");
     unsetenv("CB_BLEND_RATIO");
+    unsetenv("CB_COMMON_CURVE");
+    unsetenv("CB_COMMON_KEYS_DIR");
 }
 
 TEST(file_values_and_types) {
@@ -269,6 +271,10 @@ TEST(shipped_config) {
     char path[256];
     CHECK(cb_config_data_path(cfg, "cacheindex", "kv_dir", NULL, path, sizeof path, err, sizeof err) &&
           strcmp(path, "var/kv") == 0);
+    bool curve = true; /* plaintext by default, keys under the data directory */
+    CHECK(cb_config_bool(cfg, "cbctl", "curve", true, &curve, err, sizeof err) && !curve);
+    CHECK(cb_config_data_path(cfg, "blend", "keys_dir", NULL, path, sizeof path, err, sizeof err) &&
+          strcmp(path, "var/keys") == 0);
     cb_config_destroy(&cfg);
 }
 
