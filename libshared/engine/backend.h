@@ -48,7 +48,7 @@ typedef struct {
  * weights: native = integer products on the stored quantized blocks with int8 activations (cpu_quant.h);
  * f32 = the reference: exactly dequantized weights, f32 activations (f32 copies for GEMMs, cb_model_build_f32).
  * kv: the pool's element type, f16 (converted in the attention kernels) or f32. DEFAULT: the process default
- * (backend_select.h: $CB_WEIGHTS, $CB_KV_DTYPE, else native and f16). */
+ * (backend_select.h: $CB_ENGINE_WEIGHTS, $CB_ENGINE_KV_DTYPE, else native and f16). */
 typedef enum { CB_WEIGHTS_DEFAULT = 0, CB_WEIGHTS_NATIVE, CB_WEIGHTS_F32 } cb_weights_t;
 typedef enum { CB_KVTYPE_DEFAULT = 0, CB_KVTYPE_F16, CB_KVTYPE_F32 } cb_kvtype_t;
 typedef struct {

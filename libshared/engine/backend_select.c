@@ -78,16 +78,16 @@ void cb_numerics_set_default(const cb_numerics_t *nm) {
 cb_numerics_t cb_numerics_default(void) {
     if (!s_num_env) {
         s_num_env = true;
-        const char *w = getenv("CB_WEIGHTS"), *k = getenv("CB_KV_DTYPE");
+        const char *w = getenv("CB_ENGINE_WEIGHTS"), *k = getenv("CB_ENGINE_KV_DTYPE");
         cb_weights_t wv;
         cb_kvtype_t kv;
         if (w && *w && s_num.weights == CB_WEIGHTS_DEFAULT) {
             if (cb_weights_parse(w, &wv)) s_num.weights = wv;
-            else CB_WARN("CB_WEIGHTS=%s is not native|f32; using native", w);
+            else CB_WARN("CB_ENGINE_WEIGHTS=%s is not native|f32; using native", w);
         }
         if (k && *k && s_num.kv == CB_KVTYPE_DEFAULT) {
             if (cb_kvtype_parse(k, &kv)) s_num.kv = kv;
-            else CB_WARN("CB_KV_DTYPE=%s is not f16|f32; using f16", k);
+            else CB_WARN("CB_ENGINE_KV_DTYPE=%s is not f16|f32; using f16", k);
         }
     }
     cb_numerics_t r = s_num;

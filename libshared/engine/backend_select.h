@@ -40,7 +40,7 @@ bool cb_kvtype_parse(const char *s, cb_kvtype_t *out);
 const char *cb_weights_name(cb_weights_t w);
 const char *cb_kvtype_name(cb_kvtype_t k);
 /* The process-wide default numerics (config engine.weights / engine.kv_dtype, set by the services): set
- * explicitly (DEFAULT fields leave that part alone), else $CB_WEIGHTS / $CB_KV_DTYPE when valid, else native
+ * explicitly (DEFAULT fields leave that part alone), else $CB_ENGINE_WEIGHTS / $CB_ENGINE_KV_DTYPE when valid, else native
  * weights and an f16 pool. cb_numerics_resolve fills nm's DEFAULT fields from it. */
 void cb_numerics_set_default(const cb_numerics_t *nm);
 cb_numerics_t cb_numerics_default(void);

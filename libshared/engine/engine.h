@@ -78,10 +78,10 @@ typedef struct {
     int block_tokens;        /* positions per block; 0 = CB_ENGINE_BLOCK_TOKENS */
     int kv_pool_seqs;        /* with kv_pool_bytes 0: sequences of max_ctx the pool holds; 0 = 2 */
     cb_weights_t weights;    /* CPU products: native (integer kernels on the quantized blocks) or f32 (the
-                                reference); DEFAULT = the process default (config engine.weights, $CB_WEIGHTS,
+                                reference); DEFAULT = the process default (config engine.weights, $CB_ENGINE_WEIGHTS,
                                 else native) */
     cb_kvtype_t kv_type;     /* CPU pool values: f16 or f32; DEFAULT = the process default (config
-                                engine.kv_dtype, $CB_KV_DTYPE, else f16) */
+                                engine.kv_dtype, $CB_ENGINE_KV_DTYPE, else f16) */
 } cb_engine_opts_t;
 
 /* Creates an engine: sequences of up to o->max_ctx positions, a KV pool of floor(kv_pool_bytes /
