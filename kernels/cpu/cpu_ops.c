@@ -42,6 +42,12 @@ static void cpu_init_once(void) {
     const char *core = openblas_get_corename();
     bool old_core = core && (!strcmp(core, "Prescott") || !strcmp(core, "Core2") || !strcmp(core, "Penryn") ||
                              !strcmp(core, "Nehalem") || !strcmp(core, "Dunnington") || !strcmp(core, "Atom"));
+    /* 0.3.21 also runs its AVX2 (Haswell) kernels on AVX-512 CPUs it does not know, e.g. AMD Zen 4/5: the
+     * SkylakeX sgemm measured 12% faster on a whole 2048-token prefill (attention's GEMMs) on Zen 5 */
+    __builtin_cpu_init();
+    if (core && (!strcmp(core, "Haswell") || !strcmp(core, "Zen")) && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        old_core = true;
     if (old_core && !getenv("OPENBLAS_CORETYPE") && gotoblas_dynamic_init && gotoblas_dynamic_quit) {
         const char *want = NULL;
         __builtin_cpu_init();

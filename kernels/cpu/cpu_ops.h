@@ -24,7 +24,7 @@ extern "C" { /* the CUDA backend shares the host-side operations below */
 
 /* One-time process setup, idempotent and thread-safe: picks an AVX-512/AVX2 OpenBLAS kernel set when
  * OpenBLAS's runtime detection does not know this CPU (0.3.21 falls back to Prescott kernels on
- * Emerald Rapids, 4-5x slower) and OPENBLAS_CORETYPE is not set, and makes OpenBLAS single-threaded
+ * Emerald Rapids, 4-5x slower, and to Haswell kernels on AVX-512 AMD Zen) and OPENBLAS_CORETYPE is not set, and makes OpenBLAS single-threaded
  * (we parallelise around it with OpenMP). Returns the OpenBLAS core name in use. */
 const char *cb_cpu_init(void);
 

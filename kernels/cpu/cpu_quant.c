@@ -194,6 +194,45 @@ T512 static void q8_row_512(const float *x, int cols, int off, bool split, cb_q8
 }
 #endif
 
+#if CB_X86
+/* AVX2 (any 256-bit path): the blocks' quants vectorised, the lane vectors by group_lanes (the same bits as
+ * the scalar quantizer: the same f32 operations per value). */
+__attribute__((target("avx2,fma,f16c"))) static void q8_row_256(const float *x, int cols, int off, bool split,
+                                                                 cb_q8_group_t *g0) {
+    const int nb = cols / 32, ng = cb_q8_groups(cols);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int g = 0; g < ng; g++) {
+        cb_q8_group_t *G = g0 + g;
+        float d[4] = {0, 0, 0, 0};
+        for (int k = 0; k < 4; k++) {
+            const int b = 4 * g + k;
+            if (b >= nb) {
+                memset(G->qs + 16 * k, 0, 16);
+                memset(G->qs + 64 + 16 * k, 0, 16);
+                continue;
+            }
+            const float *xb = x + 32 * b;
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) m = _mm256_max_ps(m, _mm256_and_ps(v[i] = _mm256_loadu_ps(xb + 8 * i), absmask));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            d[k] = _mm_cvtss_f32(h) / 127.0f;
+            const __m256 id = _mm256_set1_ps(d[k] != 0.0f ? 1.0f / d[k] : 0.0f);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+            /* packs interleave 128-bit halves: (0..3, 8..11, 4..7, 12..15) after the first, fixed by `order` */
+            const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+            const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
+            _mm_storeu_si128((__m128i *)(void *)(G->qs + 16 * k), _mm256_castsi256_si128(p8));
+            _mm_storeu_si128((__m128i *)(void *)(G->qs + 64 + 16 * k), _mm256_extracti128_si256(p8, 1));
+        }
+        group_lanes(G, d, off, split);
+    }
+}
+#endif
+
 typedef struct {
     cb_cpu_isa_t isa;
     const float *x;
@@ -210,6 +249,10 @@ static void q8_rows(const q8_job_t *j, int r0, int r1) {
 #if CB_X86
         if (j->isa == CB_CPU_ISA_AVX512) {
             q8_row_512(x, j->cols, j->off, j->split, a);
+            continue;
+        }
+        if (j->isa == CB_CPU_ISA_AVX2 || j->isa == CB_CPU_ISA_AVXVNNI) {
+            q8_row_256(x, j->cols, j->off, j->split, a);
             continue;
         }
 #endif
@@ -603,6 +646,22 @@ T512 static void q512_q8_0(const qk_t *k, int R, int o0, int o1) { R_SWITCH(k512
 T512 static void q512_q4_k(const qk_t *k, int R, int o0, int o1) { R_SWITCH(k512_q4_k, k, R, o0, o1) }
 T512 static void q512_q6_k(const qk_t *k, int R, int o0, int o1) { R_SWITCH(k512_q6_k, k, R, o0, o1) }
 
+/* The 256-bit paths: AVX-VNNI and AVX2 instances of one source. */
+#define Q256_T __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define Q256(name) vnni_##name
+#define Q256_VNNI 1
+#include "cpu/cpu_quant_256.inc"
+#undef Q256_T
+#undef Q256
+#undef Q256_VNNI
+#define Q256_T __attribute__((target("avx2,fma,f16c")))
+#define Q256(name) avx2_##name
+#define Q256_VNNI 0
+#include "cpu/cpu_quant_256.inc"
+#undef Q256_T
+#undef Q256
+#undef Q256_VNNI
+
 static void qdot_512(const cb_weight_t *w, const cb_q8_group_t *act, int n, float *y, int ldy, int o0, int o1) {
     pthread_once(&g_idx_once, idx_once);
     void (*f)(const qk_t *, int, int, int) =
@@ -623,6 +682,14 @@ void cb_cpu_qdot(cb_cpu_isa_t isa, const cb_weight_t *w, const cb_q8_group_t *ac
 #if CB_X86
     if (isa == CB_CPU_ISA_AVX512) {
         qdot_512(w, act, n, y, ldy, o0, o1);
+        return;
+    }
+    if (isa == CB_CPU_ISA_AVXVNNI) {
+        vnni_qdot(w, act, n, y, ldy, o0, o1);
+        return;
+    }
+    if (isa == CB_CPU_ISA_AVX2) {
+        avx2_qdot(w, act, n, y, ldy, o0, o1);
         return;
     }
 #endif
