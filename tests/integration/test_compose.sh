@@ -43,7 +43,7 @@ bad() { echo "FAIL: $1"; FAILS=$((FAILS + 1)); }
 out=$("${DC[@]}" config 2>&1) && ok "compose config accepts $F" || { bad "compose config: $out"; exit 1; }
 cuda=$("${DC[@]}" --profile cuda config 2>&1) && ok "compose config with --profile cuda" || bad "cuda profile: $cuda"
 svcs=$("${DC[@]}" --profile cuda config --services 2>/dev/null | sort | tr '\n' ' ')
-[ "$svcs" = "blend blend-cuda cacheindex gateway precompute retriever " ] && ok "services: $svcs" || bad "services: $svcs"
+[ "$svcs" = "blend blend-cuda cacheindex gateway keys precompute retriever " ] && ok "services: $svcs" || bad "services: $svcs"
 python3 - "$out" "$cuda" <<'PY' || FAILS=$((FAILS + 1))
 import sys
 try:

@@ -145,6 +145,9 @@ free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 export CB_PUBLISH_PRECOMPUTE=$(free_port) CB_PUBLISH_PRECOMPUTE_PULL=$(free_port) CB_PUBLISH_BLEND=$(free_port)
 export CB_PUBLISH_GATEWAY=$(free_port) CB_PUBLISH_BLEND_CUDA=$(free_port)
 t=$SECONDS
+# the CURVE keys first (podman-compose 1.0.3 does not wait on depends_on conditions)
+pc run --rm keys || fatal "podman-compose run keys (cbctl keys init) failed (log: $LOGS/compose-run.log)"
+ok "CURVE keys made in the volume (cbctl keys init /data/keys)"
 pc up -d --no-build "${SERVICES[@]}" || fatal "podman-compose up failed (log: $LOGS/compose-run.log)"
 for s in "${SERVICES[@]}"; do [ -n "$(ctr "$s")" ] || fatal "podman-compose up created no container for $s"; done
 ok "podman-compose up -d ${SERVICES[*]} ($(secs $t))"
