@@ -41,18 +41,6 @@ for t in build/tests/test_blend build/asan/tests/test_blend; do
   label="synth-$(basename "$t")"; [[ "$t" == build/asan/* ]] && label="synth-asan-$(basename "$t")"
   CB_TEST_SYNTH=1 run_unit "$t" "$label"
 done
-# test_engine once more on the 256-bit integer kernels (the path an AVX2-only CPU takes) where this CPU has more
-for t in build/tests/test_engine; do
-  [ -x "$t" ] || continue
-  [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue
-  CB_CPU_ISA=avx2 run_unit "$t" "avx2-$(basename "$t")"
-done
-# test_blend once more with the f32 reference numerics (its tight exactness tolerances; the default run is native)
-for t in build/tests/test_blend; do
-  [ -x "$t" ] || continue
-  [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue
-  CB_TEST_NUMERICS=f32 run_unit "$t" "f32-$(basename "$t")"
-done
 for t in tests/integration/*.sh; do
   [ -f "$t" ] || continue
   [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue

@@ -1,16 +1,9 @@
-/* cpu_backend.c: the CPU backend's table (wrapping kernels/cpu/cpu_ops.c and cpu_quant.c) and
- * backend-independent helpers.
+/* cpu_backend.c: the CPU backend's table (wrapping kernels/cpu/cpu_ops.c) and backend-independent helpers.
  *
- * The CPU context owns the scratch its kernels need (matvec row buffers, quantized activations, attention
- * score blocks), the KV pool (f16 or f32 values) and a RoPE coefficient table for positions [0, max_keys) of
- * the model's head_dim and base; positions outside the table (or another base) are computed on the fly with
- * the same formula, so results are bit-identical either way.
- *
- * Products: with native numerics every weight of a type cpu_quant supports goes through the integer kernels
- * (any row count: one code path, so decode, prefill and decode batches give a row the same bits); other
- * types (F32/F16/BF16 matrices) use the matvec over dequantized rows. With f32 numerics: the matvec (up to
- * CB_CPU_MATVEC_MAX_ROWS rows) and sgemm over the model's f32 copies (more rows), as before the integer
- * kernels existed.
+ * The CPU context owns the scratch its kernels need (matvec row buffers, attention score blocks) and a
+ * RoPE coefficient table for positions [0, max_keys) of the model's head_dim and base; positions
+ * outside the table (or another base) are computed on the fly with the same formula, so results are
+ * bit-identical either way.
  */
 #include "cpu/cpu_backend.h"
 
@@ -22,8 +15,6 @@
 #include <sys/mman.h>
 
 #include "cpu/cpu_ops.h"
-#include "cpu/cpu_quant.h"
-#include "format/quant.h"
 
 typedef struct {
     int nt;                 /* threads (pool size) */
@@ -40,41 +31,20 @@ typedef struct {
     int scratch_nt;         /* threads the scratch was sized for */
     float *mass_scratch;    /* cb_cpu_attn_mass_scratch(geom, max_keys) floats */
     int32_t *topk_idx;      /* [max_keys] selection order */
-    bool native;            /* integer kernels on the stored blocks (else the f32 reference) */
-    cb_cpu_isa_t isa;       /* their code path */
-    cb_q8_group_t *act;     /* [max_rows][cb_q8_groups(max_cols)] quantized activations of one call */
-    bool kv16;              /* the pool holds f16 values (else f32) */
-    size_t esz;             /* bytes of one pool value (2 or 4) */
-    /* the KV pool (kv_pool_init): per layer [n_blocks * bt][kvd] K, then the same for V, esz bytes a value */
-    uint8_t *kpool, *vpool;
+    /* the KV pool (kv_pool_init): per layer [n_blocks * bt][kvd] K, then the same for V */
+    float *kpool, *vpool;
     size_t pool_map;        /* bytes of each mapping */
     int n_layer, kvd, bt, n_blocks;
 } cpu_ctx_t;
 
 /* ---------------------------------------------------------------- the KV pool */
 
-static uint8_t *pool_layer(const cpu_ctx_t *c, uint8_t *base, int layer) {
-    return base + (size_t)layer * c->n_blocks * c->bt * c->kvd * c->esz;
+static float *pool_layer(const cpu_ctx_t *c, float *base, int layer) {
+    return base + (size_t)layer * c->n_blocks * c->bt * c->kvd;
 }
 
-/* The layer's pool as the kernels see it (blocks from table t, or NULL). */
 static cb_cpu_kv_t kv_view(const cpu_ctx_t *c, int layer, const cb_kv_table_t *t) {
-    void *k = pool_layer(c, c->kpool, layer), *v = pool_layer(c, c->vpool, layer);
-    cb_cpu_kv_t kv = {NULL, NULL, t ? t->blocks : NULL, c->bt, NULL, NULL};
-    if (c->kv16) kv.k16 = k, kv.v16 = v;
-    else kv.k = k, kv.v = v;
-    return kv;
-}
-
-/* Row r of a layer's pool (esz-byte values). */
-static uint8_t *pool_row_ptr(const cpu_ctx_t *c, uint8_t *layer_base, size_t r) {
-    return layer_base + r * (size_t)c->kvd * c->esz;
-}
-
-/* n f32 values into the pool's type. */
-static void pool_put(const cpu_ctx_t *c, const float *src, uint8_t *dst, size_t n) {
-    if (c->kv16) cb_cpu_f32_to_f16(src, (uint16_t *)(void *)dst, n);
-    else memcpy(dst, src, n * sizeof(float));
+    return (cb_cpu_kv_t){pool_layer(c, c->kpool, layer), pool_layer(c, c->vpool, layer), t->blocks, c->bt};
 }
 
 /* Pool row of position p of table t (p < t->n_pos, checked by the callers). */
@@ -89,12 +59,12 @@ static int cpu_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens
         snprintf(err, errlen, "cpu backend: KV pool already initialised");
         return -1;
     }
-    if (n_layer < 1 || kv_dim < 1 || kv_dim > CB_CPU_KV_MAX_DIM || block_tokens < 1 || n_blocks < 1 ||
-        (size_t)n_blocks * block_tokens > SIZE_MAX / c->esz / (size_t)kv_dim / (size_t)n_layer) {
+    if (n_layer < 1 || kv_dim < 1 || block_tokens < 1 || n_blocks < 1 ||
+        (size_t)n_blocks * block_tokens > SIZE_MAX / sizeof(float) / (size_t)kv_dim / (size_t)n_layer) {
         snprintf(err, errlen, "cpu backend: bad KV pool geometry");
         return -1;
     }
-    size_t bytes = c->esz * (size_t)n_layer * n_blocks * block_tokens * kv_dim;
+    size_t bytes = sizeof(float) * (size_t)n_layer * n_blocks * block_tokens * kv_dim;
     /* anonymous mappings: zero pages, backed only as blocks are first written (4 KiB pages) */
     void *k = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     void *v = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -119,10 +89,10 @@ static int cpu_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens
 static int cpu_kv_copy_block(void *ctx, int dst, int src) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || dst < 0 || src < 0 || dst >= c->n_blocks || src >= c->n_blocks) return -1;
-    const size_t per = (size_t)c->bt * c->kvd * c->esz;
+    const size_t per = (size_t)c->bt * c->kvd;
     for (int l = 0; l < c->n_layer; l++) {
-        memcpy(pool_layer(c, c->kpool, l) + dst * per, pool_layer(c, c->kpool, l) + src * per, per);
-        memcpy(pool_layer(c, c->vpool, l) + dst * per, pool_layer(c, c->vpool, l) + src * per, per);
+        memcpy(pool_layer(c, c->kpool, l) + dst * per, pool_layer(c, c->kpool, l) + src * per, sizeof(float) * per);
+        memcpy(pool_layer(c, c->vpool, l) + dst * per, pool_layer(c, c->vpool, l) + src * per, sizeof(float) * per);
     }
     return 0;
 }
@@ -131,19 +101,18 @@ static int cpu_kv_write(void *ctx, int layer, const cb_kv_table_t *t, const int3
                         const float *v) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || layer < 0 || layer >= c->n_layer) return -1;
-    uint8_t *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    const size_t row = sizeof(float) * (size_t)c->kvd;
     for (int i = 0; i < n; i++) {
         if (pos[i] < 0 || pos[i] >= t->n_pos) return -1;
         size_t r = pool_row(c, t, pos[i]);
-        pool_put(c, k + (size_t)i * c->kvd, pool_row_ptr(c, kp, r), (size_t)c->kvd);
-        pool_put(c, v + (size_t)i * c->kvd, pool_row_ptr(c, vp, r), (size_t)c->kvd);
+        memcpy(kp + r * c->kvd, k + (size_t)i * c->kvd, row);
+        memcpy(vp + r * c->kvd, v + (size_t)i * c->kvd, row);
     }
     return 0;
 }
 
-/* Thread-safe (the loader thread): touches only the pool rows named, the read-only RoPE table and its own
- * stack buffer. Rows go through f32 in pieces of whole blocks' positions: converted from dtype, K rotated to
- * its position, then stored in the pool's type. */
+/* Thread-safe (the loader thread): touches only the pool rows named and the read-only RoPE table. */
 static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
                        cb_kv_dtype_t dtype, float rope_base) {
     cpu_ctx_t *c = ctx;
@@ -152,30 +121,21 @@ static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
     if (!esz) return -1;
     const int hd = c->rope_hd, nkv = c->kvd / hd;
     const bool table = rope_base == c->rope_base;
-    float buf[2][CB_CPU_KV_LOAD_FLOATS]; /* K, V of up to `piece` rows */
-    const int piece = CB_CPU_KV_LOAD_FLOATS / c->kvd;
-    uint8_t *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
     for (int p = pos0, w; p < pos0 + n; p += w) {
-        /* positions p..p+w-1 of one block: consecutive pool rows */
+        /* positions p..p+w-1 of one block: consecutive pool rows, converted in place and K rotated there */
         w = c->bt - p % c->bt;
         if (w > pos0 + n - p) w = pos0 + n - p;
-        if (w > piece) w = piece;
         size_t r = pool_row(c, t, p), i = (size_t)(p - pos0);
-        float *kr = c->kv16 ? buf[0] : (float *)(void *)pool_row_ptr(c, kp, r);
-        float *vr = c->kv16 ? buf[1] : (float *)(void *)pool_row_ptr(c, vp, r);
-        cb_cpu_kv_to_f32(dtype, (const uint8_t *)k + i * kvd * esz, kr, (size_t)w * kvd);
-        cb_cpu_kv_to_f32(dtype, (const uint8_t *)v + i * kvd * esz, vr, (size_t)w * kvd);
+        cb_cpu_kv_to_f32(dtype, (const uint8_t *)k + i * kvd * esz, kp + r * kvd, (size_t)w * kvd);
+        cb_cpu_kv_to_f32(dtype, (const uint8_t *)v + i * kvd * esz, vp + r * kvd, (size_t)w * kvd);
         if (table && p + w <= c->max_keys) {
-            cb_cpu_rope_apply(kr, w, nkv, hd, c->rope_cs + (size_t)p * hd);
+            cb_cpu_rope_apply(kp + r * kvd, w, nkv, hd, c->rope_cs + (size_t)p * hd);
         } else {
             for (int j = 0; j < w; j++) {
                 int32_t pj = p + j;
-                cb_cpu_rope(kr + (size_t)j * kvd, 1, nkv, hd, &pj, rope_base);
+                cb_cpu_rope(kp + (r + (size_t)j) * kvd, 1, nkv, hd, &pj, rope_base);
             }
-        }
-        if (c->kv16) {
-            pool_put(c, kr, pool_row_ptr(c, kp, r), (size_t)w * kvd);
-            pool_put(c, vr, pool_row_ptr(c, vp, r), (size_t)w * kvd);
         }
     }
     return 0;
@@ -184,12 +144,12 @@ static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
 static int cpu_kv_read(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, float *k, float *v) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || layer < 0 || layer >= c->n_layer || pos0 < 0 || n < 0 || pos0 > t->n_pos - n) return -1;
-    uint8_t *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
-    const cb_kv_dtype_t dt = c->kv16 ? CB_KV_F16 : CB_KV_F32;
+    const float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    const size_t row = sizeof(float) * (size_t)c->kvd;
     for (int i = 0; i < n; i++) {
         size_t r = pool_row(c, t, pos0 + i);
-        if (k) cb_cpu_kv_to_f32(dt, pool_row_ptr(c, kp, r), k + (size_t)i * c->kvd, (size_t)c->kvd);
-        if (v) cb_cpu_kv_to_f32(dt, pool_row_ptr(c, vp, r), v + (size_t)i * c->kvd, (size_t)c->kvd);
+        if (k) memcpy(k + (size_t)i * c->kvd, kp + r * c->kvd, row);
+        if (v) memcpy(v + (size_t)i * c->kvd, vp + r * c->kvd, row);
     }
     return 0;
 }
@@ -238,56 +198,29 @@ static void cpu_host_free(void *ctx, void *p) {
     free(p);
 }
 
-/* Whether w goes through the integer kernels. */
-static bool use_q(const cpu_ctx_t *c, const cb_weight_t *w) {
-    return c->native && cb_cpu_qtype_supported(w->type) && w->cols <= c->max_cols;
-}
-
-/* The f32 reference (and native numerics for types without an integer kernel): matvec on the stored rows up
- * to CB_CPU_MATVEC_MAX_ROWS rows, sgemm over the f32 copy beyond (f32 numerics only: native never reads it). */
-static bool use_gemm(const cpu_ctx_t *c, const cb_weight_t *w, int n) {
-    return !c->native && n > CB_CPU_MATVEC_MAX_ROWS && w->f32;
-}
-
 static void cpu_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, float *y, int ldy) {
     cpu_ctx_t *c = ctx;
-    if (use_q(c, w)) {
-        const cb_matmul_part_t part = {w, y, ldy};
-        cb_cpu_qmatmul(c->isa, &part, 1, x, n, c->act, c->pool);
-    } else if (use_gemm(c, w, n)) {
-        cb_cpu_gemm(w, x, n, y, ldy, c->pool);
-    } else {
+    if (n <= CB_CPU_MATVEC_MAX_ROWS || !w->f32)
         cb_cpu_matvec(w, x, n, y, ldy, c->mv_scratch, c->pool);
-    }
+    else
+        cb_cpu_gemm(w, x, n, y, ldy, c->pool);
 }
 
 static void cpu_matmul_multi(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
     cpu_ctx_t *c = ctx;
-    bool q = true, gemm = true, matvec = true;
-    for (int p = 0; p < n_parts; p++) {
-        q = q && use_q(c, parts[p].w);
-        gemm = gemm && use_gemm(c, parts[p].w, n);
-        matvec = matvec && !use_q(c, parts[p].w) && !use_gemm(c, parts[p].w, n);
+    bool gemm = n > CB_CPU_MATVEC_MAX_ROWS;
+    for (int p = 0; p < n_parts; p++) gemm = gemm && parts[p].w->f32;
+    if (gemm || n <= CB_CPU_MATVEC_MAX_ROWS) {
+        cb_cpu_matmul_multi(parts, n_parts, x, n, gemm, c->mv_scratch, c->pool);
+        return;
     }
-    if (q && n_parts <= 16) cb_cpu_qmatmul(c->isa, parts, n_parts, x, n, c->act, c->pool);
-    else if (gemm || matvec) cb_cpu_matmul_multi(parts, n_parts, x, n, gemm, c->mv_scratch, c->pool);
-    else
-        for (int p = 0; p < n_parts; p++) cpu_matmul(ctx, parts[p].w, x, n, parts[p].y, parts[p].ldy);
+    for (int p = 0; p < n_parts; p++) cpu_matmul(ctx, parts[p].w, x, n, parts[p].y, parts[p].ldy);
 }
 
-/* Decode batches: every path here gives a row the bits it gets alone (the integer kernels at any n; the
- * reference's matvec, never its GEMM). */
+/* Decode batches: matvec for any n (each row with its own accumulators: what n = 1 gives it). */
 static void cpu_matmul_rowwise(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
     cpu_ctx_t *c = ctx;
-    bool q = n_parts <= 16;
-    for (int p = 0; p < n_parts; p++) q = q && use_q(c, parts[p].w);
-    if (q) cb_cpu_qmatmul(c->isa, parts, n_parts, x, n, c->act, c->pool);
-    else if (!c->native) cb_cpu_matmul_multi(parts, n_parts, x, n, false, c->mv_scratch, c->pool);
-    else
-        for (int p = 0; p < n_parts; p++) {
-            if (use_q(c, parts[p].w)) cb_cpu_qmatmul(c->isa, &parts[p], 1, x, n, c->act, c->pool);
-            else cb_cpu_matvec(parts[p].w, x, n, parts[p].y, parts[p].ldy, c->mv_scratch, c->pool);
-        }
+    cb_cpu_matmul_multi(parts, n_parts, x, n, false, c->mv_scratch, c->pool);
 }
 
 typedef struct {
@@ -341,8 +274,8 @@ static void cpu_attention(void *ctx, const cb_attn_geom_t *g, const float *q, in
 static void cpu_attention_rows(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer,
                                const cb_kv_table_t *t, const int32_t *key_limit, float *out) {
     cpu_ctx_t *c = ctx;
-    const cb_cpu_kv_t kv = kv_view(c, layer, NULL);
-    cb_cpu_attention_rows_kv(g, q, n, &kv, t, key_limit, out, c->att_scratch, c->max_keys, c->pool);
+    cb_cpu_attention_rows(g, q, n, pool_layer(c, c->kpool, layer), pool_layer(c, c->vpool, layer), c->bt, t, key_limit,
+                          out, c->att_scratch, c->max_keys, c->pool);
 }
 
 typedef struct {
@@ -400,7 +333,6 @@ static void cpu_destroy(void *ctx) {
     free(c->att_scratch);
     free(c->mass_scratch);
     free(c->topk_idx);
-    free(c->act);
     if (c->kpool) munmap(c->kpool, c->pool_map);
     if (c->vpool) munmap(c->vpool, c->pool_map);
     free(c);
@@ -435,19 +367,9 @@ static const cb_backend_ops_t CPU_OPS = {
 
 cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_keys, int n_threads, char *err,
                                  size_t errlen) {
-    const cb_numerics_t ref = {CB_WEIGHTS_F32, CB_KVTYPE_F32};
-    return cb_backend_cpu_new_numerics(hp, max_rows, max_keys, n_threads, &ref, err, errlen);
-}
-
-cb_backend_t *cb_backend_cpu_new_numerics(const cb_hparams_t *hp, int max_rows, int max_keys, int n_threads,
-                                          const cb_numerics_t *nm, char *err, size_t errlen) {
     cb_cpu_init();
     if (max_rows < 1 || max_keys < 1) {
         snprintf(err, errlen, "backend: max_rows and max_keys must be >= 1");
-        return NULL;
-    }
-    if (nm->weights == CB_WEIGHTS_DEFAULT || nm->kv == CB_KVTYPE_DEFAULT) {
-        snprintf(err, errlen, "backend: numerics not resolved");
         return NULL;
     }
     if (n_threads <= 0) n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
@@ -460,11 +382,7 @@ cb_backend_t *cb_backend_cpu_new_numerics(const cb_hparams_t *hp, int max_rows, 
     be->ctx = c;
     be->max_rows = max_rows;
     be->max_keys = max_keys;
-    c->native = nm->weights == CB_WEIGHTS_NATIVE;
-    c->isa = cb_cpu_isa_detect();
-    c->kv16 = nm->kv == CB_KVTYPE_F16;
-    c->esz = c->kv16 ? 2 : 4;
-    be->kv_value_bytes = (int)c->esz;
+    be->kv_value_bytes = 4;
     c->nt = c->scratch_nt = n_threads;
     c->max_rows = max_rows;
     c->max_keys = max_keys;
@@ -482,10 +400,6 @@ cb_backend_t *cb_backend_cpu_new_numerics(const cb_hparams_t *hp, int max_rows, 
     c->mass_scratch = malloc(sizeof(float) * cb_cpu_attn_mass_scratch(&c->geom, max_keys));
     c->topk_idx = malloc(sizeof(int32_t) * (size_t)max_keys);
     if (!c->mass_scratch || !c->topk_idx) goto oom;
-    if (c->native) {
-        c->act = cb_cpu_alloc_huge(sizeof(cb_q8_group_t) * (size_t)max_rows * cb_q8_groups(c->max_cols), false);
-        if (!c->act) goto oom;
-    }
     if (!c->rope_cs || !c->rope_rows || !c->mv_scratch || !c->att_scratch || !c->pool) goto oom;
     for (int p = 0; p < max_keys; p++)
         cb_cpu_rope_coeffs(p, hp->head_dim, hp->rope_base, c->rope_cs + (size_t)p * hp->head_dim);

@@ -42,12 +42,6 @@ static void cpu_init_once(void) {
     const char *core = openblas_get_corename();
     bool old_core = core && (!strcmp(core, "Prescott") || !strcmp(core, "Core2") || !strcmp(core, "Penryn") ||
                              !strcmp(core, "Nehalem") || !strcmp(core, "Dunnington") || !strcmp(core, "Atom"));
-    /* 0.3.21 also runs its AVX2 (Haswell) kernels on AVX-512 CPUs it does not know, e.g. AMD Zen 4/5: the
-     * SkylakeX sgemm measured 12% faster on a whole 2048-token prefill (attention's GEMMs) on Zen 5 */
-    __builtin_cpu_init();
-    if (core && (!strcmp(core, "Haswell") || !strcmp(core, "Zen")) && __builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        old_core = true;
     if (old_core && !getenv("OPENBLAS_CORETYPE") && gotoblas_dynamic_init && gotoblas_dynamic_quit) {
         const char *want = NULL;
         __builtin_cpu_init();
@@ -558,18 +552,6 @@ static inline int kv_run(const cb_cpu_kv_t *kv, int p, int end) {
     return (q < end ? q : end) - p;
 }
 
-/* Address of pool row `row` of K (or V) for prefetching. */
-static const char *kv_addr(const cb_cpu_kv_t *kv, bool v, size_t row, int kvd) {
-    if (kv->k16) return (const char *)((v ? kv->v16 : kv->k16) + row * kvd);
-    return (const char *)((v ? kv->v : kv->k) + row * kvd);
-}
-
-/* hd values of one head of pool row `row` (column col) as f32 into dst. */
-static void kv_head_f32(const cb_cpu_kv_t *kv, bool v, size_t row, size_t col, int kvd, int hd, float *dst) {
-    if (kv->k16) cb_cpu_kv_to_f32(CB_KV_F16, (v ? kv->v16 : kv->k16) + row * kvd + col, dst, (size_t)hd);
-    else memcpy(dst, (v ? kv->v : kv->k) + row * kvd + col, sizeof(float) * (size_t)hd);
-}
-
 void cb_cpu_kv_to_f32(cb_kv_dtype_t dt, const void *src, float *dst, size_t n) {
     if (dt == CB_KV_F32) {
         memcpy(dst, src, n * sizeof(float));
@@ -589,20 +571,6 @@ void cb_cpu_kv_to_f32(cb_kv_dtype_t dt, const void *src, float *dst, size_t n) {
     } else {
         for (; i < n; i++) dst[i] = cb_bf16_to_f32(h[i]);
     }
-}
-
-void cb_cpu_f32_to_f16(const float *src, uint16_t *dst, size_t n) {
-    size_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(void *)(dst + i),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#elif defined(__F16C__) && defined(__AVX__)
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(void *)(dst + i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#endif
-    for (; i < n; i++) dst[i] = cb_f32_to_f16(src[i]);
 }
 
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt) {
@@ -664,7 +632,7 @@ void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_c
         float *Q = scratch;                        /* [G*nr][hd] */
         float *S = Q + (size_t)CB_CPU_MASS_ROWS * G * hd; /* [G*nr][L] */
         float *GK = S + (size_t)CB_CPU_MASS_ROWS * G * L; /* [L][hd] keys of one KV head, gathered */
-        const bool one_run = !kv->k16 && kv_run(kv, 0, L) == L;
+        const bool one_run = kv_run(kv, 0, L) == L;
         for (int kvh = 0; kvh < g->n_head_kv; kvh++) {
             for (int hh = 0; hh < G; hh++)
                 for (int i = 0; i < nr; i++)
@@ -675,7 +643,8 @@ void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_c
             const float *K = kv->k + (size_t)kvh * hd;
             int ldk = kvd;
             if (!one_run) {
-                for (int p = 0; p < L; p++) kv_head_f32(kv, false, kv_row(kv, p), (size_t)kvh * hd, kvd, hd, GK + (size_t)p * hd);
+                for (int p = 0; p < L; p++)
+                    memcpy(GK + (size_t)p * hd, kv->k + kv_row(kv, p) * kvd + (size_t)kvh * hd, sizeof(float) * (size_t)hd);
                 K = GK, ldk = hd;
             } else {
                 K = kv->k + kv_row(kv, 0) * kvd + (size_t)kvh * hd;
@@ -699,17 +668,13 @@ static void scale_row(float *x, int n, float a) {
 static void attend_row(const cb_attn_geom_t *g, const float *q, const cb_cpu_kv_t *kv, int kvh, int kvd, int lim,
                        float *s, float *out) {
     const int hd = g->head_dim;
-    float row[CB_CPU_MAX_HEAD_DIM];
-    for (int j = 0; j < lim; j++) {
-        kv_head_f32(kv, false, kv_row(kv, j), (size_t)kvh * hd, kvd, hd, row);
-        s[j] = dot_f32(q, row, hd) * g->scale;
-    }
+    for (int j = 0; j < lim; j++) s[j] = dot_f32(q, kv->k + kv_row(kv, j) * kvd + (size_t)kvh * hd, hd) * g->scale;
     float inv = softmax_row(s, lim, lim);
     memset(out, 0, sizeof(float) * (size_t)hd);
     for (int j = 0; j < lim; j++) {
-        kv_head_f32(kv, true, kv_row(kv, j), (size_t)kvh * hd, kvd, hd, row);
+        const float *v = kv->v + kv_row(kv, j) * kvd + (size_t)kvh * hd;
         float p = s[j];
-        for (int d = 0; d < hd; d++) out[d] += p * row[d];
+        for (int d = 0; d < hd; d++) out[d] += p * v[d];
     }
     scale_row(out, hd, inv);
 }
@@ -821,17 +786,19 @@ static void attn_block_task(void *arg, int t, int thread) {
         /* the chunk's K/V rows: in place when they follow each other in the pool, else gathered */
         const float *K, *V;
         int ld;
-        if (!kv->k16 && kv_run(kv, c0, c0 + w) == w) {
+        if (kv_run(kv, c0, c0 + w) == w) {
             K = kv->k + kv_row(kv, c0) * kvd + (size_t)kvh * hd;
             V = kv->v + kv_row(kv, c0) * kvd + (size_t)kvh * hd;
             ld = kvd;
-        } else { /* gathered (and converted from f16) */
+        } else {
             for (int p = c0, n_run; p < c0 + w; p += n_run) {
                 n_run = kv_run(kv, p, c0 + w);
                 const size_t r0 = kv_row(kv, p);
                 for (int t2 = 0; t2 < n_run; t2++) {
-                    kv_head_f32(kv, false, r0 + t2, (size_t)kvh * hd, kvd, hd, GK + (size_t)(p - c0 + t2) * hd);
-                    kv_head_f32(kv, true, r0 + t2, (size_t)kvh * hd, kvd, hd, GV + (size_t)(p - c0 + t2) * hd);
+                    memcpy(GK + (size_t)(p - c0 + t2) * hd, kv->k + (r0 + t2) * kvd + (size_t)kvh * hd,
+                           sizeof(float) * (size_t)hd);
+                    memcpy(GV + (size_t)(p - c0 + t2) * hd, kv->v + (r0 + t2) * kvd + (size_t)kvh * hd,
+                           sizeof(float) * (size_t)hd);
                 }
             }
             K = GK, V = GV, ld = hd;
@@ -869,109 +836,60 @@ static inline __m512 hsum16x16(const __m512 v[16]) {
 }
 #endif
 
-/* scores_row / pv_row over f32 rows and, with the same operations on the converted values (f16 -> f32 is
- * exact), over f16 rows: a pool of f16 values gives the bits an f32 pool holding the same values gives. */
-#if CB_AVX512
-#define LD16_F32(p) _mm512_loadu_ps(p)
-#define LD16_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
-#endif
-#define EL_F32(p, i) ((p)[i])
-#define EL_F16(p, i) cb_f16_to_f32((p)[i])
-
 /* s[j] = scale * q · K[j] for j < cnt (K rows kvd apart; hd a multiple of 16 on the AVX-512 path). */
-#if CB_AVX512
-#define SCORES_VEC(LD)                                                                                     \
-    if (hd % 16 == 0 && hd <= 256) {                                                                       \
-        __m512 qv[16], v[16];                                                                              \
-        const int nd = hd / 16;                                                                            \
-        for (int d = 0; d < nd; d++) qv[d] = _mm512_loadu_ps(q + 16 * d);                                  \
-        const __m512 vs = _mm512_set1_ps(scale);                                                           \
-        for (; j < cnt; j += 16) {                                                                         \
-            int nk = cnt - j < 16 ? cnt - j : 16;                                                          \
-            for (int k = 0; k < 16; k++) {                                                                 \
-                __m512 acc = _mm512_setzero_ps();                                                          \
-                if (k < nk) {                                                                              \
-                    const __typeof__(K) kr = K + (size_t)(j + k) * kvd;                                    \
-                    for (int d = 0; d < nd; d++) acc = _mm512_fmadd_ps(qv[d], LD(kr + 16 * d), acc);       \
-                }                                                                                          \
-                v[k] = acc;                                                                                \
-            }                                                                                              \
-            _mm512_mask_storeu_ps(s + j, (__mmask16)((1u << nk) - 1u), _mm512_mul_ps(hsum16x16(v), vs));   \
-        }                                                                                                  \
-        return;                                                                                            \
-    }
-#else
-#define SCORES_VEC(LD)
-#endif
-
 static void scores_row(const float *q, const float *K, int kvd, int cnt, int hd, float scale, float *s) {
     int j = 0;
-    SCORES_VEC(LD16_F32)
-    for (; j < cnt; j++) s[j] = dot_f32(q, K + (size_t)j * kvd, hd) * scale;
-}
-
-static void scores_row_h(const float *q, const uint16_t *K, int kvd, int cnt, int hd, float scale, float *s) {
-    int j = 0;
-    SCORES_VEC(LD16_F16)
-    float row[CB_CPU_MAX_HEAD_DIM];
-    for (; j < cnt; j++) {
-        cb_cpu_kv_to_f32(CB_KV_F16, K + (size_t)j * kvd, row, (size_t)hd);
-        s[j] = dot_f32(q, row, hd) * scale;
+#if CB_AVX512
+    if (hd % 16 == 0 && hd <= 256) {
+        __m512 qv[16], v[16];
+        const int nd = hd / 16;
+        for (int d = 0; d < nd; d++) qv[d] = _mm512_loadu_ps(q + 16 * d);
+        const __m512 vs = _mm512_set1_ps(scale);
+        for (; j < cnt; j += 16) {
+            int nk = cnt - j < 16 ? cnt - j : 16;
+            for (int k = 0; k < 16; k++) {
+                __m512 acc = _mm512_setzero_ps();
+                if (k < nk) {
+                    const float *kr = K + (size_t)(j + k) * kvd;
+                    for (int d = 0; d < nd; d++) acc = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(kr + 16 * d), acc);
+                }
+                v[k] = acc;
+            }
+            _mm512_mask_storeu_ps(s + j, (__mmask16)((1u << nk) - 1u), _mm512_mul_ps(hsum16x16(v), vs));
+        }
+        return;
     }
+#endif
+    for (; j < cnt; j++) s[j] = dot_f32(q, K + (size_t)j * kvd, hd) * scale;
 }
 
 /* o[0:hd) += sum_j p[j] V[j] for j < cnt, in j order (o starts at zero: the same sums whether the keys
  * come in one run or several). */
-#if CB_AVX512
-#define PV_VEC(LD)                                                                                         \
-    for (; d0 + 64 <= hd; d0 += 64) {                                                                      \
-        __m512 a0 = _mm512_loadu_ps(o + d0), a1 = _mm512_loadu_ps(o + d0 + 16), a2 = _mm512_loadu_ps(o + d0 + 32), \
-               a3 = _mm512_loadu_ps(o + d0 + 48);                                                          \
-        for (int j = 0; j < cnt; j++) {                                                                    \
-            const __typeof__(V) vr = V + (size_t)j * kvd + d0;                                             \
-            __m512 pj = _mm512_set1_ps(p[j]);                                                              \
-            a0 = _mm512_fmadd_ps(pj, LD(vr), a0);                                                          \
-            a1 = _mm512_fmadd_ps(pj, LD(vr + 16), a1);                                                     \
-            a2 = _mm512_fmadd_ps(pj, LD(vr + 32), a2);                                                     \
-            a3 = _mm512_fmadd_ps(pj, LD(vr + 48), a3);                                                     \
-        }                                                                                                  \
-        _mm512_storeu_ps(o + d0, a0);                                                                      \
-        _mm512_storeu_ps(o + d0 + 16, a1);                                                                 \
-        _mm512_storeu_ps(o + d0 + 32, a2);                                                                 \
-        _mm512_storeu_ps(o + d0 + 48, a3);                                                                 \
-    }
-#else
-#define PV_VEC(LD)
-#endif
-#define PV_TAIL(EL)                                                                                        \
-    for (int d = d0; d < hd; d++) {                                                                        \
-        float a = o[d];                                                                                    \
-        for (int j = 0; j < cnt; j++) a += p[j] * EL(V, (size_t)j * kvd + d);                              \
-        o[d] = a;                                                                                          \
-    }
-
 static void pv_row(const float *p, const float *V, int kvd, int cnt, int hd, float *o) {
     int d0 = 0;
-    PV_VEC(LD16_F32)
-    PV_TAIL(EL_F32)
-}
-
-static void pv_row_h(const float *p, const uint16_t *V, int kvd, int cnt, int hd, float *o) {
-    int d0 = 0;
-    PV_VEC(LD16_F16)
-    PV_TAIL(EL_F16)
-}
-
-/* The same over pool rows starting at row `row`, column `col` of the pool in kv (f32 or f16). */
-static void scores_kv(const float *q, const cb_cpu_kv_t *kv, size_t row, size_t col, int kvd, int cnt, int hd,
-                      float scale, float *s) {
-    if (kv->k16) scores_row_h(q, kv->k16 + row * kvd + col, kvd, cnt, hd, scale, s);
-    else scores_row(q, kv->k + row * kvd + col, kvd, cnt, hd, scale, s);
-}
-
-static void pv_kv(const float *p, const cb_cpu_kv_t *kv, size_t row, size_t col, int kvd, int cnt, int hd, float *o) {
-    if (kv->v16) pv_row_h(p, kv->v16 + row * kvd + col, kvd, cnt, hd, o);
-    else pv_row(p, kv->v + row * kvd + col, kvd, cnt, hd, o);
+#if CB_AVX512
+    for (; d0 + 64 <= hd; d0 += 64) {
+        __m512 a0 = _mm512_loadu_ps(o + d0), a1 = _mm512_loadu_ps(o + d0 + 16), a2 = _mm512_loadu_ps(o + d0 + 32),
+               a3 = _mm512_loadu_ps(o + d0 + 48);
+        for (int j = 0; j < cnt; j++) {
+            const float *vr = V + (size_t)j * kvd + d0;
+            __m512 pj = _mm512_set1_ps(p[j]);
+            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr), a0);
+            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16), a1);
+            a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 32), a2);
+            a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 48), a3);
+        }
+        _mm512_storeu_ps(o + d0, a0);
+        _mm512_storeu_ps(o + d0 + 16, a1);
+        _mm512_storeu_ps(o + d0 + 32, a2);
+        _mm512_storeu_ps(o + d0 + 48, a3);
+    }
+#endif
+    for (int d = d0; d < hd; d++) {
+        float a = o[d];
+        for (int j = 0; j < cnt; j++) a += p[j] * V[(size_t)j * kvd + d];
+        o[d] = a;
+    }
 }
 
 /* Split-key attention for a few rows (decode): task = (row, KV head, chunk of keys). Each task leaves,
@@ -995,15 +913,15 @@ static void attn_split_task(void *arg, int t, int thread) {
         const cb_cpu_kv_t *kv = j->kv;
         for (int p = c0, w; p < c1; p += w) {
             w = kv_run(kv, p, c1);
-            scores_kv(j->q + (size_t)i * qd + (size_t)h * hd, kv, kv_row(kv, p), (size_t)kvh * hd, kvd, w, hd, g->scale,
-                      s + (p - c0));
+            scores_row(j->q + (size_t)i * qd + (size_t)h * hd, kv->k + kv_row(kv, p) * kvd + (size_t)kvh * hd, kvd, w,
+                       hd, g->scale, s + (p - c0));
         }
         float m = -INFINITY, l = 0.0f;
         online_softmax(s, c1 - c0, c1 - c0, &m, &l);
         memset(part + 2, 0, sizeof(float) * (size_t)hd);
         for (int p = c0, w; p < c1; p += w) {
             w = kv_run(kv, p, c1);
-            pv_kv(s + (p - c0), kv, kv_row(kv, p), (size_t)kvh * hd, kvd, w, hd, part + 2);
+            pv_row(s + (p - c0), kv->v + kv_row(kv, p) * kvd + (size_t)kvh * hd, kvd, w, hd, part + 2);
         }
         part[0] = m;
         part[1] = l;
@@ -1070,8 +988,7 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
  * P·V in key order, and the same merge. */
 typedef struct {
     const cb_attn_geom_t *g;
-    const float *q;           /* [n][n_head*head_dim] */
-    const cb_cpu_kv_t *pool;  /* the layer's pool (blocks unused) */
+    const float *q, *k, *v;   /* q [n][n_head*head_dim]; the layer's pool */
     const cb_kv_table_t *t;   /* [n] */
     const int32_t *key_limit; /* [n] */
     int bt, nr;               /* block tokens; rows of this run */
@@ -1093,20 +1010,18 @@ static void attn_rows_task(void *arg, int t, int thread) {
     int i = 0;
     while (t >= j->task0[i + 1]) i++;
     const int cs = j->chunk[i], c0 = (t - j->task0[i]) * cs, lim = j->key_limit[i], c1 = c0 + cs < lim ? c0 + cs : lim;
-    cb_cpu_kv_t kv = *j->pool;
-    kv.blocks = j->t[i].blocks;
+    const cb_cpu_kv_t kv = {j->k, j->v, j->t[i].blocks, j->bt};
     const float *q = j->q + (size_t)i * H * hd;
     float *s = j->scratch + (size_t)thread * j->per_thread, *part = j->partial + (size_t)t * H * (hd + 2);
     /* each head's pass over a piece prefetches its share of the piece ATT_ROWS_AHEAD keys on */
-    const size_t esz = kv.k16 ? 2 : 4;
-    const size_t slice = ((size_t)ATT_ROWS_PIECE * kvd * esz / (size_t)H + 63) / 64 * 64;
+    const size_t slice = ((size_t)ATT_ROWS_PIECE * kvd * sizeof(float) / (size_t)H + 63) / 64 * 64;
     for (int p = c0, w; p < c1; p += w) { /* runs of consecutive pool rows, in pieces */
         w = kv_run(&kv, p, p + ATT_ROWS_PIECE < c1 ? p + ATT_ROWS_PIECE : c1);
-        const size_t row = kv_row(&kv, p);
-        const char *next = p + ATT_ROWS_AHEAD < c1 ? kv_addr(&kv, false, kv_row(&kv, p + ATT_ROWS_AHEAD), kvd) : NULL;
+        const float *K = kv.k + kv_row(&kv, p) * kvd;
+        const char *next = p + ATT_ROWS_AHEAD < c1 ? (const char *)(kv.k + kv_row(&kv, p + ATT_ROWS_AHEAD) * kvd) : NULL;
         for (int h = 0; h < H; h++) {
             if (next) prefetch_bytes(next + (size_t)h * slice, slice);
-            scores_kv(q + (size_t)h * hd, &kv, row, (size_t)(h / G) * hd, kvd, w, hd, g->scale, s + (size_t)h * cs + (p - c0));
+            scores_row(q + (size_t)h * hd, K + (size_t)(h / G) * hd, kvd, w, hd, g->scale, s + (size_t)h * cs + (p - c0));
         }
     }
     for (int h = 0; h < H; h++) {
@@ -1117,28 +1032,27 @@ static void attn_rows_task(void *arg, int t, int thread) {
     }
     for (int p = c0, w; p < c1; p += w) {
         w = kv_run(&kv, p, p + ATT_ROWS_PIECE < c1 ? p + ATT_ROWS_PIECE : c1);
-        const size_t row = kv_row(&kv, p);
-        const char *next = p + ATT_ROWS_AHEAD < c1 ? kv_addr(&kv, true, kv_row(&kv, p + ATT_ROWS_AHEAD), kvd) : NULL;
+        const float *V = kv.v + kv_row(&kv, p) * kvd;
+        const char *next = p + ATT_ROWS_AHEAD < c1 ? (const char *)(kv.v + kv_row(&kv, p + ATT_ROWS_AHEAD) * kvd) : NULL;
         for (int h = 0; h < H; h++) {
             if (next) prefetch_bytes(next + (size_t)h * slice, slice);
-            pv_kv(s + (size_t)h * cs + (p - c0), &kv, row, (size_t)(h / G) * hd, kvd, w, hd, part + (size_t)h * (hd + 2) + 2);
+            pv_row(s + (size_t)h * cs + (p - c0), V + (size_t)(h / G) * hd, kvd, w, hd, part + (size_t)h * (hd + 2) + 2);
         }
     }
 }
 
-void cb_cpu_attention_rows_kv(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kvp,
-                              const cb_kv_table_t *t, const int32_t *key_limit, float *out, float *scratch, int max_keys,
-                              cb_pool_t *pool) {
+void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const float *k, const float *v,
+                           int block_tokens, const cb_kv_table_t *t, const int32_t *key_limit, float *out,
+                           float *scratch, int max_keys, cb_pool_t *pool) {
     const int H = g->n_head, hd = g->head_dim, qd = H * hd, nt = cb_pool_size(pool);
     if (H / g->n_head_kv > ATT_MAX_G) { /* the one-row path, row by row */
         for (int i = 0; i < n; i++) {
-            cb_cpu_kv_t kv = *kvp;
-            kv.blocks = t[i].blocks;
+            const cb_cpu_kv_t kv = {k, v, t[i].blocks, block_tokens};
             cb_cpu_attention(g, q + (size_t)i * qd, 1, &kv, &key_limit[i], out + (size_t)i * qd, scratch, max_keys, pool);
         }
         return;
     }
-    attn_rows_job_t j = {.g = g, .pool = kvp, .bt = kvp->block_tokens, .partial = scratch,
+    attn_rows_job_t j = {.g = g, .k = k, .v = v, .bt = block_tokens, .partial = scratch,
                          .scratch = scratch + att_partial_floats(g, max_keys), .per_thread = att_thread_floats(g, max_keys)};
     const int slots = ATT_ROWS_MAX * ((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN); /* tasks the partials hold */
     for (int i0 = 0; i0 < n; i0 += j.nr) {
@@ -1160,13 +1074,6 @@ void cb_cpu_attention_rows_kv(const cb_attn_geom_t *g, const float *q, int n, co
                 split_merge_head(j.partial + ((size_t)j.task0[i] * H + h) * (hd + 2), (size_t)H * (hd + 2),
                                  j.task0[i + 1] - j.task0[i], hd, out + (size_t)(i0 + i) * qd + (size_t)h * hd);
     }
-}
-
-void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const float *k, const float *v,
-                           int block_tokens, const cb_kv_table_t *t, const int32_t *key_limit, float *out,
-                           float *scratch, int max_keys, cb_pool_t *pool) {
-    const cb_cpu_kv_t kv = {k, v, NULL, block_tokens, NULL, NULL};
-    cb_cpu_attention_rows_kv(g, q, n, &kv, t, key_limit, out, scratch, max_keys, pool);
 }
 
 /* ---------------------------------------------------------------- host-side CacheBlend operations */

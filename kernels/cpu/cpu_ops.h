@@ -1,5 +1,4 @@
-/* cpu_ops: the f32 CPU kernels of the engine (the reference backend, see backend.h), attention over f32 or
- * f16 KV pools; the integer products on quantized weights are in cpu_quant.h.
+/* cpu_ops: the f32 CPU kernels of the engine (the reference backend, see backend.h).
  *
  * Plain functions over host buffers; every shape is in the comment. Threading: functions with a `pool`
  * argument split their work into tasks on that cpu_pool (NULL = the calling thread only); BLAS calls run
@@ -24,7 +23,7 @@ extern "C" { /* the CUDA backend shares the host-side operations below */
 
 /* One-time process setup, idempotent and thread-safe: picks an AVX-512/AVX2 OpenBLAS kernel set when
  * OpenBLAS's runtime detection does not know this CPU (0.3.21 falls back to Prescott kernels on
- * Emerald Rapids, 4-5x slower, and to Haswell kernels on AVX-512 AMD Zen) and OPENBLAS_CORETYPE is not set, and makes OpenBLAS single-threaded
+ * Emerald Rapids, 4-5x slower) and OPENBLAS_CORETYPE is not set, and makes OpenBLAS single-threaded
  * (we parallelise around it with OpenMP). Returns the OpenBLAS core name in use. */
 const char *cb_cpu_init(void);
 
@@ -77,28 +76,18 @@ void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float
                          float *scratch, cb_pool_t *pool);
 
 /* A sequence's K/V of one layer in the pool: position p is row blocks[p / block_tokens] * block_tokens +
- * p % block_tokens of k and v (rows of n_head_kv*head_dim values, post-RoPE K), f32 values (k, v) or f16
- * values (k16, v16; then k, v are NULL). Kernels walk runs of positions whose rows follow each other
- * (consecutive block ids) as one strided range, so a sequence whose blocks are consecutive costs nothing
- * extra; results do not depend on how the rows are placed. f16 values are converted in the kernels (F16C),
- * exactly, and then go through the f32 arithmetic: an f16 pool gives the bits an f32 pool holding the same
- * (f16-representable) values gives. */
+ * p % block_tokens of k and v (rows of n_head_kv*head_dim floats, post-RoPE K). Kernels walk runs of
+ * positions whose rows follow each other (consecutive block ids) as one strided range, so a sequence whose
+ * blocks are consecutive costs nothing extra; results do not depend on how the rows are placed. */
 typedef struct {
-    const float *k, *v;        /* the layer's pool: [n_blocks * block_tokens][kv_dim] f32, or NULL */
+    const float *k, *v;        /* the layer's pool: [n_blocks * block_tokens][kv_dim] */
     const int32_t *blocks;     /* block table: [>= ceil(max key_limit / block_tokens)] */
     int block_tokens;
-    const uint16_t *k16, *v16; /* the same as f16 values, or NULL */
 } cb_cpu_kv_t;
-
-#define CB_CPU_KV_MAX_DIM 8192      /* largest pool row (n_head_kv * head_dim) the backend accepts */
-#define CB_CPU_KV_LOAD_FLOATS 8192  /* floats of K (and of V) a layer load converts per piece (stack) */
-#define CB_CPU_MAX_HEAD_DIM 1024    /* largest head_dim (the model loader's limit) */
 
 /* n values of a KV payload (dtype) as f32 (F16C / AVX-512 conversion where available); bit-identical to
  * kvfile's conversion. */
 void cb_cpu_kv_to_f32(cb_kv_dtype_t dtype, const void *src, float *dst, size_t n);
-/* n f32 values to f16, rounded to nearest even (F16C where available); bit-identical to cb_f32_to_f16. */
-void cb_cpu_f32_to_f16(const float *src, uint16_t *dst, size_t n);
 
 /* Scratch floats needed by cb_cpu_attention for max_rows rows against max_keys keys with nt pool threads. */
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt);
@@ -121,10 +110,6 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
 void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const float *k, const float *v,
                            int block_tokens, const cb_kv_table_t *t, const int32_t *key_limit, float *out,
                            float *scratch, int max_keys, cb_pool_t *pool);
-/* The same over a pool of either value type (kv's blocks are ignored: row i reads t[i]). */
-void cb_cpu_attention_rows_kv(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv,
-                              const cb_kv_table_t *t, const int32_t *key_limit, float *out, float *scratch, int max_keys,
-                              cb_pool_t *pool);
 
 /* Attention mass, for query-aware selection (blend.h, metric 'a'): for each of the n query rows and each
  * head, the softmax probabilities over keys [0, key_limit[i]) (as cb_cpu_attention computes them) are

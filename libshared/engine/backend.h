@@ -8,8 +8,7 @@
  * own memory (host memory on the CPU, device memory on CUDA), sized once by kv_pool_init; a sequence's
  * rows are reached through a block table (cb_kv_table_t), never through a pointer, so attention on a
  * device reads K/V where they already are. The CPU backend (kernels/cpu) computes in f32 and is the
- * reference: other backends are tested against it within tolerances (tests/gpu); its numerics are chosen
- * at creation (cb_numerics_t: the f32 reference, or integer kernels on the quantized weights and an f16 pool).
+ * reference: other backends are tested against it within tolerances (tests/gpu).
  *
  * Everything CacheBlend needs is an operation here (RoPE, KV writes and layer loads with re-rotation,
  * attention, attention mass, deviation, top-k, row compaction), so blend/ runs the same algorithm on
@@ -43,18 +42,6 @@ typedef struct {
     int n_head, n_head_kv, head_dim;
     float scale;            /* usually 1/sqrt(head_dim) */
 } cb_attn_geom_t;
-
-/* Numerics of the CPU backend (the CUDA backend has its own: bf16 weights and a bf16 KV pool).
- * weights: native = integer products on the stored quantized blocks with int8 activations (cpu_quant.h);
- * f32 = the reference: exactly dequantized weights, f32 activations (f32 copies for GEMMs, cb_model_build_f32).
- * kv: the pool's element type, f16 (converted in the attention kernels) or f32. DEFAULT: the process default
- * (backend_select.h: $CB_ENGINE_WEIGHTS, $CB_ENGINE_KV_DTYPE, else native and f16). */
-typedef enum { CB_WEIGHTS_DEFAULT = 0, CB_WEIGHTS_NATIVE, CB_WEIGHTS_F32 } cb_weights_t;
-typedef enum { CB_KVTYPE_DEFAULT = 0, CB_KVTYPE_F16, CB_KVTYPE_F32 } cb_kvtype_t;
-typedef struct {
-    cb_weights_t weights;
-    cb_kvtype_t kv;
-} cb_numerics_t;
 
 /* One output of matmul_multi. */
 typedef struct {
@@ -146,7 +133,7 @@ typedef struct {
     void *ctx;
     int max_rows;           /* rows per call the scratch was sized for */
     int max_keys;           /* keys per attention row */
-    int kv_value_bytes;     /* bytes of one K or V value in the pool (CPU: 2 = f16 or 4 = f32; CUDA: 2 = bf16;
+    int kv_value_bytes;     /* bytes of one K or V value in the pool (4 = f32 on the CPU, 2 = bf16 on CUDA;
                                0 is read as 4): what the engine's byte budget divides by */
 } cb_backend_t;
 

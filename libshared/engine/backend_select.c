@@ -52,60 +52,8 @@ int cb_backend_cuda_devices(void) {
 #endif
 }
 
-static cb_numerics_t s_num; /* DEFAULT fields: not set; read the environment on first use */
-static bool s_num_env;
-
-bool cb_weights_parse(const char *s, cb_weights_t *out) {
-    if (s && !strcmp(s, "native")) return *out = CB_WEIGHTS_NATIVE, true;
-    if (s && !strcmp(s, "f32")) return *out = CB_WEIGHTS_F32, true;
-    return false;
-}
-
-bool cb_kvtype_parse(const char *s, cb_kvtype_t *out) {
-    if (s && !strcmp(s, "f16")) return *out = CB_KVTYPE_F16, true;
-    if (s && !strcmp(s, "f32")) return *out = CB_KVTYPE_F32, true;
-    return false;
-}
-
-const char *cb_weights_name(cb_weights_t w) { return w == CB_WEIGHTS_F32 ? "f32" : w == CB_WEIGHTS_NATIVE ? "native" : "default"; }
-const char *cb_kvtype_name(cb_kvtype_t k) { return k == CB_KVTYPE_F32 ? "f32" : k == CB_KVTYPE_F16 ? "f16" : "default"; }
-
-void cb_numerics_set_default(const cb_numerics_t *nm) {
-    if (nm->weights != CB_WEIGHTS_DEFAULT) s_num.weights = nm->weights;
-    if (nm->kv != CB_KVTYPE_DEFAULT) s_num.kv = nm->kv;
-}
-
-cb_numerics_t cb_numerics_default(void) {
-    if (!s_num_env) {
-        s_num_env = true;
-        const char *w = getenv("CB_ENGINE_WEIGHTS"), *k = getenv("CB_ENGINE_KV_DTYPE");
-        cb_weights_t wv;
-        cb_kvtype_t kv;
-        if (w && *w && s_num.weights == CB_WEIGHTS_DEFAULT) {
-            if (cb_weights_parse(w, &wv)) s_num.weights = wv;
-            else CB_WARN("CB_ENGINE_WEIGHTS=%s is not native|f32; using native", w);
-        }
-        if (k && *k && s_num.kv == CB_KVTYPE_DEFAULT) {
-            if (cb_kvtype_parse(k, &kv)) s_num.kv = kv;
-            else CB_WARN("CB_ENGINE_KV_DTYPE=%s is not f16|f32; using f16", k);
-        }
-    }
-    cb_numerics_t r = s_num;
-    if (r.weights == CB_WEIGHTS_DEFAULT) r.weights = CB_WEIGHTS_NATIVE;
-    if (r.kv == CB_KVTYPE_DEFAULT) r.kv = CB_KVTYPE_F16;
-    return r;
-}
-
-cb_numerics_t cb_numerics_resolve(const cb_numerics_t *nm) {
-    cb_numerics_t d = cb_numerics_default(), r = nm ? *nm : d;
-    if (r.weights == CB_WEIGHTS_DEFAULT) r.weights = d.weights;
-    if (r.kv == CB_KVTYPE_DEFAULT) r.kv = d.kv;
-    return r;
-}
-
 cb_backend_t *cb_backend_select(cb_backend_kind_t kind, const cb_hparams_t *hp, int max_rows, int max_keys,
-                                int n_threads, const cb_numerics_t *nm, cb_backend_kind_t *chosen, char *err,
-                                size_t errlen) {
+                                int n_threads, cb_backend_kind_t *chosen, char *err, size_t errlen) {
     cb_backend_kind_t got = CB_BACKEND_CPU;
     cb_backend_t *be = NULL;
     if (kind != CB_BACKEND_CPU) {
@@ -122,10 +70,7 @@ cb_backend_t *cb_backend_select(cb_backend_kind_t kind, const cb_hparams_t *hp, 
         }
         if (!be) CB_INFO("backend auto: %s; using the CPU backend", why);
     }
-    if (!be) {
-        const cb_numerics_t ref = {CB_WEIGHTS_F32, CB_KVTYPE_F32}, r = nm ? cb_numerics_resolve(nm) : ref;
-        be = cb_backend_cpu_new_numerics(hp, max_rows, max_keys, n_threads, &r, err, errlen);
-    }
+    if (!be) be = cb_backend_cpu_new(hp, max_rows, max_keys, n_threads, err, errlen);
     if (be && chosen) *chosen = got;
     return be;
 }

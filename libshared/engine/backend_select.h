@@ -26,23 +26,9 @@ cb_backend_kind_t cb_backend_default_kind(void);
 /* Number of usable CUDA devices (0 when the build has no CUDA or no device answers). */
 int cb_backend_cuda_devices(void);
 
-/* A backend of `kind` for geometry hp (see cb_backend_cpu_new for the sizes), with numerics nm on the CPU
- * (NULL: the f32 reference; DEFAULT fields: the process default below). *chosen (may be NULL) receives what
- * was actually built. NULL with a message when nothing could be built. Caller owns the result
- * (cb_backend_destroy). */
+/* A backend of `kind` for geometry hp (see cb_backend_cpu_new for the sizes). *chosen (may be NULL)
+ * receives what was actually built. NULL with a message when nothing could be built.
+ * Caller owns the result (cb_backend_destroy). */
 cb_backend_t *cb_backend_select(cb_backend_kind_t kind, const cb_hparams_t *hp, int max_rows, int max_keys,
-                                int n_threads, const cb_numerics_t *nm, cb_backend_kind_t *chosen, char *err,
-                                size_t errlen);
-
-/* Numerics (backend.h): "native" | "f32" and "f16" | "f32" -> values; false for anything else. */
-bool cb_weights_parse(const char *s, cb_weights_t *out);
-bool cb_kvtype_parse(const char *s, cb_kvtype_t *out);
-const char *cb_weights_name(cb_weights_t w);
-const char *cb_kvtype_name(cb_kvtype_t k);
-/* The process-wide default numerics (config engine.weights / engine.kv_dtype, set by the services): set
- * explicitly (DEFAULT fields leave that part alone), else $CB_ENGINE_WEIGHTS / $CB_ENGINE_KV_DTYPE when valid, else native
- * weights and an f16 pool. cb_numerics_resolve fills nm's DEFAULT fields from it. */
-void cb_numerics_set_default(const cb_numerics_t *nm);
-cb_numerics_t cb_numerics_default(void);
-cb_numerics_t cb_numerics_resolve(const cb_numerics_t *nm);
+                                int n_threads, cb_backend_kind_t *chosen, char *err, size_t errlen);
 #endif

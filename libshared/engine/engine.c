@@ -116,13 +116,7 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->KVD = hp->n_head_kv * hp->head_dim;
     e->F = hp->n_ff;
     e->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 1.0f / sqrtf((float)hp->head_dim)};
-    const cb_numerics_t want = {o->weights, o->kv_type}, nm = cb_numerics_resolve(&want);
-    if (nm.weights == CB_WEIGHTS_F32 && cb_model_build_f32(model, berr, sizeof berr) != 0) {
-        cb_set_err(err, errlen, "engine: f32 weights: %s", berr);
-        goto fail;
-    }
-    e->be = cb_backend_select(cb_backend_default_kind(), hp, e->max_rows, max_ctx, e->nt_max, &nm, NULL, berr,
-                              sizeof berr);
+    e->be = cb_backend_select(cb_backend_default_kind(), hp, e->max_rows, max_ctx, e->nt_max, NULL, berr, sizeof berr);
     if (!e->be) {
         cb_set_err(err, errlen, "engine: %s", berr);
         goto fail;

@@ -29,18 +29,10 @@
  * split them (rows are independent in every primitive). Every primitive goes through the backend table
  * (engine/backend.h): nothing here calls a kernel directly.
  *
- * Numerics (CPU backend), chosen per engine (cb_engine_opts_t weights, kv_type):
- *   - native (default): every product of a Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrix runs on the stored blocks with the
- *     activations quantized to int8 per block of 32 (kernels/cpu/cpu_quant.h), the same code for any row
- *     count, so a row's products are the same bits in prefill, decode and any decode batch; the KV pool
- *     holds f16 (default) or f32 values. Against the f32 reference the activation rounding moves logits by
- *     ~0.1 (the size of llama.cpp's own quantization noise, tests/unit/test_golden.c); no f32 weight copy
- *     exists.
- *   - f32 (the reference): f32 throughout, weights dequantized exactly. Calls of up to 8 rows run as matvecs
- *     over the quantized rows, larger ones as sgemm over f32 copies (built once per model,
- *     cb_model_build_f32: +424 MB for SmolLM2), so a row's result can differ in the last bits with the row
- *     count of its call: prefill and token-by-token decode logits agree to ~5e-5, and both agree with a
- *     double-precision forward pass to ~4e-5 (tests/unit/test_engine.c).
+ * Numerics (CPU backend): f32 throughout, weights dequantized exactly. Calls of up to 8 rows run as
+ * matvecs over the quantized rows, larger ones as sgemm over f32 copies, so a row's result can differ in
+ * the last bits with the row count of its call: prefill and token-by-token decode logits agree to ~5e-5,
+ * and both agree with a double-precision forward pass to ~4e-5 (tests/unit/test_engine.c).
  *
  * Threads: one engine is used by one thread at a time, except cb_engine_kv_load, which one other thread
  * may call concurrently for rows of a sequence that no concurrent call touches and whose blocks the
@@ -53,7 +45,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "engine/backend.h"
 #include "format/kvfile.h"
 #include "model/model.h"
 
@@ -77,19 +68,14 @@ typedef struct {
     size_t kv_pool_bytes;    /* KV pool budget (K and V of every layer); 0 = kv_pool_seqs sequences of max_ctx */
     int block_tokens;        /* positions per block; 0 = CB_ENGINE_BLOCK_TOKENS */
     int kv_pool_seqs;        /* with kv_pool_bytes 0: sequences of max_ctx the pool holds; 0 = 2 */
-    cb_weights_t weights;    /* CPU products: native (integer kernels on the quantized blocks) or f32 (the
-                                reference); DEFAULT = the process default (config engine.weights, $CB_ENGINE_WEIGHTS,
-                                else native) */
-    cb_kvtype_t kv_type;     /* CPU pool values: f16 or f32; DEFAULT = the process default (config
-                                engine.kv_dtype, $CB_ENGINE_KV_DTYPE, else f16) */
 } cb_engine_opts_t;
 
 /* Creates an engine: sequences of up to o->max_ctx positions, a KV pool of floor(kv_pool_bytes /
  * block_bytes) blocks (a budget below one block is an error; a pool smaller than one max_ctx sequence is
  * allowed and gives CB_ENGINE_EPOOL when a request does not fit). Threads: $CB_THREADS if set, else one per online
- * CPU. Memory: the pool (2 * n_layer * n_head_kv * head_dim * 2 bytes per position on the CPU with the f16
- * pool, 22.5 KiB for SmolLM2, twice that with f32; reserved address space, touched as blocks are first used),
- * ~17 MB of scratch, a RoPE table of max_ctx * head_dim floats, and with weights = f32 the model's f32 copies. NULL + err on failure. Caller owns the result (cb_engine_destroy), and
+ * CPU. Memory: the pool (2 * n_layer * n_head_kv * head_dim * 4 bytes per position on the CPU, 45 KiB for
+ * SmolLM2; reserved address space, touched as blocks are first used), ~15 MB of scratch and a RoPE table
+ * of max_ctx * head_dim floats. NULL + err on failure. Caller owns the result (cb_engine_destroy), and
  * destroys every sequence first. */
 cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t *o, char *err, size_t errlen);
 /* The same with the default pool (kv_pool_bytes 0) and block size. */

@@ -1,13 +1,11 @@
 /* model.c: loads a llama-architecture GGUF into cb_model_t (see model.h).
  *
- * Owns: the GGUF reader (and so the mapping), f32 copies of norm vectors that are not stored as F32, the
- * fingerprint, and, only once an engine asks for the f32 reference (cb_model_build_f32), one huge-page-advised
- * arena holding the f32 copies of the block weight matrices and f32 copies of their block scales.
+ * Owns: the GGUF reader (and so the mapping), one huge-page-advised arena holding the f32 copies of the
+ * block weight matrices, f32 copies of norm vectors that are not stored as F32, and the fingerprint.
  * Fails (NULL + message) on anything it does not understand; never asserts on file content.
  */
 #include "model/model.h"
 
-#include <pthread.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,7 +32,6 @@ struct cb_model {
     float **norm_copies;         /* norm vectors converted from F16/BF16 */
     int n_norm_copies;
     uint8_t fingerprint[32];
-    pthread_mutex_t f32_lock;    /* guards the lazy build of arena and scales (cb_model_build_f32) */
 };
 
 /* ---------------------------------------------------------------- metadata */
@@ -461,7 +458,6 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
         cb_set_err(err, errlen, "out of memory");
         return NULL;
     }
-    pthread_mutex_init(&m->f32_lock, NULL);
     m->gguf = cb_gguf_open(path, gerr, sizeof gerr);
     if (!m->gguf) {
         cb_set_err(err, errlen, "%s: %s", path, gerr);
@@ -507,74 +503,43 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
         if (!load_norm(m, g, name, &L->ffn_norm, err, errlen)) goto fail;
     }
 
-    if (compute_fingerprint(m) != 0) {
-        cb_set_err(err, errlen, "libsodium initialisation failed");
+    /* f32 copies of the block matrices, one arena, in layer order. */
+    size_t per_layer = (size_t)E * (QD + 2 * KVD) + (size_t)QD * E + (size_t)E * F * 3;
+    m->arena_floats = per_layer * (size_t)hp->n_layer;
+    if (m->arena_floats > ((size_t)1 << 40) / sizeof(float)) {
+        cb_set_err(err, errlen, "model too large");
         goto fail;
     }
-    CB_DEBUG("model %s: %d layers, n_embd %d, %d/%d heads, head_dim %d, n_ff %d, vocab %d, rope base %g, "
-             "eps %g, %s output", path, hp->n_layer, hp->n_embd, hp->n_head, hp->n_head_kv, hp->head_dim, hp->n_ff,
-             hp->n_vocab, (double)hp->rope_base, (double)hp->rms_eps, hp->tied_output ? "tied" : "separate");
-    return m;
-fail:
-    cb_model_destroy(&m);
-    return NULL;
-}
-
-/* Forgets every f32 copy pointer (a failed build leaves nothing half-built visible). */
-static void clear_f32(cb_model_t *m) {
-    for (int l = 0; l < m->hp.n_layer; l++) {
-        cb_layer_weights_t *L = &m->layers[l];
-        L->wq.f32 = L->wk.f32 = L->wv.f32 = L->wo.f32 = L->w_gate.f32 = L->w_up.f32 = L->w_down.f32 = NULL;
+    m->arena = cb_cpu_alloc_huge(m->arena_floats * sizeof(float), false);
+    if (!m->arena) {
+        cb_set_err(err, errlen, "out of memory for %zu MB of f32 weights", m->arena_floats * 4 >> 20);
+        goto fail;
     }
-}
-
-/* The f32 reference copies (model.h): built once, under the model's lock, by the first engine that asks. */
-int cb_model_build_f32(const cb_model_t *self, char *err, size_t errlen) {
-    cb_model_t *m = (cb_model_t *)self; /* the copies are a cache; the weights themselves never change */
-    pthread_mutex_lock(&m->f32_lock);
-    int rc = 0;
-    if (m->arena) goto out;
-    const cb_hparams_t *hp = &m->hp;
-    const int E = hp->n_embd, QD = hp->n_head * hp->head_dim, KVD = hp->n_head_kv * hp->head_dim, F = hp->n_ff;
-    size_t per_layer = (size_t)E * (QD + 2 * KVD) + (size_t)QD * E + (size_t)E * F * 3;
-    size_t floats = per_layer * (size_t)hp->n_layer;
-    if (floats > ((size_t)1 << 40) / sizeof(float)) {
-        cb_set_err(err, errlen, "model too large for f32 copies");
-        rc = -1;
-        goto out;
-    }
-    float *arena = cb_cpu_alloc_huge(floats * sizeof(float), false);
-    if (!arena) {
-        cb_set_err(err, errlen, "out of memory for %zu MB of f32 weights", floats * 4 >> 20);
-        rc = -1;
-        goto out;
-    }
-    float *p = arena;
+    float *p = m->arena;
     for (int l = 0; l < hp->n_layer; l++) {
         cb_layer_weights_t *L = &m->layers[l];
         cb_weight_t *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) {
-            if (!dequant_weight(ws[k], p, err, errlen)) {
-                clear_f32(m);
-                free(arena);
-                rc = -1;
-                goto out;
-            }
+            if (!dequant_weight(ws[k], p, err, errlen)) goto fail;
             p += (size_t)ws[k]->rows * ws[k]->cols;
         }
     }
     if (!build_scales(m)) {
         cb_set_err(err, errlen, "out of memory for block scales");
-        clear_f32(m);
-        free(arena);
-        rc = -1;
-        goto out;
+        goto fail;
     }
-    m->arena = arena;
-    m->arena_floats = floats;
-out:
-    pthread_mutex_unlock(&m->f32_lock);
-    return rc;
+    if (compute_fingerprint(m) != 0) {
+        cb_set_err(err, errlen, "libsodium initialisation failed");
+        goto fail;
+    }
+    CB_DEBUG("model %s: %d layers, n_embd %d, %d/%d heads, head_dim %d, n_ff %d, vocab %d, rope base %g, "
+             "eps %g, %s output, f32 weights %zu MB", path, hp->n_layer, hp->n_embd, hp->n_head, hp->n_head_kv,
+             hp->head_dim, hp->n_ff, hp->n_vocab, (double)hp->rope_base, (double)hp->rms_eps,
+             hp->tied_output ? "tied" : "separate", m->arena_floats * 4 >> 20);
+    return m;
+fail:
+    cb_model_destroy(&m);
+    return NULL;
 }
 
 void cb_model_destroy(cb_model_t **self_p) {
@@ -585,7 +550,6 @@ void cb_model_destroy(cb_model_t **self_p) {
     free(m->arena);
     free(m->scales);
     free(m->layers);
-    pthread_mutex_destroy(&m->f32_lock);
     cb_gguf_destroy(&m->gguf);
     free(m);
     *self_p = NULL;

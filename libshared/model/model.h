@@ -2,23 +2,20 @@
  *
  * cb_model_load opens the file (mmap, via gguf.h), reads every hyperparameter from the metadata (never
  * hard-coded), checks that every tensor the forward pass needs is present with the right type and
- * shape, and points each weight matrix at its stored (usually quantized) rows in the mapping: the CPU
- * engine's integer kernels (kernels/cpu/cpu_quant.c) and the CUDA upload read them there, as they are.
- *
- * The f32 reference (an engine with weights = f32, engine.h) also needs, per block weight matrix, an f32
- * copy dequantized with cb_dequant (its prefill GEMMs, OpenBLAS sgemm, read these) and, for Q4_1 and Q8_0
- * matrices, f32 copies of the per-block scales (and mins) that its fused matvec reads: cb_model_build_f32
- * makes them once, the first time such an engine is created. token_embd (and output) are never copied:
- * the embedding gather and the LM head read the stored rows.
+ * shape, and prepares two views of each block weight matrix:
+ *   - the stored (usually quantized) rows, pointing into the mapping: decode GEMVs read these and
+ *     dequantize in registers (kernels/cpu/cpu_ops.c);
+ *   - an f32 copy, dequantized once at load with cb_dequant: prefill GEMMs (OpenBLAS sgemm) read these.
+ * token_embd (and output, when the file has one) is kept only in its stored form: the embedding gather
+ * and the one-row LM head dequantize on the fly. Q4_1 and Q8_0 matrices also get f32 copies of their
+ * per-block scales (and mins), which the decode kernels read instead of converting f16 per block.
  *
  * Anything we cannot run faithfully is rejected with a clear error instead of being run wrongly:
  * another architecture, NEOX RoPE, partial rotary, RoPE scaling, biases, rope_freqs, unknown tensors.
  *
- * The model is immutable after load (the f32 copies are a cache of values the weights already hold), so one
- * model may be shared (read-only) by several engines and threads; call cb_model_build_f32 (or create the
- * f32-reference engines) before sharing it. Memory: the mapping (file size, resident as it is read); with the
- * f32 reference, plus 4 bytes per block-weight parameter and 8 bytes per 32 Q4_1 weights and 4 per 32 Q8_0
- * weights of scale copies (424 + 34 MB for SmolLM2-135M).
+ * The model is immutable after load, so one model may be shared (read-only) by several engines and
+ * threads. Memory: the mapping (file size) plus 4 bytes per block-weight parameter (plus 8 bytes per
+ * 32 Q4_1 weights and 4 per 32 Q8_0 weights of scale copies).
  */
 #ifndef CB_MODEL_H
 #define CB_MODEL_H
@@ -68,9 +65,9 @@ typedef struct {
     const void *q;           /* [rows] stored rows of row_bytes each (in the mapping) */
     size_t row_bytes;        /* bytes of one stored row */
     int rows, cols;          /* out, in */
-    const float *f32;        /* [rows][cols] dequantized copy (f32 reference GEMMs), NULL until cb_model_build_f32 */
-    const float *scale;      /* [rows][cols/32] f32 copies of the Q4_1/Q8_0 block scales d (f32 reference), or NULL */
-    const float *min;        /* [rows][cols/32] f32 copies of the Q4_1 block mins m (f32 reference), or NULL */
+    const float *f32;        /* [rows][cols] dequantized copy (prefill GEMMs), or NULL when not kept */
+    const float *scale;      /* [rows][cols/32] f32 copies of the Q4_1/Q8_0 block scales d, or NULL */
+    const float *min;        /* [rows][cols/32] f32 copies of the Q4_1 block mins m, or NULL */
 } cb_weight_t;
 
 typedef struct {
@@ -120,9 +117,6 @@ bool cb_model_is_eog(const cb_model_t *self, int32_t id);
  * computed value (general.name, license, chat template) does not count. */
 void cb_model_fingerprint(const cb_model_t *self, uint8_t out[32]);
 
-/* Builds the f32 reference copies of the block weight matrices and their block scales, once (thread-safe;
- * later calls return at once). 0, or -1 with err (out of memory). */
-int cb_model_build_f32(const cb_model_t *self, char *err, size_t errlen);
-/* Bytes of f32 weight copies held by the model (0 until cb_model_build_f32; for memory accounting). */
+/* Bytes of f32 copies held by the model (for memory accounting). */
 size_t cb_model_f32_bytes(const cb_model_t *self);
 #endif

@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include "base/log.h"
-#include "engine/backend_select.h"
 
 #define NAME_MAX_LEN 64
 #define DEFAULT_PATH "config/cacheblend.cfg"
@@ -504,22 +503,4 @@ void cb_config_log(const cb_config_t *cfg, const char *section) {
     cb_log(CB_LOG_INFO, NULL, "config file: %s", cfg->path ? cfg->path : "(none)");
     log_section(cfg, "common");
     if (section && strcmp(section, "common") != 0) log_section(cfg, section);
-}
-
-bool cb_config_numerics(const cb_config_t *cfg, char *err, size_t errlen) {
-    const char *w, *k;
-    if (!cb_config_str(cfg, "engine", "weights", "native", &w, err, errlen) ||
-        !cb_config_str(cfg, "engine", "kv_dtype", "f16", &k, err, errlen))
-        return false;
-    cb_numerics_t nm;
-    if (!cb_weights_parse(w, &nm.weights)) {
-        snprintf(err, errlen, "config engine.weights = '%s': expected native or f32", w);
-        return false;
-    }
-    if (!cb_kvtype_parse(k, &nm.kv)) {
-        snprintf(err, errlen, "config engine.kv_dtype = '%s': expected f16 or f32", k);
-        return false;
-    }
-    cb_numerics_set_default(&nm);
-    return true;
 }

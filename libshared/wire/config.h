@@ -31,8 +31,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "engine/backend.h"
-
 typedef struct cb_config_s cb_config_t;
 
 typedef enum { CB_CONFIG_SRC_NONE = 0, CB_CONFIG_SRC_DEFAULT, CB_CONFIG_SRC_FILE, CB_CONFIG_SRC_ENV,
@@ -85,8 +83,4 @@ void cb_config_log(const cb_config_t *cfg, const char *section);
 /* Name of a source ("file", "env", ...). */
 const char *cb_config_src_name(cb_config_src_t src);
 
-/* The engine's numerics, config engine.weights (native | f32) and engine.kv_dtype (f16 | f32), made the
- * process default (engine/backend_select.h cb_numerics_set_default) for the engines created afterwards.
- * A key that is nowhere keeps the default (native, f16). False with err on a bad value. */
-bool cb_config_numerics(const cb_config_t *cfg, char *err, size_t errlen);
 #endif

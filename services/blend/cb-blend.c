@@ -558,10 +558,6 @@ int main(int argc, char **argv) {
         goto out;
     }
     cb_backend_set_default_kind(bk);
-    if (!cb_config_numerics(cfg, err, sizeof err)) {
-        cb_log(CB_LOG_ERROR, NULL, "%s", err);
-        goto out;
-    }
     if (!cb_blend_metric_parse(metric)) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected a, k or v", metric);
         goto out;

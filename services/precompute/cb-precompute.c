@@ -517,10 +517,6 @@ int main(int argc, char **argv) {
         goto out;
     }
     cb_backend_set_default_kind(bk);
-    if (!cb_config_numerics(cfg, err, sizeof err)) {
-        cb_log(CB_LOG_ERROR, NULL, "%s", err);
-        goto out;
-    }
     if (p.max_doc_bytes > (int64_t)1 << 30) p.max_doc_bytes = (int64_t)1 << 30;
     wa.chunk_tokens = (int)chunk_tokens;
     wa.threads = (int)threads;

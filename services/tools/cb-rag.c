@@ -108,8 +108,7 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, "blend", "kv_pool_bytes", 0, INT64_MAX, 0, &pool_bytes, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "threads", 1, 1024, 2, &threads, err, sizeof err) ||
         !cb_config_str(cfg, "blend", "system_prompt", "", &sys, err, sizeof err) ||
-        !cb_config_str(cfg, "blend", "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model_path, err, sizeof err) ||
-        !cb_config_numerics(cfg, err, sizeof err)) {
+        !cb_config_str(cfg, "blend", "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model_path, err, sizeof err)) {
         fprintf(stderr, "cb-rag: %s\n", err);
         cb_config_destroy(&cfg);
         return 2;

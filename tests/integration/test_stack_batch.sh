@@ -121,7 +121,7 @@ N=$(jget "$SOLO" metrics.n_prompt_tokens); G=$(jget "$SOLO" metrics.n_generated)
 echo "prompt $N tokens ($OWN blocks of its own), $G generated alone; the context holds $ctx blocks of $bt"
 check "the answer outgrows the prompt's last block" "$([ $(( (N % bt) + G )) -gt "$bt" ] && echo yes)" yes
 svc_stop blend2
-block_bytes=368640 # SmolLM2 with the default f16 pool: K + V of 30 layers x 16 positions x 192 x 2 bytes
+block_bytes=737280 # SmolLM2 at f32: K + V of 30 layers x 16 positions x 192
 export CB_BLEND_KV_POOL_BYTES=$(( (ctx + 2 * OWN) * block_bytes ))
 stack_start blend blend3 || svc_finish
 cbctl query --mode blend --max-tokens 24 --context "$LONG" "$Q" >"$T/before" 2>/dev/null

@@ -5,8 +5,8 @@
 # same answer as before the refusal.
 . "$(dirname "$0")/lib/stack.bash"
 stack_setup
-# SmolLM2 with the default f16 pool (engine.kv_dtype): K + V of 30 layers x 16 positions x 192 x 2 bytes = 368,640 bytes a block
-export CB_BLEND_KV_POOL_BYTES=$((12 * 368640))
+# SmolLM2 at f32: K + V of 30 layers x 16 positions x 192 = 737,280 bytes a block
+export CB_BLEND_KV_POOL_BYTES=$((12 * 737280))
 export CB_BLEND_CTX_SIZE=1024
 export CB_BLEND_HOT_CACHE_BYTES=0
 stack_start_all || svc_finish

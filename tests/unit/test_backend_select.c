@@ -19,18 +19,18 @@ TEST(test_select) {
     cb_model_t *m = cb_model_load(path, err, sizeof err);
     CHECK_MSG(m, "%s", err);
     cb_backend_kind_t got = CB_BACKEND_AUTO;
-    cb_backend_t *be = cb_backend_select(CB_BACKEND_CPU, cb_model_hparams(m), 8, 64, 1, NULL, &got, err, sizeof err);
+    cb_backend_t *be = cb_backend_select(CB_BACKEND_CPU, cb_model_hparams(m), 8, 64, 1, &got, err, sizeof err);
     CHECK_MSG(be && got == CB_BACKEND_CPU, "%s", err);
     cb_backend_destroy(&be);
     CHECK(be == NULL);
     /* auto always gives something: CUDA where a device is, else CPU */
-    be = cb_backend_select(CB_BACKEND_AUTO, cb_model_hparams(m), 8, 64, 1, NULL, &got, err, sizeof err);
+    be = cb_backend_select(CB_BACKEND_AUTO, cb_model_hparams(m), 8, 64, 1, &got, err, sizeof err);
     CHECK_MSG(be, "%s", err);
     CHECK(got == (cb_backend_cuda_devices() > 0 ? CB_BACKEND_CUDA : CB_BACKEND_CPU));
     cb_backend_destroy(&be);
     /* cuda without a device is a clear error, not a crash */
     if (cb_backend_cuda_devices() == 0) {
-        be = cb_backend_select(CB_BACKEND_CUDA, cb_model_hparams(m), 8, 64, 1, NULL, &got, err, sizeof err);
+        be = cb_backend_select(CB_BACKEND_CUDA, cb_model_hparams(m), 8, 64, 1, &got, err, sizeof err);
         CHECK(be == NULL);
         CHECK(strstr(err, "cuda") != NULL);
     }

@@ -10,15 +10,10 @@
  * ids exist) written to a temporary directory; CB_TEST_SYNTH=1 forces the synthetic model. Every assertion
  * runs on both: they are about structure and exactness, not about the real model's numbers.
  *
- * Numerics: native (integer products, f16 pool; the default) or the f32 reference (CB_TEST_NUMERICS=f32;
- * tests/run.sh runs both). Tolerance: with f32 numerics, logits that must be "the same" may differ only by the
- * summation order of GEMMs over different row batches (rows computed in another ubatch composition) and the
- * 1-row GEMV of the last layer; we require max |logit diff| <= LOGIT_TOL (logits are O(10)). With native
- * numerics the same last-bit differences (here in attention: the products are row-exact) move an activation
- * across a rounding boundary of its int8 quantization now and then, which carries like quantization noise
- * (test_engine.c: NATIVE_PROP_TOL_REAL): there "the same" is the same argmax and the top-10 logits within
- * NATIVE_LOGIT_TOL. Runs that must be identical (same inputs, overlap on/off, repeated runs) are compared bit
- * for bit in both.
+ * Tolerance: logits that must be "the same" may differ only by the summation order of GEMMs over
+ * different row batches (rows computed in another ubatch composition) and the 1-row GEMV of the last
+ * layer; we require max |logit diff| <= LOGIT_TOL (logits are O(10)). Runs that must be identical
+ * (same inputs, overlap on/off, repeated runs) are compared bit for bit.
  */
 #include "blend/blend.h"
 #include "engine/engine.h"
@@ -38,15 +33,12 @@
 #include <unistd.h>
 
 #define LOGIT_TOL 2e-3
-#define NATIVE_LOGIT_TOL 1.0
-#define GAP_TOL (g_native ? NATIVE_LOGIT_TOL : LOGIT_TOL)
 #define MAX_CTX 320
 
 static cb_model_t *g_model;
 static cb_engine_t *g_eng;
 static const cb_hparams_t *g_hp;
 static int g_synth;            /* the synthetic model stands in for the real one */
-static int g_native = 1;       /* native numerics (else the f32 reference: CB_TEST_NUMERICS=f32) */
 static char g_setup_err[512];
 static int g_np, g_nc, g_k, g_ns; /* prefix, chunk length, chunks, suffix */
 
@@ -108,15 +100,11 @@ static int setup(void) {
         }
     }
     g_hp = cb_model_hparams(g_model);
-    const char *num = getenv("CB_TEST_NUMERICS");
-    g_native = !(num && !strcmp(num, "f32"));
-    fprintf(stderr, "  model: %s (%d layers, vocabulary %d), %s numerics\n", g_synth ? "synthetic" : path,
-            g_hp->n_layer, g_hp->n_vocab, g_native ? "native" : "f32");
+    fprintf(stderr, "  model: %s (%d layers, vocabulary %d)\n", g_synth ? "synthetic" : path, g_hp->n_layer,
+            g_hp->n_vocab);
     /* room for a few sequences of MAX_CTX at once (the store's context and chunk sequences, requests) */
     const size_t per_pos = (size_t)2 * g_hp->n_layer * g_hp->n_head_kv * g_hp->head_dim * sizeof(float);
-    cb_engine_opts_t eo = {.max_ctx = MAX_CTX, .kv_pool_bytes = 6 * MAX_CTX * per_pos, .block_tokens = 0,
-                           .weights = g_native ? CB_WEIGHTS_NATIVE : CB_WEIGHTS_F32,
-                           .kv_type = g_native ? CB_KVTYPE_F16 : CB_KVTYPE_F32};
+    cb_engine_opts_t eo = {.max_ctx = MAX_CTX, .kv_pool_bytes = 6 * MAX_CTX * per_pos, .block_tokens = 0};
     g_eng = cb_engine_new_opts(g_model, &eo, err, sizeof err);
     if (!g_eng) {
         snprintf(g_setup_err, sizeof g_setup_err, "engine: %s", err);
@@ -171,33 +159,6 @@ static double max_diff(const float *a, const float *b, int n) {
         if (!(d <= m)) m = d; /* NaN propagates */
     }
     return m;
-}
-
-/* How far apart two logit vectors [V] are, in the sense the numerics allow (see the header): max |a - b|
- * (f32), or max |a - b| over a's 10 largest with the argmax required equal (native; 1e30 if it differs). */
-static double logit_gap(const float *a, const float *b, int V) {
-    if (!g_native) return max_diff(a, b, V);
-    int idx[10] = {0}, n = 0, ab = 0;
-    for (int i = 0; i < V; i++) {
-        int k = n < 10 ? n++ : 10;
-        while (k > 0 && a[i] > a[idx[k - 1]]) {
-            if (k < 10) idx[k] = idx[k - 1];
-            k--;
-        }
-        if (k < 10) idx[k] = i;
-        ab = b[i] > b[ab] ? i : ab;
-    }
-    if (ab != idx[0]) return 1e30;
-    double m = 0;
-    for (int k = 0; k < n; k++) m = fmax(m, fabs((double)a[idx[k]] - b[idx[k]]));
-    return m;
-}
-
-/* Half an f16 ulp of the largest |x[i]|: the most rounding to the f16 pool changes any of x. */
-static double f16_half_ulp(const float *x, int n) {
-    double m = 0;
-    for (int i = 0; i < n; i++) m = fmax(m, fabs((double)x[i]));
-    return m * ldexp(1.0, -11);
 }
 
 static char g_dir[256];
@@ -258,13 +219,13 @@ TEST(test_full_equals_engine_prefill) {
     cb_blend_stats_t st;
     CHECK(run(&f, g_k, &o, b2, &st) == 0); /* into the same sequence: cleared first */
     CHECK(st.tokens_recomputed == N && st.tokens_reused == 0 && st.n_tokens == N);
-    double d = logit_gap(a, b2, V);
+    double d = max_diff(a, b2, V);
     fprintf(stderr, "  full vs engine prefill: max |dlogit| = %.3g\n", d);
-    CHECK_NEAR(d, 0, GAP_TOL);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
     CHECK(cb_engine_decode(g_eng, f.seq, all[N], N, d2) == CB_ENGINE_OK);
-    d = logit_gap(d1, d2, V);
+    d = max_diff(d1, d2, V);
     fprintf(stderr, "  decode after full blend vs after prefill: %.3g\n", d);
-    CHECK_NEAR(d, 0, GAP_TOL);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
     cb_blend_destroy(&f.b);
     cb_blend_destroy(&f.b); /* NULL-safe */
     fix_close(&f);
@@ -290,17 +251,17 @@ TEST(test_blend_ratio1_equals_full) {
     CHECK(run(&f, g_k, &o, bl, &st) == 0);
     CHECK(st.chunks_file == g_k && st.chunks_computed == 0);
     CHECK(st.tokens_recomputed == n_total(g_k) - g_np); /* everything but the (exact) prefix */
-    double d = logit_gap(full, bl, V);
+    double d = max_diff(full, bl, V);
     fprintf(stderr, "  blend(1.0) vs full: max |dlogit| = %.3g\n", d);
-    CHECK_NEAR(d, 0, GAP_TOL);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
     /* the attention metric at ratio 1.0 is exact too (its probe pass only chooses rows) */
     o.metric = 'a';
     CHECK(run(&f, g_k, &o, bl, &st) == 0);
     CHECK(st.tokens_recomputed == n_total(g_k) - g_np);
     CHECK(st.t_probe_ms == 0.0); /* nothing to choose: no probe */
-    d = logit_gap(full, bl, V);
+    d = max_diff(full, bl, V);
     fprintf(stderr, "  blend(1.0, metric a) vs full: max |dlogit| = %.3g\n", d);
-    CHECK_NEAR(d, 0, GAP_TOL);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
     o.metric = 'v';
     /* and with gradual filtering from 1.0 down to 1.0 is not allowed (start must exceed ratio) */
     o.gradual_ratio = 1.0f;
@@ -358,9 +319,9 @@ TEST(test_ratio_auto) {
         CHECK(run(&f, g_k, &o, a, &s1) == 0);
         CHECK(s1.n_chosen == s1.n_candidates && s1.ratio_chosen == 1.0f);
         CHECK(s1.tokens_recomputed == n_total(g_k) - g_np);
-        double d = logit_gap(full, a, V);
+        double d = max_diff(full, a, V);
         fprintf(stderr, "  metric %c, auto target 1.0 vs full: max |dlogit| = %.3g\n", o.metric, d);
-        CHECK_NEAR(d, 0, GAP_TOL);
+        CHECK_NEAR(d, 0, LOGIT_TOL);
     }
     /* a fixed ratio reports what it chose too */
     o = opts_mode(CB_BLEND_BLEND);
@@ -454,14 +415,14 @@ TEST(test_reuse_single_chunk_equals_full) {
     cb_blend_stats_t st;
     CHECK(run(&f, 1, &o, re, &st) == 0); /* the miss is computed, stored, then used */
     CHECK(st.chunks_computed == 1 && st.tokens_recomputed == g_ns);
-    double d = logit_gap(full, re, V);
+    double d = max_diff(full, re, V);
     fprintf(stderr, "  reuse(1 chunk, computed now) vs full: %.3g\n", d);
-    CHECK_NEAR(d, 0, GAP_TOL);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
     CHECK(run(&f, 1, &o, re, &st) == 0); /* now from the file */
     CHECK(st.chunks_file == 1 && st.chunks_computed == 0);
-    d = logit_gap(full, re, V);
+    d = max_diff(full, re, V);
     fprintf(stderr, "  reuse(1 chunk, from file) vs full: %.3g\n", d);
-    CHECK_NEAR(d, 0, GAP_TOL);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
     /* so is blend with the attention metric whatever it selects, also when its probe stops after the
      * first layer: the probe must still place every layer's cached rows, or the main pass reads what the
      * previous prompt left there (the same sequence: its blocks go back to the pool and come out again) */
@@ -478,9 +439,9 @@ TEST(test_reuse_single_chunk_equals_full) {
             o.no_overlap = pl2 % 2; /* the loader thread and the serial loads */
             CHECK(run(&f, 1, &o, re, &st) == 0);
             CHECK(st.t_probe_ms > 0.0 && st.tokens_recomputed > g_ns && st.tokens_reused > 0);
-            d = logit_gap(full, re, V);
+            d = max_diff(full, re, V);
             fprintf(stderr, "  blend(1 chunk, metric a, probe layers %d) vs full: %.3g\n", pl2, d);
-            CHECK_NEAR(d, 0, GAP_TOL);
+            CHECK_NEAR(d, 0, LOGIT_TOL);
         }
     }
     /* and when the probe runs only the last suffix rows (moved up to follow the chunk): the main pass must
@@ -496,9 +457,9 @@ TEST(test_reuse_single_chunk_equals_full) {
         o.probe_suffix = psufs[i];
         CHECK(run(&f, 1, &o, re, &st) == 0);
         CHECK(st.t_probe_ms > 0.0 && st.tokens_recomputed > g_ns && st.tokens_reused > 0);
-        d = logit_gap(full, re, V);
+        d = max_diff(full, re, V);
         fprintf(stderr, "  blend(1 chunk, metric a, probe suffix %d) vs full: %.3g\n", psufs[i], d);
-        CHECK_NEAR(d, 0, GAP_TOL);
+        CHECK_NEAR(d, 0, LOGIT_TOL);
     }
     /* with several chunks reuse is not exact (each chunk saw only the prefix) */
     CHECK(ensure_all(&f, g_k) == 0);
@@ -530,9 +491,9 @@ TEST(test_prefix_equals_full) {
     cb_blend_stats_t st;
     CHECK(run(&f, g_k, &o, pf, &st) == 0);
     CHECK(st.chunks_file == 1 && st.tokens_reused == g_np + g_nc);
-    double d = logit_gap(full, pf, V);
+    double d = max_diff(full, pf, V);
     fprintf(stderr, "  prefix vs full: %.3g\n", d);
-    CHECK_NEAR(d, 0, GAP_TOL);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
     fix_close(&f);
     rm_dir(dir);
     free(full), free(pf);
@@ -557,22 +518,17 @@ TEST(test_repositioning) {
     for (int i = 0; i < n; i++) all[g_np + i] = g_chunks[0][i];
     CHECK(cb_engine_prefill(g_eng, f.seq, all, g_np + n, 0, NULL) == CB_ENGINE_OK);
     double worst = 0;
-    /* f32 numerics: every layer within the GEMM-order slack. Native: layer 0 only (its K is a function of
-     * the token and position: the products are row-exact), equal up to the f16 pool's rounding, half an ulp;
-     * later layers carry the activation-rounding noise of rows computed in other compositions. */
-    for (int l = 0; l < (g_native ? 1 : L); l++) {
+    for (int l = 0; l < L; l++) {
         memcpy(k, cb_kvmem_entry_k(ent, l), sizeof(float) * n * KVD);
         for (int i = 0; i < n; i++) pos[i] = g_np + i;
         cb_engine_rope(g_eng, k, n, HKV, pos);
         CHECK(cb_engine_kv_read(g_eng, f.seq, l, g_np, n, ek, ev) == CB_ENGINE_OK);
-        double d = max_diff(k, ek, n * KVD) / (g_native ? f16_half_ulp(k, n * KVD) : 1e-3);
+        double d = max_diff(k, ek, n * KVD);
         if (d > worst) worst = d;
-        CHECK(max_diff(cb_kvmem_entry_v(ent, l), ev, n * KVD) <
-              (g_native ? f16_half_ulp(cb_kvmem_entry_v(ent, l), n * KVD) * 1.0001 : 1e-3));
+        CHECK(max_diff(cb_kvmem_entry_v(ent, l), ev, n * KVD) < 1e-3);
     }
-    fprintf(stderr, "  rope(K_pre, p) vs engine K at p, %s: %.3g of the tolerance\n", g_native ? "layer 0" : "all layers",
-            worst);
-    CHECK(worst <= 1.0001);
+    fprintf(stderr, "  rope(K_pre, p) vs engine K at p, all layers: %.3g\n", worst);
+    CHECK(worst < 1e-3);
     /* (b) layer-0 pre-RoPE K depends on the token only: computed at p = g_np + i, rotated to q = 100 + i,
      * equals the engine's K computed at q (the chunk prefilled at pos0 = 100 after other tokens) */
     int32_t filler[100];
@@ -585,7 +541,7 @@ TEST(test_repositioning) {
     CHECK(cb_engine_kv_read(g_eng, f.seq, 0, 100, n, ek, NULL) == CB_ENGINE_OK);
     double d = max_diff(k, ek, n * KVD);
     fprintf(stderr, "  layer 0: K at p rotated to q vs K computed at q: %.3g\n", d);
-    CHECK(d < (g_native ? f16_half_ulp(k, n * KVD) * 1.0001 : 1e-4));
+    CHECK(d < 1e-4);
     /* (c) rotations compose: rope(rope(k, p), q - p) = rope(k, q) */
     float *k2 = malloc(sizeof(float) * n * KVD);
     memcpy(k, cb_kvmem_entry_k(ent, L > 5 ? 5 : L - 1), sizeof(float) * n * KVD);
@@ -1062,9 +1018,9 @@ TEST(test_prefix_blocks_shared) {
     CHECK(cb_blend_prefill(f.b, f.seq, prefix, np, g_ch, 2, g_suffix, g_ns, &o, lg, NULL, err, sizeof err) == CB_ENGINE_OK);
     cb_engine_pool_stats(g_eng, &st);
     CHECK(st.blocks_shared - st0.blocks_shared == np / bt);
-    double d = logit_gap(lf, lg, V);
+    double d = max_diff(lf, lg, V);
     fprintf(stderr, "  prefix (2.5 shared blocks) vs full: %.3g\n", d);
-    CHECK_NEAR(d, 0, GAP_TOL);
+    CHECK_NEAR(d, 0, LOGIT_TOL);
     fix_close(&f);
     cb_engine_pool_stats(g_eng, &st);
     CHECK(st.blocks_used == st0.blocks_used && st.n_seqs == st0.n_seqs);
@@ -1080,9 +1036,7 @@ TEST(test_pool_full) {
     cb_engine_pool_stats_t st;
     cb_engine_pool_stats(g_eng, &st); /* the block size of this backend */
     /* a pool of one sequence of max_ctx */
-    cb_engine_opts_t eo = {.max_ctx = max_ctx, .kv_pool_bytes = (size_t)max_ctx / st.block_tokens * st.block_bytes,
-                           .weights = g_native ? CB_WEIGHTS_NATIVE : CB_WEIGHTS_F32,
-                           .kv_type = g_native ? CB_KVTYPE_F16 : CB_KVTYPE_F32};
+    cb_engine_opts_t eo = {.max_ctx = max_ctx, .kv_pool_bytes = (size_t)max_ctx / st.block_tokens * st.block_bytes};
     cb_engine_t *e = cb_engine_new_opts(g_model, &eo, err, sizeof err);
     CHECK_MSG(e, "%s", err);
     cb_engine_set_threads(e, 1);

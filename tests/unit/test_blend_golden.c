@@ -9,8 +9,7 @@
  * 97th logit. This test runs the same prompt through the new API and requires the same selections and
  * argmaxes and every logit within 1e-5 (at the commit it was written, the difference is 0). The kernels'
  * summation order depends on the vector ISA (AVX-512 or not: the fixture's first line), so on another ISA
- * the test skips. The engine runs the f32 reference numerics (engine.h): the fixture predates the integer
- * kernels; test_blend.c covers the blend under native numerics.
+ * the test skips.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -46,9 +45,7 @@ TEST(test_modes_match_before) {
     cb_model_t *m = cb_model_load(path, err, sizeof err);
     CHECK_MSG(m, "%s", err);
     const cb_hparams_t *hp = cb_model_hparams(m);
-    /* the fixture holds the f32 reference's numbers (f32 activations, f32 pool) */
-    const cb_engine_opts_t eo = {.max_ctx = 2048, .weights = CB_WEIGHTS_F32, .kv_type = CB_KVTYPE_F32};
-    cb_engine_t *e = cb_engine_new_opts(m, &eo, err, sizeof err);
+    cb_engine_t *e = cb_engine_new(m, 2048, err, sizeof err);
     CHECK_MSG(e, "%s", err);
     char dir[] = "/tmp/cb_test_golden_XXXXXX";
     CHECK(mkdtemp(dir));
