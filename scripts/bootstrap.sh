@@ -5,12 +5,13 @@
 #   gateway tests:  curl, apache2-utils (ab), chromium + chromium-driver (the web page, headless)
 #   containers:     podman, podman-compose, debootstrap, runc (crun refuses hybrid cgroups here), the dnsname
 #                   CNI plugin (containers reach each other by service name) (make test-compose, base-image.sh)
+#   multi-host:     redis-server + libhiredis-dev (the shared KV tier), iproute2 (ip netns in test_multihost)
 #   PyPI:           openai (a client no one here wrote), prometheus_client (the /metrics parser), selenium
 set -eu
 PKGS="build-essential pkg-config clang libclang-rt-14-dev libczmq-dev libzmq3-dev libmsgpack-dev libsqlite3-dev sqlite3
 libopenblas-dev libpcre2-dev libsodium-dev libxxhash-dev libjansson-dev libcmocka-dev gnuplot-nox unzip python3-pip jq
 libmicrohttpd-dev curl apache2-utils chromium chromium-driver podman podman-compose debootstrap runc
-golang-github-containernetworking-plugin-dnsname"
+golang-github-containernetworking-plugin-dnsname redis-server libhiredis-dev iproute2"
 PIP_PKGS="openai prometheus_client selenium"
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 missing=()
