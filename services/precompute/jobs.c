@@ -698,6 +698,7 @@ int cb_jobs_lease(cb_jobs_t *self, const char *after_client, const char *owner, 
     lease_row_t prev;
     if (read_lease(self, out->job, &prev) != 1) return end_tx(self, db_fail(self, err, errlen, "lease"), err, errlen);
     out->lapsed = prev.until > 0 && prev.token[0]; /* pickable with a lease set: it had expired */
+    snprintf(out->prev_token, sizeof out->prev_token, "%s", prev.token);
     uint8_t rnd[CB_JOB_TOKEN_LEN / 2];
     randombytes_buf(rnd, sizeof rnd);
     sodium_bin2hex(out->token, sizeof out->token, rnd, sizeof rnd);

@@ -152,6 +152,8 @@ typedef struct {
     char token[CB_JOB_TOKEN_LEN + 1];
     int64_t until_ms;                  /* expiry, ms since the epoch (this host's clock) */
     bool lapsed;                       /* the job had a lease that expired (its holder went silent) */
+    char prev_token[CB_JOB_TOKEN_LEN + 1]; /* the token of the lease before this one ("" when none): a holder
+                                          whose token it is knows that nobody else had the job since */
 } cb_job_lease_t;
 
 /* Picks the next turn as cb_jobs_pick does (round robin after after_client; jobs under a live lease and,
