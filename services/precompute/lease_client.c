@@ -401,7 +401,7 @@ static pc_src_rc_t lease_finish(void *ctx, cb_job_t *job, bool ok, const char *w
     pc_src_rc_t rc = check_lost(l, err, errlen);
     if (rc != PC_SRC_OK) return rc;
     begin_job(l, "finish", job);
-    cb_msg_put_bool(l->w, "ok", ok);
+    cb_msg_put_bool(l->w, "done", ok);
     if (!ok && why) cb_msg_put_strn(l->w, "why", why, strnlen(why, 700));
     cb_msg_t *r = NULL;
     rc = outcome(l, call(l, "finish", &r, err, errlen));

@@ -268,7 +268,7 @@ static void on_finish(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
     bool ok;
     const char *why = NULL;
     size_t nwhy = 0;
-    if (!cb_msg_bool(m, "ok", &ok) || (cb_msg_has(m, "why") && !cb_msg_str(m, "why", 700, &why, &nwhy))) {
+    if (!cb_msg_bool(m, "done", &ok) || (cb_msg_has(m, "why") && !cb_msg_str(m, "why", 700, &why, &nwhy))) {
         cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "%s", cb_msg_last_error(m));
         return;
     }

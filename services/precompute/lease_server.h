@@ -7,7 +7,7 @@
  *   plan       {job, token, off[], len[], tokens[], keys[]} -> {chunks_total}
  *   replaced   {job, token}                      -> {}
  *   chunk_done {job, token, idx}                 -> {lease_ms}
- *   finish     {job, token, ok, why?}            -> {already}
+ *   finish     {job, token, done, why?}          -> {already}   (done: true = done, false = failed)
  *   release    {job, token}                      -> {released}
  *
  * The job table (jobs.h) is the one source of truth: every call is one transaction there, and every call

@@ -535,7 +535,11 @@ static void job_started(worker_t *w, const cb_job_t *job) {
 static step_t job_ended(worker_t *w, cb_job_t *job, bool ok, const char *why) {
     char e2[256];
     step_t st = src_step(w->src.finish(w->src.ctx, job, ok, why, e2, sizeof e2));
-    if (st == STEP_FAIL) st = STEP_RETRY;
+    if (st == STEP_FAIL) { /* refused for good (a master that does not take it): give the job back */
+        cb_log(CB_LOG_ERROR, job->job, "worker: %s; giving the job back", e2);
+        w->src.release(w->src.ctx, job);
+        return STEP_STALE;
+    }
     if (st != STEP_OK) {
         if (st == STEP_RETRY) cb_log(CB_LOG_ERROR, job->job, "worker: %s", e2);
         return st;
@@ -620,7 +624,7 @@ void pc_worker_actor(zsock_t *pipe, void *args) {
             atomic_fetch_add(&w.st->storage_retries, 1);
             cb_log(CB_LOG_WARN, cur ? cur->job : NULL, "%s; retrying in %d ms", err[0] ? err : "storage failure",
                    retry_ms);
-            doing(&w, "waiting for storage");
+            doing(&w, "waiting to retry: %.160s", err[0] ? err : "storage failure");
             if (poll_pipe(&w, retry_ms)) break;
             retry_ms = retry_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : retry_ms * 2;
             if (!w.src.keeps_job) cb_job_free(&cur); /* read again from the table: the next turn goes on from it */
