@@ -231,6 +231,7 @@ static bool start_check(precompute_t *p, cb_bus_req_t *req, const char *job, con
     zmsg_addmem(zm, &c, sizeof c);
     zmsg_addstr(zm, st.doc_id);
     zmsg_addmem(zm, keys, (size_t)n * 64);
+    if (strncmp(st.owner, "r:", 2) == 0) zmsg_addstr(zm, "remote"); /* its KV files are on the worker's host */
     free(keys);
     c->next = p->checks;
     p->checks = c;

@@ -170,7 +170,8 @@ cb_jobs_t *cb_jobs_open(const char *path, char *err, size_t errlen) {
                   "chunks_total = 0, chunks_done = 0, error = NULL, updated = ?2, client = ?3, lease_token = NULL, "
                   "lease_until = 0 WHERE job = ?1");
     PREP(drop_chunks, "DELETE FROM chunks WHERE job = ?1");
-    PREP(status, "SELECT state, chunks_done, chunks_total, coalesce(error, ''), doc_id FROM jobs WHERE job = ?1");
+    PREP(status, "SELECT state, chunks_done, chunks_total, coalesce(error, ''), doc_id, coalesce(lease_owner, '') "
+                 "FROM jobs WHERE job = ?1");
     PREP(counts, "SELECT state, count(*) FROM jobs GROUP BY state");
     PREP(chunk_sum, "SELECT coalesce(sum(chunks_done), 0) FROM jobs");
     PREP(get, "SELECT seq, job, doc_id, text, planned, replaced, client, chunks_done, chunks_total, "
@@ -369,6 +370,7 @@ int cb_jobs_status(cb_jobs_t *self, const char *job, cb_job_status_t *st, char *
         st->chunks_total = sqlite3_column_int64(s, 2);
         snprintf(st->error, sizeof st->error, "%s", (const char *)sqlite3_column_text(s, 3));
         snprintf(st->doc_id, sizeof st->doc_id, "%s", (const char *)sqlite3_column_text(s, 4));
+        snprintf(st->owner, sizeof st->owner, "%s", (const char *)sqlite3_column_text(s, 5));
         out = 1;
     } else if (rc == SQLITE_DONE) {
         out = 0;

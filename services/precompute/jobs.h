@@ -84,6 +84,7 @@ typedef struct {
     int64_t chunks_done, chunks_total;
     char error[768]; /* when failed */
     char doc_id[257];
+    char owner[CB_JOB_OWNER_MAX + 1]; /* who leased it last ("local", "r:" + a remote worker, "" = never) */
 } cb_job_status_t;
 
 /* 1 = found (st filled), 0 = no such job, -1 = database error (err). */

@@ -119,6 +119,9 @@ check "master stats: expired and stale counted" \
 [ "$(stat_of "$MASTER" leases_granted)" -ge $((N + 1)) ] && echo "ok: leases_granted = $(stat_of "$MASTER" leases_granted)" \
   || { echo "FAIL: leases_granted = $(stat_of "$MASTER" leases_granted)"; FAILS=$((FAILS+1)); }
 check "wB: no lease held now, none lost" "$(stat_of "$WB" leases_held)/$(stat_of "$WB" leases_lost)" "0/0"
+# the same documents again: done, indexed (their KV files are on the workers' hosts): duplicates, not restored
+cbctl ingest --wait "$T/docs" 2>"$T/ingest2.err"
+check "ingest again: exits 0, nothing restored" "$?/$(stat_of "$MASTER" restored)/$(q 'SELECT sum(state = 2) FROM jobs')" "0/0/$N"
 
 # --- the master down and back: the worker backs off and reports the link --------------------------------
 svc_stop master
