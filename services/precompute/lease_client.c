@@ -416,6 +416,18 @@ static void lease_release(void *ctx, cb_job_t *job) {
         begin_job(l, "release", job);
         cb_msg_t *r = NULL;
         char err[512];
+        size_t len;
+        const void *data;
+        if (zsys_interrupted && (data = cb_msg_end(l->w, &len))) {
+            /* stopping on a signal: requests end at the interrupt, so the release goes out without waiting for
+             * its answer (the socket's linger delivers it) */
+            if (cb_bus_send(l->master, data, len, NULL, err, sizeof err) == 0)
+                cb_log(CB_LOG_INFO, job->job, "lease given back to %s", l->a->lease_from);
+            else
+                cb_log(CB_LOG_WARN, job->job, "release: %s (the lease expires by itself)", err);
+            let_go(l);
+            return;
+        }
         cb_bus_client_set_timeout(l->master, 1000, 0); /* best effort: the lease expires anyway */
         if (call(l, "release", &r, err, sizeof err) == PC_SRC_OK)
             cb_log(CB_LOG_INFO, job->job, "lease given back to %s", l->a->lease_from);

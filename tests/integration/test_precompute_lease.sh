@@ -142,6 +142,17 @@ out=$(cbctl query "Which town has a lighthouse with red band number 3?" 2>"$T/qu
 check "a query over the stack answers" "$rc/$([ -n "$out" ] && echo answered)" "0/answered"
 echo "answer: $out"
 
-svc_stop blend; svc_stop wB; svc_stop master2
+# --- SIGTERM of a worker in the middle of a job: it gives the lease back (grantable at once) ------------
+mkdir -p "$T/late"
+for i in 1 2 3; do echo "A late report, part $i, about the quays of Velmar and the tides that rise there each spring."; echo; done \
+  >"$T/late/late.txt"
+cbctl ingest "$T/late" 2>"$T/ingest3.err"
+wait_until 30 bash -c "[ \"\$('$SEND' --timeout 1000 '$WB' '{\"type\":\"stats\"}' | jq -r .leases_held)\" = 1 ]" \
+  || { echo "FAIL: wB did not lease the late document"; FAILS=$((FAILS+1)); }
+svc_stop blend; svc_stop wB
+check "SIGTERM mid-job: the lease was given back" \
+  "$(q "SELECT state, lease_until FROM jobs WHERE doc_id LIKE '%late.txt'")/$(grep -c 'lease given back by its worker' "$T/master2.log")" \
+  "1|0/1"
+svc_stop master2
 for s in cacheindexA cacheindexB retriever; do svc_stop $s; done
 svc_finish
