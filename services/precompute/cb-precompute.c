@@ -11,9 +11,17 @@
  * when it is missing from cb-retriever or its KV files are gone (`restored`). `ping` fails while the worker
  * has work and no progress for stuck_ms.
  *
+ * Past one machine (docs/leases.md): remote workers lease jobs from this table over the same endpoint
+ * (lease_server.h); precompute.workers = 0 runs no worker thread here (no model is loaded: the service only
+ * records documents and leases them). With precompute.lease_from = tcp://MASTER:PORT the process is a remote
+ * worker instead (lease_client.h): no job table, no ingest; its worker leases jobs from the master, writes
+ * KV files to this host's kv_dir, puts them at the cb-cacheindex and indexes them at the cb-retriever of its
+ * configuration; its own endpoint answers ping and stats (role, master link, leases).
+ *
  * Keys (section precompute, then common): endpoint, bind, pull_endpoint, pull_bind, db, chunk_tokens,
  * max_doc_bytes, max_queued_jobs_per_client, max_queued_bytes_per_client, retriever_timeout_ms,
- * cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, fault_chunk_delay_ms (tests); common: data_dir, kv_dir,
+ * cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, workers, lease_ms, max_leases_per_worker,
+ * max_lease_text_bytes, lease_from, worker_name, fault_chunk_delay_ms (tests); common: data_dir, kv_dir,
  * model, threads, and the socket options; blend.system_prompt fixes the precompute context (it must be
  * cb-blend's).
  * Exit: 0 after SIGINT/SIGTERM, 1 on a startup failure or when the worker cannot run.
@@ -23,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/clock.h"
 #include "engine/backend_select.h"
@@ -30,6 +39,8 @@
 #include "wire/config.h"
 #include "wire/db.h"
 #include "jobs.h"
+#include "lease_client.h"
+#include "lease_server.h"
 #include "base/log.h"
 #include "wire/msg.h"
 #include "verify.h"
@@ -52,7 +63,10 @@ typedef struct check_s {
 
 typedef struct {
     cb_bus_service_t *svc;
-    cb_jobs_t *jobs;
+    cb_jobs_t *jobs;          /* NULL in the remote role */
+    pc_lease_server_t *leases; /* the master's side of the lease protocol (NULL in the remote role) */
+    const char *lease_from;   /* the remote role: the master's endpoint (NULL: this is the master) */
+    int64_t n_workers;        /* worker threads here (0 or 1) */
     zactor_t *worker;
     zactor_t *verifier;       /* re-ingest checks (verify.h) */
     zsock_t *pull;
@@ -168,7 +182,7 @@ static cb_err_t ingest(precompute_t *p, const cb_msg_t *m, const char *client, c
         snprintf(why, whylen, "cannot record the document: %.400s", err);
         return CB_ERR_INTERNAL;
     }
-    if (!*duplicate) zstr_send(p->worker, "WORK");
+    if (!*duplicate && p->worker) zstr_send(p->worker, "WORK");
     return CB_ERR_NONE;
 }
 
@@ -217,6 +231,7 @@ static bool start_check(precompute_t *p, cb_bus_req_t *req, const char *job, con
     zmsg_addmem(zm, &c, sizeof c);
     zmsg_addstr(zm, st.doc_id);
     zmsg_addmem(zm, keys, (size_t)n * 64);
+    if (strncmp(st.owner, "r:", 2) == 0) zmsg_addstr(zm, "remote"); /* its KV files are on the worker's host */
     free(keys);
     c->next = p->checks;
     p->checks = c;
@@ -262,7 +277,7 @@ static int on_verifier(zloop_t *loop, zsock_t *sock, void *arg) {
             if (restored) {
                 dup = false;
                 p->restored++;
-                zstr_send(p->worker, "WORK");
+                if (p->worker) zstr_send(p->worker, "WORK");
                 cb_log(CB_LOG_INFO, rid, "doc '%s' ingested again, its job %s was done but %s: queued again (restored)",
                        c->doc_id, c->job, why ? why : "?");
             }
@@ -305,6 +320,15 @@ static void on_ingest(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
     reply_ingest(p, req, job, dup, false);
 }
 
+/* The remote role has no job table: documents go to the master. */
+static void on_not_master(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
+    (void)svc;
+    (void)m;
+    precompute_t *p = arg;
+    cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "this cb-precompute is a remote worker (precompute.lease_from): send "
+                       "'%s' to the master at %s", cb_bus_req_type(req), p->lease_from);
+}
+
 static void on_status(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
     precompute_t *p = arg;
     char job[65], err[256];
@@ -338,11 +362,38 @@ static double worker_age_ms(const precompute_t *p) {
     return age > 0.0 ? age : 0.0;
 }
 
+/* The remote role's fields (stats and ping): the master link and the leases. */
+static void remote_fields(precompute_t *p, cb_msg_writer_t *w) {
+    cb_msg_put_str(w, "master", p->lease_from);
+    cb_msg_put_bool(w, "master_up", atomic_load(&p->wst->link_up));
+    cb_msg_put_uint(w, "leases_held", atomic_load(&p->wst->leases_held));
+    char e[sizeof p->wst->link_error];
+    pthread_mutex_lock(&p->wst->mu);
+    snprintf(e, sizeof e, "%s", p->wst->link_error);
+    pthread_mutex_unlock(&p->wst->mu);
+    if (e[0]) cb_msg_put_str(w, "master_error", e);
+}
+
 static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     (void)svc;
     precompute_t *p = arg;
     int64_t counts[CB_JOB_STATE_COUNT_], chunks = 0;
     char err[256];
+    cb_msg_put_str(w, "role", p->lease_from ? "remote" : "master");
+    cb_msg_put_int(w, "workers", p->n_workers);
+    if (p->lease_from) {
+        remote_fields(p, w);
+        cb_msg_put_uint(w, "leases_taken", atomic_load(&p->wst->leases_taken));
+        cb_msg_put_uint(w, "leases_lost", atomic_load(&p->wst->leases_lost));
+        cb_msg_put_uint(w, "master_errors", atomic_load(&p->wst->link_errors));
+        cb_msg_put_uint(w, "kv_write_failed", atomic_load(&p->wst->kv_write_failed));
+        cb_msg_put_uint(w, "storage_retries", atomic_load(&p->wst->storage_retries));
+        cb_msg_put_uint(w, "turns", atomic_load(&p->wst->turns));
+        cb_msg_put_double(w, "worker_age_ms", worker_age_ms(p));
+        cb_msg_put_bool(w, "worker_ready", p->worker_ready);
+        return;
+    }
+    if (p->leases) pc_lease_server_stats(p->leases, w);
     if (cb_jobs_counts(p->jobs, counts, &chunks, err, sizeof err) != 0) {
         cb_log(CB_LOG_WARN, NULL, "stats: %s", err);
         return;
@@ -371,6 +422,8 @@ static const char *health(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, 
     (void)svc;
     precompute_t *p = arg;
     double age = worker_age_ms(p);
+    cb_msg_put_str(w, "role", p->lease_from ? "remote" : "master");
+    if (p->lease_from) remote_fields(p, w);
     cb_msg_put_bool(w, "worker_ready", p->worker_ready);
     cb_msg_put_double(w, "worker_age_ms", age);
     if (age > (double)p->stuck_ms) {
@@ -459,8 +512,10 @@ static void usage(FILE *f) {
                "  Serves ingest/status/ping/stats (docs/protocol.md §6) on precompute.endpoint and takes ingest\n"
                "  messages on precompute.pull_endpoint. Keys: endpoint, bind, pull_endpoint, pull_bind, db,\n"
                "  chunk_tokens, max_doc_bytes, max_queued_jobs_per_client, max_queued_bytes_per_client,\n"
-               "  retriever_timeout_ms, cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, fault_chunk_delay_ms\n"
-               "  (tests), and common.* (data_dir, kv_dir, model, threads, ...); blend.system_prompt.\n"
+               "  retriever_timeout_ms, cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, workers, lease_ms,\n"
+               "  max_leases_per_worker, max_lease_text_bytes, lease_from (run as a remote worker of that master),\n"
+               "  worker_name, fault_chunk_delay_ms (tests), and common.* (data_dir, kv_dir, model, threads, ...);\n"
+               "  blend.system_prompt. Leases: docs/leases.md.\n"
                "  Environment CB_PRECOMPUTE_<KEY> overrides the file.\n");
 }
 
@@ -479,8 +534,8 @@ int main(int argc, char **argv) {
     p.wst = &wst;
     wa.stats = &wst;
     int rc = 1;
-    int64_t chunk_tokens, threads, rt, ct, vt, fault_delay;
-    const char *model, *sys, *backend, *pull_ep = NULL, *pull_bind = NULL, *kv_dtype_s = "f16";
+    int64_t chunk_tokens, threads, rt, ct, vt, fault_delay, lease_ms, max_leases, max_lease_text;
+    const char *model, *sys, *backend, *pull_ep = NULL, *pull_bind = NULL, *kv_dtype_s = "f16", *worker_name = "";
     wa.cfg = cfg;
     if (!cb_config_int(cfg, SECTION, "chunk_tokens", 16, 8192, 512, &chunk_tokens, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_doc_bytes", 1, (int64_t)1 << 30, 4 << 20, &p.max_doc_bytes, err, sizeof err) ||
@@ -501,7 +556,14 @@ int main(int argc, char **argv) {
         !cb_config_endpoint(cfg, SECTION, "pull_bind", NULL, &pull_bind, err, sizeof err) ||
         !cb_config_data_path(cfg, SECTION, "db", "precompute.db", wa.db_path, sizeof wa.db_path, err, sizeof err) ||
         !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", wa.kv_dir, sizeof wa.kv_dir, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "kv_dtype", "f16", &kv_dtype_s, err, sizeof err)) {
+        !cb_config_str(cfg, SECTION, "kv_dtype", "f16", &kv_dtype_s, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "workers", 0, 1, 1, &p.n_workers, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "lease_ms", 100, 3600000, 15000, &lease_ms, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_leases_per_worker", 0, 1024, 2, &max_leases, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_lease_text_bytes", 0, (int64_t)1 << 30, 0, &max_lease_text, err,
+                       sizeof err) ||
+        !cb_config_endpoint(cfg, SECTION, "lease_from", NULL, &p.lease_from, err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "worker_name", "", &worker_name, err, sizeof err)) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
@@ -530,44 +592,95 @@ int main(int argc, char **argv) {
     snprintf(wa.model_path, sizeof wa.model_path, "%s", model);
     snprintf(wa.system_prompt, sizeof wa.system_prompt, "%s", sys);
     cb_config_log(cfg, SECTION);
-    if (cb_db_mkdirs(wa.kv_dir, err, sizeof err) != 0 || !(p.jobs = cb_jobs_open(wa.db_path, err, sizeof err))) {
-        cb_log(CB_LOG_ERROR, NULL, "%s", err);
-        goto out;
-    }
-    {
-        int64_t counts[CB_JOB_STATE_COUNT_], chunks;
-        if (cb_jobs_counts(p.jobs, counts, &chunks, err, sizeof err) == 0)
-            cb_log(CB_LOG_INFO, NULL, "job table %s: %lld queued, %lld unfinished, %lld done, %lld failed", wa.db_path,
-                   (long long)counts[0], (long long)counts[1], (long long)counts[2], (long long)counts[3]);
+    wa.local_lease_ms = p.stuck_ms; /* a local turn that long is stuck: its job may go to a remote worker */
+    wa.max_doc_bytes = p.max_doc_bytes;
+    if (p.lease_from) {
+        if (p.n_workers == 0) {
+            cb_log(CB_LOG_ERROR, NULL, "precompute.lease_from is set (a remote worker) but precompute.workers = 0");
+            goto out;
+        }
+        snprintf(wa.lease_from, sizeof wa.lease_from, "%s", p.lease_from);
+        if (worker_name[0]) {
+            snprintf(wa.worker_name, sizeof wa.worker_name, "%s", worker_name);
+        } else { /* host-pid: unique per process, so a restarted worker never inherits a stale lease's limit */
+            char host[64] = "worker";
+            gethostname(host, sizeof host - 1);
+            host[sizeof host - 1] = 0;
+            for (char *c = host; *c; c++)
+                if (*c <= 0x20 || *c > 0x7e) *c = '_';
+            snprintf(wa.worker_name, sizeof wa.worker_name, "%.40s-%d", host, (int)getpid());
+        }
+        if (cb_db_mkdirs(wa.kv_dir, err, sizeof err) != 0) {
+            cb_log(CB_LOG_ERROR, NULL, "%s", err);
+            goto out;
+        }
+        cb_log(CB_LOG_INFO, NULL, "remote worker '%s': leasing jobs from %s, KV files in %s", wa.worker_name,
+               p.lease_from, wa.kv_dir);
+    } else {
+        if (cb_db_mkdirs(wa.kv_dir, err, sizeof err) != 0 || !(p.jobs = cb_jobs_open(wa.db_path, err, sizeof err)) ||
+            cb_jobs_release_owner(p.jobs, "local", err, sizeof err) < 0) { /* our last run's turns */
+            cb_log(CB_LOG_ERROR, NULL, "%s", err);
+            goto out;
+        }
+        int64_t counts[CB_JOB_STATE_COUNT_], chunks, live = 0, lapsed = 0;
+        if (cb_jobs_counts(p.jobs, counts, &chunks, err, sizeof err) == 0 &&
+            cb_jobs_lease_counts(p.jobs, &live, &lapsed, err, sizeof err) == 0)
+            cb_log(CB_LOG_INFO, NULL, "job table %s: %lld queued, %lld unfinished (%lld leased), %lld done, %lld failed",
+                   wa.db_path, (long long)counts[0], (long long)counts[1], (long long)live, (long long)counts[2],
+                   (long long)counts[3]);
     }
     p.svc = cb_bus_service_from_config("cb-precompute", cfg, SECTION, err, sizeof err);
     if (!p.svc) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
-    if (!pull_bind) pull_bind = pull_ep;
-    if (pull_bind) {
-        p.pull = cb_bus_socket(ZMQ_PULL, pull_bind, true, cb_bus_service_opts(p.svc), err, sizeof err);
-        if (!p.pull) {
-            cb_log(CB_LOG_ERROR, NULL, "pull socket: %s", err);
+    if (!p.lease_from) {
+        /* a lease carries the text and the plan in one message: leave room for the plan */
+        int64_t fit = cb_bus_service_opts(p.svc)->max_msg_bytes / 4;
+        if (max_lease_text == 0 || max_lease_text > fit) max_lease_text = fit;
+        if (p.n_workers == 0 && p.max_doc_bytes > max_lease_text) {
+            cb_log(CB_LOG_WARN, NULL, "no worker here (precompute.workers = 0): documents are limited to what a lease "
+                   "carries, %lld bytes (max_msg_bytes / 4), not max_doc_bytes = %lld", (long long)max_lease_text,
+                   (long long)p.max_doc_bytes);
+            p.max_doc_bytes = max_lease_text;
+        }
+        pc_lease_opts_t lo = {.lease_ms = lease_ms, .max_per_worker = (int)max_leases, .max_text_bytes = max_lease_text,
+                              .max_doc_bytes = p.max_doc_bytes};
+        if (!(p.leases = pc_lease_server_new(p.svc, p.jobs, &lo, err, sizeof err))) {
+            cb_log(CB_LOG_ERROR, NULL, "%s", err);
             goto out;
         }
-        cb_log(CB_LOG_INFO, NULL, "pull socket on %s", pull_bind);
+        if (!pull_bind) pull_bind = pull_ep;
+        if (pull_bind) {
+            p.pull = cb_bus_socket(ZMQ_PULL, pull_bind, true, cb_bus_service_opts(p.svc), err, sizeof err);
+            if (!p.pull) {
+                cb_log(CB_LOG_ERROR, NULL, "pull socket: %s", err);
+                goto out;
+            }
+            cb_log(CB_LOG_INFO, NULL, "pull socket on %s", pull_bind);
+        }
+        cb_log(CB_LOG_INFO, NULL, "leasing jobs to remote workers: leases of %lld ms, at most %lld per worker, "
+               "documents up to %lld bytes", (long long)lease_ms, (long long)max_leases, (long long)max_lease_text);
     }
-    p.worker = zactor_new(pc_worker_actor, &wa);
-    if (!p.worker) {
-        cb_log(CB_LOG_ERROR, NULL, "cannot start the worker thread");
-        goto out;
+    if (p.n_workers > 0) {
+        p.worker = zactor_new(pc_worker_actor, &wa);
+        if (!p.worker) {
+            cb_log(CB_LOG_ERROR, NULL, "cannot start the worker thread");
+            goto out;
+        }
+    } else {
+        p.worker_ready = true; /* nothing to load: jobs wait for remote workers */
+        cb_log(CB_LOG_INFO, NULL, "no worker thread here (precompute.workers = 0): remote workers do the jobs");
     }
     snprintf(va.kv_dir, sizeof va.kv_dir, "%s", wa.kv_dir);
-    if (!(p.verifier = zactor_new(pc_verify_actor, &va)))
+    if (!p.lease_from && !(p.verifier = zactor_new(pc_verify_actor, &va)))
         cb_log(CB_LOG_WARN, NULL, "cannot start the verifier thread: re-ingested documents are not checked");
     zloop_t *loop = cb_bus_service_loop(p.svc);
-    zloop_reader(loop, (zsock_t *)p.worker, on_worker, &p);
+    if (p.worker) zloop_reader(loop, (zsock_t *)p.worker, on_worker, &p);
     if (p.verifier) zloop_reader(loop, (zsock_t *)p.verifier, on_verifier, &p);
     if (p.pull) zloop_reader(loop, p.pull, on_pull, &p);
-    cb_bus_service_on(p.svc, "ingest", on_ingest, &p);
-    cb_bus_service_on(p.svc, "status", on_status, &p);
+    cb_bus_service_on(p.svc, "ingest", p.lease_from ? on_not_master : on_ingest, &p);
+    cb_bus_service_on(p.svc, "status", p.lease_from ? on_not_master : on_status, &p);
     cb_bus_service_set_stats(p.svc, stats_extra, &p);
     cb_bus_service_set_health(p.svc, health, &p);
     rc = cb_bus_service_run(p.svc) == 0 && !p.fatal ? 0 : 1;
@@ -581,6 +694,7 @@ out:
     zactor_destroy(&p.worker); /* $TERM: the worker stops after its current step */
     zsock_destroy(&p.pull);
     cb_bus_service_destroy(&p.svc);
+    pc_lease_server_destroy(&p.leases);
     cb_jobs_close(&p.jobs);
     cb_config_destroy(&cfg);
     if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");

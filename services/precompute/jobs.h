@@ -18,6 +18,16 @@
  * while an older unfinished job of the same doc_id exists (versions of a document are processed in order).
  * Per-client limits on what is queued (jobs and bytes) are checked in the transaction that records a job.
  *
+ * Leases (docs/leases.md): whoever works on a job holds a lease on it, recorded in the job's row (owner,
+ * token, expiry in ms of this host's clock), so the lease and the progress live in one table and one
+ * transaction: a lease survives a restart of the service, and a pick never returns a job under a live
+ * lease. The service's own worker leases each turn (owner "local", released when the turn ends); remote
+ * workers lease a whole job (owner "r:" + name) over the wire and renew it. A lease expires when its
+ * expiry passes; the job is then pickable again and the next grant replaces the token, after which the old
+ * holder's token is stale: every call made with a token checks it in the same transaction as its write.
+ * An expired lease nobody took over still holds (a renew revives it). A finished job keeps its holder's
+ * token, so a finish sent again by that holder is answered as already finished (finished once).
+ *
  * Threads: one cb_jobs_t per thread (each owns its SQLite connection); several connections to the same
  * file (the service's loop and its worker) are fine, busy_timeout absorbs their write contention.
  */
@@ -30,6 +40,8 @@
 
 #define CB_JOB_ID_LEN 32     /* hex characters of a job id */
 #define CB_JOB_CLIENT_MAX 80 /* bytes of a client key */
+#define CB_JOB_TOKEN_LEN 32  /* hex characters of a lease token (128 random bits) */
+#define CB_JOB_OWNER_MAX 80  /* bytes of a lease owner */
 
 typedef struct cb_jobs cb_jobs_t;
 
@@ -72,6 +84,7 @@ typedef struct {
     int64_t chunks_done, chunks_total;
     char error[768]; /* when failed */
     char doc_id[257];
+    char owner[CB_JOB_OWNER_MAX + 1]; /* who leased it last ("local", "r:" + a remote worker, "" = never) */
 } cb_job_status_t;
 
 /* 1 = found (st filled), 0 = no such job, -1 = database error (err). */
@@ -97,12 +110,13 @@ typedef struct {
     bool replaced;                     /* older versions' retriever entries were deleted already */
     bool has_older;                    /* another job for the same doc_id came earlier */
     int64_t chunks_done, chunks_total;
+    char token[CB_JOB_TOKEN_LEN + 1];  /* the lease token its holder works under ("" when none) */
 } cb_job_t;
 void cb_job_free(cb_job_t **job_p);
 
 /* The next turn: the first client after after_client (NULL or "" = from the start) in client-key order,
- * wrapping around, that has a job ready (queued or running, no older unfinished version of its document),
- * and that client's oldest such job. 1 = job and client (client[CB_JOB_CLIENT_MAX + 1]) set, 0 = nothing
+ * wrapping around, that has a job ready (queued or running, no older unfinished version of its document,
+ * under no live lease), and that client's oldest such job. 1 = job and client (client[CB_JOB_CLIENT_MAX + 1]) set, 0 = nothing
  * to do, -1 = error. */
 int cb_jobs_pick(cb_jobs_t *self, const char *after_client, char job[CB_JOB_ID_LEN + 1], char *client,
                  char *err, size_t errlen);
@@ -129,4 +143,50 @@ int cb_jobs_chunk_done(cb_jobs_t *self, const char *job, int idx, char *err, siz
 int cb_jobs_set_replaced(cb_jobs_t *self, const char *job, char *err, size_t errlen);
 /* Ends a job: done, or failed with a message. 0 or -1. */
 int cb_jobs_finish(cb_jobs_t *self, const char *job, bool ok, const char *error, char *err, size_t errlen);
+
+/* ---- leases (see the top of this file) ------------------------------------------------------------------ */
+
+/* A granted lease. */
+typedef struct {
+    char job[CB_JOB_ID_LEN + 1];
+    char client[CB_JOB_CLIENT_MAX + 1];
+    char token[CB_JOB_TOKEN_LEN + 1];
+    int64_t until_ms;                  /* expiry, ms since the epoch (this host's clock) */
+    bool lapsed;                       /* the job had a lease that expired (its holder went silent) */
+    char prev_token[CB_JOB_TOKEN_LEN + 1]; /* the token of the lease before this one ("" when none): a holder
+                                          whose token it is knows that nobody else had the job since */
+} cb_job_lease_t;
+
+/* Picks the next turn as cb_jobs_pick does (round robin after after_client; jobs under a live lease and,
+ * when max_text_bytes > 0, jobs with more text are skipped) and leases it to owner for ttl_ms with a new
+ * token, marking it running, in one transaction. 1 = *out set, 0 = nothing to lease, 2 = owner holds
+ * max_per_owner live leases already (0 = no limit; err says so), -1 = error. */
+int cb_jobs_lease(cb_jobs_t *self, const char *after_client, const char *owner, int64_t ttl_ms, int64_t max_text_bytes,
+                  int max_per_owner, cb_job_lease_t *out, char *err, size_t errlen);
+/* The calls of a lease holder: each checks token in the transaction of its write and renews the lease for
+ * ttl_ms. They return 1 = done, 0 = stale (token is not the job's, or the job is finished or gone: the
+ * holder must drop the job), -1 = database error (err). */
+int cb_jobs_lease_renew(cb_jobs_t *self, const char *job, const char *token, int64_t ttl_ms, char *err,
+                        size_t errlen);
+/* Records the plan (as cb_jobs_plan) unless the job has one already (then nothing changes: a plan sent
+ * again); *chunks_total is the job's. */
+int cb_jobs_lease_plan(cb_jobs_t *self, const char *job, const char *token, int64_t ttl_ms,
+                       const cb_job_chunk_t *chunks, int n, int64_t *chunks_total, char *err, size_t errlen);
+/* Marks that the older versions' retriever entries were deleted. */
+int cb_jobs_lease_replaced(cb_jobs_t *self, const char *job, const char *token, int64_t ttl_ms, char *err,
+                           size_t errlen);
+/* Marks chunk idx done (idempotent: counted once). 2 = the job has no chunk idx (err). */
+int cb_jobs_lease_chunk_done(cb_jobs_t *self, const char *job, const char *token, int idx, int64_t ttl_ms, char *err,
+                             size_t errlen);
+/* Ends the job (done, or failed with error) and its lease. 1 with *already = true when this token finished
+ * it before (nothing changes); 2 = ok but not every planned chunk is done, or there is no plan (err). */
+int cb_jobs_lease_finish(cb_jobs_t *self, const char *job, const char *token, bool ok, const char *error,
+                         bool *already, char *err, size_t errlen);
+/* Gives the lease up (the job is pickable at once; the token holds until another grant). 1, 0 or -1. */
+int cb_jobs_lease_release(cb_jobs_t *self, const char *job, const char *token, char *err, size_t errlen);
+/* Ends every lease of owner (the service's own worker at start: its turns died with the last process).
+ * The number released, or -1. */
+int cb_jobs_release_owner(cb_jobs_t *self, const char *owner, char *err, size_t errlen);
+/* Unfinished jobs under a live lease, and under an expired one not yet taken over. 0 or -1. */
+int cb_jobs_lease_counts(cb_jobs_t *self, int64_t *live, int64_t *lapsed, char *err, size_t errlen);
 #endif

@@ -23,7 +23,7 @@ typedef struct {
 
 /* The distinct keys among keys[n * 64]: counted into *distinct; KV files missing (or not regular files)
  * into *missing. */
-static void check_files(const verifier_t *v, const char *keys, size_t n, int *distinct, int *missing) {
+static void check_files(const verifier_t *v, const char *keys, size_t n, bool files, int *distinct, int *missing) {
     *distinct = *missing = 0;
     for (size_t i = 0; i < n; i++) {
         const char *k = keys + 64 * i;
@@ -31,6 +31,7 @@ static void check_files(const verifier_t *v, const char *keys, size_t n, int *di
         for (size_t j = 0; j < i && !dup; j++) dup = memcmp(keys + 64 * j, k, 64) == 0;
         if (dup) continue;
         (*distinct)++;
+        if (!files) continue;
         uint8_t key[32];
         char hex[CB_KV_HEX_BYTES], path[4096 + 80];
         memcpy(hex, k, 64);
@@ -43,9 +44,10 @@ static void check_files(const verifier_t *v, const char *keys, size_t n, int *di
 }
 
 /* One check: the verdict and its reason. */
-static const char *check(verifier_t *v, const char *doc, const char *keys, size_t n, char *why, size_t whylen) {
+static const char *check(verifier_t *v, const char *doc, const char *keys, size_t n, bool files, char *why,
+                         size_t whylen) {
     int distinct, missing;
-    check_files(v, keys, n, &distinct, &missing);
+    check_files(v, keys, n, files, &distinct, &missing);
     char e[512] = "not asked: it did not answer a moment ago";
     cb_msg_t *r = NULL;
     int64_t have = -1;
@@ -89,10 +91,13 @@ void pc_verify_actor(zsock_t *pipe, void *args) {
         if (!m) break;
         char *cmd = zmsg_popstr(m);
         bool term = !cmd || strcmp(cmd, "$TERM") == 0;
-        if (!term && strcmp(cmd, "CHECK") == 0 && zmsg_size(m) == 3) {
+        if (!term && strcmp(cmd, "CHECK") == 0 && (zmsg_size(m) == 3 || zmsg_size(m) == 4)) {
             zframe_t *token = zmsg_pop(m);
             char *doc = zmsg_popstr(m);
             zframe_t *keys = zmsg_pop(m);
+            char *where = zmsg_popstr(m); /* "remote": its KV files are on another host */
+            bool files = !where || strcmp(where, "remote") != 0;
+            zstr_free(&where);
             char why[512] = "";
             const char *verdict = "unknown";
             if (!v.w || !v.retriever || !doc)
@@ -100,7 +105,8 @@ void pc_verify_actor(zsock_t *pipe, void *args) {
             else if (zframe_size(keys) % 64 != 0)
                 snprintf(why, sizeof why, "bad key list");
             else
-                verdict = check(&v, doc, (const char *)zframe_data(keys), zframe_size(keys) / 64, why, sizeof why);
+                verdict = check(&v, doc, (const char *)zframe_data(keys), zframe_size(keys) / 64, files, why,
+                                sizeof why);
             zmsg_t *out = zmsg_new();
             zmsg_addstr(out, "CHECKED");
             zmsg_append(out, &token);

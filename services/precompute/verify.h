@@ -12,8 +12,12 @@
  * bounded by timeout_ms (one attempt) plus the file checks, and after a cb-retriever that did not answer
  * the next 5 s of checks do not ask it (a burst of re-ingests while it is down costs one timeout).
  *
+ * A job done by a remote worker (docs/leases.md) has its KV files on that worker's host: then only the
+ * retriever count is checked ("remote").
+ *
  * Pipe protocol (zmsg frames):
- *   loop -> actor   "CHECK" <token: opaque bytes, echoed> <doc_id> <keys: n x 64 hex, concatenated>  ($TERM)
+ *   loop -> actor   "CHECK" <token: opaque bytes, echoed> <doc_id> <keys: n x 64 hex, concatenated> ["remote"]
+ *                   ($TERM)
  *   actor -> loop   "CHECKED" <token> <"ok" | "missing" | "unknown"> <reason>
  * The args are borrowed and must outlive the actor.
  */

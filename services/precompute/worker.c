@@ -15,6 +15,7 @@
 #include "rag/chunker.h"
 #include "engine/engine.h"
 #include "jobs.h"
+#include "lease_client.h"
 #include "format/kvfile.h"
 #include "kv/kvstore.h"
 #include "base/log.h"
@@ -26,6 +27,116 @@
 #define BACKOFF_MIN_MS 1000
 #define BACKOFF_MAX_MS 30000
 
+/* ---- the local source: this service's job table --------------------------------------------------------- */
+
+#define LOCAL_OWNER "local"
+
+typedef struct {
+    cb_jobs_t *jobs;
+    int64_t ttl_ms;                       /* a turn's lease */
+    char last[CB_JOB_CLIENT_MAX + 1];     /* the client whose turn it was */
+} local_src_t;
+
+/* 1 -> OK, 0 -> STALE, 2 (the table refuses: a bug) -> RETRY (the next turn reads the table again), -1 -> f. */
+static pc_src_rc_t local_rc(int r, pc_src_rc_t on_error) {
+    return r == 1 ? PC_SRC_OK : r == 0 ? PC_SRC_STALE : r == 2 ? PC_SRC_RETRY : on_error;
+}
+
+static int local_take(void *ctx, cb_job_t **job, char *err, size_t errlen) {
+    local_src_t *l = ctx;
+    cb_job_lease_t lease;
+    int r = cb_jobs_lease(l->jobs, l->last, LOCAL_OWNER, l->ttl_ms, 0, 0, &lease, err, errlen);
+    if (r != 1) {
+        cb_job_free(job);
+        l->last[0] = 0;
+        return r < 0 ? -1 : 0;
+    }
+    snprintf(l->last, sizeof l->last, "%s", lease.client);
+    if (*job && strcmp((*job)->job, lease.job) == 0 && strcmp((*job)->token, lease.prev_token) == 0) {
+        /* the same job as our last turn and nobody had it since: what we hold of it is current */
+        snprintf((*job)->token, sizeof (*job)->token, "%s", lease.token);
+        return 1;
+    }
+    cb_job_free(job);
+    int g = cb_jobs_get(l->jobs, lease.job, job, err, errlen);
+    if (g <= 0) {
+        char e2[64];
+        cb_jobs_lease_release(l->jobs, lease.job, lease.token, e2, sizeof e2);
+        return g < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+static pc_src_rc_t local_next_chunk(void *ctx, cb_job_t *job, int *idx, cb_job_chunk_t *c, char *err, size_t errlen) {
+    local_src_t *l = ctx;
+    int r = cb_jobs_next_chunk(l->jobs, job->job, idx, c, err, errlen);
+    if (r == 0) *idx = -1;
+    return r < 0 ? PC_SRC_FAIL : PC_SRC_OK;
+}
+
+static pc_src_rc_t local_plan(void *ctx, cb_job_t *job, const cb_job_chunk_t *cs, int n, char *err, size_t errlen) {
+    local_src_t *l = ctx;
+    int64_t total = 0;
+    return local_rc(cb_jobs_lease_plan(l->jobs, job->job, job->token, l->ttl_ms, cs, n, &total, err, errlen),
+                    PC_SRC_FAIL);
+}
+
+static pc_src_rc_t local_replaced(void *ctx, cb_job_t *job, char *err, size_t errlen) {
+    local_src_t *l = ctx;
+    return local_rc(cb_jobs_lease_replaced(l->jobs, job->job, job->token, l->ttl_ms, err, errlen), PC_SRC_FAIL);
+}
+
+static pc_src_rc_t local_renew(void *ctx, cb_job_t *job, char *err, size_t errlen) {
+    local_src_t *l = ctx;
+    return local_rc(cb_jobs_lease_renew(l->jobs, job->job, job->token, l->ttl_ms, err, errlen), PC_SRC_RETRY);
+}
+
+static pc_src_rc_t local_chunk_done(void *ctx, cb_job_t *job, int idx, char *err, size_t errlen) {
+    local_src_t *l = ctx;
+    return local_rc(cb_jobs_lease_chunk_done(l->jobs, job->job, job->token, idx, l->ttl_ms, err, errlen),
+                    PC_SRC_FAIL);
+}
+
+static pc_src_rc_t local_finish(void *ctx, cb_job_t *job, bool ok, const char *why, char *err, size_t errlen) {
+    local_src_t *l = ctx;
+    bool already = false;
+    return local_rc(cb_jobs_lease_finish(l->jobs, job->job, job->token, ok, why, &already, err, errlen),
+                    PC_SRC_RETRY);
+}
+
+static void local_release(void *ctx, cb_job_t *job) {
+    local_src_t *l = ctx;
+    char e[256];
+    if (cb_jobs_lease_release(l->jobs, job->job, job->token, e, sizeof e) < 0) cb_log(CB_LOG_WARN, job->job, "%s", e);
+}
+
+static void local_destroy(void **ctx_p) {
+    local_src_t *l = *ctx_p;
+    if (!l) return;
+    cb_jobs_close(&l->jobs);
+    free(l);
+    *ctx_p = NULL;
+}
+
+/* The local source over the job table at db_path (opened here: this thread's connection). 0 or -1. */
+static int pc_local_source_new(const char *db_path, int64_t ttl_ms, pc_source_t *out, char *err, size_t errlen) {
+    local_src_t *l = calloc(1, sizeof *l);
+    if (!l) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    l->ttl_ms = ttl_ms > 0 ? ttl_ms : 120000;
+    if (!(l->jobs = cb_jobs_open(db_path, err, errlen))) {
+        free(l);
+        return -1;
+    }
+    *out = (pc_source_t){.ctx = l, .name = "local", .keeps_job = false, .take = local_take,
+                         .next_chunk = local_next_chunk, .plan = local_plan, .replaced = local_replaced,
+                         .renew = local_renew, .chunk_done = local_chunk_done, .finish = local_finish,
+                         .release = local_release, .destroy = local_destroy};
+    return 0;
+}
+
 typedef struct {
     zsock_t *pipe;
     const pc_worker_args_t *a;
@@ -36,7 +147,7 @@ typedef struct {
     cb_engine_t *engine;
     cb_kvstore_t *store;         /* chunk keys, the context's KV, compute + KV file write */
     cb_chunker_t *chunker;
-    cb_jobs_t *jobs;
+    pc_source_t src;             /* where jobs come from: the job table or a master (the one seam) */
     cb_bus_client_t *retriever, *cacheindex;
     cb_msg_writer_t *w;
     const int32_t *prefix;       /* [n_prefix] the precompute context P */
@@ -51,7 +162,17 @@ typedef struct {
 
 /* STEP_RETRY: a local resource failed for now (the KV dir's disk is full, cb-cacheindex could not store
  * the row): the job keeps its state and is tried again after a back-off, never failed for it. */
-typedef enum { STEP_OK = 0, STEP_FAIL, STEP_TERM, STEP_DONE, STEP_RETRY } step_t;
+typedef enum { STEP_OK = 0, STEP_FAIL, STEP_TERM, STEP_DONE, STEP_RETRY, STEP_STALE } step_t;
+
+/* A source call's outcome as a step (STEP_STALE: the lease is gone, the job is dropped). */
+static step_t src_step(pc_src_rc_t rc) {
+    switch (rc) {
+    case PC_SRC_OK: return STEP_OK;
+    case PC_SRC_STALE: return STEP_STALE;
+    case PC_SRC_RETRY: return STEP_RETRY;
+    default: return STEP_FAIL;
+    }
+}
 
 /* A sign of progress (the loop's health check reads it). */
 static void beat(worker_t *w) {
@@ -106,7 +227,7 @@ static void worker_free(worker_t *w) {
     cb_bus_client_destroy(&w->retriever);
     cb_bus_client_destroy(&w->cacheindex);
     cb_msg_writer_destroy(&w->w);
-    cb_jobs_close(&w->jobs);
+    if (w->src.destroy) w->src.destroy(&w->src.ctx);
     cb_chunker_destroy(&w->chunker);
     cb_kvstore_destroy(&w->store);
     cb_engine_destroy(&w->engine);
@@ -141,7 +262,9 @@ static int worker_init(worker_t *w, char *err, size_t errlen) {
     /* P's KV now, so the first document does not pay for it (and a bad context fails at start) */
     if (cb_kvstore_set_context(w->store, w->prefix, w->n_prefix, err, errlen) != 0) return -1;
     if (!(w->chunker = cb_chunker_new(w->tok, a->chunk_tokens, err, errlen))) return -1;
-    if (!(w->jobs = cb_jobs_open(a->db_path, err, errlen))) return -1;
+    if ((a->lease_from[0] ? pc_lease_source_new(a, &w->src, err, errlen)
+                          : pc_local_source_new(a->db_path, a->local_lease_ms, &w->src, err, errlen)) != 0)
+        return -1;
     if (!(w->retriever = cb_bus_client_from_config(a->cfg, "precompute", "retriever", err, errlen))) return -1;
     if (!(w->cacheindex = cb_bus_client_from_config(a->cfg, "precompute", "cacheindex", err, errlen))) return -1;
     cb_bus_client_set_timeout(w->retriever, a->retriever_timeout_ms, -1);
@@ -252,9 +375,9 @@ static step_t plan_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
         cb_kvfile_hex(key, cs[i].key);
     }
     free(spans);
-    int rc = cb_jobs_plan(w->jobs, job->job, cs, n, err, errlen);
+    step_t rc = src_step(w->src.plan(w->src.ctx, job, cs, n, err, errlen));
     free(cs);
-    if (rc != 0) return STEP_FAIL;
+    if (rc != STEP_OK) return rc;
     job->planned = true;
     job->chunks_total = n;
     cb_log(CB_LOG_INFO, job->job, "doc '%s': %zu bytes -> %d chunks", job->doc_id, job->text_len, n);
@@ -286,6 +409,12 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
     char hex[CB_KV_HEX_BYTES], path[4400], rel[CB_KV_REL_PATH_BYTES];
     cb_kvstore_chunk_key(w->store, w->prefix, w->n_prefix, toks, nt, key);
     cb_kvfile_hex(key, hex);
+    if (c->key[0] && strcmp(c->key, hex) != 0) { /* planned elsewhere (another worker) with another context */
+        free(toks);
+        snprintf(err, errlen, "chunk %d: key %.16s... here, %.16s... in the plan: this worker's model or precompute "
+                 "context (blend.system_prompt, chunk_tokens) differs from the planner's", idx, hex, c->key);
+        return STEP_FAIL;
+    }
     if (cb_kvstore_path(w->store, key, path, sizeof path) != 0 || cb_kvfile_rel_path(key, rel, sizeof rel) != 0) {
         snprintf(err, errlen, "no KV file path under %.200s for this chunk", w->a->kv_dir);
         free(toks);
@@ -340,6 +469,8 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
     }
     free(toks);
     if (st != STEP_OK) return st;
+    /* the lease still ours, just before the text goes to the retriever (a holder that lost it stops here) */
+    if ((st = src_step(w->src.renew(w->src.ctx, job, err, errlen))) != STEP_OK) return st;
     char id[32];
     cb_msg_writer_t *wr = w->w;
     cb_msg_begin(wr, "index", cb_bus_new_id(id, sizeof id));
@@ -350,7 +481,7 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
     st = call_retry(w, w->retriever, job->job, "index", &r, NULL, err, errlen);
     cb_msg_destroy(&r);
     if (st != STEP_OK) return st;
-    return cb_jobs_chunk_done(w->jobs, job->job, idx, err, errlen) == 0 ? STEP_OK : STEP_FAIL;
+    return src_step(w->src.chunk_done(w->src.ctx, job, idx, err, errlen));
 }
 
 /* One unit of a job: its plan, the deletion of an older version's chunks, or its next chunk. STEP_OK (more
@@ -374,15 +505,14 @@ static step_t job_turn(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
         cb_msg_destroy(&r);
         cb_log(CB_LOG_INFO, job->job, "doc '%s' replaced: %" PRId64 " old chunks removed from the retriever",
                job->doc_id, deleted);
-        if (cb_jobs_set_replaced(w->jobs, job->job, err, errlen) != 0) return STEP_FAIL;
+        if ((st = src_step(w->src.replaced(w->src.ctx, job, err, errlen))) != STEP_OK) return st;
         job->replaced = true;
         return STEP_OK;
     }
     int idx = -1;
     cb_job_chunk_t c;
-    int r = cb_jobs_next_chunk(w->jobs, job->job, &idx, &c, err, errlen);
-    if (r < 0) return STEP_FAIL;
-    if (r == 0) return STEP_DONE;
+    if ((st = src_step(w->src.next_chunk(w->src.ctx, job, &idx, &c, err, errlen))) != STEP_OK) return st;
+    if (idx < 0) return STEP_DONE;
     doing(w, "job %s (doc '%.64s'): chunk %d of %lld", job->job, job->doc_id, idx + 1, (long long)job->chunks_total);
     return do_chunk(w, job, idx, &c, err, errlen);
 }
@@ -399,13 +529,20 @@ static void job_started(worker_t *w, const cb_job_t *job) {
                (long long)job->chunks_total);
 }
 
-/* A job that ended (done or failed): recorded, logged, told to the loop. -1 when the job table could not
- * record it (e.g. its disk is full): the job is still running there and is retried after a back-off. */
-static int job_ended(worker_t *w, const cb_job_t *job, bool ok, const char *why) {
+/* A job that ended (done or failed): recorded by the source, logged, told to the loop. STEP_OK, or
+ * STEP_RETRY when it could not be recorded (the table's disk is full, the master is unreachable): the job
+ * is still running there and is retried after a back-off; STEP_STALE when the lease was gone. */
+static step_t job_ended(worker_t *w, cb_job_t *job, bool ok, const char *why) {
     char e2[256];
-    if (cb_jobs_finish(w->jobs, job->job, ok, why, e2, sizeof e2) != 0) {
-        cb_log(CB_LOG_ERROR, job->job, "worker: %s", e2);
-        return -1;
+    step_t st = src_step(w->src.finish(w->src.ctx, job, ok, why, e2, sizeof e2));
+    if (st == STEP_FAIL) { /* refused for good (a master that does not take it): give the job back */
+        cb_log(CB_LOG_ERROR, job->job, "worker: %s; giving the job back", e2);
+        w->src.release(w->src.ctx, job);
+        return STEP_STALE;
+    }
+    if (st != STEP_OK) {
+        if (st == STEP_RETRY) cb_log(CB_LOG_ERROR, job->job, "worker: %s", e2);
+        return st;
     }
     const double *t0 = zhashx_lookup(w->started, job->job);
     double ms = t0 ? cb_now_ms() - *t0 : 0.0;
@@ -413,7 +550,7 @@ static int job_ended(worker_t *w, const cb_job_t *job, bool ok, const char *why)
     else cb_log(CB_LOG_WARN, job->job, "doc '%s' failed: %s", job->doc_id, why);
     zhashx_delete(w->started, job->job);
     zstr_sendx(w->pipe, "JOB", job->job, ok ? "done" : "failed", NULL);
-    return 0;
+    return STEP_OK;
 }
 
 void pc_worker_actor(zsock_t *pipe, void *args) {
@@ -433,38 +570,31 @@ void pc_worker_actor(zsock_t *pipe, void *args) {
     cb_log(CB_LOG_INFO, NULL, "worker ready: precompute context %d tokens, chunks of <= %d tokens, kv_dir %s",
            w.n_prefix, w.a->chunk_tokens, w.a->kv_dir);
     zstr_send(pipe, "READY");
-    char last[CB_JOB_CLIENT_MAX + 1] = ""; /* the client whose turn it was */
-    cb_job_t *cur = NULL;                  /* the job of the last turn, kept while it keeps its turns */
+    cb_job_t *cur = NULL;                  /* the job in hand (local: the last turn's, kept while it keeps its turns) */
     int retry_ms = BACKOFF_MIN_MS;         /* the back-off after a storage failure (STEP_RETRY) */
+    int take_ms = 0;                       /* the back-off while the source fails (0: it answers) */
     while (!wait_pipe(&w, 0)) {
         w.busy = cur != NULL;
         beat(&w);
-        char id[CB_JOB_ID_LEN + 1], client[CB_JOB_CLIENT_MAX + 1];
-        int r = cb_jobs_pick(w.jobs, last, id, client, err, sizeof err);
-        if (r < 0) {
-            cb_log(CB_LOG_ERROR, NULL, "worker: %s", err);
-            poll_pipe(&w, BACKOFF_MIN_MS);
+        int r = w.src.take(w.src.ctx, &cur, err, sizeof err);
+        if (r < 0) { /* the table or the master failed for now: back off, one log line per doubling */
+            int next = take_ms ? (take_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : take_ms * 2) : BACKOFF_MIN_MS;
+            if (next != take_ms)
+                cb_log(CB_LOG_WARN, NULL, "worker: %s; retrying every %d ms at most", err, next);
+            take_ms = next;
+            doing(&w, "waiting for the job source: %.150s", err);
+            poll_pipe(&w, take_ms);
             continue;
         }
+        if (take_ms) cb_log(CB_LOG_INFO, NULL, "worker: the job source answers again");
+        take_ms = 0;
         if (r == 0) {
-            cb_job_free(&cur);
             w.busy = false;
-            last[0] = 0;
             doing(&w, "idle");
             poll_pipe(&w, 1000);
             continue;
         }
-        snprintf(last, sizeof last, "%s", client);
-        if (!cur || strcmp(cur->job, id) != 0) {
-            cb_job_free(&cur);
-            int g = cb_jobs_get(w.jobs, id, &cur, err, sizeof err);
-            if (g <= 0) {
-                if (g < 0) cb_log(CB_LOG_ERROR, id, "worker: %s", err);
-                if (g < 0) poll_pipe(&w, BACKOFF_MIN_MS);
-                continue;
-            }
-            job_started(&w, cur);
-        }
+        job_started(&w, cur);
         w.busy = true;
         beat(&w);
         err[0] = 0;
@@ -472,24 +602,37 @@ void pc_worker_actor(zsock_t *pipe, void *args) {
         atomic_fetch_add(&w.st->turns, 1);
         beat(&w);
         if (st == STEP_TERM) {
-            cb_log(CB_LOG_INFO, cur->job, "stopping in the middle of doc '%s' (resumes at the next start)", cur->doc_id);
+            cb_log(CB_LOG_INFO, cur->job, "stopping in the middle of doc '%s' (%s)", cur->doc_id,
+                   w.src.keeps_job ? "its lease is given back" : "resumes at the next start");
             break;
         }
-        if ((st == STEP_DONE || st == STEP_FAIL) && job_ended(&w, cur, st == STEP_DONE, err) != 0) st = STEP_RETRY;
-        else if (st == STEP_DONE || st == STEP_FAIL) cb_job_free(&cur);
+        bool ended = false;
+        if (st == STEP_DONE || st == STEP_FAIL) {
+            st = job_ended(&w, cur, st == STEP_DONE, err);
+            ended = st == STEP_OK;
+        }
+        if (!ended && !w.src.keeps_job && st != STEP_STALE) w.src.release(w.src.ctx, cur); /* the turn ended */
+        if (st == STEP_STALE) { /* someone else has the job now: nothing of it is ours */
+            cb_log(CB_LOG_WARN, cur->job, "doc '%s': %s; dropping the job", cur->doc_id,
+                   err[0] ? err : "the lease is gone");
+            zhashx_delete(w.started, cur->job);
+            cb_job_free(&cur);
+            continue;
+        }
+        if (ended) cb_job_free(&cur);
         if (st == STEP_RETRY) { /* back off (1 s .. 30 s, doubling); nothing is failed or lost for it */
             atomic_fetch_add(&w.st->storage_retries, 1);
             cb_log(CB_LOG_WARN, cur ? cur->job : NULL, "%s; retrying in %d ms", err[0] ? err : "storage failure",
                    retry_ms);
-            doing(&w, "waiting for storage");
+            doing(&w, "waiting to retry: %.160s", err[0] ? err : "storage failure");
             if (poll_pipe(&w, retry_ms)) break;
             retry_ms = retry_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : retry_ms * 2;
-            cb_job_free(&cur); /* read again from the table: the next turn goes on from what it holds */
-            last[0] = 0;
+            if (!w.src.keeps_job) cb_job_free(&cur); /* read again from the table: the next turn goes on from it */
         } else {
             retry_ms = BACKOFF_MIN_MS;
         }
     }
+    if (cur) w.src.release(w.src.ctx, cur);
     cb_job_free(&cur);
     w.busy = false;
     beat(&w);

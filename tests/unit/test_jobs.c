@@ -1,7 +1,9 @@
 /* test_jobs: cb-precompute's job table (services/precompute/jobs.c, included here): idempotent submit,
  * turns across clients (round robin, each client's oldest job, versions of a document in order), the
- * per-client limits, the restore of a done job, the state surviving a reopen, and the migration of a table
- * made before the client columns. */
+ * per-client limits, the restore of a done job, the state surviving a reopen, the migration of a table
+ * made before the client columns, and leases (grant, renew, expiry and a re-grant with a new token, stale
+ * tokens refused, picks skipping leased jobs, a job finished once, the per-worker limit). The clock is
+ * moved with jobs.c's s_clock_skew_ms. */
 #include "../../services/precompute/jobs.c"
 #include "test.h"
 
@@ -207,6 +209,184 @@ TEST(old_table_is_migrated) {
     cb_jobs_close(&j);
 }
 
+/* A job with two planned chunks, leased by owner W for 1000 ms. */
+static void leased_job(cb_jobs_t *j, char job[CB_JOB_ID_LEN + 1], cb_job_lease_t *l) {
+    char err[256];
+    bool dup;
+    submit(j, "doc", "two chunks", "A", NULL, job, &dup);
+    if (cb_jobs_lease(j, NULL, "r:W", 1000, 0, 0, l, err, sizeof err) != 1) fprintf(stderr, "  lease: %s\n", err);
+}
+
+static const cb_job_chunk_t TWO[2] = {{.off = 0, .len = 3, .key = "k0", .n_tokens = 1},
+                                      {.off = 4, .len = 6, .key = "k1", .n_tokens = 1}};
+
+TEST(lease_grant_renew_expire_regrant) {
+    s_clock_skew_ms = 0;
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char job[33], err[256];
+    cb_job_lease_t l1, l2;
+    leased_job(j, job, &l1);
+    CHECK(!strcmp(l1.job, job) && strlen(l1.token) == CB_JOB_TOKEN_LEN && !l1.lapsed && !strcmp(l1.client, "A"));
+    cb_job_status_t st;
+    CHECK(cb_jobs_status(j, job, &st, err, sizeof err) == 1 && st.state == CB_JOB_RUNNING);
+    /* under a live lease: nobody else gets it */
+    CHECK(cb_jobs_lease(j, NULL, "r:V", 1000, 0, 0, &l2, err, sizeof err) == 0);
+    int64_t live = -1, lapsed = -1;
+    CHECK(cb_jobs_lease_counts(j, &live, &lapsed, err, sizeof err) == 0 && live == 1 && lapsed == 0);
+    /* a renew moves the expiry: 800 ms later, renewed for 1000 ms, still held at +1500 */
+    s_clock_skew_ms = 800;
+    CHECK(cb_jobs_lease_renew(j, job, l1.token, 1000, err, sizeof err) == 1);
+    s_clock_skew_ms = 1500;
+    CHECK(cb_jobs_lease(j, NULL, "r:V", 1000, 0, 0, &l2, err, sizeof err) == 0);
+    /* expired (no renew for 1000 ms): pickable again, with a new token */
+    s_clock_skew_ms = 2000;
+    CHECK(cb_jobs_lease_counts(j, &live, &lapsed, err, sizeof err) == 0 && live == 0 && lapsed == 1);
+    CHECK(cb_jobs_lease(j, NULL, "r:V", 1000, 0, 0, &l2, err, sizeof err) == 1);
+    CHECK(!strcmp(l2.job, job) && strcmp(l2.token, l1.token) != 0 && l2.lapsed);
+    /* the old holder is told its lease is gone, whatever it sends */
+    CHECK(cb_jobs_lease_renew(j, job, l1.token, 1000, err, sizeof err) == 0);
+    int64_t total = 0;
+    CHECK(cb_jobs_lease_plan(j, job, l1.token, 1000, TWO, 2, &total, err, sizeof err) == 0);
+    CHECK(cb_jobs_lease_replaced(j, job, l1.token, 1000, err, sizeof err) == 0);
+    CHECK(cb_jobs_lease_chunk_done(j, job, l1.token, 0, 1000, err, sizeof err) == 0);
+    bool already = true;
+    CHECK(cb_jobs_lease_finish(j, job, l1.token, true, NULL, &already, err, sizeof err) == 0);
+    CHECK(cb_jobs_lease_release(j, job, l1.token, err, sizeof err) == 0);
+    CHECK(cb_jobs_lease_renew(j, job, "", 1000, err, sizeof err) == 0);
+    /* the new one works */
+    CHECK(cb_jobs_lease_renew(j, job, l2.token, 1000, err, sizeof err) == 1);
+    cb_jobs_close(&j);
+    s_clock_skew_ms = 0;
+}
+
+TEST(lease_expired_but_not_taken_over_still_holds) {
+    s_clock_skew_ms = 0;
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char job[33], err[256];
+    cb_job_lease_t l;
+    leased_job(j, job, &l);
+    s_clock_skew_ms = 5000; /* expired, nobody asked */
+    CHECK(cb_jobs_lease_renew(j, job, l.token, 1000, err, sizeof err) == 1); /* revived */
+    cb_job_lease_t l2;
+    CHECK(cb_jobs_lease(j, NULL, "r:V", 1000, 0, 0, &l2, err, sizeof err) == 0);
+    cb_jobs_close(&j);
+    s_clock_skew_ms = 0;
+}
+
+TEST(lease_progress_and_finished_once) {
+    s_clock_skew_ms = 0;
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char job[33], err[256];
+    cb_job_lease_t l;
+    leased_job(j, job, &l);
+    bool already = true;
+    /* done needs a plan, then every chunk */
+    CHECK(cb_jobs_lease_finish(j, job, l.token, true, NULL, &already, err, sizeof err) == 2);
+    int64_t total = 0;
+    CHECK(cb_jobs_lease_plan(j, job, l.token, 1000, TWO, 2, &total, err, sizeof err) == 1 && total == 2);
+    /* a plan sent again changes nothing (the first one stands) */
+    CHECK(cb_jobs_lease_plan(j, job, l.token, 1000, TWO, 1, &total, err, sizeof err) == 1 && total == 2);
+    CHECK(cb_jobs_lease_chunk_done(j, job, l.token, 0, 1000, err, sizeof err) == 1);
+    CHECK(cb_jobs_lease_chunk_done(j, job, l.token, 0, 1000, err, sizeof err) == 1); /* idempotent */
+    CHECK(cb_jobs_lease_chunk_done(j, job, l.token, 7, 1000, err, sizeof err) == 2);  /* no such chunk */
+    cb_job_status_t st;
+    CHECK(cb_jobs_status(j, job, &st, err, sizeof err) == 1 && st.chunks_done == 1 && st.chunks_total == 2);
+    CHECK(cb_jobs_lease_finish(j, job, l.token, true, NULL, &already, err, sizeof err) == 2);
+    CHECK_MSG(strstr(err, "1 of its 2 chunks") != NULL, "%s", err);
+    /* a lease that lapsed and is taken over keeps the progress: the next holder sees chunk 0 done */
+    s_clock_skew_ms = 2000;
+    cb_job_lease_t l2;
+    CHECK(cb_jobs_lease(j, NULL, "r:V", 1000, 0, 0, &l2, err, sizeof err) == 1);
+    cb_job_t *jb = NULL;
+    CHECK(cb_jobs_get(j, job, &jb, err, sizeof err) == 1 && jb->planned && jb->chunks_done == 1 &&
+          !strcmp(jb->token, l2.token));
+    cb_job_free(&jb);
+    int idx = -1;
+    cb_job_chunk_t c;
+    CHECK(cb_jobs_next_chunk(j, job, &idx, &c, err, sizeof err) == 1 && idx == 1);
+    CHECK(cb_jobs_lease_chunk_done(j, job, l.token, 1, 1000, err, sizeof err) == 0); /* the old holder: stale */
+    CHECK(cb_jobs_lease_chunk_done(j, job, l2.token, 1, 1000, err, sizeof err) == 1);
+    CHECK(cb_jobs_lease_finish(j, job, l2.token, true, NULL, &already, err, sizeof err) == 1 && !already);
+    CHECK(cb_jobs_status(j, job, &st, err, sizeof err) == 1 && st.state == CB_JOB_DONE && st.chunks_done == 2);
+    /* finished once: the same finish again is "already", the old holder's is stale, nothing is pickable */
+    CHECK(cb_jobs_lease_finish(j, job, l2.token, true, NULL, &already, err, sizeof err) == 1 && already);
+    CHECK(cb_jobs_lease_finish(j, job, l.token, false, "late", &already, err, sizeof err) == 0);
+    CHECK(cb_jobs_lease_renew(j, job, l2.token, 1000, err, sizeof err) == 0);
+    CHECK(cb_jobs_status(j, job, &st, err, sizeof err) == 1 && st.state == CB_JOB_DONE);
+    CHECK(cb_jobs_lease(j, NULL, "r:V", 1000, 0, 0, &l, err, sizeof err) == 0);
+    /* a restore queues it again: the finished holder's token no longer counts */
+    bool req = false;
+    CHECK(cb_jobs_restore(j, job, "A", NULL, &req, err, sizeof err) == 0 && req);
+    CHECK(cb_jobs_lease_finish(j, job, l2.token, true, NULL, &already, err, sizeof err) == 0);
+    cb_jobs_close(&j);
+    s_clock_skew_ms = 0;
+}
+
+TEST(local_pick_skips_leased_jobs) {
+    s_clock_skew_ms = 0;
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char a1[33], b1[33], job[33], client[CB_JOB_CLIENT_MAX + 1], err[256];
+    bool dup;
+    CHECK(submit(j, "a", "A's", "A", NULL, a1, &dup) == 0);
+    CHECK(submit(j, "b", "B's", "B", NULL, b1, &dup) == 0);
+    cb_job_lease_t l;
+    CHECK(cb_jobs_lease(j, NULL, "r:W", 1000, 0, 0, &l, err, sizeof err) == 1 && !strcmp(l.job, a1));
+    /* the service's own worker: every turn goes to B while A is leased */
+    CHECK(cb_jobs_pick(j, NULL, job, client, err, sizeof err) == 1 && !strcmp(job, b1));
+    CHECK(cb_jobs_pick(j, "B", job, client, err, sizeof err) == 1 && !strcmp(job, b1));
+    /* its turns are leases too ("local"): a remote worker never gets the job of a turn in progress */
+    cb_job_lease_t t;
+    CHECK(cb_jobs_lease(j, NULL, "local", 60000, 0, 0, &t, err, sizeof err) == 1 && !strcmp(t.job, b1));
+    CHECK(cb_jobs_lease(j, NULL, "r:V", 1000, 0, 0, &l, err, sizeof err) == 0);
+    CHECK(cb_jobs_lease_release(j, b1, t.token, err, sizeof err) == 1); /* the turn ended */
+    CHECK(cb_jobs_lease(j, NULL, "r:V", 1000, 0, 0, &l, err, sizeof err) == 1 && !strcmp(l.job, b1));
+    CHECK(cb_jobs_pick(j, NULL, job, client, err, sizeof err) == 0);
+    /* a restarted service ends its own worker's leases, not the remote ones */
+    CHECK(cb_jobs_lease(j, NULL, "local", 60000, 0, 0, &t, err, sizeof err) == 0);
+    CHECK(cb_jobs_release_owner(j, "local", err, sizeof err) == 0);
+    CHECK(cb_jobs_release_owner(j, "r:V", err, sizeof err) == 1);
+    CHECK(cb_jobs_pick(j, NULL, job, client, err, sizeof err) == 1 && !strcmp(job, b1));
+    cb_jobs_close(&j);
+}
+
+TEST(lease_limits_and_text_bound) {
+    s_clock_skew_ms = 0;
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char job[33], err[256];
+    bool dup;
+    CHECK(submit(j, "a", "short", "A", NULL, job, &dup) == 0);
+    CHECK(submit(j, "b", "short too", "B", NULL, job, &dup) == 0);
+    CHECK(submit(j, "c", "a much longer text than the others", "C", NULL, job, &dup) == 0);
+    cb_job_lease_t l;
+    CHECK(cb_jobs_lease(j, NULL, "r:W", 1000, 0, 1, &l, err, sizeof err) == 1);
+    CHECK(cb_jobs_lease(j, l.client, "r:W", 1000, 0, 1, &l, err, sizeof err) == 2); /* one per worker */
+    CHECK_MSG(strstr(err, "max_leases_per_worker") != NULL, "%s", err);
+    CHECK(cb_jobs_lease(j, "A", "r:V", 1000, 10, 0, &l, err, sizeof err) == 1 && !strcmp(l.client, "B"));
+    CHECK(cb_jobs_lease(j, "B", "r:V", 1000, 10, 0, &l, err, sizeof err) == 0); /* C's text is too long */
+    CHECK(cb_jobs_lease(j, "B", "r:V", 1000, 0, 0, &l, err, sizeof err) == 1 && !strcmp(l.client, "C"));
+    cb_jobs_close(&j);
+}
+
+TEST(leases_survive_a_reopen) {
+    s_clock_skew_ms = 0;
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    char job[33], err[256];
+    cb_job_lease_t l;
+    leased_job(j, job, &l);
+    cb_jobs_close(&j);
+    CHECK((j = cb_jobs_open(g_db, err, sizeof err)) != NULL);
+    cb_job_lease_t l2;
+    CHECK(cb_jobs_lease(j, NULL, "r:V", 1000, 0, 0, &l2, err, sizeof err) == 0);
+    CHECK(cb_jobs_lease_renew(j, job, l.token, 1000, err, sizeof err) == 1);
+    cb_jobs_close(&j);
+}
+
 int main(void) {
     RUN(submit_is_idempotent);
     RUN(turns_go_round_the_clients);
@@ -215,6 +395,12 @@ int main(void) {
     RUN(restore_requeues_a_done_job);
     RUN(turn_state_survives_a_reopen);
     RUN(old_table_is_migrated);
+    RUN(lease_grant_renew_expire_regrant);
+    RUN(lease_expired_but_not_taken_over_still_holds);
+    RUN(lease_progress_and_finished_once);
+    RUN(local_pick_skips_leased_jobs);
+    RUN(lease_limits_and_text_bound);
+    RUN(leases_survive_a_reopen);
     char p[300];
     unlink(g_db);
     snprintf(p, sizeof p, "%s-wal", g_db);
