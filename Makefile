@@ -12,7 +12,7 @@ CC      ?= cc
 ARCHFLAGS ?= -march=native
 CSTD    := -std=c11 -D_GNU_SOURCE
 WARN    := -Wall -Wextra -Werror
-PKGS    := libczmq libzmq msgpack sqlite3 openblas libpcre2-8 libsodium libxxhash jansson
+PKGS    := libczmq libzmq msgpack sqlite3 openblas libpcre2-8 libsodium libxxhash jansson hiredis
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CFLAGS  ?= -O2 -g

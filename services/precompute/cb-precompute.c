@@ -29,6 +29,7 @@
 #include "wire/bus.h"
 #include "wire/config.h"
 #include "wire/db.h"
+#include "wire/kvremote_config.h"
 #include "jobs.h"
 #include "base/log.h"
 #include "wire/msg.h"
@@ -60,6 +61,7 @@ typedef struct {
     cb_jobs_limits_t limits;  /* per client */
     int64_t stuck_ms;         /* health: a worker with work and no progress this long is stuck */
     pc_worker_stats_t *wst;   /* the worker's (worker.h) */
+    cb_kvremote_t *remote;    /* the shared KV tier (common.kv_remote), or NULL */
     check_t *checks;          /* waiting for the verifier */
     int n_checks;
     bool worker_ready;
@@ -364,6 +366,7 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_uint(w, "turns", atomic_load(&p->wst->turns));
     cb_msg_put_double(w, "worker_age_ms", worker_age_ms(p));
     cb_msg_put_bool(w, "worker_ready", p->worker_ready);
+    cb_kvremote_put_stats(w, p->remote);
 }
 
 /* Health (`ping`): the worker is not stuck (work in hand, no progress for stuck_ms). */
@@ -554,6 +557,11 @@ int main(int argc, char **argv) {
         }
         cb_log(CB_LOG_INFO, NULL, "pull socket on %s", pull_bind);
     }
+    if (cb_kvremote_from_config(cfg, SECTION, &p.remote, err, sizeof err) != 0) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        goto out;
+    }
+    wa.remote = p.remote;
     p.worker = zactor_new(pc_worker_actor, &wa);
     if (!p.worker) {
         cb_log(CB_LOG_ERROR, NULL, "cannot start the worker thread");
@@ -582,6 +590,7 @@ out:
     zsock_destroy(&p.pull);
     cb_bus_service_destroy(&p.svc);
     cb_jobs_close(&p.jobs);
+    cb_kvremote_destroy(&p.remote);
     cb_config_destroy(&cfg);
     if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");
     return rc;
