@@ -248,6 +248,7 @@ cb_kvremote_t *cb_kvremote_new(const cb_kvremote_opts_t *o, char *err, size_t er
         CB_INFO("kvremote: connected to %s (key prefix %s, timeout %d ms, recovery %d ms)", s->url, s->prefix,
                 s->timeout_ms, s->recovery_ms);
     } else {
+        atomic_fetch_add(&s->errors, 1);
         mark_down(s, cerr);
     }
     pthread_mutex_unlock(&s->mu);
@@ -547,7 +548,9 @@ static cb_kvremote_rc_t call(cb_kvremote_t *s, int argc, const char **argv, cons
         if (rc != 0) {
             if (gone && reused && attempt == 0) continue; /* a stale connection (the server restarted): once more */
             atomic_fetch_add(&s->errors, 1);
-            mark_down(s, e);
+            char what[300];
+            snprintf(what, sizeof what, "%s: %s", argv[0], e);
+            mark_down(s, what);
             cb_set_err(err, errlen, "kvremote: %s: %s", s->url, e);
             return CB_KVREMOTE_ERROR;
         }

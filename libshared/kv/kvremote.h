@@ -93,7 +93,7 @@ char *cb_kvremote_key(const cb_kvremote_t *self, const uint8_t model_fp[32], con
                       size_t cap);
 
 typedef struct {
-    uint64_t hits;            /* GETs that returned a value */
+    uint64_t hits;            /* GETs that returned a value (one rejected later counts in corrupt too) */
     uint64_t misses;          /* GETs of a key Redis did not have */
     uint64_t errors;          /* calls that failed now (connect, I/O, timeout, error replies) */
     uint64_t corrupt;         /* values rejected (cb_kvremote_reject, or a GET reply over the size bound) */

@@ -471,17 +471,15 @@ static cb_kvfile_t *remote_fetch(cb_kvstore_t *s, const uint8_t key[32], const i
     free(val);
     if (f && memcmp(cb_kvfile_key_of(f), key, 32) != 0) { /* the value of another key */
         why = CB_KV_MISS_NAME_MISMATCH;
-        snprintf(err, sizeof err, "the value holds another chunk's key");
+        snprintf(err, sizeof err, "name_mismatch: the value holds another chunk's key");
         cb_kvfile_destroy(&f);
     }
     if (f && (why = cb_kvfile_verify(f)) != CB_KV_OK) {
-        snprintf(err, sizeof err, "a layer fails its checksum");
+        snprintf(err, sizeof err, "%s: a layer fails its checksum", cb_kv_miss_str(why));
         cb_kvfile_destroy(&f);
     }
     if (!f) {
-        char what[600];
-        snprintf(what, sizeof what, "%s: %s", cb_kv_miss_str(why), err);
-        cb_kvremote_reject(s->remote, s->model_fp, key, what);
+        cb_kvremote_reject(s->remote, s->model_fp, key, err[0] ? err : cb_kv_miss_str(why)); /* err names why */
         return NULL;
     }
     if (s->kv_dir) { /* the local copy: the next use is a file hit */
