@@ -48,7 +48,7 @@ LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasL
 endif
 endif
 
-.PHONY: all test test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve cuda fuzz clean model eval check-layers
+.PHONY: all test test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve bench-redis cuda fuzz clean model eval check-layers
 all: build/lib/libshared.a $(CUDA_LIB) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
@@ -164,6 +164,10 @@ bench-gateway: all model
 
 bench-curve: all model
 	@scripts/bench-curve.sh
+
+# TTFT by where the chunks are: computed, local KV file, only in Redis (docs/kvremote.md). Needs redis-server.
+bench-redis: all model
+	@scripts/bench-redis.sh
 
 clean:
 	rm -rf build
