@@ -102,9 +102,14 @@ res = {}
 for name, s in cols.items():
     v = [float(x) for x in s.split()]
     res[name] = {"p50_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "runs": v}
+# paired (same repetition, same chunks): what Redis adds over a local file, what it saves over computing
+res["redis_minus_file_p50_ms"] = statistics.median([r - f for r, f in zip(res["redis"]["runs"], res["file"]["runs"])])
+res["computed_minus_redis_p50_ms"] = statistics.median([c - r for c, r in zip(res["computed"]["runs"], res["redis"]["runs"])])
 res["redis_hits"] = hits
 res["redis_value_bytes_mean"] = nbytes / hits if hits else 0
 print("  p50  %12.1f %22.1f %22.1f" % (res["computed"]["p50_ms"], res["file"]["p50_ms"], res["redis"]["p50_ms"]))
+print("  paired p50: redis - file %+.1f ms, computed - redis %+.1f ms" % (res["redis_minus_file_p50_ms"],
+                                                                      res["computed_minus_redis_p50_ms"]))
 print("  redis: %d hits, %.0f KiB per value on average" % (hits, res["redis_value_bytes_mean"] / 1024))
 json.dump(res, open(out, "w"), indent=1)
 print("  written to " + out)
