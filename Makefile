@@ -12,7 +12,7 @@ CC      ?= cc
 ARCHFLAGS ?= -march=native
 CSTD    := -std=c11 -D_GNU_SOURCE
 WARN    := -Wall -Wextra -Werror
-PKGS    := libczmq libzmq msgpack sqlite3 openblas libpcre2-8 libsodium libxxhash jansson
+PKGS    := libczmq libzmq msgpack sqlite3 openblas libpcre2-8 libsodium libxxhash jansson hiredis
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CFLAGS  ?= -O2 -g
@@ -48,7 +48,7 @@ LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasL
 endif
 endif
 
-.PHONY: all test test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve cuda fuzz clean model eval check-layers
+.PHONY: all test test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve bench-redis cuda fuzz clean model eval check-layers
 all: build/lib/libshared.a $(CUDA_LIB) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
@@ -164,6 +164,10 @@ bench-gateway: all model
 
 bench-curve: all model
 	@scripts/bench-curve.sh
+
+# TTFT by where the chunks are: computed, local KV file, only in Redis (docs/kvremote.md). Needs redis-server.
+bench-redis: all model
+	@scripts/bench-redis.sh
 
 clean:
 	rm -rf build

@@ -1,14 +1,17 @@
-/* kvstore.c: chunk keys, the precompute context's KV, and the memory tier -> file -> compute -> store walk
- * (see kvstore.h). Owns: the context's token copy and sequence, a work sequence for chunk computes, the
- * kv_dir copy. Borrows: the engine, the memory tier.
+/* kvstore.c: chunk keys, the precompute context's KV, and the memory tier -> file -> remote tier -> compute
+ * -> store walk (see kvstore.h). Owns: the context's token copy and sequence, a work sequence for chunk
+ * computes, the kv_dir copy. Borrows: the engine, the memory tier, the remote tier.
  */
 #include "kv/kvstore.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "base/clock.h"
 #include "base/err.h"
@@ -23,6 +26,7 @@ struct cb_kvstore {
     const cb_model_t *model;
     const cb_hparams_t *hp;
     cb_kvmem_t *mem;           /* borrowed, may be NULL */
+    cb_kvremote_t *remote;     /* borrowed, may be NULL */
     char *kv_dir;              /* owned copy, may be NULL */
     cb_kv_dtype_t dtype;
     uint8_t model_fp[32];
@@ -124,6 +128,8 @@ void cb_kvstore_destroy(cb_kvstore_t **self_p) {
 cb_engine_t *cb_kvstore_engine(const cb_kvstore_t *self) { return self->e; }
 cb_kvmem_t *cb_kvstore_mem(const cb_kvstore_t *self) { return self->mem; }
 cb_kv_dtype_t cb_kvstore_dtype(const cb_kvstore_t *self) { return self->dtype; }
+void cb_kvstore_set_remote(cb_kvstore_t *self, cb_kvremote_t *remote) { self->remote = remote; }
+cb_kvremote_t *cb_kvstore_remote(const cb_kvstore_t *self) { return self->remote; }
 const cb_seq_t *cb_kvstore_context_seq(const cb_kvstore_t *self) { return self->ctx_seq; }
 int cb_kvstore_context_len(const cb_kvstore_t *self) { return self->ctx_n; }
 uint64_t cb_kvstore_write_failures(const cb_kvstore_t *self) {
@@ -245,37 +251,82 @@ static bool recently_warned(const cb_kvstore_t *s, const uint8_t key[32]) {
     return false;
 }
 
-/* Stores an entry as a KV file (if kv_dir) and in the memory tier (if mem). 0, or -1 when the file write
- * failed (err; counted, and logged by write_failed, rate limited). */
+/* Writes an entry (this context's chunk) as key's KV file in dtype (kv_dir set). 0, or -1 (err; counted,
+ * and logged by write_failed, rate limited). */
+static int write_file(cb_kvstore_t *s, const uint8_t key[32], const cb_kvmem_entry_t *ent, cb_kv_dtype_t dtype,
+                      char *err, size_t errlen) {
+    char path[4096];
+    if (cb_kvstore_path(s, key, path, sizeof path) != 0) {
+        cb_set_err(err, errlen, "kvstore: kv dir path too long");
+        return -1;
+    }
+    cb_kv_meta_t meta;
+    memset(&meta, 0, sizeof meta);
+    memcpy(meta.model_fp, s->model_fp, 32);
+    memcpy(meta.ctx_fp, s->ctx_fp, 32);
+    meta.n_layer = s->L;
+    meta.n_head_kv = s->hp->n_head_kv;
+    meta.head_dim = s->HD;
+    meta.dtype = dtype;
+    for (int l = 0; l < s->L; l++) {
+        s->cap_k[l] = (float *)cb_kvmem_entry_k(ent, l);
+        s->cap_v[l] = (float *)cb_kvmem_entry_v(ent, l);
+    }
+    char werr[600] = "";
+    if (cb_kvfile_write_layers(path, &meta, cb_kvmem_entry_tokens(ent), cb_kvmem_entry_n_tokens(ent),
+                               (const float *const *)s->cap_k, (const float *const *)s->cap_v, werr,
+                               sizeof werr) != 0) {
+        cb_set_err(err, errlen, "kvstore: %s", werr); /* werr names the path */
+        write_failed(s, key, werr);
+        return -1;
+    }
+    return 0;
+}
+
+/* Puts key's local KV file (its bytes, as they are) in the remote tier. Best effort: a failure is counted
+ * and logged by kvremote (a tier going down) or here (debug); the caller goes on. */
+static void remote_put_file(cb_kvstore_t *s, const uint8_t key[32]) {
+    char path[4096];
+    if (!s->remote || cb_kvstore_path(s, key, path, sizeof path) != 0) return;
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return; /* no local file (evicted meanwhile): nothing to put */
+    struct stat st;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 ||
+        (uint64_t)st.st_size > cb_kvremote_max_value_bytes(s->remote)) {
+        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0)
+            CB_DEBUG("kvstore: KV file %s (%lld bytes) is over the remote tier's max value size: not shared", path,
+                     (long long)st.st_size);
+        close(fd);
+        return;
+    }
+    len = (size_t)st.st_size;
+    if (!(buf = malloc(len))) {
+        close(fd);
+        return;
+    }
+    size_t got = 0;
+    while (got < len) {
+        ssize_t k = read(fd, buf + got, len - got);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) break;
+        got += (size_t)k;
+    }
+    close(fd);
+    char err[512] = "";
+    if (got == len && cb_kvremote_put(s->remote, s->model_fp, key, buf, len, err, sizeof err) != CB_KVREMOTE_OK)
+        CB_DEBUG("kvstore: chunk not put in the remote tier: %s", err);
+    free(buf);
+}
+
+/* Stores an entry as a KV file (if kv_dir; then also in the remote tier, if any) and in the memory tier
+ * (if mem). 0, or -1 when the file write failed (err; counted, and logged by write_failed, rate limited). */
 static int store_entry(cb_kvstore_t *s, const uint8_t key[32], cb_kvmem_entry_t *ent, char *err, size_t errlen) {
     int rc = 0;
     if (s->kv_dir) {
-        char path[4096];
-        if (cb_kvstore_path(s, key, path, sizeof path) != 0) {
-            cb_set_err(err, errlen, "kvstore: kv dir path too long");
-            rc = -1;
-        } else {
-            cb_kv_meta_t meta;
-            memset(&meta, 0, sizeof meta);
-            memcpy(meta.model_fp, s->model_fp, 32);
-            memcpy(meta.ctx_fp, s->ctx_fp, 32);
-            meta.n_layer = s->L;
-            meta.n_head_kv = s->hp->n_head_kv;
-            meta.head_dim = s->HD;
-            meta.dtype = s->dtype;
-            for (int l = 0; l < s->L; l++) {
-                s->cap_k[l] = (float *)cb_kvmem_entry_k(ent, l);
-                s->cap_v[l] = (float *)cb_kvmem_entry_v(ent, l);
-            }
-            char werr[600] = "";
-            if (cb_kvfile_write_layers(path, &meta, cb_kvmem_entry_tokens(ent), cb_kvmem_entry_n_tokens(ent),
-                                       (const float *const *)s->cap_k, (const float *const *)s->cap_v, werr,
-                                       sizeof werr) != 0) {
-                cb_set_err(err, errlen, "kvstore: %s", werr); /* werr names the path */
-                write_failed(s, key, werr);
-                rc = -1;
-            }
-        }
+        rc = write_file(s, key, ent, s->dtype, err, errlen);
+        if (rc == 0) remote_put_file(s, key);
     }
     if (s->mem) cb_kvmem_put(s->mem, key, ent);
     return rc;
@@ -344,6 +395,18 @@ cb_kvmem_entry_t *cb_kvstore_compute(cb_kvstore_t *self, const int32_t *ctx, int
 
 /* ---------------------------------------------------------------- lookup */
 
+/* What a KV file of chunk tokens [n] after the current context must be. */
+static void expect_of(const cb_kvstore_t *s, const int32_t *tokens, int n, cb_kv_expect_t *ex) {
+    memset(ex, 0, sizeof *ex);
+    memcpy(ex->model_fp, s->model_fp, 32);
+    memcpy(ex->ctx_fp, s->ctx_fp, 32);
+    ex->n_layer = s->L;
+    ex->n_head_kv = s->hp->n_head_kv;
+    ex->head_dim = s->HD;
+    ex->tokens = tokens;
+    ex->n_tokens = n;
+}
+
 /* Opens key's file against this model, context and tokens. NULL = miss (*why). */
 static cb_kvfile_t *open_chunk_file(cb_kvstore_t *s, const uint8_t key[32], const int32_t *tokens, int n,
                                     cb_kv_miss_t *why) {
@@ -353,14 +416,7 @@ static cb_kvfile_t *open_chunk_file(cb_kvstore_t *s, const uint8_t key[32], cons
         return NULL;
     }
     cb_kv_expect_t ex;
-    memset(&ex, 0, sizeof ex);
-    memcpy(ex.model_fp, s->model_fp, 32);
-    memcpy(ex.ctx_fp, s->ctx_fp, 32);
-    ex.n_layer = s->L;
-    ex.n_head_kv = s->hp->n_head_kv;
-    ex.head_dim = s->HD;
-    ex.tokens = tokens;
-    ex.n_tokens = n;
+    expect_of(s, tokens, n, &ex);
     char err[512] = "";
     cb_kvfile_t *f = cb_kvfile_open(path, &ex, why, err, sizeof err);
     /* a key whose rewrite keeps failing (an obstacle at its path) was warned about with the write failure */
@@ -390,6 +446,51 @@ static cb_kvmem_entry_t *mem_get(cb_kvstore_t *s, const uint8_t key[32], const i
     return e;
 }
 
+/* The chunk from the remote tier (after a file miss): a value that opens and verifies in full (every
+ * checksum) as key's KV file for this model, context and tokens; one that does not is rejected (counted,
+ * deleted from Redis) and is a miss. With kv_dir the value is written as the local KV file, in its own
+ * dtype (*stored: it was). Returns the value's verified handle, or NULL (a miss: not there, the tier down
+ * or slow, or rejected). */
+static cb_kvfile_t *remote_fetch(cb_kvstore_t *s, const uint8_t key[32], const int32_t *tokens, int n,
+                                 bool *stored) {
+    *stored = false;
+    uint8_t *val = NULL;
+    size_t len = 0;
+    char err[512] = "";
+    cb_kvremote_rc_t rc = cb_kvremote_get(s->remote, s->model_fp, key, &val, &len, err, sizeof err);
+    if (rc == CB_KVREMOTE_TOO_LARGE) { /* counted as corrupt by kvremote */
+        char derr[256] = "";
+        CB_WARN("kvstore: remote value of a chunk rejected: %s", err);
+        cb_kvremote_del(s->remote, s->model_fp, key, derr, sizeof derr);
+    }
+    if (rc != CB_KVREMOTE_OK) return NULL; /* a miss, or the tier down (kvremote logs the transition) */
+    cb_kv_expect_t ex;
+    expect_of(s, tokens, n, &ex);
+    cb_kv_miss_t why = CB_KV_OK;
+    cb_kvfile_t *f = cb_kvfile_open_mem(val, len, &ex, &why, err, sizeof err);
+    free(val);
+    if (f && memcmp(cb_kvfile_key_of(f), key, 32) != 0) { /* the value of another key */
+        why = CB_KV_MISS_NAME_MISMATCH;
+        snprintf(err, sizeof err, "name_mismatch: the value holds another chunk's key");
+        cb_kvfile_destroy(&f);
+    }
+    if (f && (why = cb_kvfile_verify(f)) != CB_KV_OK) {
+        snprintf(err, sizeof err, "%s: a layer fails its checksum", cb_kv_miss_str(why));
+        cb_kvfile_destroy(&f);
+    }
+    if (!f) {
+        cb_kvremote_reject(s->remote, s->model_fp, key, err[0] ? err : cb_kv_miss_str(why)); /* err names why */
+        return NULL;
+    }
+    if (s->kv_dir) { /* the local copy: the next use is a file hit */
+        cb_kv_miss_t w = CB_KV_OK;
+        cb_kvmem_entry_t *ent = cb_kvmem_entry_from_file(f, &w);
+        if (ent) *stored = write_file(s, key, ent, cb_kvfile_meta(f)->dtype, err, sizeof err) == 0;
+        cb_kvmem_entry_release(&ent);
+    }
+    return f;
+}
+
 void cb_kvstore_remember(cb_kvstore_t *self, const uint8_t key[32], cb_kvmem_entry_t *entry) {
     if (self->mem && entry) cb_kvmem_put(self->mem, key, entry);
 }
@@ -401,9 +502,10 @@ void cb_kvstore_chunk_release(cb_kvstore_chunk_t *c) {
 }
 
 /* The walk for the current context (tokens checked): memory tier, the file (an open, header-checked
- * handle), or computed now and stored. skip_cached: forget the memory-tier entry and skip the file.
- * strict_store: a failed file write fails the call (precompute needs the file); else it is logged and the
- * chunk is used from memory. 0, CB_ENGINE_EPOOL or -1. */
+ * handle), the remote tier (a verified handle; its local copy written), or computed now and stored.
+ * skip_cached: forget the memory-tier entry and skip the file (the remote tier is still asked: its values
+ * are verified in full before use). strict_store: a failed file write fails the call (precompute needs the
+ * file); else it is logged and the chunk is used from memory. 0, CB_ENGINE_EPOOL or -1. */
 static int lookup(cb_kvstore_t *s, const int32_t *tokens, int n, bool skip_cached, bool strict_store,
                   cb_kvstore_chunk_t *rs, char *err, size_t errlen) {
     memset(rs, 0, sizeof *rs);
@@ -424,6 +526,23 @@ static int lookup(cb_kvstore_t *s, const int32_t *tokens, int n, bool skip_cache
         rs->why = w;
     } else if (s->mem) {
         cb_kvmem_remove(s->mem, rs->key);
+    }
+    if (s->remote) {
+        bool stored = false;
+        cb_kvfile_t *f = remote_fetch(s, rs->key, tokens, n, &stored);
+        if (f && strict_store && s->kv_dir && !stored) {
+            cb_kvfile_destroy(&f);
+            cb_set_err(err, errlen, "kvstore: the local copy of a chunk from the remote tier could not be written");
+            return -1;
+        }
+        if (f) {
+            rs->file = f;
+            rs->src = CB_KVSTORE_FILE;
+            rs->remote = true;
+            rs->stored = stored;
+            rs->why = CB_KV_OK;
+            return 0;
+        }
     }
     int crc;
     rs->entry = compute_chunk(s, tokens, n, &crc, err, errlen);
@@ -453,15 +572,19 @@ int cb_kvstore_resolve(cb_kvstore_t *self, const int32_t *tokens, int n, bool sk
 
 /* Shared by ensure/load: the walk, with a file decoded (want_entry, or to fill the memory tier) or verified
  * in full; a file that fails is a miss like any other: computed and stored. With want_entry the decoded KV
- * is returned. */
+ * is returned. refill: a chunk found locally (memory tier or file) is put in the remote tier when Redis
+ * does not have it (EXISTS, then SET of the file's bytes). */
 static int find_chunk(cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n, bool want_entry,
-                      cb_kvmem_entry_t **out, cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
+                      bool refill, cb_kvmem_entry_t **out, cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err,
+                      size_t errlen) {
     if (check_ctx_chunk(s, ctx, n_ctx, tokens, n, err, errlen)) return -1;
     int rc = cb_kvstore_set_context(s, ctx, n_ctx, err, errlen);
     if (rc) return rc;
     cb_kvstore_chunk_t c;
     if ((rc = lookup(s, tokens, n, false, true, &c, err, errlen)) != 0) return rc;
-    if (c.src == CB_KVSTORE_FILE) {
+    /* a file (or a remote value, verified already) decoded or verified; one that fails is computed (or,
+     * when the remote tier has it, taken from there: then decoded in the second turn) */
+    for (int turn = 0; c.src == CB_KVSTORE_FILE; turn++) {
         cb_kv_miss_t w; /* set by both: CB_KV_OK exactly when the whole file verified */
         if (want_entry || s->mem) {
             c.entry = cb_kvmem_entry_from_file(c.file, &w);
@@ -470,12 +593,19 @@ static int find_chunk(cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int3
             w = cb_kvfile_verify(c.file);
         }
         cb_kvfile_destroy(&c.file);
-        if (w != CB_KV_OK) {
-            CB_WARN("kvstore: chunk file miss (%s)", cb_kv_miss_str(w));
-            cb_kvstore_chunk_release(&c);
-            if ((rc = lookup(s, tokens, n, true, true, &c, err, errlen)) != 0) return rc;
-            c.why = w;
+        if (w == CB_KV_OK) break;
+        CB_WARN("kvstore: chunk file miss (%s)", cb_kv_miss_str(w));
+        cb_kvstore_chunk_release(&c);
+        if (turn > 0) {
+            cb_set_err(err, errlen, "kvstore: a verified chunk value failed to decode (%s)", cb_kv_miss_str(w));
+            return -1;
         }
+        if ((rc = lookup(s, tokens, n, true, true, &c, err, errlen)) != 0) return rc;
+        if (c.src == CB_KVSTORE_COMPUTED) c.why = w;
+    }
+    if (refill && s->remote && s->kv_dir && !c.remote && c.src != CB_KVSTORE_COMPUTED) {
+        char e[256] = "";
+        if (cb_kvremote_exists(s->remote, s->model_fp, c.key, e, sizeof e) == CB_KVREMOTE_MISS) remote_put_file(s, c.key);
     }
     if (src) *src = c.src;
     if (why) *why = c.why;
@@ -490,12 +620,12 @@ static int find_chunk(cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int3
 int cb_kvstore_ensure(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
                       cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
     if (!self) return -1;
-    return find_chunk(self, ctx, n_ctx, tokens, n, false, NULL, src, why, err, errlen);
+    return find_chunk(self, ctx, n_ctx, tokens, n, false, true, NULL, src, why, err, errlen);
 }
 
 cb_kvmem_entry_t *cb_kvstore_load(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
                                   cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen) {
     cb_kvmem_entry_t *ent = NULL;
-    if (!self || find_chunk(self, ctx, n_ctx, tokens, n, true, &ent, src, why, err, errlen) != 0) return NULL;
+    if (!self || find_chunk(self, ctx, n_ctx, tokens, n, true, false, &ent, src, why, err, errlen) != 0) return NULL;
     return ent;
 }

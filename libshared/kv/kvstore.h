@@ -1,6 +1,6 @@
 /* kvstore: where a chunk's KV comes from. Chunk keys, the precompute context's KV, and the walk
- * memory tier -> KV file -> compute -> store that every user of chunk KV goes through (cb-blend's blend,
- * cb-precompute's worker, the tools).
+ * memory tier -> KV file -> remote tier (Redis, optional) -> compute -> store that every user of chunk KV
+ * goes through (cb-blend's blend, cb-precompute's worker, the tools).
  *
  * A chunk is precomputed after a fixed precompute context P (positions |P|..|P|+n-1): per layer its
  * pre-RoPE K and its V, stored as a KV file (format/kvfile.h) keyed by
@@ -16,8 +16,19 @@
  * reason makes the chunk be computed and stored (file + memory tier, when configured). Chunks decoded from
  * files join the memory tier.
  *
- * Ownership: the engine, the memory tier (may be NULL) and kv_dir (may be NULL: no files) are borrowed and
- * must outlive the store. One thread at a time; the store uses (and clears) sequences of its own in the
+ * Remote tier (kv/kvremote.h, cb_kvstore_set_remote; docs/kvremote.md): after a file miss the chunk is
+ * looked up in Redis. A value is a whole KV file and is verified exactly as a file from disk (header,
+ * key, model, context, geometry, tokens, every payload checksum) before any of it is used; one that fails
+ * is a miss (counted as corrupt and deleted from Redis), never an error. A value that verifies is written
+ * as the local KV file (the atomic file writer, in the value's own dtype: the same bytes), and the chunk is
+ * used from that file like any file hit (src FILE, `remote` set). A chunk computed and stored is also put
+ * in Redis (the bytes of its new file; needs kv_dir). cb_kvstore_ensure also refills Redis: a chunk found
+ * in its local file but absent from Redis is put there (EXISTS, then SET), so a Redis restarted empty is
+ * refilled by re-ingest. A remote tier that is down or slow costs at most its timeouts (then it is skipped
+ * until its recovery interval ends): the chunk is computed, as without one; never an error.
+ *
+ * Ownership: the engine, the memory tier (may be NULL), the remote tier (may be NULL) and kv_dir (may be
+ * NULL: no files) are borrowed and must outlive the store. One thread at a time; the store uses (and clears) sequences of its own in the
  * engine's pool. Memory: the context's blocks in the pool, one chunk of f32 capture buffers while one is
  * computed.
  */
@@ -31,6 +42,7 @@
 #include "engine/engine.h"
 #include "format/kvfile.h"
 #include "kv/kvmem.h"
+#include "kv/kvremote.h"
 
 typedef struct cb_kvstore cb_kvstore_t;
 
@@ -49,6 +61,10 @@ void cb_kvstore_destroy(cb_kvstore_t **self_p);
 cb_engine_t *cb_kvstore_engine(const cb_kvstore_t *self);
 cb_kvmem_t *cb_kvstore_mem(const cb_kvstore_t *self);
 cb_kv_dtype_t cb_kvstore_dtype(const cb_kvstore_t *self);
+/* Sets the remote tier (borrowed, thread-safe, may be shared by several stores; NULL = none) behind the
+ * memory and file tiers (see above). Call before the store is used. */
+void cb_kvstore_set_remote(cb_kvstore_t *self, cb_kvremote_t *remote);
+cb_kvremote_t *cb_kvstore_remote(const cb_kvstore_t *self);
 
 /* Makes ctx [n_ctx] (n_ctx >= 1) the precompute context: its exact KV is computed (unless it is the current
  * one) into the context sequence. 0, or with err CB_ENGINE_EPOOL (the pool has no room) or -1 (bad tokens,
@@ -75,12 +91,15 @@ typedef struct {
     cb_kvmem_entry_t *entry;   /* MEM or COMPUTED: owned reference */
     cb_kvfile_t *file;         /* FILE: owned handle */
     cb_kv_miss_t why;          /* the miss reason that led to COMPUTED (CB_KV_OK otherwise) */
-    bool stored;               /* COMPUTED: its KV file was written (false: no kv_dir, or the write failed) */
+    bool stored;               /* COMPUTED: its KV file was written (false: no kv_dir, or the write failed);
+                                  FILE with remote: its local copy was written */
+    bool remote;               /* FILE: fetched from the remote tier now (file: the local copy, or the value
+                                  itself when the copy could not be written) */
     uint8_t key[32];
 } cb_kvstore_chunk_t;
 
 /* Resolves chunk tokens [n] after the current context (cb_kvstore_set_context first): memory tier, file,
- * or computed now and stored (a failed store is counted and logged, and `stored` is false; the chunk is used
+ * remote tier (then a FILE with `remote`), or computed now and stored (a failed store is counted and logged, and `stored` is false; the chunk is used
  * from memory). skip_cached: a
  * file of this chunk failed mid-stream: forget the memory-tier entry, skip the file, recompute. 0, or with
  * err CB_ENGINE_EPOOL (no room in the pool to compute it) or -1. Release with cb_kvstore_chunk_release. */
@@ -99,9 +118,11 @@ cb_kvmem_entry_t *cb_kvstore_compute(cb_kvstore_t *self, const int32_t *ctx, int
                                      int n, bool store, char *err, size_t errlen);
 
 /* Makes sure the KV of chunk tokens [n] after ctx [n_ctx] is available: memory-tier hit, or a KV file that
- * opens and verifies (every checksum) against this model, context and tokens; otherwise (any miss reason,
- * in *why when why is not NULL) computes it and stores it. *src (may be NULL) says which. 0, or with err
- * CB_ENGINE_EPOOL (no room in the pool to compute it) or -1. */
+ * opens and verifies (every checksum) against this model, context and tokens, or a remote value that does
+ * (written as the local file: *src FILE); otherwise (any miss reason, in *why when why is not NULL)
+ * computes it and stores it (file, memory tier, remote tier). A chunk found locally is put in the remote
+ * tier when Redis lacks it. *src (may be NULL) says which. 0, or with err CB_ENGINE_EPOOL (no room in the
+ * pool to compute it) or -1 (also when its local file could not be written: precompute needs it). */
 int cb_kvstore_ensure(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, const int32_t *tokens, int n,
                       cb_kvstore_src_t *src, cb_kv_miss_t *why, char *err, size_t errlen);
 /* The same, returning the chunk's decoded KV (a new reference the caller releases): from the memory tier,

@@ -26,6 +26,7 @@
 #include "fetch.h"
 #include "gen.h"
 #include "kv/kvmem.h"
+#include "wire/kvremote_config.h"
 #include "base/log.h"
 #include "wire/msg.h"
 
@@ -46,6 +47,7 @@ typedef struct {
     zactor_t *worker;
     zactor_t *fetcher;         /* retrieval for queries without contexts (fetch.h) */
     cb_kvmem_t *mem;
+    cb_kvremote_t *remote;    /* the shared KV tier (common.kv_remote), or NULL */
     gen_stats_t stats;
     defaults_t def;
     int64_t max_queue;
@@ -459,6 +461,7 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_uint(w, "hot_bytes", ms.bytes);
     cb_msg_put_uint(w, "hot_hits", ms.hits);
     cb_msg_put_uint(w, "hot_misses", ms.misses);
+    cb_kvremote_put_stats(w, b->remote);
     cb_msg_put_bool(w, "worker_ready", b->worker_ready);
 }
 
@@ -593,6 +596,11 @@ int main(int argc, char **argv) {
         goto out;
     }
     ga.mem = b.mem;
+    if (cb_kvremote_from_config(cfg, SECTION, &b.remote, err, sizeof err) != 0) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        goto out;
+    }
+    ga.remote = b.remote;
     b.svc = cb_bus_service_from_config("cb-blend", cfg, SECTION, err, sizeof err);
     if (!b.svc) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
@@ -625,6 +633,7 @@ out:
     }
     cb_bus_service_destroy(&b.svc);
     cb_kvmem_destroy(&b.mem);
+    cb_kvremote_destroy(&b.remote);
     cb_config_destroy(&cfg);
     if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");
     return rc;

@@ -240,6 +240,7 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
     if (!(g->engine = cb_engine_new_opts(g->model, &eo, err, errlen))) return -1;
     if (a->threads > 0) cb_engine_set_threads(g->engine, a->threads);
     if (!(g->store = cb_kvstore_new(g->engine, a->kv_dir, a->mem, a->kv_dtype, err, errlen))) return -1;
+    cb_kvstore_set_remote(g->store, a->remote); /* memory -> file -> Redis -> compute */
     if (!(g->blend = cb_blend_new(g->store, err, errlen))) return -1;
     g->n_vocab = hp->n_vocab;
     g->w = cb_msg_writer_new();

@@ -48,6 +48,7 @@
 
 #include "blend/blend.h"
 #include "kv/kvmem.h"
+#include "kv/kvremote.h"
 #include "wire/bus.h"
 #include "wire/config.h"
 
@@ -130,6 +131,7 @@ typedef struct {
     bool store_misses;           /* `put` computed chunks into cb-cacheindex */
     int cacheindex_timeout_ms;   /* per touch/put of the notifier (one attempt) */
     cb_kvmem_t *mem;             /* borrowed, thread-safe: the in-memory tier */
+    cb_kvremote_t *remote;       /* borrowed, thread-safe: the shared tier on Redis (kvremote.h); NULL = off */
     gen_stats_t *stats;          /* borrowed */
 } gen_args_t;
 

@@ -204,6 +204,39 @@ static bool stat_value(const cb_msg_t *m, const char *key, double *v) {
     return cb_msg_double(m, key, -1e300, 1e300, v);
 }
 
+/* The shared KV tier's counters (docs/kvremote.md), one series per service that uses it (cb-blend,
+ * cb-precompute: each has its own client), labelled service="blend" | "precompute". Absent when no service
+ * has the tier on (kv_remote empty). */
+static void render_kv_remote(FILE *f, const char *const *names, const cb_bus_result_t *r, int n) {
+    static const char *const users[] = {"blend", "precompute"};
+    static const struct {
+        const char *key, *name, *type, *help;
+    } km[] = {
+        {"kv_remote_hits", "kv_remote_hits_total", "counter", "Chunk KV values found in the Redis tier."},
+        {"kv_remote_misses", "kv_remote_misses_total", "counter", "Chunk KV lookups the Redis tier did not have."},
+        {"kv_remote_errors", "kv_remote_errors_total", "counter",
+         "Redis tier calls that failed (connect, I/O, timeout, error reply); the chunk was computed."},
+        {"kv_remote_corrupt", "kv_remote_corrupt_total", "counter",
+         "Redis values rejected by the KV file checks (a miss; deleted from Redis)."},
+        {"kv_remote_skipped", "kv_remote_skipped_total", "counter", "Redis tier calls skipped while it was down."},
+        {"kv_remote_puts", "kv_remote_puts_total", "counter", "Chunk KV values stored in the Redis tier."},
+        {"kv_remote_bytes_read", "kv_remote_read_bytes_total", "counter", "Value bytes read from the Redis tier."},
+        {"kv_remote_bytes_written", "kv_remote_written_bytes_total", "counter", "Value bytes written to the Redis tier."},
+        {"kv_remote_up", "kv_remote_up", "gauge", "1 while the Redis tier is up, 0 while it is down (skipped)."},
+    };
+    for (size_t k = 0; k < sizeof km / sizeof km[0]; k++) {
+        bool fam = false;
+        for (size_t u = 0; u < sizeof users / sizeof users[0]; u++) {
+            const cb_msg_t *m = reply_of(users[u], names, r, n);
+            double v;
+            if (!m || !stat_value(m, km[k].key, &v)) continue;
+            if (!fam) family(f, km[k].name, km[k].type, km[k].help);
+            fam = true;
+            fprintf(f, "cacheblend_%s{service=\"%s\"} %.17g\n", km[k].name, users[u], v);
+        }
+    }
+}
+
 static void render_services(FILE *f, const char *const *names, const cb_bus_result_t *r, int n) {
     family(f, "service_up", "gauge", "1 when the service answered the gateway's stats request.");
     for (int i = 0; i < n; i++)
@@ -231,6 +264,7 @@ static void render_services(FILE *f, const char *const *names, const cb_bus_resu
         family(f, sm->name, sm->type, sm->help);
         fprintf(f, "cacheblend_%s %.17g\n", sm->name, v);
     }
+    render_kv_remote(f, names, r, n);
     const cb_msg_t *bl = reply_of("blend", names, r, n);
     double total, used;
     if (bl && stat_value(bl, "pool_blocks_total", &total) && stat_value(bl, "pool_blocks_used", &used) && total > 0) {

@@ -38,6 +38,7 @@
 #include "wire/bus.h"
 #include "wire/config.h"
 #include "wire/db.h"
+#include "wire/kvremote_config.h"
 #include "jobs.h"
 #include "lease_client.h"
 #include "lease_server.h"
@@ -74,6 +75,7 @@ typedef struct {
     cb_jobs_limits_t limits;  /* per client */
     int64_t stuck_ms;         /* health: a worker with work and no progress this long is stuck */
     pc_worker_stats_t *wst;   /* the worker's (worker.h) */
+    cb_kvremote_t *remote;    /* the shared KV tier (common.kv_remote), or NULL */
     check_t *checks;          /* waiting for the verifier */
     int n_checks;
     bool worker_ready;
@@ -415,6 +417,7 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_uint(w, "turns", atomic_load(&p->wst->turns));
     cb_msg_put_double(w, "worker_age_ms", worker_age_ms(p));
     cb_msg_put_bool(w, "worker_ready", p->worker_ready);
+    cb_kvremote_put_stats(w, p->remote);
 }
 
 /* Health (`ping`): the worker is not stuck (work in hand, no progress for stuck_ms). */
@@ -662,6 +665,11 @@ int main(int argc, char **argv) {
         cb_log(CB_LOG_INFO, NULL, "leasing jobs to remote workers: leases of %lld ms, at most %lld per worker, "
                "documents up to %lld bytes", (long long)lease_ms, (long long)max_leases, (long long)max_lease_text);
     }
+    if (cb_kvremote_from_config(cfg, SECTION, &p.remote, err, sizeof err) != 0) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        goto out;
+    }
+    wa.remote = p.remote;
     if (p.n_workers > 0) {
         p.worker = zactor_new(pc_worker_actor, &wa);
         if (!p.worker) {
@@ -696,6 +704,7 @@ out:
     cb_bus_service_destroy(&p.svc);
     pc_lease_server_destroy(&p.leases);
     cb_jobs_close(&p.jobs);
+    cb_kvremote_destroy(&p.remote);
     cb_config_destroy(&cfg);
     if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");
     return rc;

@@ -258,6 +258,7 @@ static int worker_init(worker_t *w, char *err, size_t errlen) {
     if (!(w->engine = cb_engine_new(w->model, w->max_ctx, err, errlen))) return -1;
     if (a->threads > 0) cb_engine_set_threads(w->engine, a->threads);
     if (!(w->store = cb_kvstore_new(w->engine, a->kv_dir, NULL, a->kv_dtype, err, errlen))) return -1;
+    cb_kvstore_set_remote(w->store, a->remote); /* ensure: file -> Redis -> compute; refills Redis */
     w->bytes_per_token = 2u * (uint64_t)hp->n_layer * cb_kv_row_bytes(a->kv_dtype, (size_t)hp->n_head_kv * hp->head_dim);
     /* P's KV now, so the first document does not pay for it (and a bad context fails at start) */
     if (cb_kvstore_set_context(w->store, w->prefix, w->n_prefix, err, errlen) != 0) return -1;

@@ -38,6 +38,7 @@
 
 #include "format/kvfile.h"
 #include "jobs.h"
+#include "kv/kvremote.h"
 #include "wire/config.h"
 
 /* What the worker tells the loop (stats, health): atomics it writes and the loop reads; `what` under mu. */
@@ -104,6 +105,7 @@ typedef struct {
     int fault_chunk_delay_ms;    /* fault injection (tests): each chunk first waits this long, without a sign of
                                     progress; 0 = off */
     pc_worker_stats_t *stats;    /* borrowed; mu initialized by the owner */
+    cb_kvremote_t *remote;       /* borrowed, thread-safe: the shared tier on Redis (kvremote.h); NULL = off */
 } pc_worker_args_t;
 
 /* zactor_new(pc_worker_actor, args): args (pc_worker_args_t *) must outlive the actor. */
