@@ -8,6 +8,8 @@
 #     worker and answered (counted in `retried`);
 #   - kill -9 of a worker after the first token: the client gets a clear error within 5 s, no retry;
 #   - with no worker: a clear `unavailable` error after router.queue_timeout_ms, health DOWN;
+#   - CURVE on: clients and workers reach the router with blend's server key; a plaintext worker or
+#     client is refused with the reason;
 #   - the router exits 0 on SIGTERM.
 export CB_COMMON_THREADS=${CB_COMMON_THREADS:-1}
 . "$(dirname "$0")/lib/stack.bash"
@@ -152,5 +154,25 @@ check "no worker: cbctl health blend exits 1 (the router answers: DOWN)" "$?" 1
 grep -q "no cb-blend worker is ready" "$T/health2.out" && echo "ok: health says why" \
   || { echo "FAIL: health: $(cat "$T/health2.out")"; FAILS=$((FAILS+1)); }
 
-for s in router direct cacheindex retriever; do svc_stop $s; done
+# --- 6. CURVE: both router sockets are CURVE servers with blend's key; a plaintext worker stays out ----------
+for s in router direct cacheindex; do svc_stop $s; done
+cbctl keys init "$T/keys" >/dev/null
+export CB_COMMON_CURVE=on CB_COMMON_KEYS_DIR="$T/keys"
+export CB_CACHEINDEX_ENDPOINT="tcp://127.0.0.1:$(svc_free_port)" CB_BLEND_ENDPOINT="tcp://127.0.0.1:$(svc_free_port)"
+export CB_ROUTER_ENDPOINT=$CB_BLEND_ENDPOINT CB_ROUTER_WORKERS_ENDPOINT="tcp://127.0.0.1:$(svc_free_port)"
+ROUTER=$CB_BLEND_ENDPOINT
+stack_launch cacheindex cacheindex2
+svc_start router2 build/bin/cb-router
+start_worker cw1
+start_worker plain CB_COMMON_CURVE=off
+wait_until 30 ready_workers 1 || { echo "FAIL: the CURVE worker did not join"; FAILS=$((FAILS+1)); }
+out=$(cbctl query --context "$C1" "$Q"); rc=$?
+check "CURVE: a query through the router is answered" "$rc/$out" "0/$(CB_COMMON_CURVE=off rag --context "$C1" "$Q")"
+check "CURVE: the plaintext worker is not admitted" "$(rstat workers)" 1
+grep -q "refused our handshake" "$T/plain.log" && echo "ok: the plaintext worker says why" \
+  || { echo "FAIL: no refusal in the plaintext worker's log"; FAILS=$((FAILS+1)); }
+out=$(CB_COMMON_CURVE=off "$CBCTL" query --context "$C1" "$Q" 2>&1); rc=$?
+check "CURVE: a plaintext client is refused with the reason (exit 3)" "$rc/$(echo "$out" | grep -c 'requires CURVE')" "3/1"
+
+for s in router2 cw1 plain cacheindex2 retriever; do svc_stop $s; done
 svc_finish
