@@ -10,6 +10,7 @@
 #      chance; each passage cut to BENCH_CONTEXT_CHARS, 600), 2 workers, policy round_robin, then cache. Reported: client TTFT p50/p90 (cb-load) and the
 #      memory-tier hit share (hot_hits / (hot_hits + hot_misses), summed over the workers: a miss there is
 #      a KV file load, or a computation the first time a chunk is seen anywhere).
+# BENCH_PARTS ("lb cache") runs only some of them (then no JSON is written).
 # Every run starts from an empty data directory (no KV files, no cache index), so the runs compare like
 # with like. BENCH_MAX_TOKENS (6) generated tokens, greedy, blend mode. Output: a table on stdout and
 # $BENCH_OUT (build/bench-router.json). Ports are free loopback ports; state in a temporary directory.
@@ -77,9 +78,11 @@ stack() {
 }
 load() { build/bin/cb-load --clients "$1" --queries "$2" --mode blend --max-tokens "$MAXTOK" --json "$CB_BLEND_ENDPOINT" "$3"; }
 
-echo "== 1. load balancing: $CLIENTS clients, $LOADQ queries, least_loaded"
+PARTS=${BENCH_PARTS:-lb cache}   # which parts to run
 declare -A QPS
+[[ " $PARTS " == *" lb "* ]] && echo "== 1. load balancing: $CLIENTS clients, $LOADQ queries, least_loaded"
 for n in 1 2; do
+  [[ " $PARTS " == *" lb "* ]] || break
   stack "$n" least_loaded
   load 1 "$SETS" "$TMP/repeat.jsonl" >/dev/null            # warm: every chunk computed and stored once
   js=$(load "$CLIENTS" "$LOADQ" "$TMP/repeat.jsonl")
@@ -88,10 +91,11 @@ for n in 1 2; do
   printf '  %d worker(s): %6.2f queries/s, TTFT p50 %6.0f ms, p90 %6.0f ms, %s errors\n' "$n" "${QPS[$n]}" \
     "$(echo "$js" | jq .ttft_ms.p50)" "$(echo "$js" | jq .ttft_ms.p90)" "$(echo "$js" | jq .errors)"
 done
-echo "  2 vs 1: x$(python3 -c "print(round(${QPS[2]} / ${QPS[1]}, 2))") (cores: $(nproc), load average $(cut -d' ' -f1 /proc/loadavg))"
+[[ " $PARTS " == *" lb "* ]] && echo "  2 vs 1: x$(python3 -c "print(round(${QPS[2]} / ${QPS[1]}, 2))") (cores: $(nproc), load average $(cut -d' ' -f1 /proc/loadavg))"
 
-echo "== 2. repeated chunks: $SETS context sets x $REPEAT, 2 workers, 2 clients"
+[[ " $PARTS " == *" cache "* ]] && echo "== 2. repeated chunks: $SETS context sets x $REPEAT, 2 workers, 2 clients"
 for policy in round_robin cache; do
+  [[ " $PARTS " == *" cache "* ]] || break
   stack 2 "$policy"
   js=$(load 2 "$((SETS * REPEAT))" "$TMP/repeat.jsonl")
   sleep 1.5   # the workers' counters reach the router with their heartbeats
@@ -106,6 +110,7 @@ for policy in round_robin cache; do
 done
 
 mkdir -p "$(dirname "$OUT")"
+[ "$PARTS" = "lb cache" ] || { echo "(BENCH_PARTS=$PARTS: no $OUT)"; exit 0; }
 jq -n --slurpfile l1 "$TMP/lb-1.json" --slurpfile l2 "$TMP/lb-2.json" \
       --slurpfile rr "$TMP/cache-round_robin.json" --slurpfile rrs "$TMP/cache-round_robin-stats.json" \
       --slurpfile ca "$TMP/cache-cache.json" --slurpfile cas "$TMP/cache-cache-stats.json" \

@@ -12,9 +12,10 @@
  *   least_loaded  the fewest requests in flight from us (then the fewest waiting by its own report, then
  *                 round robin);
  *   cache         among the workers within max_imbalance in-flight requests of the least loaded one, the
- *                 one holding the most of the request's chunk keys in memory (its last heartbeat); ties go
- *                 to the less loaded, then to rendezvous hashing on the first key (so a chunk set nobody
- *                 holds yet goes to the same worker every time); without keys, least_loaded.
+ *                 one holding the most of the request's chunk keys in memory (its last heartbeat); ties
+ *                 between holders go to the less loaded; when nobody holds any, rendezvous hashing on the
+ *                 first key decides (so a chunk set goes to the same worker every time, and is found
+ *                 there next time); without keys, least_loaded.
  *
  * Threads: one (cb-router's loop). Errors: rt_pool_new returns NULL when out of memory; adds return NULL
  * or -1 when a table is full.

@@ -6,7 +6,8 @@
 #   - a burst of queries reaches both workers; a worker started at run time joins and receives queries;
 #   - kill -9 of a worker while a query waits before its first token: the query is retried on the other
 #     worker and answered (counted in `retried`);
-#   - kill -9 of a worker after the first token: the client gets a clear error within 5 s, no retry;
+#   - kill -9 of a worker after the first token: the client gets a clear error within 5 s, no retry; the
+#     same when the worker stops answering but keeps its connection (SIGSTOP: 3 missed heartbeats);
 #   - with no worker: a clear `unavailable` error after router.queue_timeout_ms, health DOWN;
 #   - CURVE on: clients and workers reach the router with blend's server key; a plaintext worker or
 #     client is refused with the reason;
@@ -141,6 +142,20 @@ grep -q "unavailable.*after the answer had started" "$T/mid.err" && echo "ok: $(
   || { echo "FAIL: message: $(cat "$T/mid.err")"; FAILS=$((FAILS+1)); }
 check "kill -9 after the first token: not retried" "$(rstat retried)" "$retried0"
 check "failed_worker_lost counted" "$(rstat failed_worker_lost)" 1
+# a worker that stops answering but keeps its connection (SIGSTOP): out after 3 missed heartbeats
+start_worker frozen CB_BLEND_FAULT_STEP_DELAY_MS=400
+wait_until 30 ready_workers 1 || svc_finish
+"$CBCTL" query --max-tokens 40 --context "$C1" "$Q" >"$T/frozen.out" 2>"$T/frozen.err" &
+CL=$!
+wait_until 30 test -s "$T/frozen.out" || { echo "FAIL: no first token"; FAILS=$((FAILS+1)); }
+t0=$(date +%s%N)
+kill -STOP "${SVC_PID[frozen]}"
+wait "$CL"; rc=$?
+dt=$(( ($(date +%s%N) - t0) / 1000000 ))
+check "SIGSTOP after the first token: cbctl exits 3" "$rc" 3
+[ "$dt" -le 5000 ] && grep -q "silent for 3 heartbeats" "$T/frozen.err" && echo "ok: a silent worker is out, the client told, $dt ms after the stop" \
+  || { echo "FAIL: SIGSTOP: $dt ms: $(cat "$T/frozen.err")"; FAILS=$((FAILS+1)); }
+kill -KILL "${SVC_PID[frozen]}"; stack_kill9 frozen
 
 # --- 5. no worker: a clear error after a bounded wait ------------------------------------------------
 t0=$(date +%s%N)

@@ -139,6 +139,20 @@ TEST(cache_prefers_holder_within_imbalance) {
     rt_pool_worker(p, 2)->inflight = 0;
     int first = rt_pool_pick(p, RT_POLICY_CACHE, (const uint8_t(*)[32])other, 1, -1, 2);
     for (int i = 0; i < 5; i++) CHECK(rt_pool_pick(p, RT_POLICY_CACHE, (const uint8_t(*)[32])other, 1, -1, 2) == first);
+    rt_pool_worker(p, first)->inflight = 2; /* busier, but within the bound: affinity wins over load */
+    CHECK(rt_pool_pick(p, RT_POLICY_CACHE, (const uint8_t(*)[32])other, 1, -1, 2) == first);
+    rt_pool_worker(p, first)->inflight = 3; /* beyond it: another worker */
+    CHECK(rt_pool_pick(p, RT_POLICY_CACHE, (const uint8_t(*)[32])other, 1, -1, 2) != first);
+    rt_pool_worker(p, first)->inflight = 0;
+    /* two holders with the same score: the less loaded */
+    rt_pool_worker_set_resident(p, 0, (const uint8_t(*)[32])keys, 2);
+    rt_pool_worker(p, 2)->inflight = 1;
+    CHECK(rt_pool_pick(p, RT_POLICY_CACHE, (const uint8_t(*)[32])keys, 2, -1, 2) == 0);
+    rt_pool_worker(p, 2)->inflight = 0;
+    rt_pool_worker(p, 0)->inflight = 1;
+    CHECK(rt_pool_pick(p, RT_POLICY_CACHE, (const uint8_t(*)[32])keys, 2, -1, 2) == 2);
+    rt_pool_worker(p, 0)->inflight = 0;
+    rt_pool_worker_set_resident(p, 0, NULL, 0);
     int spread[3] = {0};
     for (int k = 0; k < 60; k++) {
         uint8_t kk[1][32];
