@@ -156,6 +156,10 @@ bench-engine: all model
 bench-stack: all model
 	@scripts/bench-stack.sh
 
+.PHONY: bench-router
+bench-router: all model
+	@scripts/bench-router.sh
+
 bench-serve: all model
 	@scripts/bench-serve.sh
 

@@ -3,6 +3,11 @@
 # (cb-gateway, gateway.listen: 127.0.0.1:8000 by default; CB_STACK_GATEWAY=0 leaves it out) in the
 # background on this host.
 #
+# CB_STACK_BLEND_WORKERS=N (N > 0; default 0: one cb-blend as before) runs cb-router (docs/router.md)
+# where cb-blend would listen (blend.endpoint, so clients need no change: $CB_BLEND_ENDPOINT, default
+# tcp://127.0.0.1:5555) and N cb-blend workers (blend-1..blend-N) connected to its back end
+# ($CB_ROUTER_WORKERS_ENDPOINT, default tcp://127.0.0.1:5557).
+#
 # State lives under $CB_DATA_DIR (default ./var): run/<service>.pid, log/<service>.log, the databases and
 # the KV directory (the services' own config keys, relative to data_dir). Configuration: $CB_CONFIG or
 # config/cacheblend.cfg, with the usual CB_<SECTION>_<KEY> environment overrides (they are passed on).
@@ -21,18 +26,30 @@ export CB_DATA_DIR=${CB_DATA_DIR:-var}
 RUN="$CB_DATA_DIR/run"
 LOG="$CB_DATA_DIR/log"
 SERVICES=(retriever cacheindex precompute blend)
+WORKERS=${CB_STACK_BLEND_WORKERS:-0}
+case "$WORKERS" in ''|*[!0-9]*) echo "stack: CB_STACK_BLEND_WORKERS must be a number" >&2; exit 2 ;; esac
+if [ "$WORKERS" -gt 0 ]; then
+  SERVICES=(retriever cacheindex precompute router)
+  for ((i = 1; i <= WORKERS; i++)); do SERVICES+=("blend-$i"); done
+  export CB_BLEND_ENDPOINT=${CB_BLEND_ENDPOINT:-tcp://127.0.0.1:5555}
+  export CB_ROUTER_ENDPOINT=$CB_BLEND_ENDPOINT
+  export CB_ROUTER_WORKERS_ENDPOINT=${CB_ROUTER_WORKERS_ENDPOINT:-tcp://127.0.0.1:5557}
+fi
 [ "${CB_STACK_GATEWAY:-1}" != 0 ] && SERVICES+=(gateway)
 BIN="$ROOT/build/bin"
 CBCTL="$BIN/cbctl"
 
 die() { echo "stack: $*" >&2; exit 1; }
 
+# the program of a service name (blend-2 is a cb-blend worker)
+prog() { case "$1" in blend-*) echo blend ;; *) echo "$1" ;; esac; }
+
 # pid of a running service, or nothing (a stale pid file is removed)
 svc_pid() {
   local f="$RUN/$1.pid" pid
   [ -f "$f" ] || return 1
   pid=$(cat "$f" 2>/dev/null)
-  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && grep -q "cb-$1" "/proc/$pid/cmdline" 2>/dev/null; then
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && grep -q "cb-$(prog "$1")" "/proc/$pid/cmdline" 2>/dev/null; then
     echo "$pid"; return 0
   fi
   rm -f "$f"; return 1
@@ -48,13 +65,17 @@ gateway_listening() {
 
 start() {
   for s in "${SERVICES[@]}" cbctl; do
-    local b="$BIN/cb-$s"; [ "$s" = cbctl ] && b="$CBCTL"
+    local b="$BIN/cb-$(prog "$s")"; [ "$s" = cbctl ] && b="$CBCTL"
     [ -x "$b" ] || die "$b is missing: run make first"
   done
   mkdir -p "$RUN" "$LOG" || die "cannot create $RUN and $LOG"
   for s in "${SERVICES[@]}"; do
     if pid=$(svc_pid "$s"); then echo "stack: cb-$s already running (pid $pid)"; continue; fi
-    nohup "$BIN/cb-$s" >>"$LOG/$s.log" 2>&1 </dev/null &
+    if [[ $s == blend-* ]]; then
+      CB_BLEND_ROUTER=$CB_ROUTER_WORKERS_ENDPOINT nohup "$BIN/cb-blend" >>"$LOG/$s.log" 2>&1 </dev/null &
+    else
+      nohup "$BIN/cb-$s" >>"$LOG/$s.log" 2>&1 </dev/null &
+    fi
     echo $! >"$RUN/$s.pid"
     echo "stack: started cb-$s (pid $!, log $LOG/$s.log)"
   done
@@ -70,6 +91,8 @@ start() {
       for s in precompute blend; do
         "$CBCTL" stats "$s" 2>/dev/null | grep -q "worker_ready *true" && ready=$((ready + 1))
       done
+      # behind the router: every worker ready
+      [ "$WORKERS" -gt 0 ] && ! "$CBCTL" stats blend 2>/dev/null | grep -q "workers_ready *$WORKERS\$" && ready=0
       [ $ready -eq 2 ] && break
     fi
     [ $((SECONDS - t0)) -ge "$limit" ] && { "$CBCTL" health >&2; die "the stack did not come up within $limit s (logs in $LOG)"; }

@@ -154,10 +154,11 @@ typedef void(cb_bus_handler_fn)(cb_bus_service_t *svc, cb_bus_req_t *req, const 
 /* Adds service-specific fields to the open `stats` reply map in w. */
 typedef void(cb_bus_stats_fn)(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg);
 
-/* A service named name (e.g. "cb-retriever") with a ROUTER bound to endpoint. */
+/* A service named name (e.g. "cb-retriever") with a ROUTER bound to endpoint (worker mode: below). */
 cb_bus_service_t *cb_bus_service_new(const char *name, const char *endpoint, const cb_bus_opts_t *o, char *err,
                                      size_t errlen);
-/* Binds <section>.bind when set, else <section>.endpoint; options from <section>/common. */
+/* Binds <section>.bind when set, else <section>.endpoint; options from <section>/common. With
+ * <section>.router set, a worker of that broker instead (cb_bus_worker_new). */
 cb_bus_service_t *cb_bus_service_from_config(const char *name, const cb_config_t *cfg, const char *section,
                                              char *err, size_t errlen);
 /* Destroys the service, its socket and loop, and every detached request not yet destroyed. */
@@ -203,6 +204,43 @@ int cb_bus_reply_error(cb_bus_req_t *req, cb_err_t code, const char *fmt, ...) _
 cb_bus_req_t *cb_bus_req_detach(cb_bus_req_t *req);
 void cb_bus_req_destroy(cb_bus_req_t **req_p);
 
+
+/* The request's encoded bytes (the body frame), e.g. to forward it: valid during the handler only
+ * (NULL, *len = 0, in a detached copy). */
+const void *cb_bus_req_body(const cb_bus_req_t *req, size_t *len);
+/* Records the request's outcome for its log line (and the service's error count) without sending
+ * anything: for replies relayed as bytes (cb_bus_reply_bytes) that were errors. */
+void cb_bus_req_note(cb_bus_req_t *req, cb_err_t code, const char *message);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Worker mode (docs/router.md): the same service, its handlers unchanged, but its socket is a DEALER */
+/* connected to a broker (cb-router) instead of a bound ROUTER. The broker forwards requests as      */
+/* [client identity, body]; replies go back the same way, and the broker relays them to the client. */
+/* Paranoid Pirate: the worker sends a heartbeat every heartbeat_ms (the first on each connection is */
+/* `worker_ready`), carrying its load through the beat callback; a broker silent for liveness        */
+/* intervals is taken for dead: the connection is closed (requests that came on it can no longer be  */
+/* answered: their replies fail, so a stream is cancelled) and a new one made after a back-off that  */
+/* doubles from reconnect_min_ms up to reconnect_max_ms (reset once the broker speaks).              */
+
+typedef struct {
+    int heartbeat_ms;      /* our heartbeat interval, and the broker's expected one (1000) */
+    int liveness;          /* silent intervals before the broker counts as dead (3) */
+    int reconnect_min_ms;  /* the first back-off (1000) */
+    int reconnect_max_ms;  /* the longest (8000) */
+} cb_bus_worker_opts_t;
+void cb_bus_worker_opts_default(cb_bus_worker_opts_t *wo);
+/* A service named name that connects to the broker at `broker` (with o->curve on, as a CURVE client
+ * that must already know the broker's key: cb_curve_add_peer). cb_bus_service_from_config makes one
+ * when <section>.router is set (heartbeat <section>.heartbeat_ms, liveness <section>.router_liveness,
+ * <section>.router_reconnect_max_ms; the broker has <section>'s server key). Caller owns. */
+cb_bus_service_t *cb_bus_worker_new(const char *name, const char *broker, const cb_bus_worker_opts_t *wo,
+                                    const cb_bus_opts_t *o, char *err, size_t errlen);
+/* Adds the service's load (e.g. running, waiting, capacity) to the open heartbeat map in w. */
+typedef void(cb_bus_beat_fn)(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg);
+void cb_bus_service_set_beat(cb_bus_service_t *svc, cb_bus_beat_fn *fn, void *arg);
+bool cb_bus_service_is_worker(const cb_bus_service_t *svc);
+/* False in worker mode while the broker has not spoken on the current connection; true otherwise. */
+bool cb_bus_service_connected(const cb_bus_service_t *svc);
 
 /* The start of every service's main(): `--help`/`-h` prints usage(stdout) and returns NULL with
  * *exit_code = 0; otherwise loads the configuration for `section` (consuming the config flags from argv)

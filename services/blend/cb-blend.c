@@ -1,4 +1,5 @@
-/* cb-blend: the query service. A ROUTER socket takes `query` requests (docs/protocol.md §7); each is
+/* cb-blend: the query service. A ROUTER socket (or, with blend.router set, a DEALER connected to cb-router
+ * as one of its workers: docs/router.md; the handlers are the same) takes `query` requests (docs/protocol.md §7); each is
  * validated here (sampling: temperature, top_p, seed, frequency/presence penalties; stop sequences), queued (FIFO, at most blend.max_queue waiting: beyond that `overloaded`), and answered
  * by the generation worker thread (gen.h) as a stream of `token` messages and a final `done` with metrics.
  * The loop relays the worker's messages, so it keeps answering `ping` and `stats` while a query runs, and
@@ -7,6 +8,8 @@
  * EHOSTUNREACH, a full pipe EAGAIN after the send timeout) has its query cancelled: it never stalls the
  * others. A query the engine's KV pool (blend.kv_pool_bytes) cannot hold also ends with `overloaded` (in
  * its `done`), and the service goes on. `stats` adds the queue, the counters of gen.h and the KV pool.
+ * `cancel` {query_id} stops a query of the same client. As a worker, each heartbeat to the router carries
+ * the load (running, waiting, capacity) and the chunk keys of recent answers still in the memory tier.
  *
  *   cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...
  *
@@ -61,6 +64,10 @@ typedef struct {
     bool worker_ready, fatal;
     const char *model_path;    /* common.model (borrowed from the config) */
     char model_fp[65];         /* the loaded model's fingerprint (hex), "" until the worker is ready */
+    /* worker mode (blend.router): the chunk keys of recent answers, the candidates for the resident keys
+     * each heartbeat reports (those still in the memory tier); a ring of resident_max, oldest replaced */
+    uint8_t (*recent)[32];
+    int resident_max, n_recent, recent_next;
 } blendsvc_t;
 
 static int n_waiting(const blendsvc_t *b) {
@@ -251,6 +258,67 @@ static void on_query(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
     to_actor(q->retrieve ? b->fetcher : b->worker, q); /* without contexts: retrieval first */
 }
 
+/* `cancel` {query_id}: the requester's own query of that id (same routing id: behind cb-router, the same
+ * client) stops at the next step, and its stream ends without a `done`. Replies {cancelled: bool}. */
+static void on_cancel(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
+    blendsvc_t *b = arg;
+    const char *qid;
+    size_t ql, pl;
+    if (!cb_msg_str(m, "query_id", CB_MSG_MAX_ID, &qid, &ql)) {
+        cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "%s", cb_msg_last_error(m));
+        return;
+    }
+    const uint8_t *peer = cb_bus_req_peer(req, &pl);
+    bool found = false;
+    for (gen_query_t *q = b->head; q && !found; q = q->next) {
+        size_t ol;
+        const uint8_t *owner = cb_bus_req_peer(q->req, &ol);
+        if (strlen(q->id) != ql || memcmp(q->id, qid, ql) != 0 || ol != pl || memcmp(owner, peer, pl) != 0) continue;
+        found = !atomic_exchange(&q->cancelled, true);
+        if (found) cb_log(CB_LOG_INFO, q->id, "query cancelled by its client (%s)", q->started ? "running" : "queued");
+    }
+    cb_msg_writer_t *w = cb_bus_service_writer(svc);
+    cb_msg_begin_reply(w, m);
+    cb_msg_put_bool(w, "cancelled", found);
+    cb_bus_reply(req, w);
+}
+
+/* Worker mode: the heartbeat's load and the chunk keys resident in the memory tier (docs/router.md). */
+static void beat(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
+    (void)svc;
+    blendsvc_t *b = arg;
+    const gen_stats_t *s = &b->stats;
+    int waiting = n_waiting(b);
+    cb_kvmem_stats_t ms;
+    cb_kvmem_stats(b->mem, &ms);
+    cb_msg_put_bool(w, "worker_ready", b->worker_ready);
+    cb_msg_put_int(w, "running", b->n_inflight - waiting);
+    cb_msg_put_int(w, "waiting", waiting);
+    cb_msg_put_int(w, "capacity", b->max_seqs);
+    cb_msg_put_int(w, "max_queue", b->max_queue);
+    cb_msg_put_str(w, "model_fingerprint", b->model_fp);
+    cb_msg_put_uint(w, "queries", b->accepted);
+    cb_msg_put_uint(w, "rejected", b->rejected);
+    cb_msg_put_uint(w, "queries_done", atomic_load(&s->queries_done));
+    cb_msg_put_uint(w, "queries_failed", atomic_load(&s->queries_failed));
+    cb_msg_put_uint(w, "queries_cancelled", atomic_load(&s->queries_cancelled));
+    cb_msg_put_uint(w, "tokens_generated", atomic_load(&s->tokens_generated));
+    cb_msg_put_uint(w, "cache_hits", atomic_load(&s->cache_hits));
+    cb_msg_put_uint(w, "cache_misses", atomic_load(&s->cache_misses));
+    cb_msg_put_uint(w, "hot_hits", ms.hits);
+    cb_msg_put_uint(w, "hot_misses", ms.misses);
+    cb_msg_put_uint(w, "hot_entries", ms.entries);
+    cb_msg_begin_array(w, "resident");
+    for (int i = 0; i < b->n_recent; i++) {
+        /* newest first: a router that keeps fewer keeps the hottest */
+        int j = ((b->recent_next - 1 - i) % b->resident_max + b->resident_max) % b->resident_max;
+        if (cb_kvmem_contains(b->mem, b->recent[j]) != 1) continue;
+        char hex[CB_KV_HEX_BYTES];
+        cb_msg_put_str(w, NULL, cb_kvfile_hex(b->recent[j], hex));
+    }
+    cb_msg_end_array(w);
+}
+
 /* Relays a stream message; a failed send cancels the query. */
 static void relay(gen_query_t *q, const void *data, size_t len) {
     if (atomic_load(&q->cancelled)) return;
@@ -277,8 +345,35 @@ static gen_query_t *pop_query(zmsg_t *zm) {
     return q;
 }
 
+/* Worker mode: the chunk keys of a `done` (its chunk_ids) into the ring of recent keys. */
+static void note_chunks(blendsvc_t *b, const void *done, size_t len) {
+    if (!b->recent || b->resident_max <= 0) return;
+    cb_msg_t *m = cb_msg_decode_ex(done, len, len + 1, NULL);
+    size_t n = 0;
+    if (m && cb_msg_ok(m) && cb_msg_array_len(m, "chunk_ids", GEN_MAX_CONTEXTS, &n)) {
+        for (size_t i = 0; i < n; i++) {
+            const char *hex;
+            size_t hl;
+            uint8_t key[32];
+            if (!cb_msg_at_hex(m, "chunk_ids", i, 64, 64, &hex, &hl)) continue;
+            char buf[65];
+            memcpy(buf, hex, 64);
+            buf[64] = 0;
+            if (cb_kvfile_unhex(buf, key) != 0) continue;
+            bool seen = false;
+            for (int j = 0; j < b->n_recent && !seen; j++) seen = memcmp(b->recent[j], key, 32) == 0;
+            if (seen) continue;
+            memcpy(b->recent[b->recent_next], key, 32);
+            b->recent_next = (b->recent_next + 1) % b->resident_max;
+            if (b->n_recent < b->resident_max) b->n_recent++;
+        }
+    }
+    cb_msg_destroy(&m);
+}
+
 /* The query's last message (body: its `done`, or empty when cancelled) relayed; the query freed. */
 static void end_query(blendsvc_t *b, gen_query_t *q, zframe_t *body) {
+    if (body && zframe_size(body) > 0 && b->recent) note_chunks(b, zframe_data(body), zframe_size(body));
     if (body && zframe_size(body) > 0) relay(q, zframe_data(body), zframe_size(body));
     list_remove(b, q);
     cb_bus_req_destroy(&q->req);
@@ -482,7 +577,8 @@ static void usage(FILE *f) {
                "  check_layer, metric, leading_tokens, k, max_tokens, temperature, top_p, seed, frequency_penalty,\n"
                "  presence_penalty, ctx_size, max_queue, max_seqs, max_batch_tokens, stuck_ms, fault_step_delay_ms (tests),\n"
                "  hot_cache_bytes, kv_pool_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
-               "  cacheindex_timeout_ms, and common.* (data_dir, kv_dir, model, threads, ...).\n"
+               "  cacheindex_timeout_ms, router (worker of a cb-router), router_liveness, router_reconnect_max_ms,\n"
+               "  router_resident_keys, and common.* (data_dir, kv_dir, model, threads, ...).\n"
                "  Environment CB_BLEND_<KEY> overrides the file.\n");
 }
 
@@ -496,7 +592,7 @@ int main(int argc, char **argv) {
     static gen_args_t ga;
     int rc = 1;
     const char *mode, *metric, *model, *sys, *backend, *kv_dtype_s = "f16";
-    int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch, fault_delay;
+    int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch, fault_delay, resident;
     bool store;
     if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
         !config_ratio(cfg, &b.def.ratio, &b.def.ratio_auto, err, sizeof err) ||
@@ -517,6 +613,7 @@ int main(int argc, char **argv) {
                           &b.def.presence_penalty, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_queue", 0, 100000, 16, &b.max_queue, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "heartbeat_ms", 50, 600000, 1000, &b.heartbeat_ms, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "router_resident_keys", 0, 4096, 256, &resident, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_seqs", 1, 256, 16, &max_seqs, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_batch_tokens", 1, 1 << 20, 512, &max_batch, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "stuck_ms", 100, 3600000, 30000, &b.stuck_ms, err, sizeof err) ||
@@ -619,6 +716,15 @@ int main(int argc, char **argv) {
     zloop_reader(loop, (zsock_t *)b.fetcher, on_fetch, &b);
     zloop_timer(loop, (size_t)(b.heartbeat_ms < 100 ? b.heartbeat_ms : 100), 0, on_heartbeat, &b);
     cb_bus_service_on(b.svc, "query", on_query, &b);
+    cb_bus_service_on(b.svc, "cancel", on_cancel, &b);
+    if (cb_bus_service_is_worker(b.svc)) {
+        b.resident_max = (int)resident;
+        if (resident > 0 && !(b.recent = calloc((size_t)resident, 32))) {
+            cb_log(CB_LOG_ERROR, NULL, "out of memory");
+            goto out;
+        }
+        cb_bus_service_set_beat(b.svc, beat, &b);
+    }
     cb_bus_service_set_stats(b.svc, stats_extra, &b);
     cb_bus_service_set_health(b.svc, health, &b);
     rc = cb_bus_service_run(b.svc) == 0 && !b.fatal ? 0 : 1;
@@ -632,6 +738,7 @@ out:
         gen_query_free(&q);
     }
     cb_bus_service_destroy(&b.svc);
+    free(b.recent);
     cb_kvmem_destroy(&b.mem);
     cb_kvremote_destroy(&b.remote);
     cb_config_destroy(&cfg);
