@@ -480,6 +480,14 @@ bool cb_config_data_path(const cb_config_t *cfg, const char *section, const char
 /* ---------------------------------------------------------------------------------------------- */
 /* Startup log                                                                                     */
 
+/* Keys whose values are credentials (gateway.api_key, common.kv_remote_password, ...): never logged. */
+static bool secret_key(const char *key) {
+    static const char *const words[] = {"password", "api_key", "secret"};
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++)
+        if (strstr(key, words[i])) return true;
+    return false;
+}
+
 static void log_section(const cb_config_t *cfg, const char *section) {
     zconfig_t *seen = zconfig_new("seen", NULL);
     zconfig_t *roots[2] = {cfg->file ? zconfig_locate(cfg->file, section) : NULL, zconfig_locate(cfg->flags, section)};
@@ -491,6 +499,7 @@ static void log_section(const cb_config_t *cfg, const char *section) {
             cb_config_src_t src;
             char envname[2 * NAME_MAX_LEN + 8];
             const char *v = lookup1(cfg, section, key, &src, envname, sizeof envname);
+            if (v && *v && secret_key(key)) v = "(set; not logged)";
             cb_log(CB_LOG_INFO, NULL, "config %s.%s = \"%s\" (%s)", section, key, v ? v : "",
                    src == CB_CONFIG_SRC_ENV ? envname : cb_config_src_name(src));
         }
