@@ -83,11 +83,14 @@ build/bin/$(basename $(notdir $(1))): $(1) $(filter-out $(wildcard $(dir $(1))cb
 endef
 $(foreach s,$(PROG_SRC),$(eval $(call prog_rule,$(s))))
 
-build/tests/%: tests/unit/%.c tests/test.h build/lib/libshared.a $(CUDA_LIB)
+# Some unit tests #include a service's sources (e.g. test_router_pool: services/router/pool.c): every test
+# is rebuilt when a service source changes.
+SVC_SRC := $(wildcard services/*/*.c services/*/*.h)
+build/tests/%: tests/unit/%.c tests/test.h build/lib/libshared.a $(CUDA_LIB) $(SVC_SRC)
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -Itests $< build/lib/libshared.a $(CUDA_LIB) $(LDLIBS) -o $@
 
-build/asan/tests/%: tests/unit/%.c tests/test.h build/asan/lib/libshared.a
+build/asan/tests/%: tests/unit/%.c tests/test.h build/asan/lib/libshared.a $(SVC_SRC)
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS)) $(SAN_FLAGS) -Itests $< build/asan/lib/libshared.a $(filter-out -lcublasLt -lcublas -lcudart -lstdc++,$(LDLIBS)) -o $@
 

@@ -189,9 +189,12 @@ int rt_pool_pick(rt_pool_t *self, rt_policy_t policy, const uint8_t (*keys)[32],
             /* equal scores: when someone holds keys, the less loaded of the holders; when nobody does, the
              * rendezvous choice, so that the chunks computed now are found there next time (the load
              * bound above keeps that from piling up) */
-            bool tie_load = score > 0 && w->inflight != self->workers[best].inflight;
-            bool better = best < 0 || score > best_score ||
-                          (score == best_score && (tie_load ? w->inflight < self->workers[best].inflight : h > best_h));
+            bool better = best < 0 || score > best_score;
+            if (!better && score == best_score) {
+                const int best_load = self->workers[best].inflight;
+                bool tie_load = score > 0 && w->inflight != best_load;
+                better = tie_load ? w->inflight < best_load : h > best_h;
+            }
             if (better) {
                 best = i;
                 best_score = score;

@@ -80,7 +80,9 @@ svc_stop blend
 # thread while a query with its own context is answered and ping stays healthy; once cb-retriever goes on,
 # the first is answered too
 kill -STOP "${SVC_PID[retriever]}"
-stack_start blend blend1 || svc_finish
+# a long retriever timeout: on a loaded machine the context query below may take longer than the default
+# 5 s, and the stalled retrieval must wait it out, not time out
+CB_BLEND_RETRIEVER_TIMEOUT_MS=120000 stack_start blend blend1 || svc_finish
 "$CBCTL" query --mode blend --max-tokens $TOK "${QS[0]}" >"$T/r.out" 2>"$T/r.err" & rp=$!
 C1="The Quillon Chamber Orchestra was founded in 1978 by the cellist Helene Marchetti."
 out=$(cbctl query --mode blend --max-tokens 12 --context "$C1" "Who founded the Quillon Chamber Orchestra?"); rc=$?

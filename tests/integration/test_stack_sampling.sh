@@ -135,7 +135,7 @@ contexts "$Q"
 ctx_json=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[2::2]))' "${CTX[@]}") # the texts of --context T ...
 raw=$(send "$BL" "{\"type\":\"query\",\"question\":$(json_str "$Q"),\"mode\":\"blend\",\"contexts\":$ctx_json,\"stop\":\"the engineer\"}" --stream)
 done_line=$(printf '%s\n' "$raw" | tail -n 1)
-streamed=$(printf '%s\n' "$raw" | head -n -1 | jq -j '.text')
+streamed=$(printf '%s\n' "$raw" | head -n -1 | jq -j 'select(.text != null) | .text')
 check "raw stop 'the engineer': done.text = the text before it" "$(jget "$done_line" text)" "$(before "$PLAIN" "the engineer")"
 check "raw stop: the token messages together = done.text" "$streamed" "$(jget "$done_line" text)"
 check "raw stop: finish_reason stop" "$(jget "$done_line" finish_reason)" stop
