@@ -42,9 +42,10 @@ static const char SCHEMA[] =
     "  PRIMARY KEY(job, idx)) WITHOUT ROWID;";
 
 /* A job is ready for a turn when it is queued or running, no older unfinished version of its document
- * exists, it is under no live lease (:now, ms) and its text is at most :maxb bytes (alias j). */
+ * exists, it is under no live lease (:now, ms) but maybe one of :self's own (the local worker's, see
+ * pick()), and its text is at most :maxb bytes (alias j). */
 #define READY "j.state IN (0, 1) AND NOT EXISTS (SELECT 1 FROM jobs o WHERE o.doc_id = j.doc_id AND o.state IN (0, 1) " \
-              "AND o.seq < j.seq) AND j.lease_until <= :now AND j.text_bytes <= :maxb"
+              "AND o.seq < j.seq) AND (j.lease_until <= :now OR j.lease_owner = :self) AND j.text_bytes <= :maxb"
 
 struct cb_jobs {
     sqlite3 *db;
@@ -69,6 +70,13 @@ static void bind_now(sqlite3_stmt *s, int64_t maxb) {
     int i = sqlite3_bind_parameter_index(s, ":now");
     if (i > 0) sqlite3_bind_int64(s, i, now_ms());
     if ((i = sqlite3_bind_parameter_index(s, ":maxb")) > 0) sqlite3_bind_int64(s, i, maxb);
+    if ((i = sqlite3_bind_parameter_index(s, ":self")) > 0) sqlite3_bind_null(s, i); /* = NULL: never true */
+}
+
+/* :self of a pick (after bind_now): owner, whose own live leases do not keep it from a job. */
+static void bind_self(sqlite3_stmt *s, const char *owner) {
+    int i = sqlite3_bind_parameter_index(s, ":self");
+    if (i > 0 && owner) sqlite3_bind_text(s, i, owner, -1, SQLITE_TRANSIENT);
 }
 
 static const char *const STATE_NAMES[CB_JOB_STATE_COUNT_] = {"queued", "running", "done", "failed"};
@@ -427,20 +435,27 @@ static int first_text(sqlite3_stmt *s, char *out, size_t cap) {
 }
 
 /* The turn after after_client among the jobs ready now with at most maxb bytes of text (jobs.h cb_jobs_pick). */
-static int pick(cb_jobs_t *self, const char *after_client, int64_t maxb, char job[CB_JOB_ID_LEN + 1], char *client) {
+/* reclaim: an owner whose own live leases do not count (the local worker, one thread: a lease of its own
+ * that it could not release, e.g. on a full disk, must not keep it from the job until the lease expires),
+ * or NULL. */
+static int pick(cb_jobs_t *self, const char *after_client, int64_t maxb, const char *reclaim,
+                char job[CB_JOB_ID_LEN + 1], char *client) {
     int r = 0;
     if (after_client && *after_client) {
         sqlite3_bind_text(self->pick_after, 1, after_client, -1, SQLITE_STATIC);
         bind_now(self->pick_after, maxb);
+        bind_self(self->pick_after, reclaim);
         r = first_text(self->pick_after, client, CB_JOB_CLIENT_MAX + 1);
     }
     if (r == 0) {
         bind_now(self->pick_first, maxb);
+        bind_self(self->pick_first, reclaim);
         r = first_text(self->pick_first, client, CB_JOB_CLIENT_MAX + 1);
     }
     if (r == 1) {
         sqlite3_bind_text(self->pick_job, 1, client, -1, SQLITE_STATIC);
         bind_now(self->pick_job, maxb);
+        bind_self(self->pick_job, reclaim);
         r = first_text(self->pick_job, job, CB_JOB_ID_LEN + 1);
     }
     return r;
@@ -448,7 +463,7 @@ static int pick(cb_jobs_t *self, const char *after_client, int64_t maxb, char jo
 
 int cb_jobs_pick(cb_jobs_t *self, const char *after_client, char job[CB_JOB_ID_LEN + 1], char *client, char *err,
                  size_t errlen) {
-    int r = pick(self, after_client, INT64_MAX, job, client);
+    int r = pick(self, after_client, INT64_MAX, NULL, job, client);
     return r < 0 ? db_fail(self, err, errlen, "pick") : r;
 }
 
@@ -691,7 +706,8 @@ int cb_jobs_lease(cb_jobs_t *self, const char *after_client, const char *owner, 
             return 2;
         }
     }
-    r = pick(self, after_client, max_text_bytes > 0 ? max_text_bytes : INT64_MAX, out->job, out->client);
+    r = pick(self, after_client, max_text_bytes > 0 ? max_text_bytes : INT64_MAX,
+             strcmp(owner, CB_JOBS_LOCAL_OWNER) == 0 ? owner : NULL, out->job, out->client);
     if (r <= 0) {
         if (r < 0) db_fail(self, err, errlen, "lease");
         end_tx(self, r, NULL, 0);

@@ -43,6 +43,10 @@
 #define CB_JOB_TOKEN_LEN 32  /* hex characters of a lease token (128 random bits) */
 #define CB_JOB_OWNER_MAX 80  /* bytes of a lease owner */
 
+/* The lease owner of this process's own worker thread: its live leases never keep it from a job (a lease
+ * it could not release, e.g. on a full disk, is its own); remote workers' owners are "r:" + name. */
+#define CB_JOBS_LOCAL_OWNER "local"
+
 typedef struct cb_jobs cb_jobs_t;
 
 typedef enum { CB_JOB_QUEUED = 0, CB_JOB_RUNNING, CB_JOB_DONE, CB_JOB_FAILED, CB_JOB_STATE_COUNT_ } cb_job_state_t;

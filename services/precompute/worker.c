@@ -29,7 +29,7 @@
 
 /* ---- the local source: this service's job table --------------------------------------------------------- */
 
-#define LOCAL_OWNER "local"
+#define LOCAL_OWNER CB_JOBS_LOCAL_OWNER
 
 typedef struct {
     cb_jobs_t *jobs;

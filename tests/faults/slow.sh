@@ -22,7 +22,7 @@ faults_begin slow
 svc_need build/bin/cb-slow build/bin/cb-load build/bin/cb-gateway
 SMALL_BUFFERS=${FAULTS_NETNS:+1}
 export CB_BLEND_CTX_SIZE=2560 CB_BLEND_SNDHWM=20 CB_GATEWAY_IDLE_TIMEOUT_S=5
-MAXT=2000 HOLD=30
+MAXT=2000 HOLD=60   # the drop needs ~50-170 tokens to pile up: 22 s on an AVX-512 host, 36 s on a loaded AVX2 one
 stack_start_all || faults_finish
 stack_start_gateway || faults_finish
 SLOW="$ROOT/build/bin/cb-slow"
