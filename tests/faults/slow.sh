@@ -15,13 +15,13 @@
 # end and no drop can be seen in a bounded time. Without unshare it runs in the normal namespace and only
 # checks that the slow queries end (at max_tokens) and the others are served.
 if [ -z "${FAULTS_NETNS:-}" ] && [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
-  exec unshare -n env FAULTS_NETNS=1 bash -c 'ip link set lo up && sysctl -qw net.ipv4.tcp_wmem="4096 16384 16384" net.ipv4.tcp_rmem="4096 16384 16384" && exec bash "$0"' "$0"
+  exec unshare -n env FAULTS_NETNS=1 bash -c 'ip link set lo up && sysctl -qw net.ipv4.tcp_wmem="4096 4096 4096" net.ipv4.tcp_rmem="4096 4096 4096" && exec bash "$0"' "$0"
 fi
 . "$(dirname "$0")/lib/faults.bash"
 faults_begin slow
 svc_need build/bin/cb-slow build/bin/cb-load build/bin/cb-gateway
 SMALL_BUFFERS=${FAULTS_NETNS:+1}
-export CB_BLEND_CTX_SIZE=2560 CB_BLEND_SNDHWM=20 CB_GATEWAY_IDLE_TIMEOUT_S=5
+export CB_BLEND_CTX_SIZE=2560 CB_BLEND_SNDHWM=5 CB_GATEWAY_IDLE_TIMEOUT_S=5
 MAXT=2000 HOLD=60   # the drop needs ~50-170 tokens to pile up: 22 s on an AVX-512 host, 36 s on a loaded AVX2 one
 stack_start_all || faults_finish
 stack_start_gateway || faults_finish
