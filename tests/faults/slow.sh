@@ -10,7 +10,7 @@
 # and the services' memory must not grow with what the slow clients do not read (RSS before/after).
 #
 # The scenario runs in its own network namespace (unshare -n) with small TCP buffers (tcp_wmem/tcp_rmem max
-# 16 KB): with the kernel's defaults (up to 4 MB per socket on loopback) a whole 4096-token answer (~250 KB
+# 4 KB): with the kernel's defaults (up to 4 MB per socket on loopback) a whole 4096-token answer (~250 KB
 # of ZeroMQ messages, ~1 MB of SSE) fits in the socket buffers, so the slow client's query simply runs to its
 # end and no drop can be seen in a bounded time. Without unshare it runs in the normal namespace and only
 # checks that the slow queries end (at max_tokens) and the others are served.
