@@ -23,6 +23,15 @@ static void reply_stale(pc_lease_server_t *s, cb_bus_req_t *req, const char *job
                        "granted again, or the job ended)", job);
 }
 
+/* The outcome r of a token-checked job-table call (1 done, 0 stale, 2 refused: err, -1 database error:
+ * err): true when it is done, else the error reply is sent. */
+static bool lease_done(pc_lease_server_t *s, cb_bus_req_t *req, const char *job, int r, const char *err) {
+    if (r == 1) return true;
+    if (r == 0) reply_stale(s, req, job);
+    else cb_bus_reply_error(req, r < 0 ? CB_ERR_INTERNAL : CB_ERR_BAD_REQUEST, "%s", err);
+    return false;
+}
+
 /* Reads {job, token} of a request into job/token. False after an error reply. */
 static bool job_token(cb_bus_req_t *req, const cb_msg_t *m, char job[CB_JOB_ID_LEN + 1],
                       char token[CB_JOB_TOKEN_LEN + 1]) {
@@ -152,14 +161,7 @@ static void on_renew(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
     char job[CB_JOB_ID_LEN + 1], token[CB_JOB_TOKEN_LEN + 1], err[256];
     if (!job_token(req, m, job, token)) return;
     int r = cb_jobs_lease_renew(s->jobs, job, token, s->o.lease_ms, err, sizeof err);
-    if (r < 0) {
-        cb_bus_reply_error(req, CB_ERR_INTERNAL, "%s", err);
-        return;
-    }
-    if (r == 0) {
-        reply_stale(s, req, job);
-        return;
-    }
+    if (!lease_done(s, req, job, r, err)) return;
     s->renewed++;
     cb_msg_writer_t *w = cb_bus_service_writer(svc);
     cb_msg_begin_reply(w, m);
@@ -204,14 +206,7 @@ static void on_plan(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m,
     int64_t total = 0;
     int r = cb_jobs_lease_plan(s->jobs, job, token, s->o.lease_ms, cs, (int)n, &total, err, sizeof err);
     free(cs);
-    if (r < 0) {
-        cb_bus_reply_error(req, CB_ERR_INTERNAL, "%s", err);
-        return;
-    }
-    if (r == 0) {
-        reply_stale(s, req, job);
-        return;
-    }
+    if (!lease_done(s, req, job, r, err)) return;
     cb_log(CB_LOG_INFO, job, "planned by a remote worker: %lld chunks", (long long)total);
     cb_msg_writer_t *w = cb_bus_service_writer(svc);
     cb_msg_begin_reply(w, m);
@@ -224,14 +219,7 @@ static void on_replaced(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t
     char job[CB_JOB_ID_LEN + 1], token[CB_JOB_TOKEN_LEN + 1], err[256];
     if (!job_token(req, m, job, token)) return;
     int r = cb_jobs_lease_replaced(s->jobs, job, token, s->o.lease_ms, err, sizeof err);
-    if (r < 0) {
-        cb_bus_reply_error(req, CB_ERR_INTERNAL, "%s", err);
-        return;
-    }
-    if (r == 0) {
-        reply_stale(s, req, job);
-        return;
-    }
+    if (!lease_done(s, req, job, r, err)) return;
     cb_msg_writer_t *w = cb_bus_service_writer(svc);
     cb_msg_begin_reply(w, m);
     cb_bus_reply(req, w);
@@ -247,14 +235,7 @@ static void on_chunk_done(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg
         return;
     }
     int r = cb_jobs_lease_chunk_done(s->jobs, job, token, (int)idx, s->o.lease_ms, err, sizeof err);
-    if (r < 0 || r == 2) {
-        cb_bus_reply_error(req, r < 0 ? CB_ERR_INTERNAL : CB_ERR_BAD_REQUEST, "%s", err);
-        return;
-    }
-    if (r == 0) {
-        reply_stale(s, req, job);
-        return;
-    }
+    if (!lease_done(s, req, job, r, err)) return;
     cb_msg_writer_t *w = cb_bus_service_writer(svc);
     cb_msg_begin_reply(w, m);
     cb_msg_put_int(w, "lease_ms", s->o.lease_ms);
@@ -277,14 +258,7 @@ static void on_finish(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
     bool already = false;
     int r = cb_jobs_lease_finish(s->jobs, job, token, ok, ok ? NULL : (whybuf[0] ? whybuf : "failed on a remote worker"),
                                  &already, err, sizeof err);
-    if (r < 0 || r == 2) {
-        cb_bus_reply_error(req, r < 0 ? CB_ERR_INTERNAL : CB_ERR_BAD_REQUEST, "%s", err);
-        return;
-    }
-    if (r == 0) {
-        reply_stale(s, req, job);
-        return;
-    }
+    if (!lease_done(s, req, job, r, err)) return;
     if (!already) {
         s->finished++;
         if (ok) cb_log(CB_LOG_INFO, job, "done by a remote worker");
