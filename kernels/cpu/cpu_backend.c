@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 
 #include "cpu/cpu_ops.h"
+#include "cpu/cpu_quant.h"
 
 typedef struct {
     int nt;                 /* threads (pool size) */
@@ -24,7 +25,7 @@ typedef struct {
     float rope_base;
     float *rope_cs;         /* [max_keys][rope_hd] (cos, sin) pairs per position */
     float *rope_rows;       /* [max_rows][rope_hd] coefficients of the rows of one call */
-    float *mv_scratch;      /* [nt][max_cols] matvec row buffers */
+    cb_cpu_mm_scratch_t mm; /* matvec row buffers, quantized activations, GEMM weight tiles */
     int max_cols;
     float *att_scratch;     /* cb_cpu_attention_scratch floats */
     cb_attn_geom_t geom;    /* geometry the attention scratch was sized for */
@@ -173,7 +174,7 @@ static int cpu_kv_deviation(void *ctx, int n, int width, const float *fresh, con
                             cb_kv_dtype_t dtype, double *dev) {
     cpu_ctx_t *c = ctx;
     if (width > c->max_cols) return -1;
-    return cb_cpu_kv_deviation(n, width, fresh, cached, dtype, dev, c->mv_scratch); /* the compute thread's */
+    return cb_cpu_kv_deviation(n, width, fresh, cached, dtype, dev, c->mm.rows); /* the compute thread's */
 }
 
 static int cpu_topk(void *ctx, int n, const double *score, int k, int32_t *out) {
@@ -200,27 +201,21 @@ static void cpu_host_free(void *ctx, void *p) {
 
 static void cpu_matmul(void *ctx, const cb_weight_t *w, const float *x, int n, float *y, int ldy) {
     cpu_ctx_t *c = ctx;
-    if (n <= CB_CPU_MATVEC_MAX_ROWS || !w->f32)
-        cb_cpu_matvec(w, x, n, y, ldy, c->mv_scratch, c->pool);
+    if (n <= CB_CPU_MATVEC_MAX_ROWS)
+        cb_cpu_matvec(w, x, n, y, ldy, &c->mm, c->pool);
     else
-        cb_cpu_gemm(w, x, n, y, ldy, c->pool);
+        cb_cpu_gemm(w, x, n, y, ldy, &c->mm, c->pool);
 }
 
 static void cpu_matmul_multi(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
     cpu_ctx_t *c = ctx;
-    bool gemm = n > CB_CPU_MATVEC_MAX_ROWS;
-    for (int p = 0; p < n_parts; p++) gemm = gemm && parts[p].w->f32;
-    if (gemm || n <= CB_CPU_MATVEC_MAX_ROWS) {
-        cb_cpu_matmul_multi(parts, n_parts, x, n, gemm, c->mv_scratch, c->pool);
-        return;
-    }
-    for (int p = 0; p < n_parts; p++) cpu_matmul(ctx, parts[p].w, x, n, parts[p].y, parts[p].ldy);
+    cb_cpu_matmul_multi(parts, n_parts, x, n, n > CB_CPU_MATVEC_MAX_ROWS, &c->mm, c->pool);
 }
 
 /* Decode batches: matvec for any n (each row with its own accumulators: what n = 1 gives it). */
 static void cpu_matmul_rowwise(void *ctx, const cb_matmul_part_t *parts, int n_parts, const float *x, int n) {
     cpu_ctx_t *c = ctx;
-    cb_cpu_matmul_multi(parts, n_parts, x, n, false, c->mv_scratch, c->pool);
+    cb_cpu_matmul_multi(parts, n_parts, x, n, false, &c->mm, c->pool);
 }
 
 typedef struct {
@@ -329,7 +324,9 @@ static void cpu_destroy(void *ctx) {
     cb_pool_destroy(&c->pool);
     free(c->rope_cs);
     free(c->rope_rows);
-    free(c->mv_scratch);
+    free(c->mm.rows);
+    free(c->mm.xq);
+    free(c->mm.tiles);
     free(c->att_scratch);
     free(c->mass_scratch);
     free(c->topk_idx);
@@ -393,14 +390,18 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     c->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 0.0f};
     c->rope_cs = cb_cpu_alloc_huge(sizeof(float) * (size_t)max_keys * hp->head_dim, true);
     c->rope_rows = malloc(sizeof(float) * (size_t)max_rows * hp->head_dim);
-    c->mv_scratch = malloc(sizeof(float) * (size_t)n_threads * c->max_cols);
+    c->mm = (cb_cpu_mm_scratch_t){.max_rows = max_rows, .max_cols = c->max_cols, .tile_floats = CB_CPU_TILE_FLOATS};
+    if (c->mm.tile_floats < (size_t)c->max_cols) c->mm.tile_floats = (size_t)c->max_cols;
+    c->mm.rows = malloc(sizeof(float) * (size_t)n_threads * c->max_cols);
+    c->mm.xq = cb_cpu_alloc_huge(cb_cpu_q8_row_bytes(c->max_cols) * (size_t)max_rows, false);
+    c->mm.tiles = cb_cpu_alloc_huge(sizeof(float) * c->mm.tile_floats * (size_t)n_threads, false);
     c->att_scratch = cb_cpu_alloc_huge(sizeof(float) * cb_cpu_attention_scratch(&c->geom, max_rows, max_keys, n_threads), true);
     c->pool = cb_pool_new(n_threads);
     c->geom.scale = 1.0f / sqrtf((float)hp->head_dim);
     c->mass_scratch = malloc(sizeof(float) * cb_cpu_attn_mass_scratch(&c->geom, max_keys));
     c->topk_idx = malloc(sizeof(int32_t) * (size_t)max_keys);
     if (!c->mass_scratch || !c->topk_idx) goto oom;
-    if (!c->rope_cs || !c->rope_rows || !c->mv_scratch || !c->att_scratch || !c->pool) goto oom;
+    if (!c->rope_cs || !c->rope_rows || !c->mm.rows || !c->mm.xq || !c->mm.tiles || !c->att_scratch || !c->pool) goto oom;
     for (int p = 0; p < max_keys; p++)
         cb_cpu_rope_coeffs(p, hp->head_dim, hp->rope_base, c->rope_cs + (size_t)p * hp->head_dim);
     return be;

@@ -19,7 +19,7 @@
 #include "format/gguf.h"
 #include "format/quant.h"
 #include "base/log.h"
-#include "format/quant.h"
+#include "cpu/cpu_quant.h"
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -253,111 +253,9 @@ void cb_cpu_embed(const cb_weight_t *table, const int32_t *tokens, int n, float 
 
 /* ---------------------------------------------------------------- matvec (decode) */
 
-#if CB_AVX512
-#define MV_MAX_NB 256 /* blocks per row the scale-copy kernels handle (cols <= 8192) */
-
-/* The fused kernels are written once for R activation rows and inlined with R a constant (1..8) at each
- * case of MV_ROWS_SWITCH, so that the R accumulators stay in registers; each weight block is expanded once
- * for the R rows. Every row keeps its own accumulator and order of operations, so its result does not
- * depend on R or on the other rows. (More than 8 rows per pass gains nothing: the pass is bound by the
- * three multiply-adds per row and block, and the row pointers no longer fit the registers.) */
-#define MV_ROWS_SWITCH(R, call)                                                                          \
-    switch (R) {                                                                                         \
-    case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; case 4: call(4); break;       \
-    case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; case 8: call(8); break;       \
-    default: assert(0);                                                                                  \
-    }
-
-/* Rows [o0, o1) of a Q4_1 matrix times R activation rows, with the block scales/mins as f32 copies:
- * sum_b d_b * (q_b · x_b) + sum_b m_b * xs_b, so a block costs two nibble expansions (for all R rows), a
- * mul and two FMAs per activation row; the min term is one short dot per row.
- * xs [R][MV_MAX_NB]: per row and block, the sum of the block's 32 activations. */
-static inline __attribute__((always_inline)) void q4_1_rows(const cb_weight_t *w, const float *x, const int R,
-                                                             const float (*xs)[MV_MAX_NB], float *y, int ldy,
-                                                             int o0, int o1) {
-    const int nb = w->cols / 32, cols = w->cols;
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    for (int o = o0; o < o1; o++) {
-        const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes + 4;
-        const float *d = w->scale + (size_t)o * nb, *mn = w->min + (size_t)o * nb;
-        __m512 acc[CB_CPU_MATVEC_ROWS];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        for (int b = 0; b < nb; b++, src += 20) {
-            __m128i raw = _mm_loadu_si128((const __m128i *)src);
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, m4)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)));
-            __m512 db = _mm512_set1_ps(d[b]);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const float *xr = x + (size_t)r * cols + 32 * b;
-                __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xr));
-                t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), t);
-                acc[r] = _mm512_fmadd_ps(db, t, acc[r]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]) + dot_f32(mn, xs[r], nb);
-    }
-}
-
-/* The same for Q8_0 (no min term). */
-static inline __attribute__((always_inline)) void q8_0_rows(const cb_weight_t *w, const float *x, const int R,
-                                                             float *y, int ldy, int o0, int o1) {
-    const int nb = w->cols / 32, cols = w->cols;
-    for (int o = o0; o < o1; o++) {
-        const uint8_t *src = (const uint8_t *)w->q + (size_t)o * w->row_bytes + 2;
-        const float *d = w->scale + (size_t)o * nb;
-        __m512 acc[CB_CPU_MATVEC_ROWS];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        for (int b = 0; b < nb; b++, src += 34) {
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
-            __m512 db = _mm512_set1_ps(d[b]);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const float *xr = x + (size_t)r * cols + 32 * b;
-                __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xr));
-                t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), t);
-                acc[r] = _mm512_fmadd_ps(db, t, acc[r]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) y[(size_t)r * ldy + o] = hsum16(acc[r]);
-    }
-}
-
-static void matvec_q4_1(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
-    const int nb = w->cols / 32, cols = w->cols;
-    float xs[CB_CPU_MATVEC_ROWS][MV_MAX_NB];
-    for (int r = 0; r < n; r++)
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (size_t)r * cols + 32 * b;
-            xs[r][b] = hsum16(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
-        }
-#define Q4_1_CALL(R) q4_1_rows(w, x, R, (const float(*)[MV_MAX_NB])xs, y, ldy, o0, o1)
-    MV_ROWS_SWITCH(n, Q4_1_CALL)
-#undef Q4_1_CALL
-}
-
-static void matvec_q8_0(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1) {
-#define Q8_0_CALL(R) q8_0_rows(w, x, R, y, ldy, o0, o1)
-    MV_ROWS_SWITCH(n, Q8_0_CALL)
-#undef Q8_0_CALL
-}
-
-/* The fused kernels apply when the model made scale copies (cb_model_load does for Q4_1 / Q8_0). */
-static bool fused_q4_1(const cb_weight_t *w) {
-    return w->type == CB_TYPE_Q4_1 && w->scale && w->min && w->cols / 32 <= MV_MAX_NB;
-}
-static bool fused_q8_0(const cb_weight_t *w) { return w->type == CB_TYPE_Q8_0 && w->scale; }
-#endif
-
-/* Any type: the f32 copy when the model kept one, else dequantize each row into buf (only for weights
- * without a fused kernel: the f32 copy of a decode matrix would be read at 4 bytes per weight). */
-static void matvec_generic(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1,
-                           float *buf) {
+/* f32 weight rows: the weight's f32 copy (reference numerics), an F32 tensor, or else each row dequantized
+ * into buf (types without an integer kernel). Rows [o0, o1) times n activation rows; buf [cols]. */
+static void matvec_f32(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1, float *buf) {
     for (int o = o0; o < o1; o++) {
         const float *wr;
         if (w->f32) {
@@ -372,71 +270,103 @@ static void matvec_generic(const cb_weight_t *w, const float *x, int n, float *y
     }
 }
 
-/* Weight rows [o0, o1) times any n activation rows, CB_CPU_MATVEC_ROWS rows per pass (the weight rows of
- * the range are still in L1/L2 for the next pass). buf: [cols] floats of the calling thread. */
-static void matvec_rows(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int o0, int o1, float *buf) {
-    for (int i = 0; i < n; i += CB_CPU_MATVEC_ROWS) {
-        const int k = n - i < CB_CPU_MATVEC_ROWS ? n - i : CB_CPU_MATVEC_ROWS;
-        const float *xi = x + (size_t)i * w->cols;
-        float *yi = y + (size_t)i * ldy;
-#if CB_AVX512
-        if (fused_q4_1(w)) { matvec_q4_1(w, xi, k, yi, ldy, o0, o1); continue; }
-        if (fused_q8_0(w)) { matvec_q8_0(w, xi, k, yi, ldy, o0, o1); continue; }
-#endif
-        matvec_generic(w, xi, k, yi, ldy, o0, o1, buf);
-    }
+/* Integer kernels for every quantized weight that has one, unless the model kept an f32 copy. */
+static bool use_qdot(const cb_weight_t *w) { return !w->f32 && cb_cpu_qdot_supported(w); }
+
+/* The call's activations, quantized once by the calling thread: s->xq [n][cb_cpu_q8_row_bytes(cols)]. */
+static const uint8_t *quantize_rows(const cb_cpu_mm_scratch_t *s, const float *x, int n, int cols) {
+    assert(n <= s->max_rows && cols <= s->max_cols);
+    const size_t rb = cb_cpu_q8_row_bytes(cols);
+    for (int r = 0; r < n; r++) cb_cpu_q8_quantize(x + (size_t)r * cols, cols, s->xq + (size_t)r * rb);
+    return s->xq;
+}
+
+/* Weight rows [o0, o1) times n activation rows: by the integer kernels when xq (x quantized by quantize_rows:
+ * use_qdot), else in f32. */
+static void matvec_range(const cb_weight_t *w, const float *x, const uint8_t *xq, int n, float *y, int ldy, int o0,
+                         int o1, float *buf) {
+    if (xq)
+        cb_cpu_qdot_rows(w, o0, o1, xq, n, y, ldy);
+    else
+        matvec_f32(w, x, n, y, ldy, o0, o1, buf);
 }
 
 typedef struct {
     const cb_weight_t *w;
     const float *x;
+    const uint8_t *xq;
     int n, ldy, chunk;
-    float *y, *scratch;
+    float *y;
+    const cb_cpu_mm_scratch_t *s;
 } matvec_job_t;
 
 static void matvec_task(void *arg, int task, int thread) {
     const matvec_job_t *j = arg;
     const cb_weight_t *w = j->w;
     int o0 = task * j->chunk, o1 = o0 + j->chunk < w->rows ? o0 + j->chunk : w->rows;
-    matvec_rows(w, j->x, j->n, j->y, j->ldy, o0, o1, j->scratch + (size_t)thread * w->cols);
+    matvec_range(w, j->x, j->xq, j->n, j->y, j->ldy, o0, o1, j->s->rows + (size_t)thread * j->s->max_cols);
 }
 
-void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, cb_pool_t *pool) {
+void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, const cb_cpu_mm_scratch_t *s,
+                   cb_pool_t *pool) {
     assert(n >= 1);
+    const uint8_t *xq = use_qdot(w) ? quantize_rows(s, x, n, w->cols) : NULL;
     /* ~8 tasks per thread (dynamic claiming balances them), in multiples of 16 rows */
     int nt = cb_pool_size(pool);
     int chunk = (w->rows / (8 * nt) + 15) / 16 * 16;
     if (chunk < 16) chunk = 16;
-    matvec_job_t j = {w, x, n, ldy, chunk, y, scratch};
+    matvec_job_t j = {w, x, xq, n, ldy, chunk, y, s};
     cb_pool_run(pool, (w->rows + chunk - 1) / chunk, matvec_task, &j);
 }
 
 /* ---------------------------------------------------------------- GEMM (prefill) */
+
+/* Y[:, r0:r1] = X · W[r0:r1]ᵀ: one sgemm over the f32 rows when there are some (f32 copy or F32 tensor),
+ * else over tiles of weight rows dequantized into tile [tile_floats] (the thread's), one sgemm per tile. */
+static void gemm_range(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int r0, int r1, float *tile,
+                       size_t tile_floats) {
+    const int cols = w->cols;
+    const float *f = w->f32 ? w->f32 : w->type == CB_TYPE_F32 ? (const float *)w->q : NULL;
+    if (f) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, r1 - r0, cols, 1.0f, x, cols, f + (size_t)r0 * cols,
+                    cols, 0.0f, y + r0, ldy);
+        return;
+    }
+    int t_rows = (int)(tile_floats / (size_t)cols);
+    assert(t_rows >= 1);
+    for (int a = r0; a < r1; a += t_rows) {
+        const int b = a + t_rows < r1 ? a + t_rows : r1;
+        for (int o = a; o < b; o++) cb_cpu_dequant_row(w, o, tile + (size_t)(o - a) * cols);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, b - a, cols, 1.0f, x, cols, tile, cols, 0.0f, y + a,
+                    ldy);
+    }
+}
 
 typedef struct {
     const cb_weight_t *w;
     const float *x;
     int n, ldy, slice;
     float *y;
+    const cb_cpu_mm_scratch_t *s;
 } gemm_job_t;
 
 static void gemm_task(void *arg, int task, int thread) {
-    (void)thread;
     const gemm_job_t *j = arg;
     const cb_weight_t *w = j->w;
     int c0 = task * j->slice, c1 = c0 + j->slice < w->rows ? c0 + j->slice : w->rows;
     if (c1 > c0)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, j->n, c1 - c0, w->cols, 1.0f, j->x, w->cols,
-                    w->f32 + (size_t)c0 * w->cols, w->cols, 0.0f, j->y + c0, j->ldy);
+        gemm_range(w, j->x, j->n, j->y, j->ldy, c0, c1, j->s->tiles + (size_t)thread * j->s->tile_floats,
+                   j->s->tile_floats);
 }
 
-void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, cb_pool_t *pool) {
-    assert(w->f32);
+void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, const cb_cpu_mm_scratch_t *s,
+                 cb_pool_t *pool) {
+    assert(w->cols <= s->max_cols);
     /* Output columns (weight rows) in 2 slices per thread, multiples of 32; each slice is one
-     * single-threaded sgemm, claimed dynamically. */
+     * single-threaded sgemm (or one per tile), claimed dynamically. */
     int nt = cb_pool_size(pool), n_slices = nt > 1 ? 2 * nt : 1;
     int slice = ((w->rows + n_slices - 1) / n_slices + 31) / 32 * 32;
-    gemm_job_t j = {w, x, n, ldy, slice, y};
+    gemm_job_t j = {w, x, n, ldy, slice, y, s};
     cb_pool_run(pool, (w->rows + slice - 1) / slice, gemm_task, &j);
 }
 
@@ -447,9 +377,10 @@ void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy,
 typedef struct {
     const cb_matmul_part_t *parts;
     const float *x;
+    const uint8_t *xq;
     int n;
     bool gemm;
-    float *scratch;
+    const cb_cpu_mm_scratch_t *s;
     int n_tasks;
     struct { int16_t part; int r0, r1; } task[MULTI_MAX_TASKS];
 } multi_job_t;
@@ -459,25 +390,30 @@ static void multi_task(void *arg, int t, int thread) {
     const cb_matmul_part_t *p = &j->parts[j->task[t].part];
     const cb_weight_t *w = p->w;
     int r0 = j->task[t].r0, r1 = j->task[t].r1;
-    if (j->gemm) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, j->n, r1 - r0, w->cols, 1.0f, j->x, w->cols,
-                    w->f32 + (size_t)r0 * w->cols, w->cols, 0.0f, p->y + r0, p->ldy);
-        return;
-    }
-    matvec_rows(w, j->x, j->n, p->y, p->ldy, r0, r1, j->scratch + (size_t)thread * w->cols);
+    if (j->gemm)
+        gemm_range(w, j->x, j->n, p->y, p->ldy, r0, r1, j->s->tiles + (size_t)thread * j->s->tile_floats,
+                   j->s->tile_floats);
+    else
+        matvec_range(w, j->x, use_qdot(w) ? j->xq : NULL, j->n, p->y, p->ldy, r0, r1,
+                     j->s->rows + (size_t)thread * j->s->max_cols);
 }
 
 void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float *x, int n, bool gemm,
-                         float *scratch, cb_pool_t *pool) {
+                         const cb_cpu_mm_scratch_t *s, cb_pool_t *pool) {
     static __thread multi_job_t j; /* large; one per calling thread */
     j.parts = parts;
     j.x = x;
     j.n = n;
     j.gemm = gemm;
-    j.scratch = scratch;
+    j.s = s;
     j.n_tasks = 0;
+    j.xq = NULL;
     int nt = cb_pool_size(pool), total = 0;
-    for (int p = 0; p < n_parts; p++) total += parts[p].w->rows;
+    for (int p = 0; p < n_parts; p++) {
+        assert(parts[p].w->cols == parts[0].w->cols); /* one x for every part */
+        total += parts[p].w->rows;
+        if (!gemm && !j.xq && use_qdot(parts[p].w)) j.xq = quantize_rows(s, x, n, parts[p].w->cols);
+    }
     /* GEMM: ~2 slices per thread over all parts (multiples of 32 rows); matvec: ~8 per thread (16) */
     int align = gemm ? 32 : 16, per = gemm ? 2 : 8;
     int width = (total / (per * nt) + align - 1) / align * align;

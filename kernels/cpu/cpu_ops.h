@@ -55,25 +55,40 @@ void cb_cpu_dequant_row(const cb_weight_t *w, int row, float *dst);
  * valid row indices (checked by the caller). */
 void cb_cpu_embed(const cb_weight_t *table, const int32_t *tokens, int n, float *x);
 
-/* y[i][o] = sum_j w[o][j] x[i][j] for any n >= 1 rows, reading w's stored (quantized) rows and expanding
- * them in registers (f32 activations, f32 accumulation; Q4_1 / Q8_0 use the weight's f32 scale copies),
- * CB_CPU_MATVEC_ROWS activation rows per pass. Each row has its own accumulators, so its result is the
- * same bits whatever n and whichever rows share the call. x [n][cols], y [n][ldy].
- * scratch: [pool threads][cols] floats for types without a fused kernel. */
-#define CB_CPU_MATVEC_ROWS 8
-void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, float *scratch, cb_pool_t *pool);
-/* The backend's matmul runs calls of up to CB_CPU_MATVEC_MAX_ROWS rows as matvecs and larger ones as GEMMs
- * over the f32 copies (prefill and the blend keep their numerics by this split); its matmul_rowwise (decode
- * batches) is matvec for any n. */
-#define CB_CPU_MATVEC_MAX_ROWS 8
-/* Y = X · Wᵀ with w->f32 (must be non-NULL): x [n][cols], y [n][ldy] (ldy >= rows). OpenBLAS sgemm;
- * the pool's threads each computing slices of the output columns. */
-void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, cb_pool_t *pool);
+/* Scratch of the matrix products, owned by the caller (the backend context), sized for max_rows activation
+ * rows of up to max_cols columns on nt pool threads. */
+typedef struct {
+    float *rows;             /* [nt][max_cols] row buffers (dequantized rows of types without an integer kernel) */
+    uint8_t *xq;             /* [max_rows][cb_cpu_q8_row_bytes(max_cols)] the call's quantized activations */
+    int max_rows, max_cols;
+    float *tiles;            /* [nt][tile_floats] dequantized weight tiles of the GEMMs */
+    size_t tile_floats;      /* >= max_cols */
+} cb_cpu_mm_scratch_t;
+/* Default tile of dequantized weight rows per thread: 2 MiB of floats (the GEMM packs it anyway; smaller
+ * tiles measured slower, larger no faster). */
+#define CB_CPU_TILE_FLOATS ((size_t)512 * 1024)
 
-/* Several products of one x [n][cols] in one pool run: parts[i].y [n][ldy] = x · parts[i].wᵀ, by GEMM over
- * w->f32 (gemm = true; every part needs f32) or by matvec over the stored rows (any n, as cb_cpu_matvec). */
+/* y[i][o] = sum_j w[o][j] x[i][j] for n rows (1..s->max_rows): with the integer kernels of cpu_quant.h on
+ * the stored rows (x quantized per block to int8 once per call) for every type that has one, else in f32
+ * over w->f32 (when the model kept a copy: the f32 reference), an F32 tensor, or rows dequantized one at a
+ * time.
+ * A row's result is the same bits whatever n and whichever rows share the call. x [n][cols], y [n][ldy]. */
+void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, const cb_cpu_mm_scratch_t *s,
+                   cb_pool_t *pool);
+/* The backend's matmul runs calls of up to CB_CPU_MATVEC_MAX_ROWS rows as matvecs and larger ones as GEMMs
+ * (prefill and the blend keep their numerics by this split); its matmul_rowwise (decode batches) is matvec
+ * for any n. */
+#define CB_CPU_MATVEC_MAX_ROWS 8
+/* Y = X · Wᵀ in f32 by OpenBLAS sgemm: over w->f32 when the model kept it, else over tiles of s->tile_floats
+ * dequantized weight rows per thread (the exact weight values: no copy of the matrix is kept), the pool's
+ * threads each computing slices of the output columns. x [n][cols], y [n][ldy] (ldy >= rows). */
+void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy, const cb_cpu_mm_scratch_t *s,
+                 cb_pool_t *pool);
+
+/* Several products of one x [n][cols] in one pool run (every part has the same cols): parts[i].y [n][ldy] =
+ * x · parts[i].wᵀ, as cb_cpu_gemm (gemm = true) or as cb_cpu_matvec (any n up to s->max_rows). */
 void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float *x, int n, bool gemm,
-                         float *scratch, cb_pool_t *pool);
+                         const cb_cpu_mm_scratch_t *s, cb_pool_t *pool);
 
 /* A sequence's K/V of one layer in the pool: position p is row blocks[p / block_tokens] * block_tokens +
  * p % block_tokens of k and v (rows of n_head_kv*head_dim floats, post-RoPE K). Kernels walk runs of

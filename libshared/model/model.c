@@ -1,7 +1,8 @@
 /* model.c: loads a llama-architecture GGUF into cb_model_t (see model.h).
  *
- * Owns: the GGUF reader (and so the mapping), one huge-page-advised arena holding the f32 copies of the
- * block weight matrices, f32 copies of norm vectors that are not stored as F32, and the fingerprint.
+ * Owns: the GGUF reader (and so the mapping: the engine reads the stored weight rows there), f32 copies of
+ * norm vectors that are not stored as F32, the fingerprint, and with CB_ENGINE_WEIGHTS=f32 one
+ * huge-page-advised arena holding f32 copies of the block weight matrices (the f32 reference numerics).
  * Fails (NULL + message) on anything it does not understand; never asserts on file content.
  */
 #include "model/model.h"
@@ -26,8 +27,7 @@ struct cb_model {
     cb_weight_t tok_embd;        /* [n_vocab][n_embd] */
     cb_weight_t output;          /* [n_vocab][n_embd]; a copy of tok_embd's view when tied */
     const float *output_norm;    /* [n_embd] */
-    float *arena;                /* f32 weight copies, huge-page advised */
-    float *scales;               /* f32 block scales/mins of Q4_1 and Q8_0 matrices */
+    float *arena;                /* f32 weight copies (CB_ENGINE_WEIGHTS=f32 only), huge-page advised */
     size_t arena_floats;
     float **norm_copies;         /* norm vectors converted from F16/BF16 */
     int n_norm_copies;
@@ -378,77 +378,22 @@ static int compute_fingerprint(cb_model_t *m) {
     return 0;
 }
 
-/* ---------------------------------------------------------------- block scales */
-
-/* Floats of scale copies a weight needs (0 for types without). */
-static size_t scale_floats(const cb_weight_t *w) {
-    size_t nb = (size_t)w->rows * (size_t)(w->cols / 32);
-    return w->type == CB_TYPE_Q4_1 ? 2 * nb : w->type == CB_TYPE_Q8_0 ? nb : 0;
-}
-
-static void fill_scales(cb_weight_t *w, float *dst) {
-    const int nb = w->cols / 32;
-    const size_t bb = w->type == CB_TYPE_Q4_1 ? 20 : 34;
-    float *d = dst, *mn = w->type == CB_TYPE_Q4_1 ? dst + (size_t)w->rows * nb : NULL;
-    for (int r = 0; r < w->rows; r++) {
-        const uint8_t *src = (const uint8_t *)w->q + (size_t)r * w->row_bytes;
-        for (int b = 0; b < nb; b++, src += bb) {
-            uint16_t h;
-            memcpy(&h, src, 2);
-            d[(size_t)r * nb + b] = cb_f16_to_f32(h);
-            if (mn) {
-                   memcpy(&h, src + 2, 2);
-                   mn[(size_t)r * nb + b] = cb_f16_to_f32(h);
-            }
-        }
-    }
-    w->scale = d;
-    w->min = mn;
-}
-
-/* f32 copies of the per-block scales of every Q4_1 / Q8_0 matrix the engine reads by matvec. */
-static bool build_scales(cb_model_t *m) {
-    cb_weight_t *ws[7 * MAX_LAYERS + 2];
-    int n = 0;
-    ws[n++] = &m->tok_embd;
-    if (!m->hp.tied_output) ws[n++] = &m->output;
-    for (int l = 0; l < m->hp.n_layer; l++) {
-        cb_layer_weights_t *L = &m->layers[l];
-        cb_weight_t *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-        for (int k = 0; k < 7; k++) ws[n++] = lw[k];
-    }
-    size_t total = 0;
-    for (int i = 0; i < n; i++) total += scale_floats(ws[i]);
-    if (total == 0) return true;
-    m->scales = malloc(sizeof(float) * total);
-    if (!m->scales) return false;
-    float *p = m->scales;
-    for (int i = 0; i < n; i++) {
-        if (!scale_floats(ws[i])) continue;
-        fill_scales(ws[i], p);
-        p += scale_floats(ws[i]);
-    }
-    if (m->hp.tied_output) m->output = m->tok_embd;
-    return true;
-}
-
 /* ---------------------------------------------------------------- load */
 
-static bool dequant_weight(cb_weight_t *w, float *dst, char *err, size_t errlen) {
-    bool ok = true;
-    /* row-parallel: each row is a whole number of blocks */
-    /* cb_cpu_dequant_row is bit-identical to cb_dequant (tested), and what decode uses in registers */
-    if (cb_type_block_elems(w->type) == 0) ok = false;
-    else {
-        #pragma omp parallel for schedule(static)
-        for (int r = 0; r < w->rows; r++) cb_cpu_dequant_row(w, r, dst + (size_t)r * w->cols);
+/* Types cb_dequant (and so cb_cpu_dequant_row) handles. */
+static bool dequant_supported(uint32_t type) {
+    switch (type) {
+    case CB_TYPE_F32: case CB_TYPE_F16: case CB_TYPE_BF16: case CB_TYPE_Q4_0: case CB_TYPE_Q4_1:
+    case CB_TYPE_Q8_0: case CB_TYPE_Q4_K: case CB_TYPE_Q6_K: return true;
+    default: return false;
     }
-    if (!ok) {
-        cb_set_err(err, errlen, "tensor %s: cannot dequantize type %s", w->name, cb_type_name(w->type));
-        return false;
-    }
+}
+
+static void dequant_weight(cb_weight_t *w, float *dst) {
+    /* row-parallel: each row is a whole number of blocks; cb_cpu_dequant_row is bit-identical to cb_dequant */
+    #pragma omp parallel for schedule(static)
+    for (int r = 0; r < w->rows; r++) cb_cpu_dequant_row(w, r, dst + (size_t)r * w->cols);
     w->f32 = dst;
-    return true;
 }
 
 cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
@@ -503,30 +448,46 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
         if (!load_norm(m, g, name, &L->ffn_norm, err, errlen)) goto fail;
     }
 
-    /* f32 copies of the block matrices, one arena, in layer order. */
-    size_t per_layer = (size_t)E * (QD + 2 * KVD) + (size_t)QD * E + (size_t)E * F * 3;
-    m->arena_floats = per_layer * (size_t)hp->n_layer;
-    if (m->arena_floats > ((size_t)1 << 40) / sizeof(float)) {
-        cb_set_err(err, errlen, "model too large");
+    /* Weights are read where they are stored; CB_ENGINE_WEIGHTS=f32 keeps f32 copies of the block matrices
+     * (one arena, in layer order), which the CPU backend then uses instead (the f32 reference). */
+    const char *wmode = getenv("CB_ENGINE_WEIGHTS");
+    if (wmode && *wmode && strcmp(wmode, "f32") != 0 && strcmp(wmode, "native") != 0) {
+        cb_set_err(err, errlen, "CB_ENGINE_WEIGHTS = '%s': expected native or f32", wmode);
         goto fail;
     }
-    m->arena = cb_cpu_alloc_huge(m->arena_floats * sizeof(float), false);
-    if (!m->arena) {
-        cb_set_err(err, errlen, "out of memory for %zu MB of f32 weights", m->arena_floats * 4 >> 20);
-        goto fail;
-    }
-    float *p = m->arena;
     for (int l = 0; l < hp->n_layer; l++) {
-        cb_layer_weights_t *L = &m->layers[l];
-        cb_weight_t *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-        for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) {
-            if (!dequant_weight(ws[k], p, err, errlen)) goto fail;
-            p += (size_t)ws[k]->rows * ws[k]->cols;
-        }
+        const cb_layer_weights_t *L = &m->layers[l];
+        const cb_weight_t *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++)
+            if (!dequant_supported(ws[k]->type)) {
+                cb_set_err(err, errlen, "tensor %s: cannot dequantize type %s", ws[k]->name, cb_type_name(ws[k]->type));
+                goto fail;
+            }
     }
-    if (!build_scales(m)) {
-        cb_set_err(err, errlen, "out of memory for block scales");
-        goto fail;
+    if (wmode && !strcmp(wmode, "f32")) {
+        size_t per_layer = (size_t)E * (QD + 2 * KVD) + (size_t)QD * E + (size_t)E * F * 3;
+        const size_t out_floats = (size_t)hp->n_vocab * E;
+        m->arena_floats = per_layer * (size_t)hp->n_layer + out_floats;
+        if (m->arena_floats > ((size_t)1 << 40) / sizeof(float)) {
+            cb_set_err(err, errlen, "model too large");
+            goto fail;
+        }
+        m->arena = cb_cpu_alloc_huge(m->arena_floats * sizeof(float), false);
+        if (!m->arena) {
+            cb_set_err(err, errlen, "out of memory for %zu MB of f32 weights", m->arena_floats * 4 >> 20);
+            goto fail;
+        }
+        float *p = m->arena;
+        for (int l = 0; l < hp->n_layer; l++) {
+            cb_layer_weights_t *L = &m->layers[l];
+            cb_weight_t *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+            for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) {
+                dequant_weight(ws[k], p);
+                p += (size_t)ws[k]->rows * ws[k]->cols;
+            }
+        }
+        /* the output matrix too (its matvec then runs in f32); the embedding lookup reads the stored rows */
+        dequant_weight(&m->output, p);
     }
     if (compute_fingerprint(m) != 0) {
         cb_set_err(err, errlen, "libsodium initialisation failed");
@@ -548,7 +509,6 @@ void cb_model_destroy(cb_model_t **self_p) {
     for (int i = 0; i < m->n_norm_copies; i++) free(m->norm_copies[i]);
     free(m->norm_copies);
     free(m->arena);
-    free(m->scales);
     free(m->layers);
     cb_gguf_destroy(&m->gguf);
     free(m);

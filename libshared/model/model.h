@@ -65,9 +65,8 @@ typedef struct {
     const void *q;           /* [rows] stored rows of row_bytes each (in the mapping) */
     size_t row_bytes;        /* bytes of one stored row */
     int rows, cols;          /* out, in */
-    const float *f32;        /* [rows][cols] dequantized copy (prefill GEMMs), or NULL when not kept */
-    const float *scale;      /* [rows][cols/32] f32 copies of the Q4_1/Q8_0 block scales d, or NULL */
-    const float *min;        /* [rows][cols/32] f32 copies of the Q4_1 block mins m, or NULL */
+    const float *f32;        /* [rows][cols] dequantized copy, or NULL (the default: CB_ENGINE_WEIGHTS=f32
+                                keeps copies of the block matrices, the f32 reference numerics) */
 } cb_weight_t;
 
 typedef struct {
@@ -117,6 +116,6 @@ bool cb_model_is_eog(const cb_model_t *self, int32_t id);
  * computed value (general.name, license, chat template) does not count. */
 void cb_model_fingerprint(const cb_model_t *self, uint8_t out[32]);
 
-/* Bytes of f32 copies held by the model (for memory accounting). */
+/* Bytes of f32 copies held by the model (for memory accounting; 0 unless CB_ENGINE_WEIGHTS=f32). */
 size_t cb_model_f32_bytes(const cb_model_t *self);
 #endif

@@ -15,6 +15,7 @@
 #include "engine/backend.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/cpu_ops.h"
+#include "cpu/cpu_quant.h"
 #include "engine/engine.h"
 #include "engine/sampler.h"
 #include "model/model.h"
@@ -404,20 +405,19 @@ static void random_weight(cb_weight_t *w, uint32_t type, int rows, int cols, uin
                        .cols = cols, .f32 = NULL};
 }
 
-/* The f32 scale (and min) copies cb_model_load makes, for the fused matvec kernels. */
-static float *add_scales(cb_weight_t *w) {
-    size_t nb = (size_t)w->rows * (w->cols / 32), bb = w->type == CB_TYPE_Q4_1 ? 20 : 34;
-    float *s = malloc(sizeof(float) * 2 * nb);
-    for (size_t b = 0; b < nb; b++) {
-        uint16_t h;
-        memcpy(&h, (const uint8_t *)w->q + b * bb, 2);
-        s[b] = cb_f16_to_f32(h);
-        memcpy(&h, (const uint8_t *)w->q + b * bb + 2, 2);
-        s[nb + b] = cb_f16_to_f32(h);
-    }
-    w->scale = s;
-    w->min = w->type == CB_TYPE_Q4_1 ? s + nb : NULL;
+/* Scratch of the matrix products for up to max_rows rows of cols columns on 2 threads. */
+static cb_cpu_mm_scratch_t mm_scratch(int max_rows, int cols, size_t tile_floats) {
+    cb_cpu_mm_scratch_t s = {.max_rows = max_rows, .max_cols = cols, .tile_floats = tile_floats};
+    s.rows = malloc(sizeof(float) * 2 * (size_t)cols);
+    s.xq = malloc(cb_cpu_q8_row_bytes(cols) * (size_t)max_rows);
+    s.tiles = malloc(sizeof(float) * 2 * tile_floats);
     return s;
+}
+
+static void mm_scratch_free(cb_cpu_mm_scratch_t *s) {
+    free(s->rows);
+    free(s->xq);
+    free(s->tiles);
 }
 
 TEST(test_dequant_and_matvec) {
@@ -432,31 +432,45 @@ TEST(test_dequant_and_matvec) {
         CHECK(cb_dequant(types[t], buf, ref, (size_t)R * C));
         for (int r = 0; r < R; r++) cb_cpu_dequant_row(&w, r, mine + (size_t)r * C);
         CHECK(memcmp(ref, mine, sizeof(float) * R * C) == 0);
-        enum { N = 2 * CB_CPU_MATVEC_ROWS + 3 }; /* rows: more than two passes of the kernels */
-        float x[N * C], y[N * R], y2[N * R], y1[R], scr[2 * C];
+        enum { N = 19 }; /* rows: more than four passes of the 4-row kernels */
+        float x[N * C], y[N * R], y2[N * R], y1[R];
         fill(x, N * C, 1.0f);
-        float *scales = NULL;
-        for (int pass = 0; pass < 2; pass++) { /* generic path, then the fused kernels with scale copies */
-            if (pass == 1) scales = add_scales(&w);
-            for (int n = 1; n <= N; n++) {
-                cb_cpu_matvec(&w, x, n, y, R, scr, pool2);
-                for (int i = 0; i < n; i++) {
-                    for (int o = 0; o < R; o++) {
-                        double s = 0;
-                        for (int j = 0; j < C; j++) s += (double)ref[(size_t)o * C + j] * x[i * C + j];
-                        CHECK_NEAR(y[i * R + o], s, 1e-4);
+        /* tiles of 7 weight rows: several tiles per slice, a partial last one */
+        cb_cpu_mm_scratch_t scr = mm_scratch(N, C, 7 * C);
+        for (int n = 1; n <= N; n++) {
+            cb_cpu_matvec(&w, x, n, y, R, &scr, pool2);
+            for (int i = 0; i < n; i++) {
+                for (int o = 0; o < R; o++) {
+                    /* the integer kernels: activation rounding only (cpu_quant.h),
+                     * |err| <= sum_b 0.5625 max|x_b| / 127 * sum|w_b| */
+                    double s = 0, bound = 0;
+                    for (int b = 0; b < C / 32; b++) {
+                        double amax = 0, wsum = 0;
+                        for (int j = 32 * b; j < 32 * b + 32; j++) {
+                            s += (double)ref[(size_t)o * C + j] * x[i * C + j];
+                            amax = fmax(amax, fabs(x[i * C + j]));
+                            wsum += fabs(ref[(size_t)o * C + j]);
+                        }
+                        bound += 0.5625 * amax / 127 * wsum;
                     }
-                    /* each row the bits it gets alone, whatever n */
-                    cb_cpu_matvec(&w, x + i * C, 1, y1, R, scr, NULL);
-                    CHECK(memcmp(y1, y + i * R, sizeof y1) == 0);
+                    CHECK_NEAR(y[i * R + o], s, bound * 1.001 + 1e-5);
                 }
+                /* each row the bits it gets alone, whatever n */
+                cb_cpu_matvec(&w, x + i * C, 1, y1, R, &scr, NULL);
+                CHECK(memcmp(y1, y + i * R, sizeof y1) == 0);
             }
         }
-        w.f32 = ref; /* GEMM on the f32 copy agrees with matvec on the stored rows */
-        cb_cpu_gemm(&w, x, 8, y2, R, pool2);
-        cb_cpu_matvec(&w, x, 8, y, R, scr, NULL);
+        /* GEMM over dequantized tiles = GEMM over an f32 copy of the weight (the same values) */
+        cb_cpu_gemm(&w, x, N, y, R, &scr, pool2);
+        w.f32 = ref;
+        cb_cpu_gemm(&w, x, N, y2, R, &scr, pool2);
+        /* (OpenBLAS's blocking follows the output width, so the sums' order can differ: |y| ~ 10 here) */
+        CHECK_MSG(maxdiff(y, y2, N * R) < 1e-4, "tiles vs copy %g", maxdiff(y, y2, N * R));
+        /* the f32 reference matvec (over the copy) agrees with the GEMM */
+        cb_cpu_matvec(&w, x, 8, y, R, &scr, NULL);
         CHECK(maxdiff(y, y2, 8 * R) < 1e-4);
-        free(ref); free(mine); free(buf); free(scales);
+        mm_scratch_free(&scr);
+        free(ref); free(mine); free(buf);
     }
     cb_pool_destroy(&pool2);
 }
@@ -464,6 +478,16 @@ TEST(test_dequant_and_matvec) {
 /* ---------------------------------------------------------------- model loader */
 
 static char tiny_path[64];
+
+static cb_model_t *load_tiny(const tiny_opts_t *o, char *err, size_t errlen);
+
+/* The tiny model with f32 weight copies (the f32 reference numerics) or without (native). */
+static cb_model_t *load_tiny_mode(bool f32, char *err, size_t errlen) {
+    if (f32) setenv("CB_ENGINE_WEIGHTS", "f32", 1);
+    cb_model_t *m = load_tiny(NULL, err, errlen);
+    unsetenv("CB_ENGINE_WEIGHTS");
+    return m;
+}
 
 static cb_model_t *load_tiny(const tiny_opts_t *o, char *err, size_t errlen) {
     snprintf(tiny_path, sizeof tiny_path, "/tmp/cb_tiny_%d.gguf", (int)getpid());
@@ -487,7 +511,8 @@ TEST(test_tiny_model_loads) {
     CHECK(hp->bos_id == 1 && hp->eos_id == 2 && cb_model_is_eog(m, 2) && cb_model_is_eog(m, 0));
     CHECK(!cb_model_is_eog(m, 1));
     CHECK(cb_model_output(m)->q == cb_model_tok_embd(m)->q);
-    CHECK(cb_model_layer(m, 0)->wq.f32 && !cb_model_tok_embd(m)->f32 && !cb_model_layer(m, TINY_L));
+    CHECK(!cb_model_layer(m, 0)->wq.f32 && !cb_model_tok_embd(m)->f32 && !cb_model_layer(m, TINY_L));
+    CHECK(cb_model_f32_bytes(m) == 0); /* weights are read where they are stored */
     uint8_t fp1[32], fp2[32], fp3[32];
     cb_model_fingerprint(m, fp1);
     cb_model_destroy(&m);
@@ -723,25 +748,41 @@ static int engine_properties(const cb_model_t *m, const int32_t *tok, int n, int
     return rc;
 }
 
+/* Tolerances of the native numerics (int8 activations in calls of up to 8 rows, cpu_quant.h) against the
+ * f32 ones. The activation rounding moves a product by up to 0.44% of sum|x||w| per block (cpu_quant.h),
+ * and ~0.1% typically; over the layers of a forward pass that gives the logit differences measured below
+ * (tiny model 0.066 / 0.12, SmolLM2 0.76 max over all 49152 logits: llama.cpp's own int8 activations move
+ * SmolLM2's top-10 logits by 0.14-0.85 from the exact values, test_golden.c). Bounds: about 2x measured. */
+#define TINY_NATIVE_TOL 0.3
+#define REAL_NATIVE_TOL 1.5
+
 TEST(test_tiny_vs_reference) {
     char err[256];
-    cb_model_t *m = load_tiny(NULL, err, sizeof err);
-    CHECK_MSG(m, "%s", err);
-    int32_t tok[70];
-    for (int i = 0; i < 70; i++) tok[i] = (i * 29 + 3) % 80;
-    double d1 = vs_reference(m, tok, 70), d2 = vs_reference(m, tok, 2);
-    fprintf(stderr, "  tiny model: max|engine - f64 reference| %.3g (70 tokens), %.3g (2 tokens)\n", d1, d2);
-    CHECK(d1 < 1e-4 && d2 < 1e-4);
-    cb_model_destroy(&m);
+    for (int f32 = 1; f32 >= 0; f32--) {
+        cb_model_t *m = load_tiny_mode(f32, err, sizeof err);
+        CHECK_MSG(m, "%s", err);
+        int32_t tok[70];
+        for (int i = 0; i < 70; i++) tok[i] = (i * 29 + 3) % 80;
+        double d1 = vs_reference(m, tok, 70), d2 = vs_reference(m, tok, 2), tol = f32 ? 1e-4 : TINY_NATIVE_TOL;
+        fprintf(stderr, "  tiny model, %s weights: max|engine - f64 reference| %.3g (70 tokens), %.3g (2 tokens)\n",
+                f32 ? "f32" : "native", d1, d2);
+        CHECK(d1 < tol && d2 < tol);
+        cb_model_destroy(&m);
+    }
 }
 
 TEST(test_tiny_engine_properties) {
     char err[256];
-    cb_model_t *m = load_tiny(NULL, err, sizeof err);
-    CHECK_MSG(m, "%s", err);
     int32_t tok[40];
     for (int i = 0; i < 40; i++) tok[i] = (i * 37 + 11) % 80;
     double dd, ds;
+    cb_model_t *m = load_tiny_mode(false, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    /* native: the prompt's prefill (GEMMs, f32) and decode (int8 matvecs) differ by the activation rounding */
+    CHECK(engine_properties(m, tok, 40, 17, TINY_NATIVE_TOL, &dd, &ds) == 0);
+    cb_model_destroy(&m);
+    m = load_tiny_mode(true, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
     CHECK(engine_properties(m, tok, 40, 17, 1e-4, &dd, &ds) == 0);
     CHECK(engine_properties(m, tok, 12, 1, 1e-4, &dd, &ds) == 0);
 
@@ -1120,6 +1161,21 @@ static cb_model_t *real_model(void) {
     return m;
 }
 
+/* The real model with f32 weight copies (CB_ENGINE_WEIGHTS=f32: the f32 reference numerics). */
+static cb_model_t *real_model_f32(void) {
+    static cb_model_t *m;
+    static int tried;
+    if (!tried) {
+        tried = 1;
+        const char *p = test_model_path();
+        char err[256];
+        setenv("CB_ENGINE_WEIGHTS", "f32", 1);
+        if (p && !(m = cb_model_load(p, err, sizeof err))) fprintf(stderr, "  load %s: %s\n", p, err);
+        unsetenv("CB_ENGINE_WEIGHTS");
+    }
+    return m;
+}
+
 /* Prompt i of a batch test: base + 3..31 tokens (all lengths different for i < 29) into prompt; its length. */
 static int batch_prompt(int i, int base, int V, int32_t *prompt) {
     const int n = base + 3 + (i * 7) % 29;
@@ -1273,11 +1329,15 @@ TEST(test_real_engine_properties) {
                                   504, 3575, 282, 4649, 314, 7042, 30, 2, 198};
     const int n = TEST_SANITIZED ? 6 : (int)(sizeof tok / sizeof tok[0]);
     double dd, ds;
-    CHECK(engine_properties(m, tok, n, n / 2 - 1, 1e-3, &dd, &ds) == 0);
+    CHECK(engine_properties(m, tok, n, n / 2 - 1, REAL_NATIVE_TOL, &dd, &ds) == 0);
+    cb_model_t *mf = real_model_f32();
+    CHECK(mf);
+    CHECK(engine_properties(mf, tok, n, n / 2 - 1, 1e-3, &dd, &ds) == 0);
     const int nr = TEST_SANITIZED ? 2 : 6;
-    double d = vs_reference(m, tok, nr);
-    fprintf(stderr, "  SmolLM2: max|engine - f64 reference| over all logits %.3g (%d tokens)\n", d, nr);
-    CHECK(d < 1e-3);
+    double d = vs_reference(mf, tok, nr), dn = vs_reference(m, tok, nr);
+    fprintf(stderr, "  SmolLM2: max|engine - f64 reference| over all logits, f32 weights %.3g, native %.3g (%d tokens)\n",
+            d, dn, nr);
+    CHECK(d < 1e-3 && dn < REAL_NATIVE_TOL);
 }
 
 int main(void) {
@@ -1304,7 +1364,8 @@ int main(void) {
     RUN(test_real_hparams);
     RUN(test_real_engine_properties);
     RUN(test_real_decode_batch);
-    cb_model_t *m = real_model();
+    cb_model_t *m = real_model(), *mf = real_model_f32();
     cb_model_destroy(&m);
+    cb_model_destroy(&mf);
     return test_summary();
 }

@@ -1,0 +1,434 @@
+/* cpu_quant.c: the integer matvec kernels of cpu_quant.h, in a portable scalar set and an AVX2 set.
+ *
+ * Block layouts (REFERENCE.md §3, format/quant.c): Q4_0 {f16 d; u8 qs[16]} w = (nibble - 8) d; Q4_1 {f16 d,
+ * m; u8 qs[16]} w = nibble d + m (low nibbles are elements 0..15, high 16..31); Q8_0 {f16 d; i8 qs[32]};
+ * Q4_K {f16 d, dmin; u8 scales[12]; u8 qs[128]}: 8 sub-blocks of 32 with 6-bit scale sc and min mn,
+ * w = d sc nibble - dmin mn, chunk c of 32 bytes holds sub-block 2c in its low and 2c+1 in its high
+ * nibbles; Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: 16 scales of 16 elements, w = d sc (q - 32).
+ *
+ * A product of one weight block and one activation block is an exact integer sum (|sum| < 2^23), scaled by
+ * d_w * d_x in f32 and accumulated in f32. The AVX2 kernels keep 8 lanes of partial sums per row and add
+ * them at the end; the scalar kernels add block by block.
+ */
+#include "cpu/cpu_quant.h"
+
+#include <assert.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "format/gguf.h"
+#include "format/quant.h"
+
+#define QROWS 4 /* activation rows per pass over a weight row */
+
+/* One quantized activation row (views into the cb_cpu_q8_quantize layout). */
+typedef struct {
+    const int8_t *q;  /* [cols] */
+    const float *d;   /* [cols/32] block scales */
+    const float *ds;  /* [cols/32] d * sum of the block's q */
+} xrow_t;
+
+size_t cb_cpu_q8_row_bytes(int cols) {
+    size_t b = (size_t)cols + 8 * (size_t)(cols / 32);
+    return (b + 63) / 64 * 64;
+}
+
+static xrow_t xrow(const void *base, int cols, int r) {
+    const uint8_t *p = (const uint8_t *)base + (size_t)r * cb_cpu_q8_row_bytes(cols);
+    const float *d = (const float *)(p + cols);
+    return (xrow_t){(const int8_t *)p, d, d + cols / 32};
+}
+
+/* Scalar in every kernel set, so that the quantized activations are the same bits everywhere. As ggml's
+ * Q8_0 / Q8_1 activations on x86 (so that our decode follows llama.cpp's closely): q = nearbyint(x / d) in
+ * the default rounding mode (to nearest even), |q| <= 127, with d = max|x| / 127 kept rounded to f16, and
+ * ds = d * sum(q) rounded to f16. */
+void cb_cpu_q8_quantize(const float *x, int cols, void *dst) {
+    int8_t *q = dst;
+    float *d = (float *)((uint8_t *)dst + cols), *ds = d + cols / 32;
+    for (int b = 0; b < cols / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            int v = (int)nearbyintf(xb[j] * id);
+            v = v > 127 ? 127 : v < -127 ? -127 : v; /* x * (1/d) can round a hair above 127 */
+            q[32 * b + j] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = cb_f16_to_f32(cb_f32_to_f16(db));
+        ds[b] = cb_f16_to_f32(cb_f32_to_f16(db * (float)sum));
+    }
+}
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return cb_f16_to_f32(h);
+}
+
+/* 6-bit scale and min of Q4_K sub-block k (0..7) from the 12 packed bytes. */
+static inline void q4k_scale_min(int k, const uint8_t *s, int *sc, int *mn) {
+    if (k < 4) {
+        *sc = s[k] & 63;
+        *mn = s[k + 4] & 63;
+    } else {
+        *sc = (s[k + 4] & 0xF) | ((s[k - 4] >> 6) << 4);
+        *mn = (s[k + 4] >> 4) | ((s[k] >> 6) << 4);
+    }
+}
+
+/* The 32 six-bit values (0..63) of Q6_K sub-block k (0..7) of a super-block, element order. */
+static inline void q6k_unpack(const uint8_t *blk, int k, uint8_t out[32]) {
+    const int h = k / 4, t = k % 4;
+    const uint8_t *ql = blk + 64 * h + (t & 1) * 32, *qh = blk + 128 + 32 * h;
+    for (int l = 0; l < 32; l++) {
+        int lo = t < 2 ? ql[l] & 0xF : ql[l] >> 4;
+        out[l] = (uint8_t)(lo | ((qh[l] >> (2 * t)) & 3) << 4);
+    }
+}
+
+/* ---------------------------------------------------------------- scalar kernels */
+
+/* Every kernel: out[r] = w · x[r] for r < R; w is one stored row of cols elements. */
+typedef void (*qdot_fn)(const uint8_t *w, int cols, const xrow_t *x, int R, float *out);
+
+static void s_q4_0(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+    for (int r = 0; r < R; r++) {
+        float acc = 0.0f;
+        for (int b = 0; b < cols / 32; b++) {
+            const uint8_t *blk = w + 18 * b;
+            const int8_t *xq = x[r].q + 32 * b;
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += ((blk[2 + j] & 0xF) - 8) * xq[j] + ((blk[2 + j] >> 4) - 8) * xq[j + 16];
+            acc += f16_at(blk) * x[r].d[b] * (float)s;
+        }
+        out[r] = acc;
+    }
+}
+
+static void s_q4_1(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+    for (int r = 0; r < R; r++) {
+        float acc = 0.0f;
+        for (int b = 0; b < cols / 32; b++) {
+            const uint8_t *blk = w + 20 * b;
+            const int8_t *xq = x[r].q + 32 * b;
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += (blk[4 + j] & 0xF) * xq[j] + (blk[4 + j] >> 4) * xq[j + 16];
+            acc += f16_at(blk) * x[r].d[b] * (float)s + f16_at(blk + 2) * x[r].ds[b];
+        }
+        out[r] = acc;
+    }
+}
+
+static void s_q8_0(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+    for (int r = 0; r < R; r++) {
+        float acc = 0.0f;
+        for (int b = 0; b < cols / 32; b++) {
+            const uint8_t *blk = w + 34 * b;
+            const int8_t *wq = (const int8_t *)(blk + 2), *xq = x[r].q + 32 * b;
+            int s = 0;
+            for (int j = 0; j < 32; j++) s += wq[j] * xq[j];
+            acc += f16_at(blk) * x[r].d[b] * (float)s;
+        }
+        out[r] = acc;
+    }
+}
+
+static void s_q4_k(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+    for (int r = 0; r < R; r++) {
+        float acc = 0.0f;
+        for (int i = 0; i < cols / 256; i++) {
+            const uint8_t *blk = w + 144 * i, *qs = blk + 16;
+            const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            for (int k = 0; k < 8; k++) {
+                const uint8_t *q = qs + 32 * (k / 2);
+                const int8_t *xq = x[r].q + 256 * i + 32 * k;
+                const int bi = 8 * i + k, shift = 4 * (k & 1);
+                int sc, mn, s = 0;
+                q4k_scale_min(k, blk + 4, &sc, &mn);
+                for (int l = 0; l < 32; l++) s += ((q[l] >> shift) & 0xF) * xq[l];
+                acc += d * (float)sc * x[r].d[bi] * (float)s - dmin * (float)mn * x[r].ds[bi];
+            }
+        }
+        out[r] = acc;
+    }
+}
+
+static void s_q6_k(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+    for (int r = 0; r < R; r++) {
+        float acc = 0.0f;
+        for (int i = 0; i < cols / 256; i++) {
+            const uint8_t *blk = w + 210 * i;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = f16_at(blk + 208);
+            for (int k = 0; k < 8; k++) {
+                uint8_t q[32];
+                q6k_unpack(blk, k, q);
+                const int8_t *xq = x[r].q + 256 * i + 32 * k;
+                int sa = 0, sb = 0;
+                for (int l = 0; l < 16; l++) sa += ((int)q[l] - 32) * xq[l];
+                for (int l = 16; l < 32; l++) sb += ((int)q[l] - 32) * xq[l];
+                /* scales of elements 0..15 and 16..31 of sub-block k = 4h + t: sc[8h + 2t], sc[8h + 2t + 1] */
+                const int s0 = sc[2 * k], s1 = sc[2 * k + 1];
+                acc += d * x[r].d[8 * i + k] * (float)(s0 * sa + s1 * sb);
+            }
+        }
+        out[r] = acc;
+    }
+}
+
+/* ---------------------------------------------------------------- AVX2 kernels */
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CB_HAVE_X86 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+static inline float v_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float v_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* sum over pairs of u8 u times i8 s (|u| <= 128, |s| <= 127: no int16 saturation), as 8 f32 lanes. */
+static inline __m256 v_dot_us(__m256i u, __m256i s) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+/* The same for two signed vectors: |a| times s with a's sign moved onto s. */
+static inline __m256 v_dot_ss(__m256i a, __m256i s) { return v_dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(s, a)); }
+
+/* 16 bytes of nibbles as 32 bytes: low nibbles (elements 0..15), then high ones (16..31). */
+static inline __m256i v_nibbles(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+}
+
+static inline __m256i v_load(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* The kernels are written for R (1..QROWS) rows and inlined with R constant (v_rows_switch), so the
+ * accumulators stay in registers and each weight block is unpacked once for the R rows. */
+#define V_ROWS_SWITCH(fn)                                                                                \
+    static void fn(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {                     \
+        switch (R) {                                                                                     \
+        case 1: fn##_r(w, cols, x, 1, out); break;                                                       \
+        case 2: fn##_r(w, cols, x, 2, out); break;                                                       \
+        case 3: fn##_r(w, cols, x, 3, out); break;                                                       \
+        default: fn##_r(w, cols, x, 4, out); break;                                                      \
+        }                                                                                                \
+    }
+
+static inline __attribute__((always_inline)) void v_q4_0_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
+                                                            float *out) {
+    __m256 acc[QROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < cols / 32; b++) {
+        const uint8_t *blk = w + 18 * b;
+        const __m256i wq = _mm256_sub_epi8(v_nibbles(blk + 2), _mm256_set1_epi8(8));
+        const float d = v_f16(blk);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), v_dot_ss(wq, v_load(x[r].q + 32 * b)), acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]);
+}
+V_ROWS_SWITCH(v_q4_0)
+
+static inline __attribute__((always_inline)) void v_q4_1_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
+                                                            float *out) {
+    __m256 acc[QROWS];
+    float accm[QROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
+    for (int b = 0; b < cols / 32; b++) {
+        const uint8_t *blk = w + 20 * b;
+        const __m256i wq = v_nibbles(blk + 4);
+        const float d = v_f16(blk), m = v_f16(blk + 2);
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), v_dot_us(wq, v_load(x[r].q + 32 * b)), acc[r]);
+            accm[r] += m * x[r].ds[b];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]) + accm[r];
+}
+V_ROWS_SWITCH(v_q4_1)
+
+static inline __attribute__((always_inline)) void v_q8_0_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
+                                                            float *out) {
+    __m256 acc[QROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < cols / 32; b++) {
+        const uint8_t *blk = w + 34 * b;
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const float d = v_f16(blk);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), v_dot_ss(wq, v_load(x[r].q + 32 * b)), acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]);
+}
+V_ROWS_SWITCH(v_q8_0)
+
+static inline __attribute__((always_inline)) void v_q4_k_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
+                                                            float *out) {
+    __m256 acc[QROWS];
+    float accm[QROWS];
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
+    for (int i = 0; i < cols / 256; i++) {
+        const uint8_t *blk = w + 144 * i;
+        const float d = v_f16(blk), dmin = v_f16(blk + 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            int sc0, mn0, sc1, mn1;
+            q4k_scale_min(2 * c, blk + 4, &sc0, &mn0);
+            q4k_scale_min(2 * c + 1, blk + 4, &sc1, &mn1);
+            const float d0 = d * (float)sc0, d1 = d * (float)sc1, m0 = dmin * (float)mn0, m1 = dmin * (float)mn1;
+            const int b0 = 8 * i + 2 * c;
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = x[r].q + 32 * b0;
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[r].d[b0]), v_dot_us(lo, v_load(xq)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[r].d[b0 + 1]), v_dot_us(hi, v_load(xq + 32)), acc[r]);
+                accm[r] += m0 * x[r].ds[b0] + m1 * x[r].ds[b0 + 1];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]) - accm[r];
+}
+V_ROWS_SWITCH(v_q4_k)
+
+static inline __attribute__((always_inline)) void v_q6_k_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
+                                                            float *out) {
+    __m256 acc[QROWS];
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int i = 0; i < cols / 256; i++) {
+        const uint8_t *blk = w + 210 * i;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = v_f16(blk + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i qla = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i qlb = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            for (int t = 0; t < 4; t++) {
+                const __m256i ql = t & 1 ? qlb : qla;
+                const __m256i lo = t < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+                const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m2);
+                /* q - 32 in -32..31 (hb << 4 stays inside each byte: hb <= 3) */
+                const __m256i wq = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)), off);
+                const int k = 4 * h + t;
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
+                const __m256i aw = _mm256_sign_epi8(wq, wq);
+                for (int r = 0; r < R; r++) {
+                    const __m256i xq = v_load(x[r].q + 256 * i + 32 * k);
+                    /* pairs of |w| * (x with w's sign), then times each half's scale: exact int32 */
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xq, wq)), scv);
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[8 * i + k]), _mm256_cvtepi32_ps(p), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]);
+}
+V_ROWS_SWITCH(v_q6_k)
+#pragma GCC pop_options
+#endif
+
+/* ---------------------------------------------------------------- dispatch */
+
+typedef struct {
+    const char *name;
+    qdot_fn q4_0, q4_1, q8_0, q4_k, q6_k;
+} qdot_set_t;
+
+static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q8_0, s_q4_k, s_q6_k};
+#ifdef CB_HAVE_X86
+static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k};
+#endif
+
+static const qdot_set_t *g_set;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static bool have_avx2(void) {
+#ifdef CB_HAVE_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+static void init_once(void) {
+    const char *e = getenv("CB_CPU_ISA");
+    if (cb_cpu_qdot_use(e && *e ? e : NULL) != 0) cb_cpu_qdot_use(NULL);
+}
+
+int cb_cpu_qdot_use(const char *isa) {
+    if (!isa) {
+#ifdef CB_HAVE_X86
+        g_set = have_avx2() ? &AVX2 : &SCALAR;
+#else
+        g_set = &SCALAR;
+#endif
+        return 0;
+    }
+    if (!strcmp(isa, "scalar")) {
+        g_set = &SCALAR;
+        return 0;
+    }
+#ifdef CB_HAVE_X86
+    if (!strcmp(isa, "avx2") && have_avx2()) {
+        g_set = &AVX2;
+        return 0;
+    }
+#endif
+    return -1;
+}
+
+static const qdot_set_t *kernels(void) {
+    pthread_once(&g_once, init_once);
+    return g_set;
+}
+
+const char *cb_cpu_qdot_isa(void) { return kernels()->name; }
+
+static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
+    switch (type) {
+    case CB_TYPE_Q4_0: return k->q4_0;
+    case CB_TYPE_Q4_1: return k->q4_1;
+    case CB_TYPE_Q8_0: return k->q8_0;
+    case CB_TYPE_Q4_K: return k->q4_k;
+    case CB_TYPE_Q6_K: return k->q6_k;
+    default: return NULL;
+    }
+}
+
+bool cb_cpu_qdot_supported(const cb_weight_t *w) {
+    const int blk = w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K ? 256 : 32;
+    return kernel_of(&SCALAR, w->type) && w->cols > 0 && w->cols % blk == 0;
+}
+
+void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int n, float *y, int ldy) {
+    const qdot_fn fn = kernel_of(kernels(), w->type);
+    assert(fn && cb_cpu_qdot_supported(w));
+    for (int r0 = 0; r0 < n; r0 += QROWS) {
+        const int R = n - r0 < QROWS ? n - r0 : QROWS;
+        xrow_t xs[QROWS];
+        for (int r = 0; r < R; r++) xs[r] = xrow(xq, w->cols, r0 + r);
+        for (int o = o0; o < o1; o++) {
+            float out[QROWS];
+            fn((const uint8_t *)w->q + (size_t)o * w->row_bytes, w->cols, xs, R, out);
+            for (int r = 0; r < R; r++) y[(size_t)(r0 + r) * ldy + o] = out[r];
+        }
+    }
+}
