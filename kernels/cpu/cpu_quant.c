@@ -41,10 +41,10 @@ static xrow_t xrow(const void *base, int cols, int r) {
     return (xrow_t){(const int8_t *)p, d, d + cols / 32};
 }
 
-/* Scalar in every kernel set, so that the quantized activations are the same bits everywhere. As ggml's
- * Q8_0 / Q8_1 activations on x86 (so that our decode follows llama.cpp's closely): q = nearbyint(x / d) in
- * the default rounding mode (to nearest even), |q| <= 127, with d = max|x| / 127 kept rounded to f16, and
- * ds = d * sum(q) rounded to f16. */
+/* Scalar in every kernel set, so that the quantized activations are the same bits everywhere:
+ * q = nearbyint(x / d) in the default rounding mode (to nearest even, as ggml's x86 quantizer), |q| <= 127,
+ * d = max|x| / 127. Unlike ggml's Q8_0 / Q8_1, d and ds stay f32: an f16 d loses small blocks (max|x| below
+ * ~1e-5 rounds d to 0) and an f16 ds overflows once max|x| > 2047 (outlier activations of large models). */
 void cb_cpu_q8_quantize(const float *x, int cols, void *dst) {
     int8_t *q = dst;
     float *d = (float *)((uint8_t *)dst + cols), *ds = d + cols / 32;
@@ -60,8 +60,8 @@ void cb_cpu_q8_quantize(const float *x, int cols, void *dst) {
             q[32 * b + j] = (int8_t)v;
             sum += v;
         }
-        d[b] = cb_f16_to_f32(cb_f32_to_f16(db));
-        ds[b] = cb_f16_to_f32(cb_f32_to_f16(db * (float)sum));
+        d[b] = db;
+        ds[b] = db * (float)sum;
     }
 }
 
@@ -94,10 +94,20 @@ static inline void q6k_unpack(const uint8_t *blk, int k, uint8_t out[32]) {
 
 /* ---------------------------------------------------------------- scalar kernels */
 
-/* Every kernel: out[r] = w · x[r] for r < R; w is one stored row of cols elements. */
-typedef void (*qdot_fn)(const uint8_t *w, int cols, const xrow_t *x, int R, float *out);
+/* Every kernel: y[r * ldy + o] = w[o] · x[r] for o in [o0, o1), r < R (1..QROWS). */
+typedef void (*qdot_fn)(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 
-static void s_q4_0(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+/* The range form of a one-row kernel fn##_row(w row, cols, x, R, out[R]). */
+#define ROWS_LOOP(fn)                                                                                    \
+    static void fn(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {   \
+        for (int o = o0; o < o1; o++) {                                                                  \
+            float out[QROWS];                                                                            \
+            fn##_row((const uint8_t *)w->q + (size_t)o * w->row_bytes, w->cols, x, R, out);             \
+            for (int r = 0; r < R; r++) y[(size_t)r * ldy + o] = out[r];                                 \
+        }                                                                                                \
+    }
+
+static void s_q4_0_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
     for (int r = 0; r < R; r++) {
         float acc = 0.0f;
         for (int b = 0; b < cols / 32; b++) {
@@ -111,7 +121,7 @@ static void s_q4_0(const uint8_t *w, int cols, const xrow_t *x, int R, float *ou
     }
 }
 
-static void s_q4_1(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+static void s_q4_1_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
     for (int r = 0; r < R; r++) {
         float acc = 0.0f;
         for (int b = 0; b < cols / 32; b++) {
@@ -125,7 +135,7 @@ static void s_q4_1(const uint8_t *w, int cols, const xrow_t *x, int R, float *ou
     }
 }
 
-static void s_q8_0(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+static void s_q8_0_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
     for (int r = 0; r < R; r++) {
         float acc = 0.0f;
         for (int b = 0; b < cols / 32; b++) {
@@ -139,7 +149,7 @@ static void s_q8_0(const uint8_t *w, int cols, const xrow_t *x, int R, float *ou
     }
 }
 
-static void s_q4_k(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+static void s_q4_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
     for (int r = 0; r < R; r++) {
         float acc = 0.0f;
         for (int i = 0; i < cols / 256; i++) {
@@ -159,7 +169,7 @@ static void s_q4_k(const uint8_t *w, int cols, const xrow_t *x, int R, float *ou
     }
 }
 
-static void s_q6_k(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+static void s_q6_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
     for (int r = 0; r < R; r++) {
         float acc = 0.0f;
         for (int i = 0; i < cols / 256; i++) {
@@ -181,6 +191,12 @@ static void s_q6_k(const uint8_t *w, int cols, const xrow_t *x, int R, float *ou
         out[r] = acc;
     }
 }
+
+ROWS_LOOP(s_q4_0)
+ROWS_LOOP(s_q4_1)
+ROWS_LOOP(s_q8_0)
+ROWS_LOOP(s_q4_k)
+ROWS_LOOP(s_q6_k)
 
 /* ---------------------------------------------------------------- AVX2 kernels */
 
@@ -218,15 +234,23 @@ static inline __m256i v_nibbles(const uint8_t *p) {
 
 static inline __m256i v_load(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* The kernels are written for R (1..QROWS) rows and inlined with R constant (v_rows_switch), so the
- * accumulators stay in registers and each weight block is unpacked once for the R rows. */
+/* The kernels are written for R (1..QROWS) rows and inlined with R constant in the row loop of each case
+ * of V_ROWS_SWITCH, so the accumulators stay in registers and each weight block is unpacked once for the
+ * R rows. */
+#define V_ROWS_CASE(fn, RR)                                                                              \
+    for (int o = o0; o < o1; o++) {                                                                      \
+        float out[QROWS];                                                                                \
+        fn##_r((const uint8_t *)w->q + (size_t)o * w->row_bytes, w->cols, x, RR, out);                  \
+        for (int r = 0; r < RR; r++) y[(size_t)r * ldy + o] = out[r];                                    \
+    }                                                                                                    \
+    break;
 #define V_ROWS_SWITCH(fn)                                                                                \
-    static void fn(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {                     \
+    static void fn(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {   \
         switch (R) {                                                                                     \
-        case 1: fn##_r(w, cols, x, 1, out); break;                                                       \
-        case 2: fn##_r(w, cols, x, 2, out); break;                                                       \
-        case 3: fn##_r(w, cols, x, 3, out); break;                                                       \
-        default: fn##_r(w, cols, x, 4, out); break;                                                      \
+        case 1: V_ROWS_CASE(fn, 1)                                                                       \
+        case 2: V_ROWS_CASE(fn, 2)                                                                       \
+        case 3: V_ROWS_CASE(fn, 3)                                                                       \
+        default: V_ROWS_CASE(fn, 4)                                                                      \
         }                                                                                                \
     }
 
@@ -245,36 +269,53 @@ static inline __attribute__((always_inline)) void v_q4_0_r(const uint8_t *w, int
 }
 V_ROWS_SWITCH(v_q4_0)
 
+/* Q4_1 and Q8_0 (the default model's types) take two blocks per step into two accumulators per row, so
+ * consecutive blocks' multiply-adds do not wait on each other (indexing the accumulators by block parity
+ * instead made GCC keep them on the stack). */
+static inline __attribute__((always_inline)) __m256 v_q4_1_blk(const uint8_t *blk, const xrow_t *x, int b, __m256 acc,
+                                                                float *accm) {
+    const float d = v_f16(blk), m = v_f16(blk + 2);
+    *accm += m * x->ds[b];
+    return _mm256_fmadd_ps(_mm256_set1_ps(d * x->d[b]), v_dot_us(v_nibbles(blk + 4), v_load(x->q + 32 * b)), acc);
+}
+
 static inline __attribute__((always_inline)) void v_q4_1_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
                                                             float *out) {
-    __m256 acc[QROWS];
-    float accm[QROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
-    for (int b = 0; b < cols / 32; b++) {
-        const uint8_t *blk = w + 20 * b;
-        const __m256i wq = v_nibbles(blk + 4);
-        const float d = v_f16(blk), m = v_f16(blk + 2);
+    __m256 a0[QROWS], a1[QROWS];
+    float m0[QROWS], m1[QROWS];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps(), m0[r] = m1[r] = 0.0f;
+    const int nb = cols / 32;
+    int b = 0;
+    for (; b + 1 < nb; b += 2)
         for (int r = 0; r < R; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), v_dot_us(wq, v_load(x[r].q + 32 * b)), acc[r]);
-            accm[r] += m * x[r].ds[b];
+            a0[r] = v_q4_1_blk(w + 20 * b, &x[r], b, a0[r], &m0[r]);
+            a1[r] = v_q4_1_blk(w + 20 * (b + 1), &x[r], b + 1, a1[r], &m1[r]);
         }
-    }
-    for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]) + accm[r];
+    for (; b < nb; b++)
+        for (int r = 0; r < R; r++) a0[r] = v_q4_1_blk(w + 20 * b, &x[r], b, a0[r], &m0[r]);
+    for (int r = 0; r < R; r++) out[r] = v_hsum(_mm256_add_ps(a0[r], a1[r])) + (m0[r] + m1[r]);
 }
 V_ROWS_SWITCH(v_q4_1)
 
+static inline __attribute__((always_inline)) __m256 v_q8_0_blk(const uint8_t *blk, const xrow_t *x, int b, __m256 acc) {
+    const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+    return _mm256_fmadd_ps(_mm256_set1_ps(v_f16(blk) * x->d[b]), v_dot_ss(wq, v_load(x->q + 32 * b)), acc);
+}
+
 static inline __attribute__((always_inline)) void v_q8_0_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
                                                             float *out) {
-    __m256 acc[QROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < cols / 32; b++) {
-        const uint8_t *blk = w + 34 * b;
-        const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        const float d = v_f16(blk);
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), v_dot_ss(wq, v_load(x[r].q + 32 * b)), acc[r]);
-    }
-    for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]);
+    __m256 a0[QROWS], a1[QROWS];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    const int nb = cols / 32;
+    int b = 0;
+    for (; b + 1 < nb; b += 2)
+        for (int r = 0; r < R; r++) {
+            a0[r] = v_q8_0_blk(w + 34 * b, &x[r], b, a0[r]);
+            a1[r] = v_q8_0_blk(w + 34 * (b + 1), &x[r], b + 1, a1[r]);
+        }
+    for (; b < nb; b++)
+        for (int r = 0; r < R; r++) a0[r] = v_q8_0_blk(w + 34 * b, &x[r], b, a0[r]);
+    for (int r = 0; r < R; r++) out[r] = v_hsum(_mm256_add_ps(a0[r], a1[r]));
 }
 V_ROWS_SWITCH(v_q8_0)
 
@@ -425,10 +466,6 @@ void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int 
         const int R = n - r0 < QROWS ? n - r0 : QROWS;
         xrow_t xs[QROWS];
         for (int r = 0; r < R; r++) xs[r] = xrow(xq, w->cols, r0 + r);
-        for (int o = o0; o < o1; o++) {
-            float out[QROWS];
-            fn((const uint8_t *)w->q + (size_t)o * w->row_bytes, w->cols, xs, R, out);
-            for (int r = 0; r < R; r++) y[(size_t)(r0 + r) * ldy + o] = out[r];
-        }
+        fn(w, o0, o1, xs, R, y + (size_t)r0 * ldy, ldy);
     }
 }

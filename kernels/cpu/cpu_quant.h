@@ -1,17 +1,16 @@
 /* cpu_quant: integer dot products on the stored (quantized) weight rows, for the matvecs of decode and of
  * small calls (cpu_ops.c); no f32 copy of a weight is read or made.
  *
- * An activation row is quantized once per call to int8 in blocks of 32 with one scale per block, as ggml's
- * Q8_0 / Q8_1 (so that decode follows llama.cpp's closely): q = round(x / d), d = max|x| / 127 over the
- * block, the scale kept as f16. A weight block times an activation block is an
+ * An activation row is quantized once per call to int8 in blocks of 32 with one f32 scale per block (as
+ * ggml's Q8_0 / Q8_1, whose scales are f16): q = round(x / d), d = max|x| / 127 over the block. A weight block times an activation block is an
  * exact integer sum, scaled once by the two block scales in f32; Q4_1 and Q4_K min terms use the block's
  * d * sum(q). Supported weight types: Q4_0, Q4_1, Q8_0 (blocks of 32 along a row), Q4_K and Q6_K
  * (super-blocks of 256; cols must be a multiple of 256).
  *
  * Error against the exact f32 product: the activation rounding only (the weight's own values are used
- * exactly): per element |x - d16 q| <= d/2 + 127 d 2^-11 = 0.5625 d (d16: d rounded to f16), so
- * |y - y_exact| <= sum_b 0.5625 max|x_b| / 127 * sum_j |w_j| over the block, plus f32 rounding
- * (tests/unit/test_qdot.c checks this bound on random and real tensors).
+ * exactly): per element |x - d q| <= d / 2 = max|x_b| / 254, so |y - y_exact| <= sum_b max|x_b| / 254 *
+ * sum_j |w_j| over the block, plus f32 rounding (tests/unit/test_qdot.c checks this bound on random and
+ * real tensors).
  *
  * ISA: the AVX2 kernels (maddubs / madd integer dots, F16C scales) are compiled with target attributes and
  * chosen at run time when the CPU has AVX2, FMA and F16C; the portable scalar kernels otherwise, or when
@@ -29,8 +28,7 @@
 #include "model/model.h"
 
 /* Bytes of one quantized activation row of cols elements (cols % 32 == 0), a multiple of 64:
- * int8 q [cols], then f32 d [cols/32] (block scales, f16 values), then f32 ds [cols/32] (d * sum of the
- * block's q, f16 values). */
+ * int8 q [cols], then f32 d [cols/32] (block scales), then f32 ds [cols/32] (d * sum of the block's q). */
 size_t cb_cpu_q8_row_bytes(int cols);
 /* Quantizes x [cols] into dst (cb_cpu_q8_row_bytes(cols) bytes, 32-byte aligned). */
 void cb_cpu_q8_quantize(const float *x, int cols, void *dst);

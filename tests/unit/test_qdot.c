@@ -1,0 +1,220 @@
+/* test_qdot: the integer matvec kernels (kernels/cpu/cpu_quant.h) against the f32 reference (each weight
+ * row dequantized exactly by cb_dequant, products summed in double), for every supported type, on random
+ * blocks and on the real model's tensors, in every kernel set this CPU can run (scalar, AVX2).
+ *
+ * Tolerance, per output: the activation rounding bound of cpu_quant.h, sum over blocks of
+ * max|x_b| / 254 * sum_j |w_j| (q = round(x / d) is off by d/2 at most), plus 1e-5 of sum |w||x| for the
+ * f32 accumulation. The measured worst ratio of error to
+ * bound is printed: ~0.1-0.3 (the bound is a worst case over independent roundings).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/cpu_quant.h"
+#include "format/gguf.h"
+#include "format/quant.h"
+#include "model/model.h"
+#include "test.h"
+
+static uint64_t g_rng = 88172645463325252ull;
+static uint32_t rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (uint32_t)(g_rng >> 11);
+}
+static float frand(void) { return (float)((double)rnd() / 4294967296.0 * 2.0 - 1.0); } /* [-1, 1] */
+
+static void put_f16(uint8_t *p, float f) {
+    uint16_t h = cb_f32_to_f16(f);
+    memcpy(p, &h, 2);
+}
+
+/* A random weight of rows x cols of type t, blocks with sane scales; *buf owned by the caller. */
+static cb_weight_t random_weight(uint32_t t, int rows, int cols, uint8_t **buf) {
+    const size_t be = cb_type_block_elems(t), bb = cb_type_block_bytes(t), nb = (size_t)rows * cols / be;
+    uint8_t *p = malloc(nb * bb);
+    for (size_t i = 0; i < nb * bb; i++) p[i] = (uint8_t)rnd();
+    for (size_t b = 0; b < nb; b++) {
+        uint8_t *blk = p + b * bb;
+        float d = 0.002f + 0.02f * fabsf(frand());
+        switch (t) {
+        case CB_TYPE_Q4_0: put_f16(blk, d); break;
+        case CB_TYPE_Q4_1: put_f16(blk, d); put_f16(blk + 2, -0.1f * fabsf(frand())); break;
+        case CB_TYPE_Q8_0: put_f16(blk, d / 8); break;
+        case CB_TYPE_Q4_K: put_f16(blk, d / 16); put_f16(blk + 2, d / 32); break;
+        case CB_TYPE_Q6_K: put_f16(blk + 208, d / 64); break;
+        }
+    }
+    *buf = p;
+    return (cb_weight_t){.name = "w", .type = t, .q = p, .row_bytes = (size_t)cols / be * bb, .rows = rows,
+                         .cols = cols};
+}
+
+/* Activations: mostly [-1, 1), some blocks scaled up 30x (outliers), some all zero. */
+static void random_x(float *x, int n) {
+    for (int b = 0; b < n / 32; b++) {
+        int kind = (int)(rnd() % 8);
+        float s = kind == 0 ? 0.0f : kind == 1 ? 30.0f : 1.0f;
+        for (int j = 0; j < 32; j++) x[32 * b + j] = frand() * s;
+    }
+}
+
+/* Checks y [n][ldy] (rows o0..o1 of w) against the reference; returns the worst error / bound ratio, or
+ * a value > 1 on failure. */
+static double check_against_ref(const cb_weight_t *w, const float *x, int n, int o0, int o1, const float *y, int ldy) {
+    float *row = malloc(sizeof(float) * (size_t)w->cols);
+    double worst = 0;
+    for (int o = o0; o < o1; o++) {
+        if (!cb_dequant(w->type, (const uint8_t *)w->q + (size_t)o * w->row_bytes, row, (size_t)w->cols)) return 1e9;
+        for (int r = 0; r < n; r++) {
+            const float *xr = x + (size_t)r * w->cols;
+            double ref = 0, bound = 0, mag = 0;
+            for (int b = 0; b < w->cols / 32; b++) {
+                double amax = 0, wsum = 0;
+                for (int j = 32 * b; j < 32 * b + 32; j++) {
+                    ref += (double)row[j] * xr[j];
+                    mag += fabs((double)row[j] * xr[j]);
+                    amax = fmax(amax, fabs(xr[j]));
+                    wsum += fabs(row[j]);
+                }
+                bound += amax / 254 * wsum;
+            }
+            bound += 1e-5 * mag + 1e-30;
+            double err = fabs(y[(size_t)r * ldy + o] - ref);
+            if (err / bound > worst) worst = err / bound;
+            if (!(err <= bound)) {
+                fprintf(stderr, "  %s row %d x %d: got %.9g, reference %.9g, bound %.3g\n", cb_type_name(w->type), o, r,
+                        (double)y[(size_t)r * ldy + o], ref, bound);
+                free(row);
+                return 2.0;
+            }
+        }
+    }
+    free(row);
+    return worst;
+}
+
+/* y [n][rows] = w · x for n rows of x, by the kernels. xq: scratch of n quantized rows. */
+static void qmatvec(const cb_weight_t *w, const float *x, int n, float *y, uint8_t *xq) {
+    const size_t rb = cb_cpu_q8_row_bytes(w->cols);
+    for (int r = 0; r < n; r++) cb_cpu_q8_quantize(x + (size_t)r * w->cols, w->cols, xq + (size_t)r * rb);
+    cb_cpu_qdot_rows(w, 0, w->rows, xq, n, y, w->rows);
+}
+
+static const char *const ISAS[] = {"scalar", "avx2"};
+
+TEST(test_quantize_row) {
+    enum { C = 256 };
+    float x[C];
+    random_x(x, C);
+    x[5] = 1e-30f; /* tiny values and an exact tie */
+    uint8_t *q = aligned_alloc(64, cb_cpu_q8_row_bytes(C));
+    cb_cpu_q8_quantize(x, C, q);
+    const int8_t *qs = (const int8_t *)q;
+    const float *d = (const float *)(q + C), *ds = d + C / 32;
+    for (int b = 0; b < C / 32; b++) {
+        float amax = 0;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * b + j]));
+        CHECK(d[b] == amax / 127.0f);
+        for (int j = 0; j < 32; j++) {
+            CHECK(qs[32 * b + j] >= -127 && qs[32 * b + j] <= 127);
+            CHECK(fabsf(x[32 * b + j] - d[b] * qs[32 * b + j]) <= amax / 254.0f * 1.0001f + 1e-30f);
+            sum += qs[32 * b + j];
+        }
+        CHECK(ds[b] == amax / 127.0f * (float)sum);
+    }
+    free(q);
+}
+
+TEST(test_qdot_random) {
+    const uint32_t types[] = {CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q6_K};
+    enum { R = 37, C = 512, N = 7 };
+    float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *ys = malloc(sizeof(float) * N * R);
+    float *y1 = malloc(sizeof(float) * R);
+    uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
+    random_x(x, N * C);
+    int n_isa = 0;
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        uint8_t *buf;
+        cb_weight_t w = random_weight(types[t], R, C, &buf);
+        CHECK(cb_cpu_qdot_supported(&w));
+        for (size_t i = 0; i < 2; i++) {
+            if (cb_cpu_qdot_use(ISAS[i]) != 0) continue; /* this CPU cannot run it */
+            n_isa += t == 0;
+            qmatvec(&w, x, N, y, xq);
+            double worst = check_against_ref(&w, x, N, 0, R, y, R);
+            fprintf(stderr, "  %-5s %-6s worst error / bound %.3f\n", cb_type_name(w.type), ISAS[i], worst);
+            CHECK(worst <= 1.0);
+            /* a row's result does not depend on the rows sharing the call */
+            for (int r = 0; r < N; r++) {
+                cb_cpu_qdot_rows(&w, 0, R, xq + (size_t)r * cb_cpu_q8_row_bytes(C), 1, y1, R);
+                CHECK(memcmp(y1, y + (size_t)r * R, sizeof(float) * R) == 0);
+            }
+            /* a sub-range of weight rows writes those outputs only */
+            float sub[N * R];
+            for (int k = 0; k < N * R; k++) sub[k] = -7.0f;
+            cb_cpu_qdot_rows(&w, 5, 9, xq, N, sub, R);
+            for (int r = 0; r < N; r++)
+                for (int o = 0; o < R; o++)
+                    CHECK(sub[r * R + o] == (o >= 5 && o < 9 ? y[r * R + o] : -7.0f));
+            if (i == 0) memcpy(ys, y, sizeof(float) * N * R);
+            else /* the same integer sums, f32 accumulation in another order */
+                for (int k = 0; k < N * R; k++) CHECK(fabsf(y[k] - ys[k]) <= 1e-5f * (1.0f + fabsf(ys[k])));
+        }
+        free(buf);
+    }
+    CHECK(n_isa >= 1);
+    fprintf(stderr, "  kernel sets run: %d (default here: ", n_isa);
+    cb_cpu_qdot_use(NULL);
+    fprintf(stderr, "%s)\n", cb_cpu_qdot_isa());
+    /* shapes without a kernel */
+    cb_weight_t odd = {.type = CB_TYPE_Q4_K, .cols = 288, .rows = 1};
+    CHECK(!cb_cpu_qdot_supported(&odd));
+    odd.type = CB_TYPE_F16;
+    odd.cols = 256;
+    CHECK(!cb_cpu_qdot_supported(&odd));
+    CHECK(cb_cpu_qdot_use("no-such-isa") == -1);
+    free(x); free(y); free(ys); free(y1); free(xq);
+}
+
+/* The real model's matrices: a Q4_1 FFN matrix, the Q4_1 attention output and the Q8_0 embedding (tied
+ * output) rows, with activations of the real scale (rms-normalised: |x| ~ 1, outliers included). */
+TEST(test_qdot_real_model) {
+    const char *p = test_model_path();
+    if (!p) SKIP("model not present");
+    char err[256];
+    cb_model_t *m = cb_model_load(p, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    const cb_layer_weights_t *L0 = cb_model_layer(m, 0), *L9 = cb_model_layer(m, 9);
+    const cb_weight_t *ws[] = {&L0->w_gate, &L9->w_down, &L9->wo, cb_model_output(m)};
+    for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) {
+        cb_weight_t w = *ws[k];
+        CHECK(cb_cpu_qdot_supported(&w));
+        if (w.rows > 2048) w.rows = 2048; /* a slice of the 49152 output rows */
+        enum { N = 3 };
+        float *x = malloc(sizeof(float) * N * w.cols), *y = malloc(sizeof(float) * N * w.rows);
+        uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(w.cols) * N);
+        random_x(x, N * w.cols);
+        for (size_t i = 0; i < 2; i++) {
+            if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
+            qmatvec(&w, x, N, y, xq);
+            double worst = check_against_ref(&w, x, N, 0, w.rows, y, w.rows);
+            fprintf(stderr, "  %-24s %-5s %-6s worst error / bound %.3f\n", w.name, cb_type_name(w.type), ISAS[i], worst);
+            CHECK(worst <= 1.0);
+        }
+        free(x); free(y); free(xq);
+    }
+    cb_cpu_qdot_use(NULL);
+    cb_model_destroy(&m);
+}
+
+int main(void) {
+    RUN(test_quantize_row);
+    RUN(test_qdot_random);
+    RUN(test_qdot_real_model);
+    return test_summary();
+}
