@@ -29,10 +29,13 @@
  * split them (rows are independent in every primitive). Every primitive goes through the backend table
  * (engine/backend.h): nothing here calls a kernel directly.
  *
- * Numerics (CPU backend): f32 throughout, weights dequantized exactly. Calls of up to 8 rows run as
- * matvecs over the quantized rows, larger ones as sgemm over f32 copies, so a row's result can differ in
- * the last bits with the row count of its call: prefill and token-by-token decode logits agree to ~5e-5,
- * and both agree with a double-precision forward pass to ~4e-5 (tests/unit/test_engine.c).
+ * Numerics (CPU backend). Calls of up to 8 rows (decode, small blend steps) run as integer matvecs on the
+ * stored rows with the activations quantized to int8 per block of 32 (as llama.cpp does); larger calls
+ * (prefill) as f32 sgemm over weight tiles dequantized exactly. So a row's result depends on the row count
+ * of its call (<= 8 or more, never on the other rows): SmolLM2's prefill and token-by-token decode logits
+ * differ by up to ~0.6 (the int8 rounding; llama.cpp's own moves logits by 0.14-0.85), while with
+ * CB_ENGINE_WEIGHTS=f32 (the reference: f32 matvecs too) they agree to ~5e-5 and both agree with a
+ * double-precision forward pass to ~2e-5 (tests/unit/test_engine.c).
  *
  * Threads: one engine is used by one thread at a time, except cb_engine_kv_load, which one other thread
  * may call concurrently for rows of a sequence that no concurrent call touches and whose blocks the

@@ -2,13 +2,11 @@
  *
  * cb_model_load opens the file (mmap, via gguf.h), reads every hyperparameter from the metadata (never
  * hard-coded), checks that every tensor the forward pass needs is present with the right type and
- * shape, and prepares two views of each block weight matrix:
- *   - the stored (usually quantized) rows, pointing into the mapping: decode GEMVs read these and
- *     dequantize in registers (kernels/cpu/cpu_ops.c);
- *   - an f32 copy, dequantized once at load with cb_dequant: prefill GEMMs (OpenBLAS sgemm) read these.
- * token_embd (and output, when the file has one) is kept only in its stored form: the embedding gather
- * and the one-row LM head dequantize on the fly. Q4_1 and Q8_0 matrices also get f32 copies of their
- * per-block scales (and mins), which the decode kernels read instead of converting f16 per block.
+ * shape, and points each weight matrix at its stored (usually quantized) rows in the mapping: the CPU
+ * kernels read those directly (integer matvecs, GEMMs over tiles dequantized on the fly:
+ * kernels/cpu/cpu_ops.h), so the weights cost their file size and nothing more. With CB_ENGINE_WEIGHTS=f32
+ * (the f32 reference of the tests and benchmarks) the block matrices and the output matrix also get an f32
+ * copy, dequantized once at load with cb_dequant, and the CPU kernels then compute in f32 over the copies.
  *
  * Anything we cannot run faithfully is rejected with a clear error instead of being run wrongly:
  * another architecture, NEOX RoPE, partial rotary, RoPE scaling, biases, rope_freqs, unknown tensors.

@@ -7,7 +7,8 @@
  * side of the benchmark uses: id_i = (i * 7919) % 30000 + 100) at position 0 of one sequence (cleared
  * before each prefill) of an engine sized for the longest prompt; the best of R repetitions is reported. Decode: after a prompt of the first
  * length, N greedy steps. Peak RSS is the process's maximum resident set (getrusage), which includes
- * the model (mapping + f32 copies) and the KV pool blocks the longest prompt touched. --batch B (> 0): after
+ * the model (its mapping; f32 copies too with CB_ENGINE_WEIGHTS=f32) and the KV pool blocks the longest
+ * prompt touched. --batch B (> 0): after
  * that, B sequences sharing the first prompt's blocks decode min(N, 64) greedy steps, once as one batch per
  * step (cb_engine_decode_batch) and once one sequence at a time, both reported as total tokens/s.
  * --batch-private: each of the B sequences gets its own copy of the prompt's KV (as B requests with

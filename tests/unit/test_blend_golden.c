@@ -7,9 +7,11 @@
  * prefix, reuse, blend (metric a), blend (metric v) and blend (metric a, chunks now from their KV files),
  * the rows recomputed, a hash of the selected positions, then for 4 greedy steps the argmax and every
  * 97th logit. This test runs the same prompt through the new API and requires the same selections and
- * argmaxes and every logit within 1e-5 (at the commit it was written, the difference is 0). The kernels'
- * summation order depends on the vector ISA (AVX-512 or not: the fixture's first line), so on another ISA
- * the test skips.
+ * argmaxes and every logit within 1e-4 (at the commit it was written, the difference was 0; since the
+ * int8 kernels of issue 13 the f32 matvec's dot product is compiled with FMA contraction: 3e-5). The
+ * fixture holds f32 numerics, so the test runs on the f32 reference weights (CB_ENGINE_WEIGHTS=f32): it
+ * checks the blend's bookkeeping, which the int8 decode numerics would hide. The kernels' summation order
+ * depends on the vector ISA (AVX-512 or not: the fixture's first line), so on another ISA the test skips.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -42,7 +44,9 @@ TEST(test_modes_match_before) {
         SKIP("the fixture was made on another vector ISA (AVX-512 or not)");
     }
     char err[256];
+    setenv("CB_ENGINE_WEIGHTS", "f32", 1);
     cb_model_t *m = cb_model_load(path, err, sizeof err);
+    unsetenv("CB_ENGINE_WEIGHTS");
     CHECK_MSG(m, "%s", err);
     const cb_hparams_t *hp = cb_model_hparams(m);
     cb_engine_t *e = cb_engine_new(m, 2048, err, sizeof err);
@@ -132,7 +136,7 @@ TEST(test_modes_match_before) {
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) fprintf(stderr, "  could not remove %s\n", dir);
     CHECK(!failed);
-    CHECK(worst <= 1e-5);
+    CHECK(worst <= 1e-4);
 }
 
 int main(void) {
