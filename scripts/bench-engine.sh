@@ -57,6 +57,7 @@ if os.environ.get("BENCH_LLAMA_EXTRA_BUFTS") != "1":
         return p
     lowlevel.llama_model_default_params = params
 from llama_cpp import Llama
+base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # the interpreter, numpy, llama_cpp
 ctx = max(lens[-1], lens[0] + n_dec) + 16
 t0 = time.time()
 llm = Llama(model_path=model, n_ctx=ctx, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
@@ -83,7 +84,8 @@ for li, n in enumerate(lens):
         decode_tok_s = n_dec / (time.time() - t0)
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 print(json.dumps({"engine": "llama.cpp", "flash_attn": fa, "threads": threads, "load_ms": load_ms,
-                  "prefill": prefill, "decode_tok_s": decode_tok_s, "peak_rss_mb": rss}))
+                  "prefill": prefill, "decode_tok_s": decode_tok_s, "peak_rss_mb": rss,
+                  "python_rss_mb": base_rss}))
 PY
 ) || { echo "bench-engine: llama.cpp run (flash_attn=$fa) failed" >&2; continue; }
     llama_runs+=("$run")
@@ -115,7 +117,10 @@ for name, a, b, fa, bb in rows:
 print("%-28s %12.0f %12s %8s%s" % ("peak RSS MB", ours["peak_rss_mb"], "%.0f" % rss_ref if rss_ref else "-",
                                    "%.2fx" % (ours["peak_rss_mb"] / rss_ref) if rss_ref else "-",
                                    bcols(ours["peak_rss_mb"], base["peak_rss_mb"]) if base else ""))
-print("(llama.cpp RSS includes the Python interpreter; ours includes f32 weight copies and an f32 KV cache)")
+py = min((r.get("python_rss_mb", 0) for r in runs), default=0)
+if runs:
+    print("(llama.cpp's RSS includes the Python interpreter with numpy and llama_cpp imported: %.0f MB before the"
+          " model loads; both include the mapped weights and the KV cache of the context)" % py)
 json.dump({"ours": ours, "base": base, "llama_cpp": runs}, open(out, "w"), indent=1)
 print("wrote " + out)
 PY
