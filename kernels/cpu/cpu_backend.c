@@ -4,6 +4,10 @@
  * RoPE coefficient table for positions [0, max_keys) of the model's head_dim and base; positions
  * outside the table (or another base) are computed on the fly with the same formula, so results are
  * bit-identical either way.
+ *
+ * The KV pool holds f32 or binary16 values (kv_pool_init's dtype): writes round f32 to nearest even
+ * (cb_cpu_f32_to_f16), loads convert the file's dtype to f32, rotate K there and round once, reads and the
+ * attention kernels convert back to f32 (exactly).
  */
 #include "cpu/cpu_backend.h"
 
@@ -32,20 +36,27 @@ typedef struct {
     int scratch_nt;         /* threads the scratch was sized for */
     float *mass_scratch;    /* cb_cpu_attn_mass_scratch(geom, max_keys) floats */
     int32_t *topk_idx;      /* [max_keys] selection order */
-    /* the KV pool (kv_pool_init): per layer [n_blocks * bt][kvd] K, then the same for V */
-    float *kpool, *vpool;
+    /* the KV pool (kv_pool_init): per layer [n_blocks * bt][kvd] K values of dtype, then the same for V */
+    uint8_t *kpool, *vpool;
     size_t pool_map;        /* bytes of each mapping */
+    cb_kv_dtype_t dtype;    /* CB_KV_F32 or CB_KV_F16 */
+    size_t esz;             /* bytes per value: 4 or 2 */
     int n_layer, kvd, bt, n_blocks;
+    cb_backend_t *be;       /* the table this context belongs to (kv_value_bytes is set at pool init) */
 } cpu_ctx_t;
 
 /* ---------------------------------------------------------------- the KV pool */
 
-static float *pool_layer(const cpu_ctx_t *c, float *base, int layer) {
-    return base + (size_t)layer * c->n_blocks * c->bt * c->kvd;
+static uint8_t *pool_layer(const cpu_ctx_t *c, uint8_t *base, int layer) {
+    return base + (size_t)layer * c->n_blocks * c->bt * c->kvd * c->esz;
 }
 
+/* Pool row r of a layer plane (K or V). */
+static uint8_t *pool_at(const cpu_ctx_t *c, uint8_t *plane, size_t r) { return plane + r * (size_t)c->kvd * c->esz; }
+
 static cb_cpu_kv_t kv_view(const cpu_ctx_t *c, int layer, const cb_kv_table_t *t) {
-    return (cb_cpu_kv_t){pool_layer(c, c->kpool, layer), pool_layer(c, c->vpool, layer), t->blocks, c->bt};
+    return (cb_cpu_kv_t){pool_layer(c, c->kpool, layer), pool_layer(c, c->vpool, layer), t ? t->blocks : NULL, c->bt,
+                         c->dtype};
 }
 
 /* Pool row of position p of table t (p < t->n_pos, checked by the callers). */
@@ -53,19 +64,24 @@ static size_t pool_row(const cpu_ctx_t *c, const cb_kv_table_t *t, int p) {
     return (size_t)t->blocks[p / c->bt] * c->bt + (size_t)(p % c->bt);
 }
 
-static int cpu_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens, int n_blocks, char *err,
-                            size_t errlen) {
+static int cpu_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens, int n_blocks, cb_kv_dtype_t dtype,
+                            char *err, size_t errlen) {
     cpu_ctx_t *c = ctx;
     if (c->kpool) {
         snprintf(err, errlen, "cpu backend: KV pool already initialised");
         return -1;
     }
+    if (dtype != CB_KV_F32 && dtype != CB_KV_F16) {
+        snprintf(err, errlen, "cpu backend: KV pool dtype %s not supported (f32 or f16)", cb_kv_dtype_name(dtype));
+        return -1;
+    }
+    const size_t esz = cb_kv_dtype_size(dtype);
     if (n_layer < 1 || kv_dim < 1 || block_tokens < 1 || n_blocks < 1 ||
-        (size_t)n_blocks * block_tokens > SIZE_MAX / sizeof(float) / (size_t)kv_dim / (size_t)n_layer) {
+        (size_t)n_blocks * block_tokens > SIZE_MAX / esz / (size_t)kv_dim / (size_t)n_layer) {
         snprintf(err, errlen, "cpu backend: bad KV pool geometry");
         return -1;
     }
-    size_t bytes = sizeof(float) * (size_t)n_layer * n_blocks * block_tokens * kv_dim;
+    size_t bytes = esz * (size_t)n_layer * n_blocks * block_tokens * kv_dim;
     /* anonymous mappings: zero pages, backed only as blocks are first written (4 KiB pages) */
     void *k = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     void *v = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -80,6 +96,9 @@ static int cpu_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens
     c->kpool = k;
     c->vpool = v;
     c->pool_map = bytes;
+    c->dtype = dtype;
+    c->esz = esz;
+    c->be->kv_value_bytes = (int)esz;
     c->n_layer = n_layer;
     c->kvd = kv_dim;
     c->bt = block_tokens;
@@ -90,10 +109,10 @@ static int cpu_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens
 static int cpu_kv_copy_block(void *ctx, int dst, int src) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || dst < 0 || src < 0 || dst >= c->n_blocks || src >= c->n_blocks) return -1;
-    const size_t per = (size_t)c->bt * c->kvd;
+    const size_t per = (size_t)c->bt * c->kvd * c->esz; /* bytes of one block of one layer */
     for (int l = 0; l < c->n_layer; l++) {
-        memcpy(pool_layer(c, c->kpool, l) + dst * per, pool_layer(c, c->kpool, l) + src * per, sizeof(float) * per);
-        memcpy(pool_layer(c, c->vpool, l) + dst * per, pool_layer(c, c->vpool, l) + src * per, sizeof(float) * per);
+        memcpy(pool_layer(c, c->kpool, l) + dst * per, pool_layer(c, c->kpool, l) + src * per, per);
+        memcpy(pool_layer(c, c->vpool, l) + dst * per, pool_layer(c, c->vpool, l) + src * per, per);
     }
     return 0;
 }
@@ -102,18 +121,62 @@ static int cpu_kv_write(void *ctx, int layer, const cb_kv_table_t *t, const int3
                         const float *v) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || layer < 0 || layer >= c->n_layer) return -1;
-    float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
-    const size_t row = sizeof(float) * (size_t)c->kvd;
-    for (int i = 0; i < n; i++) {
+    uint8_t *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    const size_t kvd = (size_t)c->kvd;
+    for (int i = 0; i < n; i++)
         if (pos[i] < 0 || pos[i] >= t->n_pos) return -1;
+    for (int i = 0; i < n; i++) {
         size_t r = pool_row(c, t, pos[i]);
-        memcpy(kp + r * c->kvd, k + (size_t)i * c->kvd, row);
-        memcpy(vp + r * c->kvd, v + (size_t)i * c->kvd, row);
+        if (c->dtype == CB_KV_F16) {
+            cb_cpu_f32_to_f16(k + (size_t)i * kvd, (uint16_t *)(void *)pool_at(c, kp, r), kvd);
+            cb_cpu_f32_to_f16(v + (size_t)i * kvd, (uint16_t *)(void *)pool_at(c, vp, r), kvd);
+        } else {
+            memcpy(pool_at(c, kp, r), k + (size_t)i * kvd, sizeof(float) * kvd);
+            memcpy(pool_at(c, vp, r), v + (size_t)i * kvd, sizeof(float) * kvd);
+        }
     }
     return 0;
 }
 
-/* Thread-safe (the loader thread): touches only the pool rows named and the read-only RoPE table. */
+#define LOAD_TMP_FLOATS 4096 /* kv_load into an f16 pool: f32 values converted at a time (on the caller's stack) */
+
+/* kv_load into an f16 pool, rows of positions p..p+w-1 at kdst, vdst (consecutive pool rows) from ksrc, vsrc
+ * (dtype): each row converted to f32 on the stack, K rotated there as the f32 pool does it (the table's
+ * coefficients, or the same ones computed), then rounded to f16 once; V from an f16 source copied as is
+ * (converting it to f32 and back is the identity). */
+static void load_rows_f16(const cpu_ctx_t *c, uint16_t *kdst, uint16_t *vdst, int p, int w, const uint8_t *ksrc,
+                          const uint8_t *vsrc, cb_kv_dtype_t dtype, float rope_base, bool table) {
+    const size_t esz = cb_kv_dtype_size(dtype), kvd = (size_t)c->kvd;
+    const int hd = c->rope_hd, nkv = c->kvd / hd, hs = LOAD_TMP_FLOATS / hd < nkv ? LOAD_TMP_FLOATS / hd : nkv;
+    float tmp[LOAD_TMP_FLOATS], cs_row[CB_KV_MAX_HEAD_DIM];
+    for (int j = 0; j < w; j++) {
+        const int32_t pj = p + j;
+        const float *cs = c->rope_cs + (size_t)pj * hd;
+        if (!table || pj >= c->max_keys) {
+            cb_cpu_rope_coeffs(pj, hd, rope_base, cs_row);
+            cs = cs_row;
+        }
+        for (int h0 = 0; h0 < nkv; h0 += hs) { /* whole heads at a time */
+            const int nh = nkv - h0 < hs ? nkv - h0 : hs;
+            const size_t e = (size_t)j * kvd + (size_t)h0 * hd, cnt = (size_t)nh * hd;
+            cb_cpu_kv_to_f32(dtype, ksrc + e * esz, tmp, cnt);
+            cb_cpu_rope_apply(tmp, 1, nh, hd, cs);
+            cb_cpu_f32_to_f16(tmp, kdst + e, cnt);
+        }
+    }
+    if (dtype == CB_KV_F16) {
+        memcpy(vdst, vsrc, (size_t)w * kvd * sizeof(uint16_t));
+        return;
+    }
+    for (size_t e = 0, all = (size_t)w * kvd; e < all; e += LOAD_TMP_FLOATS) {
+        const size_t cnt = all - e < LOAD_TMP_FLOATS ? all - e : LOAD_TMP_FLOATS;
+        cb_cpu_kv_to_f32(dtype, vsrc + e * esz, tmp, cnt);
+        cb_cpu_f32_to_f16(tmp, vdst + e, cnt);
+    }
+}
+
+/* Thread-safe (the loader thread): touches only the pool rows named, the read-only RoPE table and its own
+ * stack. */
 static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
                        cb_kv_dtype_t dtype, float rope_base) {
     cpu_ctx_t *c = ctx;
@@ -122,12 +185,20 @@ static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
     if (!esz) return -1;
     const int hd = c->rope_hd, nkv = c->kvd / hd;
     const bool table = rope_base == c->rope_base;
-    float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    uint8_t *kpl = pool_layer(c, c->kpool, layer), *vpl = pool_layer(c, c->vpool, layer);
+    if (c->dtype == CB_KV_F16 && hd > CB_KV_MAX_HEAD_DIM) return -1;
     for (int p = pos0, w; p < pos0 + n; p += w) {
         /* positions p..p+w-1 of one block: consecutive pool rows, converted in place and K rotated there */
         w = c->bt - p % c->bt;
         if (w > pos0 + n - p) w = pos0 + n - p;
         size_t r = pool_row(c, t, p), i = (size_t)(p - pos0);
+        if (c->dtype == CB_KV_F16) {
+            load_rows_f16(c, (uint16_t *)(void *)pool_at(c, kpl, r), (uint16_t *)(void *)pool_at(c, vpl, r), p, w,
+                          (const uint8_t *)k + i * kvd * esz, (const uint8_t *)v + i * kvd * esz, dtype, rope_base,
+                          table);
+            continue;
+        }
+        float *kp = (float *)(void *)kpl, *vp = (float *)(void *)vpl;
         cb_cpu_kv_to_f32(dtype, (const uint8_t *)k + i * kvd * esz, kp + r * kvd, (size_t)w * kvd);
         cb_cpu_kv_to_f32(dtype, (const uint8_t *)v + i * kvd * esz, vp + r * kvd, (size_t)w * kvd);
         if (table && p + w <= c->max_keys) {
@@ -145,12 +216,12 @@ static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
 static int cpu_kv_read(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, float *k, float *v) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || layer < 0 || layer >= c->n_layer || pos0 < 0 || n < 0 || pos0 > t->n_pos - n) return -1;
-    const float *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
-    const size_t row = sizeof(float) * (size_t)c->kvd;
+    uint8_t *kp = pool_layer(c, c->kpool, layer), *vp = pool_layer(c, c->vpool, layer);
+    const size_t kvd = (size_t)c->kvd;
     for (int i = 0; i < n; i++) {
         size_t r = pool_row(c, t, pos0 + i);
-        if (k) memcpy(k + (size_t)i * c->kvd, kp + r * c->kvd, row);
-        if (v) memcpy(v + (size_t)i * c->kvd, vp + r * c->kvd, row);
+        if (k) cb_cpu_kv_to_f32(c->dtype, pool_at(c, kp, r), k + (size_t)i * kvd, kvd);
+        if (v) cb_cpu_kv_to_f32(c->dtype, pool_at(c, vp, r), v + (size_t)i * kvd, kvd);
     }
     return 0;
 }
@@ -269,8 +340,8 @@ static void cpu_attention(void *ctx, const cb_attn_geom_t *g, const float *q, in
 static void cpu_attention_rows(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer,
                                const cb_kv_table_t *t, const int32_t *key_limit, float *out) {
     cpu_ctx_t *c = ctx;
-    cb_cpu_attention_rows(g, q, n, pool_layer(c, c->kpool, layer), pool_layer(c, c->vpool, layer), c->bt, t, key_limit,
-                          out, c->att_scratch, c->max_keys, c->pool);
+    cb_cpu_kv_t kv = kv_view(c, layer, NULL);
+    cb_cpu_attention_rows(g, q, n, &kv, t, key_limit, out, c->att_scratch, c->max_keys, c->pool);
 }
 
 typedef struct {
@@ -379,7 +450,8 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     be->ctx = c;
     be->max_rows = max_rows;
     be->max_keys = max_keys;
-    be->kv_value_bytes = 4;
+    be->kv_value_bytes = 4;  /* f32 until kv_pool_init picks the pool's dtype */
+    c->be = be;
     c->nt = c->scratch_nt = n_threads;
     c->max_rows = max_rows;
     c->max_keys = max_keys;

@@ -446,6 +446,7 @@ void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float
 #define ATT_ROWS_PIECE 32  /* keys whose K (or V) rows stay in L1 while every head reads them */
 #define ATT_ROWS_AHEAD 32  /* keys ahead whose rows a piece prefetches (the hardware prefetchers do not follow
                               reads that use a third of each row per pass) */
+#define ATT_F16_PIECE 64   /* f16 pools, split kernel: keys of one KV head converted at a time (L1-sized) */
 
 /* Keys per task when the split kernel runs `rows` rows of largest key limit lim on nt threads. The
  * chunking is part of the numerics: a decode row is chunked as a one-row call would chunk it. */
@@ -463,14 +464,29 @@ static size_t att_partial_floats(const cb_attn_geom_t *g, int max_keys) {
 }
 
 /* Per-thread region after it: Q and O blocks plus one score tile (or one row of scores), or the scores of
- * every head over one chunk of keys (cb_cpu_attention_rows; the largest chunk is the one-thread one). */
-static size_t att_thread_floats(const cb_attn_geom_t *g, int max_keys) {
-    size_t rows = (size_t)(g->n_head / g->n_head_kv) * ATT_BLOCK_ROWS;
+ * every head over one chunk of keys (cb_cpu_attention_rows; the largest chunk is the one-thread one), or
+ * (f16 split kernel) the scores of the G query heads of a KV head over a chunk of at most max_keys keys. */
+static size_t att_tile_floats(const cb_attn_geom_t *g, int max_keys) {
+    const size_t G = (size_t)(g->n_head / g->n_head_kv), rows = G * ATT_BLOCK_ROWS;
     size_t tile = rows * ATT_KEY_CHUNK > (size_t)max_keys ? rows * ATT_KEY_CHUNK : (size_t)max_keys;
     size_t heads = (size_t)g->n_head * (size_t)split_chunk(max_keys, 1, g->n_head_kv, 1);
     tile = heads > tile ? heads : tile;
-    /* + K and V of one key chunk gathered from non-consecutive blocks: [2][ATT_KEY_CHUNK][head_dim] */
-    return rows * (size_t)g->head_dim * 2 + tile + 2 * (size_t)ATT_KEY_CHUNK * g->head_dim + 16;
+    return G * (size_t)max_keys > tile ? G * (size_t)max_keys : tile;
+}
+
+/* Offset, in a thread's region, of the f32 copy of an f16 piece: [ATT_ROWS_PIECE][kv_dim] (rows kernel),
+ * [ATT_F16_PIECE][head_dim] (split kernel) or [head_dim] (one row, one head). */
+static size_t att_cvt_offset(const cb_attn_geom_t *g, int max_keys) {
+    const size_t rows = (size_t)(g->n_head / g->n_head_kv) * ATT_BLOCK_ROWS;
+    /* Q, O, the tile, and K and V of one key chunk gathered (from non-consecutive blocks, or converted from
+     * f16): [2][ATT_KEY_CHUNK][head_dim] */
+    return rows * (size_t)g->head_dim * 2 + att_tile_floats(g, max_keys) + 2 * (size_t)ATT_KEY_CHUNK * g->head_dim + 16;
+}
+
+static size_t att_thread_floats(const cb_attn_geom_t *g, int max_keys) {
+    const size_t kvd = (size_t)g->n_head_kv * g->head_dim, a = ATT_ROWS_PIECE * kvd,
+                 b = (size_t)ATT_F16_PIECE * g->head_dim;
+    return att_cvt_offset(g, max_keys) + (a > b ? a : b) + 16;
 }
 
 /* ---------------------------------------------------------------- KV views */
@@ -486,6 +502,30 @@ static inline int kv_run(const cb_cpu_kv_t *kv, int p, int end) {
     int b = p / bt, q = (b + 1) * bt;
     while (q < end && kv->blocks[q / bt] == kv->blocks[b] + (q / bt - b)) q += bt;
     return (q < end ? q : end) - p;
+}
+
+/* Value e of K (or V) pool rows of an f32 / f16 pool. */
+static inline const float *kv_f32(const void *base, size_t e) { return (const float *)base + e; }
+static inline const uint16_t *kv_f16(const void *base, size_t e) { return (const uint16_t *)base + e; }
+
+/* dst[t][0:w) = f32 of src[t * ld][0:w) for t < n: rows of an f16 pool converted (and gathered). */
+static void cvt_rows_f16(const uint16_t *src, size_t ld, int n, int w, float *dst, size_t ldd) {
+    for (int t = 0; t < n; t++) cb_cpu_kv_to_f32(CB_KV_F16, src + (size_t)t * ld, dst + (size_t)t * ldd, (size_t)w);
+}
+
+void cb_cpu_f32_to_f16(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(void *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(void *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) dst[i] = cb_f32_to_f16(src[i]);
 }
 
 void cb_cpu_kv_to_f32(cb_kv_dtype_t dt, const void *src, float *dst, size_t n) {
@@ -568,7 +608,7 @@ void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_c
         float *Q = scratch;                        /* [G*nr][hd] */
         float *S = Q + (size_t)CB_CPU_MASS_ROWS * G * hd; /* [G*nr][L] */
         float *GK = S + (size_t)CB_CPU_MASS_ROWS * G * L; /* [L][hd] keys of one KV head, gathered */
-        const bool one_run = kv_run(kv, 0, L) == L;
+        const bool f16 = kv->dtype == CB_KV_F16, one_run = !f16 && kv_run(kv, 0, L) == L;
         for (int kvh = 0; kvh < g->n_head_kv; kvh++) {
             for (int hh = 0; hh < G; hh++)
                 for (int i = 0; i < nr; i++)
@@ -576,14 +616,22 @@ void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_c
                            sizeof(float) * (size_t)hd);
             /* one GEMM over keys [0, L) whatever the placement (in place when they are one run, else
              * gathered), so the scores are the same bits either way */
-            const float *K = kv->k + (size_t)kvh * hd;
+            const float *K;
             int ldk = kvd;
-            if (!one_run) {
+            if (f16) {
+                for (int p = 0, w; p < L; p += w) {
+                    w = kv_run(kv, p, L);
+                    cvt_rows_f16(kv_f16(kv->k, kv_row(kv, p) * kvd + (size_t)kvh * hd), (size_t)kvd, w, hd,
+                                 GK + (size_t)p * hd, (size_t)hd);
+                }
+                K = GK, ldk = hd;
+            } else if (!one_run) {
                 for (int p = 0; p < L; p++)
-                    memcpy(GK + (size_t)p * hd, kv->k + kv_row(kv, p) * kvd + (size_t)kvh * hd, sizeof(float) * (size_t)hd);
+                    memcpy(GK + (size_t)p * hd, kv_f32(kv->k, kv_row(kv, p) * kvd + (size_t)kvh * hd),
+                           sizeof(float) * (size_t)hd);
                 K = GK, ldk = hd;
             } else {
-                K = kv->k + kv_row(kv, 0) * kvd + (size_t)kvh * hd;
+                K = kv_f32(kv->k, kv_row(kv, 0) * kvd + (size_t)kvh * hd);
             }
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, K, ldk, 0.0f, S, L);
             for (int r = 0; r < M; r++) {
@@ -600,15 +648,25 @@ static void scale_row(float *x, int n, float a) {
     for (int i = 0; i < n; i++) x[i] *= a;
 }
 
-/* One query row, one head (kv head kvh): out[hd] = softmax(q·K[0:lim)ᵀ·scale) · V. s: [lim] scratch. */
+/* Row j's head kvh of pool plane base (K or V) as f32: in place, or converted into cvt [hd] (f16). */
+static inline const float *head_f32(const cb_cpu_kv_t *kv, const void *base, int j, int kvh, int kvd, int hd,
+                                    float *cvt) {
+    const size_t e = kv_row(kv, j) * kvd + (size_t)kvh * hd;
+    if (kv->dtype != CB_KV_F16) return kv_f32(base, e);
+    cb_cpu_kv_to_f32(CB_KV_F16, kv_f16(base, e), cvt, (size_t)hd);
+    return cvt;
+}
+
+/* One query row, one head (kv head kvh): out[hd] = softmax(q·K[0:lim)ᵀ·scale) · V. s: [lim] scratch;
+ * cvt: [hd] (f16 pools). */
 static void attend_row(const cb_attn_geom_t *g, const float *q, const cb_cpu_kv_t *kv, int kvh, int kvd, int lim,
-                       float *s, float *out) {
+                       float *s, float *cvt, float *out) {
     const int hd = g->head_dim;
-    for (int j = 0; j < lim; j++) s[j] = dot_f32(q, kv->k + kv_row(kv, j) * kvd + (size_t)kvh * hd, hd) * g->scale;
+    for (int j = 0; j < lim; j++) s[j] = dot_f32(q, head_f32(kv, kv->k, j, kvh, kvd, hd, cvt), hd) * g->scale;
     float inv = softmax_row(s, lim, lim);
     memset(out, 0, sizeof(float) * (size_t)hd);
     for (int j = 0; j < lim; j++) {
-        const float *v = kv->v + kv_row(kv, j) * kvd + (size_t)kvh * hd;
+        const float *v = head_f32(kv, kv->v, j, kvh, kvd, hd, cvt);
         float p = s[j];
         for (int d = 0; d < hd; d++) out[d] += p * v[d];
     }
@@ -623,6 +681,7 @@ typedef struct {
     float *out, *scratch;
     size_t per_thread;     /* floats of each thread's region */
     size_t partial_floats; /* floats of the shared partials region at the start of scratch */
+    size_t cvt_offset;     /* f16 pools: offset of the converted piece in each thread's region */
     int n, rb;
     int chunk, n_chunks;   /* split kernel: keys per task, tasks per (row, KV head) */
 } attn_job_t;
@@ -632,8 +691,9 @@ static void attn_row_task(void *arg, int t, int thread) {
     const cb_attn_geom_t *g = j->g;
     const int H = g->n_head, hd = g->head_dim, G = H / g->n_head_kv, qd = H * hd, kvd = g->n_head_kv * hd;
     int i = t / H, h = t % H, kvh = h / G;
-    attend_row(g, j->q + (size_t)i * qd + (size_t)h * hd, j->kv, kvh, kvd, j->key_limit[i],
-               j->scratch + (size_t)thread * j->per_thread, j->out + (size_t)i * qd + (size_t)h * hd);
+    float *s = j->scratch + (size_t)thread * j->per_thread;
+    attend_row(g, j->q + (size_t)i * qd + (size_t)h * hd, j->kv, kvh, kvd, j->key_limit[i], s, s + j->cvt_offset,
+               j->out + (size_t)i * qd + (size_t)h * hd);
 }
 
 /* Online-softmax step over one chunk of keys: s[0:w) are the chunk's scores, of which [0, lim) are
@@ -722,18 +782,26 @@ static void attn_block_task(void *arg, int t, int thread) {
         /* the chunk's K/V rows: in place when they follow each other in the pool, else gathered */
         const float *K, *V;
         int ld;
-        if (kv_run(kv, c0, c0 + w) == w) {
-            K = kv->k + kv_row(kv, c0) * kvd + (size_t)kvh * hd;
-            V = kv->v + kv_row(kv, c0) * kvd + (size_t)kvh * hd;
+        if (kv->dtype == CB_KV_F16) { /* converted while gathered, a run of consecutive rows at a time */
+            for (int p = c0, n_run; p < c0 + w; p += n_run) {
+                n_run = kv_run(kv, p, c0 + w);
+                const size_t e = kv_row(kv, p) * kvd + (size_t)kvh * hd;
+                cvt_rows_f16(kv_f16(kv->k, e), (size_t)kvd, n_run, hd, GK + (size_t)(p - c0) * hd, (size_t)hd);
+                cvt_rows_f16(kv_f16(kv->v, e), (size_t)kvd, n_run, hd, GV + (size_t)(p - c0) * hd, (size_t)hd);
+            }
+            K = GK, V = GV, ld = hd;
+        } else if (kv_run(kv, c0, c0 + w) == w) {
+            K = kv_f32(kv->k, kv_row(kv, c0) * kvd + (size_t)kvh * hd);
+            V = kv_f32(kv->v, kv_row(kv, c0) * kvd + (size_t)kvh * hd);
             ld = kvd;
         } else {
             for (int p = c0, n_run; p < c0 + w; p += n_run) {
                 n_run = kv_run(kv, p, c0 + w);
                 const size_t r0 = kv_row(kv, p);
                 for (int t2 = 0; t2 < n_run; t2++) {
-                    memcpy(GK + (size_t)(p - c0 + t2) * hd, kv->k + (r0 + t2) * kvd + (size_t)kvh * hd,
+                    memcpy(GK + (size_t)(p - c0 + t2) * hd, kv_f32(kv->k, (r0 + t2) * kvd + (size_t)kvh * hd),
                            sizeof(float) * (size_t)hd);
-                    memcpy(GV + (size_t)(p - c0 + t2) * hd, kv->v + (r0 + t2) * kvd + (size_t)kvh * hd,
+                    memcpy(GV + (size_t)(p - c0 + t2) * hd, kv_f32(kv->v, (r0 + t2) * kvd + (size_t)kvh * hd),
                            sizeof(float) * (size_t)hd);
                 }
             }
@@ -828,6 +896,41 @@ static void pv_row(const float *p, const float *V, int kvd, int cnt, int hd, flo
     }
 }
 
+/* attn_split_task on an f16 pool, for row i, KV head kvh, keys [c0, c1) (chunk c): the chunk's K, then its
+ * V, converted ATT_F16_PIECE keys (of one run) at a time and read by every query head of the group from L1.
+ * Per head the arithmetic is the f32 kernel's: scores per key, the online softmax over the chunk, P·V in key
+ * order. s: the thread's region (scores [G][c1 - c0] at its start, the converted piece at cvt_offset). */
+static void attn_split_f16(const attn_job_t *j, int i, int kvh, int c, int c0, int c1, float *s) {
+    const cb_attn_geom_t *g = j->g;
+    const int H = g->n_head, hd = g->head_dim, G = H / g->n_head_kv, qd = H * hd, kvd = g->n_head_kv * hd;
+    const int cnt = c1 - c0;
+    const cb_cpu_kv_t *kv = j->kv;
+    float *cv = s + j->cvt_offset; /* [ATT_F16_PIECE][hd] */
+    float *part[ATT_MAX_G];
+    for (int hh = 0; hh < G; hh++) {
+        part[hh] = j->scratch + (((size_t)i * H + kvh * G + hh) * j->n_chunks + c) * (size_t)(hd + 2);
+        part[hh][0] = -INFINITY;
+        part[hh][1] = 0.0f;
+    }
+    if (cnt <= 0) return;
+    for (int p = c0, w; p < c1; p += w) {
+        w = kv_run(kv, p, p + ATT_F16_PIECE < c1 ? p + ATT_F16_PIECE : c1);
+        cvt_rows_f16(kv_f16(kv->k, kv_row(kv, p) * kvd + (size_t)kvh * hd), (size_t)kvd, w, hd, cv, (size_t)hd);
+        for (int hh = 0; hh < G; hh++)
+            scores_row(j->q + (size_t)i * qd + (size_t)(kvh * G + hh) * hd, cv, hd, w, hd, g->scale,
+                       s + (size_t)hh * cnt + (p - c0));
+    }
+    for (int hh = 0; hh < G; hh++) {
+        online_softmax(s + (size_t)hh * cnt, cnt, cnt, &part[hh][0], &part[hh][1]);
+        memset(part[hh] + 2, 0, sizeof(float) * (size_t)hd);
+    }
+    for (int p = c0, w; p < c1; p += w) {
+        w = kv_run(kv, p, p + ATT_F16_PIECE < c1 ? p + ATT_F16_PIECE : c1);
+        cvt_rows_f16(kv_f16(kv->v, kv_row(kv, p) * kvd + (size_t)kvh * hd), (size_t)kvd, w, hd, cv, (size_t)hd);
+        for (int hh = 0; hh < G; hh++) pv_row(s + (size_t)hh * cnt + (p - c0), cv, hd, w, hd, part[hh] + 2);
+    }
+}
+
 /* Split-key attention for a few rows (decode): task = (row, KV head, chunk of keys). Each task leaves,
  * per query head of the group, the chunk's max m, sum l and unnormalised output o; attn_split_merge
  * combines the chunks (flash-decoding). K and V of a chunk are read once per query head from L2. */
@@ -838,6 +941,10 @@ static void attn_split_task(void *arg, int t, int thread) {
     const int c = t % j->n_chunks, kvh = (t / j->n_chunks) % HKV, i = t / j->n_chunks / HKV;
     const int lim = j->key_limit[i], c0 = c * j->chunk, c1 = c0 + j->chunk < lim ? c0 + j->chunk : lim;
     float *s = j->scratch + j->partial_floats + (size_t)thread * j->per_thread;
+    if (j->kv->dtype == CB_KV_F16) {
+        attn_split_f16(j, i, kvh, c, c0, c1, s);
+        return;
+    }
     for (int hh = 0; hh < G; hh++) {
         const int h = kvh * G + hh;
         float *part = j->scratch + (((size_t)i * H + h) * j->n_chunks + c) * (size_t)(hd + 2);
@@ -849,15 +956,15 @@ static void attn_split_task(void *arg, int t, int thread) {
         const cb_cpu_kv_t *kv = j->kv;
         for (int p = c0, w; p < c1; p += w) {
             w = kv_run(kv, p, c1);
-            scores_row(j->q + (size_t)i * qd + (size_t)h * hd, kv->k + kv_row(kv, p) * kvd + (size_t)kvh * hd, kvd, w,
-                       hd, g->scale, s + (p - c0));
+            scores_row(j->q + (size_t)i * qd + (size_t)h * hd, kv_f32(kv->k, kv_row(kv, p) * kvd + (size_t)kvh * hd),
+                       kvd, w, hd, g->scale, s + (p - c0));
         }
         float m = -INFINITY, l = 0.0f;
         online_softmax(s, c1 - c0, c1 - c0, &m, &l);
         memset(part + 2, 0, sizeof(float) * (size_t)hd);
         for (int p = c0, w; p < c1; p += w) {
             w = kv_run(kv, p, c1);
-            pv_row(s + (p - c0), kv->v + kv_row(kv, p) * kvd + (size_t)kvh * hd, kvd, w, hd, part + 2);
+            pv_row(s + (p - c0), kv_f32(kv->v, kv_row(kv, p) * kvd + (size_t)kvh * hd), kvd, w, hd, part + 2);
         }
         part[0] = m;
         part[1] = l;
@@ -897,7 +1004,7 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
         max_lim = key_limit[i] > max_lim ? key_limit[i] : max_lim;
     }
     attn_job_t j = {g, q, kv, key_limit, out, scratch, att_thread_floats(g, max_keys),
-                    att_partial_floats(g, max_keys), n, ATT_BLOCK_ROWS, 0, 0};
+                    att_partial_floats(g, max_keys), att_cvt_offset(g, max_keys), n, ATT_BLOCK_ROWS, 0, 0};
     float *thread_scratch = scratch + j.partial_floats;
     if (H / HKV > ATT_MAX_G) { /* one task per (row, head) */
         j.scratch = thread_scratch;
@@ -924,15 +1031,16 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
  * P·V in key order, and the same merge. */
 typedef struct {
     const cb_attn_geom_t *g;
-    const float *q, *k, *v;   /* q [n][n_head*head_dim]; the layer's pool */
+    const float *q;           /* [n][n_head*head_dim] */
+    const cb_cpu_kv_t *pool;  /* the layer's pool (its blocks unused) */
     const cb_kv_table_t *t;   /* [n] */
     const int32_t *key_limit; /* [n] */
     int bt, nr;               /* block tokens; rows of this run */
     int chunk[ATT_ROWS_MAX];  /* keys per task of each row */
     int task0[ATT_ROWS_MAX + 1]; /* first task of each row; task0[nr] = tasks */
     float *partial;           /* [tasks][n_head][2 + head_dim] */
-    float *scratch;           /* per thread: [n_head][chunk] scores */
-    size_t per_thread;
+    float *scratch;           /* per thread: [n_head][chunk] scores; an f16 piece's f32 copy at cvt_offset */
+    size_t per_thread, cvt_offset;
 } attn_rows_job_t;
 
 static inline void prefetch_bytes(const char *p, size_t bytes) {
@@ -946,15 +1054,20 @@ static void attn_rows_task(void *arg, int t, int thread) {
     int i = 0;
     while (t >= j->task0[i + 1]) i++;
     const int cs = j->chunk[i], c0 = (t - j->task0[i]) * cs, lim = j->key_limit[i], c1 = c0 + cs < lim ? c0 + cs : lim;
-    const cb_cpu_kv_t kv = {j->k, j->v, j->t[i].blocks, j->bt};
+    const cb_cpu_kv_t kv = {j->pool->k, j->pool->v, j->t[i].blocks, j->bt, j->pool->dtype};
+    const bool f16 = kv.dtype == CB_KV_F16;
+    const size_t esz = f16 ? sizeof(uint16_t) : sizeof(float);
     const float *q = j->q + (size_t)i * H * hd;
     float *s = j->scratch + (size_t)thread * j->per_thread, *part = j->partial + (size_t)t * H * (hd + 2);
+    float *cv = s + j->cvt_offset; /* f16: [ATT_ROWS_PIECE][kvd] */
     /* each head's pass over a piece prefetches its share of the piece ATT_ROWS_AHEAD keys on */
-    const size_t slice = ((size_t)ATT_ROWS_PIECE * kvd * sizeof(float) / (size_t)H + 63) / 64 * 64;
+    const size_t slice = ((size_t)ATT_ROWS_PIECE * kvd * esz / (size_t)H + 63) / 64 * 64;
     for (int p = c0, w; p < c1; p += w) { /* runs of consecutive pool rows, in pieces */
         w = kv_run(&kv, p, p + ATT_ROWS_PIECE < c1 ? p + ATT_ROWS_PIECE : c1);
-        const float *K = kv.k + kv_row(&kv, p) * kvd;
-        const char *next = p + ATT_ROWS_AHEAD < c1 ? (const char *)(kv.k + kv_row(&kv, p + ATT_ROWS_AHEAD) * kvd) : NULL;
+        const float *K = f16 ? cv : kv_f32(kv.k, kv_row(&kv, p) * kvd);
+        if (f16) cb_cpu_kv_to_f32(CB_KV_F16, kv_f16(kv.k, kv_row(&kv, p) * kvd), cv, (size_t)w * kvd);
+        const char *next =
+            p + ATT_ROWS_AHEAD < c1 ? (const char *)kv.k + kv_row(&kv, p + ATT_ROWS_AHEAD) * kvd * esz : NULL;
         for (int h = 0; h < H; h++) {
             if (next) prefetch_bytes(next + (size_t)h * slice, slice);
             scores_row(q + (size_t)h * hd, K + (size_t)(h / G) * hd, kvd, w, hd, g->scale, s + (size_t)h * cs + (p - c0));
@@ -968,8 +1081,10 @@ static void attn_rows_task(void *arg, int t, int thread) {
     }
     for (int p = c0, w; p < c1; p += w) {
         w = kv_run(&kv, p, p + ATT_ROWS_PIECE < c1 ? p + ATT_ROWS_PIECE : c1);
-        const float *V = kv.v + kv_row(&kv, p) * kvd;
-        const char *next = p + ATT_ROWS_AHEAD < c1 ? (const char *)(kv.v + kv_row(&kv, p + ATT_ROWS_AHEAD) * kvd) : NULL;
+        const float *V = f16 ? cv : kv_f32(kv.v, kv_row(&kv, p) * kvd);
+        if (f16) cb_cpu_kv_to_f32(CB_KV_F16, kv_f16(kv.v, kv_row(&kv, p) * kvd), cv, (size_t)w * kvd);
+        const char *next =
+            p + ATT_ROWS_AHEAD < c1 ? (const char *)kv.v + kv_row(&kv, p + ATT_ROWS_AHEAD) * kvd * esz : NULL;
         for (int h = 0; h < H; h++) {
             if (next) prefetch_bytes(next + (size_t)h * slice, slice);
             pv_row(s + (size_t)h * cs + (p - c0), V + (size_t)(h / G) * hd, kvd, w, hd, part + (size_t)h * (hd + 2) + 2);
@@ -977,19 +1092,20 @@ static void attn_rows_task(void *arg, int t, int thread) {
     }
 }
 
-void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const float *k, const float *v,
-                           int block_tokens, const cb_kv_table_t *t, const int32_t *key_limit, float *out,
-                           float *scratch, int max_keys, cb_pool_t *pool) {
+void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kvp,
+                           const cb_kv_table_t *t, const int32_t *key_limit, float *out, float *scratch, int max_keys,
+                           cb_pool_t *pool) {
     const int H = g->n_head, hd = g->head_dim, qd = H * hd, nt = cb_pool_size(pool);
     if (H / g->n_head_kv > ATT_MAX_G) { /* the one-row path, row by row */
         for (int i = 0; i < n; i++) {
-            const cb_cpu_kv_t kv = {k, v, t[i].blocks, block_tokens};
+            const cb_cpu_kv_t kv = {kvp->k, kvp->v, t[i].blocks, kvp->block_tokens, kvp->dtype};
             cb_cpu_attention(g, q + (size_t)i * qd, 1, &kv, &key_limit[i], out + (size_t)i * qd, scratch, max_keys, pool);
         }
         return;
     }
-    attn_rows_job_t j = {.g = g, .k = k, .v = v, .bt = block_tokens, .partial = scratch,
-                         .scratch = scratch + att_partial_floats(g, max_keys), .per_thread = att_thread_floats(g, max_keys)};
+    attn_rows_job_t j = {.g = g, .pool = kvp, .bt = kvp->block_tokens, .partial = scratch,
+                         .scratch = scratch + att_partial_floats(g, max_keys), .per_thread = att_thread_floats(g, max_keys),
+                         .cvt_offset = att_cvt_offset(g, max_keys)};
     const int slots = ATT_ROWS_MAX * ((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN); /* tasks the partials hold */
     for (int i0 = 0; i0 < n; i0 += j.nr) {
         j.q = q + (size_t)i0 * qd, j.t = t + i0, j.key_limit = key_limit + i0;

@@ -1,4 +1,5 @@
-/* cpu_ops: the f32 CPU kernels of the engine (the reference backend, see backend.h).
+/* cpu_ops: the f32 CPU kernels of the engine (the reference backend, see backend.h); the KV pool they read
+ * holds f32 or binary16 values (cb_cpu_kv_t), the arithmetic is f32 either way.
  *
  * Plain functions over host buffers; every shape is in the comment. Threading: functions with a `pool`
  * argument split their work into tasks on that cpu_pool (NULL = the calling thread only); BLAS calls run
@@ -91,18 +92,27 @@ void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float
                          const cb_cpu_mm_scratch_t *s, cb_pool_t *pool);
 
 /* A sequence's K/V of one layer in the pool: position p is row blocks[p / block_tokens] * block_tokens +
- * p % block_tokens of k and v (rows of n_head_kv*head_dim floats, post-RoPE K). Kernels walk runs of
- * positions whose rows follow each other (consecutive block ids) as one strided range, so a sequence whose
- * blocks are consecutive costs nothing extra; results do not depend on how the rows are placed. */
+ * p % block_tokens of k and v (rows of n_head_kv*head_dim values of dtype, post-RoPE K). Kernels walk runs
+ * of positions whose rows follow each other (consecutive block ids) as one strided range, so a sequence whose
+ * blocks are consecutive costs nothing extra; results do not depend on how the rows are placed.
+ * dtype CB_KV_F32: the kernels read the rows in place. CB_KV_F16 (binary16): they convert K and V to f32
+ * inside the kernel, a chunk of keys at a time into the thread's scratch (while gathering the rows), and run
+ * the f32 arithmetic on the converted values: the conversion is exact, so every promise below (rows
+ * independent, bits independent of placement and of the other rows of a decode batch) holds for f16 too, and
+ * an f16 pool gives the bits an f32 pool holding the same f16-rounded values would give. */
 typedef struct {
-    const float *k, *v;        /* the layer's pool: [n_blocks * block_tokens][kv_dim] */
+    const void *k, *v;         /* the layer's pool: [n_blocks * block_tokens][kv_dim] of dtype */
     const int32_t *blocks;     /* block table: [>= ceil(max key_limit / block_tokens)] */
     int block_tokens;
+    cb_kv_dtype_t dtype;       /* CB_KV_F32 (0, what a zero-initialised view means) or CB_KV_F16 */
 } cb_cpu_kv_t;
 
 /* n values of a KV payload (dtype) as f32 (F16C / AVX-512 conversion where available); bit-identical to
  * kvfile's conversion. */
 void cb_cpu_kv_to_f32(cb_kv_dtype_t dtype, const void *src, float *dst, size_t n);
+/* n f32 values to binary16, rounding to nearest even (F16C / AVX-512 where available, the portable
+ * cb_f32_to_f16 for the rest): bit-identical to cb_f32_to_f16 (format/quant.h) for every input, NaN included. */
+void cb_cpu_f32_to_f16(const float *src, uint16_t *dst, size_t n);
 
 /* Scratch floats needed by cb_cpu_attention for max_rows rows against max_keys keys with nt pool threads. */
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt);
@@ -113,18 +123,20 @@ size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_k
  *   out [n][n_head*head_dim]
  * Rows are independent: any limits, in any order (exact causal = pos+1). Blocks of rows run as
  * GEMMs (Q·Kᵀ, P·V) over chunks of 512 keys up to the largest limit in the block, masked per row (a chunk
- * spanning non-consecutive pool blocks is gathered first: the same values, bit for bit). */
+ * spanning non-consecutive pool blocks is gathered first: the same values, bit for bit; an f16 pool's chunk
+ * is always gathered, converted to f32 on the way). */
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *out, float *scratch, int max_keys, cb_pool_t *pool);
 
-/* Decode rows of different sequences: row i attends its own block table t[i] of the layer's pool k, v (rows
- * of n_head_kv*head_dim floats, block_tokens positions per block) over keys [0, key_limit[i]), each in
+/* Decode rows of different sequences: row i attends its own block table t[i] of the layer's pool (pool->k,
+ * pool->v, pool->dtype, pool->block_tokens; pool->blocks is not used) over keys [0, key_limit[i]), each in
  * 1..max_keys; q, out [n][n_head*head_dim]. Row i gets the bits a one-row cb_cpu_attention call on the same
  * pool and threads gives it, whatever the other rows; the work of up to 16 rows is one pool run, each chunk
- * of keys read once for all heads. Same scratch as cb_cpu_attention. */
-void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const float *k, const float *v,
-                           int block_tokens, const cb_kv_table_t *t, const int32_t *key_limit, float *out,
-                           float *scratch, int max_keys, cb_pool_t *pool);
+ * of keys read once for all heads (an f16 piece converted once for all heads). Same scratch as
+ * cb_cpu_attention. */
+void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *pool,
+                           const cb_kv_table_t *t, const int32_t *key_limit, float *out, float *scratch, int max_keys,
+                           cb_pool_t *pool_threads);
 
 /* Attention mass, for query-aware selection (blend.h, metric 'a'): for each of the n query rows and each
  * head, the softmax probabilities over keys [0, key_limit[i]) (as cb_cpu_attention computes them) are
@@ -132,7 +144,8 @@ void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const
  *   q [n][n_head*head_dim] (post-RoPE), kv the layer's keys (post-RoPE),
  *   key_limit [n], mass [>= max key_limit] (accumulated, not cleared)
  *   scratch: cb_cpu_attn_mass_scratch(g, max_keys) floats
- * Rows go CB_CPU_MASS_ROWS at a time as one GEMM per KV head and run of consecutive pool rows;
+ * Rows go CB_CPU_MASS_ROWS at a time as one GEMM per KV head over keys [0, max limit) (in place, or gathered
+ * when the rows are not one run or the pool is f16, converted on the way);
  * single-threaded (a few rows only). */
 #define CB_CPU_MASS_ROWS 16
 size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys);

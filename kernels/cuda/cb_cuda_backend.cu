@@ -246,11 +246,18 @@ void be_host_free(void *ctx, void *p) {
 cb_bf16_t *plane_k(be_ctx *c, int layer) { return c->pool_k + (size_t)layer * c->plane; }
 cb_bf16_t *plane_v(be_ctx *c, int layer) { return c->pool_v + (size_t)layer * c->plane; }
 
-int be_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens, int n_blocks, char *err, size_t errlen) {
+int be_kv_pool_init(void *ctx, int n_layer, int kv_dim, int block_tokens, int n_blocks, cb_kv_dtype_t dtype, char *err,
+                    size_t errlen) {
     be_ctx *c = BE(ctx);
     be_lock lk(c);
     if (c->pool_k) {
         snprintf(err, errlen, "cuda backend: KV pool already initialised");
+        return -1;
+    }
+    /* the pool is bf16: a 16-bit request (f16, bf16) gets it; f32 is the CPU backend's reference pool */
+    if (dtype != CB_KV_F16 && dtype != CB_KV_BF16) {
+        snprintf(err, errlen, "cuda backend: KV pool dtype %s not supported (the CUDA pool is bf16: engine.kv_dtype = "
+                 "f16, or backend = cpu for an f32 pool)", cb_kv_dtype_name(dtype));
         return -1;
     }
     if (n_layer < 1 || block_tokens < 1 || n_blocks < 1 || kv_dim != c->kvd ||

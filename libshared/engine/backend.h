@@ -8,7 +8,9 @@
  * own memory (host memory on the CPU, device memory on CUDA), sized once by kv_pool_init; a sequence's
  * rows are reached through a block table (cb_kv_table_t), never through a pointer, so attention on a
  * device reads K/V where they already are. The CPU backend (kernels/cpu) computes in f32 and is the
- * reference: other backends are tested against it within tolerances (tests/gpu).
+ * reference: other backends are tested against it within tolerances (tests/gpu). The pool's value type is
+ * chosen at kv_pool_init (engine.kv_dtype): the CPU backend stores f32 (the reference) or binary16 and
+ * attends in f32 either way; the CUDA backend stores bf16.
  *
  * Everything CacheBlend needs is an operation here (RoPE, KV writes and layer loads with re-rotation,
  * attention, attention mass, deviation, top-k, row compaction), so blend/ runs the same algorithm on
@@ -89,13 +91,15 @@ typedef struct {
     void (*host_free)(void *ctx, void *p);
 
     /* ---- the KV pool ---- */
-    /* Allocates the pool once: K and V of n_blocks blocks of block_tokens positions x kv_dim, every layer.
-     * 0, or -1 with err. */
-    int (*kv_pool_init)(void *ctx, int n_layer, int kv_dim, int block_tokens, int n_blocks, char *err,
-                        size_t errlen);
+    /* Allocates the pool once: K and V of n_blocks blocks of block_tokens positions x kv_dim, every layer, of
+     * values of dtype: CB_KV_F32 or CB_KV_F16 (the CPU backend stores either; the CUDA backend takes
+     * CB_KV_F16 as "16-bit", stores bf16, and rejects CB_KV_F32). Sets kv_value_bytes. 0, or -1 with err. */
+    int (*kv_pool_init)(void *ctx, int n_layer, int kv_dim, int block_tokens, int n_blocks, cb_kv_dtype_t dtype,
+                        char *err, size_t errlen);
     /* Block dst := block src, K and V of every layer (copy-on-write of a shared block). */
     int (*kv_copy_block)(void *ctx, int dst, int src);
-    /* Post-RoPE K and V rows k, v [n][kv_dim] (f32 host) into the layer's rows pos [n] of table t. */
+    /* Post-RoPE K and V rows k, v [n][kv_dim] (f32 host) into the layer's rows pos [n] of table t, converted
+     * to the pool's type (f16: round to nearest even). */
     int (*kv_write)(void *ctx, int layer, const cb_kv_table_t *t, const int32_t *pos, int n, const float *k,
                     const float *v);
     /* A layer load: n cached rows for positions pos0..pos0+n-1 of table t from host memory k, v
@@ -103,7 +107,8 @@ typedef struct {
      * pool's type, pre-RoPE K rotated to its position with base rope_base on the way. */
     int (*kv_load)(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
                    cb_kv_dtype_t dtype, float rope_base);
-    /* Rows pos0..pos0+n-1 of the layer back as f32: k, v [n][kv_dim] (post-RoPE K; either may be NULL). */
+    /* Rows pos0..pos0+n-1 of the layer back as f32: k, v [n][kv_dim] (post-RoPE K; either may be NULL): the
+     * values the pool holds (an f16 pool gives a written row back rounded to f16). */
     int (*kv_read)(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, float *k, float *v);
 
     /* ---- CacheBlend ---- */
@@ -133,8 +138,8 @@ typedef struct {
     void *ctx;
     int max_rows;           /* rows per call the scratch was sized for */
     int max_keys;           /* keys per attention row */
-    int kv_value_bytes;     /* bytes of one K or V value in the pool (4 = f32 on the CPU, 2 = bf16 on CUDA;
-                               0 is read as 4): what the engine's byte budget divides by */
+    int kv_value_bytes;     /* bytes of one K or V value in the pool, as kv_pool_init made it (CPU: 4 = f32,
+                               2 = f16; CUDA: 2 = bf16; 0 is read as 4) */
 } cb_backend_t;
 
 /* Destroys a backend of any kind (ops->destroy), nulls *self_p; NULL-safe. (Constructors: cb_backend_select in

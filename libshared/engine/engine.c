@@ -36,6 +36,7 @@ struct cb_engine {
     int E, QD, KVD, F;       /* n_embd, n_head*head_dim, n_head_kv*head_dim, n_ff */
 
     /* the KV pool (memory in the backend) */
+    cb_engine_kv_dtype_t kv_dtype; /* F16 or F32 (resolved) */
     int bt;                  /* positions per block */
     int n_blocks;            /* blocks in the pool */
     int seq_max_blocks;      /* ceil(max_ctx / bt): a sequence's largest table */
@@ -82,6 +83,46 @@ static int env_threads(void) {
     return n < 1 ? 1 : n > 256 ? 256 : (int)n;
 }
 
+bool cb_engine_kv_dtype_parse(const char *s, cb_engine_kv_dtype_t *out) {
+    if (!s) return false;
+    cb_engine_kv_dtype_t d;
+    if (!strcmp(s, "f16")) d = CB_ENGINE_KV_F16;
+    else if (!strcmp(s, "f32")) d = CB_ENGINE_KV_F32;
+    else if (!strcmp(s, "default")) d = CB_ENGINE_KV_DEFAULT;
+    else return false;
+    *out = d;
+    return true;
+}
+
+const char *cb_engine_kv_dtype_name(cb_engine_kv_dtype_t dtype) {
+    switch (dtype) {
+    case CB_ENGINE_KV_DEFAULT: return "default";
+    case CB_ENGINE_KV_F16: return "f16";
+    case CB_ENGINE_KV_F32: return "f32";
+    default: return "?";
+    }
+}
+
+/* The pool dtype asked for: opts, else $CB_ENGINE_KV_DTYPE, else f16. false (err) for a bad value. */
+static bool resolve_kv_dtype(cb_engine_kv_dtype_t asked, cb_engine_kv_dtype_t *out, char *err, size_t errlen) {
+    if (asked == CB_ENGINE_KV_F16 || asked == CB_ENGINE_KV_F32) {
+        *out = asked;
+        return true;
+    }
+    if (asked != CB_ENGINE_KV_DEFAULT) {
+        cb_set_err(err, errlen, "engine: kv_dtype %d is not f16 or f32", (int)asked);
+        return false;
+    }
+    const char *s = getenv("CB_ENGINE_KV_DTYPE");
+    cb_engine_kv_dtype_t d = CB_ENGINE_KV_F16;
+    if (s && *s && !cb_engine_kv_dtype_parse(s, &d)) {
+        cb_set_err(err, errlen, "engine: CB_ENGINE_KV_DTYPE = '%.32s': expected f16 or f32", s);
+        return false;
+    }
+    *out = d == CB_ENGINE_KV_DEFAULT ? CB_ENGINE_KV_F16 : d;
+    return true;
+}
+
 static void *buf(cb_engine_t *e, size_t bytes) { return e->be->ops->host_alloc(e->be->ctx, bytes); }
 
 cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t *o, char *err, size_t errlen) {
@@ -99,11 +140,14 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
         cb_set_err(err, errlen, "engine: block_tokens %d out of range 1..4096", bt);
         return NULL;
     }
+    cb_engine_kv_dtype_t kv_dtype;
+    if (!resolve_kv_dtype(o->kv_dtype, &kv_dtype, err, errlen)) return NULL;
     cb_engine_t *e = calloc(1, sizeof *e);
     if (!e) {
         cb_set_err(err, errlen, "engine: out of memory");
         return NULL;
     }
+    e->kv_dtype = kv_dtype;
     const cb_hparams_t *hp = cb_model_hparams(model);
     e->model = model;
     e->hp = hp;
@@ -125,7 +169,8 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     /* the pool: as many blocks as the budget holds (default: two sequences of max_ctx) */
     e->bt = bt;
     e->seq_max_blocks = (max_ctx + bt - 1) / bt;
-    const size_t vb = e->be->kv_value_bytes > 0 ? (size_t)e->be->kv_value_bytes : 4;
+    const cb_kv_dtype_t pool_dtype = kv_dtype == CB_ENGINE_KV_F32 ? CB_KV_F32 : CB_KV_F16;
+    const size_t vb = cb_kv_dtype_size(pool_dtype); /* 2 also for CUDA's bf16 pool */
     e->block_bytes = 2 * vb * (size_t)hp->n_layer * bt * e->KVD;
     const size_t seqs = o->kv_pool_seqs > 0 ? (size_t)o->kv_pool_seqs : 2;
     size_t nb = o->kv_pool_bytes ? o->kv_pool_bytes / e->block_bytes : seqs * (size_t)e->seq_max_blocks + 1;
@@ -136,10 +181,12 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     }
     if (nb > (1u << 30)) nb = 1u << 30;
     e->n_blocks = (int)nb;
-    if (e->be->ops->kv_pool_init(e->be->ctx, hp->n_layer, e->KVD, bt, e->n_blocks, berr, sizeof berr) != 0) {
+    if (e->be->ops->kv_pool_init(e->be->ctx, hp->n_layer, e->KVD, bt, e->n_blocks, pool_dtype, berr, sizeof berr) !=
+        0) {
         cb_set_err(err, errlen, "engine: %s", berr);
         goto fail;
     }
+    assert(e->be->kv_value_bytes == (int)vb);
     e->refs = calloc((size_t)e->n_blocks, sizeof(int32_t));
     if (!e->refs) goto oom;
     e->n_free = e->n_blocks;
@@ -203,6 +250,7 @@ int cb_engine_max_ctx(const cb_engine_t *self) { return self->max_ctx; }
 int cb_engine_max_rows(const cb_engine_t *self) { return self->max_rows; }
 const cb_model_t *cb_engine_model(const cb_engine_t *self) { return self->model; }
 const char *cb_engine_backend_name(const cb_engine_t *self) { return self->be->ops->name; }
+cb_engine_kv_dtype_t cb_engine_kv_dtype(const cb_engine_t *self) { return self->kv_dtype; }
 
 void cb_engine_pool_stats(const cb_engine_t *self, cb_engine_pool_stats_t *out) {
     memset(out, 0, sizeof *out);

@@ -34,8 +34,12 @@
  * (prefill) as f32 sgemm over weight tiles dequantized exactly. So a row's result depends on the row count
  * of its call (<= 8 or more, never on the other rows): SmolLM2's prefill and token-by-token decode logits
  * differ by up to ~0.6 (the int8 rounding; llama.cpp's own moves logits by 0.14-0.85), while with
- * CB_ENGINE_WEIGHTS=f32 (the reference: f32 matvecs too) they agree to ~5e-5 and both agree with a
- * double-precision forward pass to ~2e-5 (tests/unit/test_engine.c).
+ * CB_ENGINE_WEIGHTS=f32 (the reference: f32 matvecs too) and an f32 KV pool they agree to ~5e-5 and both
+ * agree with a double-precision forward pass to ~2e-5 (tests/unit/test_engine.c). The KV pool holds K and V
+ * as binary16 by default (kv_dtype, half the memory; each value rounded to nearest even, relative error
+ * <= 2^-11, converted back to f32 inside attention), which moves SmolLM2's logits by ~2e-2 against the f32
+ * pool (tests/unit/test_kvf16.c); kv_dtype f32 keeps the f32 reference pool. Every bit-identity promise
+ * below holds within one weights mode and pool dtype.
  *
  * Threads: one engine is used by one thread at a time, except cb_engine_kv_load, which one other thread
  * may call concurrently for rows of a sequence that no concurrent call touches and whose blocks the
@@ -66,20 +70,35 @@ typedef enum {
 } cb_engine_status_t;
 const char *cb_engine_status_str(int status);
 
+/* The KV pool's value type (config engine.kv_dtype). DEFAULT (the zero of cb_engine_opts_t) means
+ * $CB_ENGINE_KV_DTYPE when it is set (f16 or f32; anything else fails cb_engine_new_opts), else F16. The
+ * CUDA backend's pool is bf16 whatever is asked, and it rejects F32. */
+typedef enum {
+    CB_ENGINE_KV_DEFAULT = 0,
+    CB_ENGINE_KV_F16,        /* binary16: 2 bytes per value */
+    CB_ENGINE_KV_F32         /* the f32 reference: 4 bytes per value */
+} cb_engine_kv_dtype_t;
+/* "f16" | "f32" (and "default") -> *out; false for anything else (out untouched). */
+bool cb_engine_kv_dtype_parse(const char *s, cb_engine_kv_dtype_t *out);
+/* "f16", "f32", "default"; "?" otherwise. */
+const char *cb_engine_kv_dtype_name(cb_engine_kv_dtype_t dtype);
+
 typedef struct {
     int max_ctx;             /* positions per sequence, 1..1<<20 */
     size_t kv_pool_bytes;    /* KV pool budget (K and V of every layer); 0 = kv_pool_seqs sequences of max_ctx */
     int block_tokens;        /* positions per block; 0 = CB_ENGINE_BLOCK_TOKENS */
     int kv_pool_seqs;        /* with kv_pool_bytes 0: sequences of max_ctx the pool holds; 0 = 2 */
+    cb_engine_kv_dtype_t kv_dtype; /* the pool's values; DEFAULT = $CB_ENGINE_KV_DTYPE, else f16 */
 } cb_engine_opts_t;
 
 /* Creates an engine: sequences of up to o->max_ctx positions, a KV pool of floor(kv_pool_bytes /
  * block_bytes) blocks (a budget below one block is an error; a pool smaller than one max_ctx sequence is
  * allowed and gives CB_ENGINE_EPOOL when a request does not fit). Threads: $CB_THREADS if set, else one per online
- * CPU. Memory: the pool (2 * n_layer * n_head_kv * head_dim * 4 bytes per position on the CPU, 45 KiB for
- * SmolLM2; reserved address space, touched as blocks are first used), ~15 MB of scratch and a RoPE table
- * of max_ctx * head_dim floats. NULL + err on failure. Caller owns the result (cb_engine_destroy), and
- * destroys every sequence first. */
+ * CPU. Memory: the pool (2 * n_layer * n_head_kv * head_dim * value bytes per position: 2 for f16 (the
+ * default) and bf16 (CUDA), 4 for f32; SmolLM2: 22.5 KiB per position in f16, 45 KiB in f32; reserved address
+ * space, touched as blocks are first used), ~15 MB of scratch and a RoPE table of max_ctx * head_dim floats.
+ * NULL + err on failure (also for a kv_dtype the backend does not store, or a bad $CB_ENGINE_KV_DTYPE).
+ * Caller owns the result (cb_engine_destroy), and destroys every sequence first. */
 cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t *o, char *err, size_t errlen);
 /* The same with the default pool (kv_pool_bytes 0) and block size. */
 cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size_t errlen);
@@ -91,6 +110,8 @@ int cb_engine_max_ctx(const cb_engine_t *self);
 int cb_engine_max_rows(const cb_engine_t *self);
 const cb_model_t *cb_engine_model(const cb_engine_t *self);
 const char *cb_engine_backend_name(const cb_engine_t *self);
+/* The pool's value type as resolved at creation: CB_ENGINE_KV_F16 or CB_ENGINE_KV_F32 (F16 on CUDA: bf16). */
+cb_engine_kv_dtype_t cb_engine_kv_dtype(const cb_engine_t *self);
 
 /* Pool accounting. */
 typedef struct {
@@ -99,7 +120,8 @@ typedef struct {
     int blocks_free;         /* n_blocks - blocks_used */
     int blocks_shared;       /* referenced by more than one sequence */
     int block_tokens;
-    size_t block_bytes;      /* K + V of every layer of one block */
+    size_t block_bytes;      /* K + V of every layer of one block: 2 * n_layer * block_tokens * kv_dim * value
+                                bytes (2 for an f16 or bf16 pool, 4 for f32) */
     int n_seqs;              /* live sequences */
 } cb_engine_pool_stats_t;
 void cb_engine_pool_stats(const cb_engine_t *self, cb_engine_pool_stats_t *out);

@@ -317,6 +317,21 @@ bool cb_config_str(const cb_config_t *cfg, const char *section, const char *key,
     return true;
 }
 
+bool cb_config_str_own(const cb_config_t *cfg, const char *section, const char *key, const char *def,
+                       const char **out, char *err, size_t errlen) {
+    char envname[2 * NAME_MAX_LEN + 8];
+    cb_config_src_t src;
+    const char *v = cfg && section && key ? lookup1(cfg, section, key, &src, envname, sizeof envname) : NULL;
+    if (!v) v = def;
+    if (!v) {
+        snprintf(err, errlen, "config %s.%s is not set (file, CB_%s_%s or --%s.%s)", section, key, section, key,
+                 section, key);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
 static bool parse_int(const char *s, int64_t *out) {
     while (isspace((unsigned char)*s)) s++;
     if (!*s) return false;

@@ -55,6 +55,10 @@ const char *cb_config_raw(const cb_config_t *cfg, const char *section, const cha
 /* Typed getters: true with *out set (to def when the key is nowhere), false with a clear err. */
 bool cb_config_str(const cb_config_t *cfg, const char *section, const char *key, const char *def,
                    const char **out, char *err, size_t errlen);
+/* As cb_config_str, for section itself only (flag, environment, file): no fallback to common. For a key
+ * whose name means something else in common (engine.kv_dtype, the KV pool, vs common.kv_dtype, the files). */
+bool cb_config_str_own(const cb_config_t *cfg, const char *section, const char *key, const char *def,
+                       const char **out, char *err, size_t errlen);
 /* Integers: decimal, optionally with a binary suffix K, M, G or T (x1024^n), e.g. 2G. */
 bool cb_config_int(const cb_config_t *cfg, const char *section, const char *key, int64_t min, int64_t max,
                    int64_t def, int64_t *out, char *err, size_t errlen);

@@ -29,6 +29,7 @@
 #include "fetch.h"
 #include "gen.h"
 #include "kv/kvmem.h"
+#include "wire/engine_config.h"
 #include "wire/kvremote_config.h"
 #include "base/log.h"
 #include "wire/msg.h"
@@ -578,7 +579,7 @@ static void usage(FILE *f) {
                "  presence_penalty, ctx_size, max_queue, max_seqs, max_batch_tokens, stuck_ms, fault_step_delay_ms (tests),\n"
                "  hot_cache_bytes, kv_pool_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
                "  cacheindex_timeout_ms, router (worker of a cb-router), router_liveness, router_reconnect_max_ms,\n"
-               "  router_resident_keys, and common.* (data_dir, kv_dir, model, threads, ...).\n"
+               "  router_resident_keys, common.* (data_dir, kv_dir, model, threads, ...) and engine.kv_dtype (f16|f32).\n"
                "  Environment CB_BLEND_<KEY> overrides the file.\n");
 }
 
@@ -646,6 +647,12 @@ int main(int argc, char **argv) {
         goto out;
     }
     ga.kv_dtype = (cb_kv_dtype_t)kvdt;
+    cb_engine_opts_t eo = {0};
+    if (cb_engine_opts_from_config(cfg, &eo, err, sizeof err) != 0) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        goto out;
+    }
+    ga.engine_kv_dtype = eo.kv_dtype;
     int md = cb_blend_mode_parse(mode);
     if (md < 0) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.mode = '%s': expected full, prefix, reuse or blend", mode);

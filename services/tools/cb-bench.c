@@ -13,6 +13,8 @@
  * step (cb_engine_decode_batch) and once one sequence at a time, both reported as total tokens/s.
  * --batch-private: each of the B sequences gets its own copy of the prompt's KV (as B requests with
  * different documents would have) instead of sharing the blocks, so attention reads B times the KV.
+ * The KV pool is the engine's default, f16; CB_ENGINE_KV_DTYPE=f32 runs the f32 reference pool (the JSON
+ * says which: "kv_dtype").
  * Exit: 0 ok, 1 runtime error, 2 bad arguments.
  */
 #include <errno.h>
@@ -208,6 +210,7 @@ int main(int argc, char **argv) {
     if (json) {
         json_object_set_new(out, "engine", json_string("cacheblend"));
         json_object_set_new(out, "threads", json_integer(cb_engine_threads(e)));
+        json_object_set_new(out, "kv_dtype", json_string(cb_engine_kv_dtype_name(cb_engine_kv_dtype(e))));
         json_object_set_new(out, "load_ms", json_real(load_s * 1e3));
         json_object_set_new(out, "prefill", pf);
         json_object_set_new(out, "decode_steps", json_integer(n_decode));
@@ -225,7 +228,8 @@ int main(int argc, char **argv) {
         free(s);
     } else {
         json_decref(pf);
-        printf("load %.0f ms, threads %d, peak RSS %.0f MB\n", load_s * 1e3, cb_engine_threads(e), rss_mb);
+        printf("load %.0f ms, threads %d, KV pool %s, peak RSS %.0f MB\n", load_s * 1e3, cb_engine_threads(e),
+               cb_engine_kv_dtype_name(cb_engine_kv_dtype(e)), rss_mb);
     }
     json_decref(out);
     free(tok);

@@ -1005,8 +1005,8 @@ static int kvfix_open(kvfix_t *f) {
     float *ko = malloc(sizeof(float) * KV_NK * KV_D), *vo = malloc(sizeof(float) * KV_NK * KV_D);
     int rc = -1;
     if (!f->gpu || !f->kw || !f->vw || !ko || !vo) goto done;
-    if (f->cpu->ops->kv_pool_init(f->cpu->ctx, KV_NL, KV_D, KV_BT, KV_NB, err, sizeof err) != 0 ||
-        f->gpu->ops->kv_pool_init(f->gpu->ctx, KV_NL, KV_D, KV_BT, KV_NB, err, sizeof err) != 0)
+    if (f->cpu->ops->kv_pool_init(f->cpu->ctx, KV_NL, KV_D, KV_BT, KV_NB, CB_KV_F32, err, sizeof err) != 0 ||
+        f->gpu->ops->kv_pool_init(f->gpu->ctx, KV_NL, KV_D, KV_BT, KV_NB, CB_KV_F16, err, sizeof err) != 0)
         goto done;
     for (int i = 0; i < KV_NK * KV_D; i++) f->kw[i] = frand(1.0f), f->vw[i] = frand(1.0f);
     int32_t order[KV_NK];
@@ -1082,7 +1082,7 @@ TEST(test_backend_pool) {
     int ok = k1 && v1 && k2 && v2 && sc && h16;
     /* the pool is made once; bad arguments fail without marking the backend failed */
     int32_t bad_pos = 10 * BT;
-    ok = ok && gpu->ops->kv_pool_init(gpu->ctx, KV_NL, KVD, BT, KV_NB, err, sizeof err) == -1;
+    ok = ok && gpu->ops->kv_pool_init(gpu->ctx, KV_NL, KVD, BT, KV_NB, CB_KV_F16, err, sizeof err) == -1;
     ok = ok && gpu->ops->kv_write(gpu->ctx, 0, &f.ts, &bad_pos, 1, f.kw, f.vw) == -1;        /* outside the table */
     ok = ok && gpu->ops->kv_write(gpu->ctx, KV_NL, &f.ts, &bad_pos, 0, f.kw, f.vw) == -1;    /* no such layer */
     ok = ok && gpu->ops->kv_load(gpu->ctx, 1, &f.tc, 10 * BT - 5, 6, f.kw, f.vw, CB_KV_F32, 1e4f) == -1;
@@ -1143,10 +1143,10 @@ TEST(test_backend_pool) {
     /* a pool larger than the device: a clear error, and the backend can still make a pool */
     if (ok) {
         cb_backend_t *g2 = cb_backend_cuda_new(&f.hp, 64, 256, 0, err, sizeof err);
-        int rc = g2 ? g2->ops->kv_pool_init(g2->ctx, KV_NL, KVD, BT, 100000000, err, sizeof err) : 0; /* 2 x 205 GB */
+        int rc = g2 ? g2->ops->kv_pool_init(g2->ctx, KV_NL, KVD, BT, 100000000, CB_KV_F16, err, sizeof err) : 0; /* 2 x 205 GB */
         int msg_ok = strstr(err, "KV pool") && strstr(err, "out of memory");
         fprintf(stderr, "  oversized pool: %s\n", err);
-        int rc2 = g2 ? g2->ops->kv_pool_init(g2->ctx, KV_NL, KVD, BT, KV_NB, err, sizeof err) : -1;
+        int rc2 = g2 ? g2->ops->kv_pool_init(g2->ctx, KV_NL, KVD, BT, KV_NB, CB_KV_F16, err, sizeof err) : -1;
         cb_backend_destroy(&g2);
         ok = rc == -1 && msg_ok && rc2 == 0;
         if (!ok) fprintf(stderr, "  oversized pool: rc %d, then %d: %s\n", rc, rc2, err);

@@ -123,7 +123,9 @@ N=$(jget "$SOLO" metrics.n_prompt_tokens); G=$(jget "$SOLO" metrics.n_generated)
 echo "prompt $N tokens ($OWN blocks of its own), $G generated alone; the context holds $ctx blocks of $bt"
 check "the answer outgrows the prompt's last block" "$([ $(( (N % bt) + G )) -gt "$bt" ] && echo yes)" yes
 svc_stop blend2
-block_bytes=737280 # SmolLM2 at f32: K + V of 30 layers x 16 positions x 192
+# SmolLM2: K + V of 30 layers x 16 positions x 192 values of 2 bytes (engine.kv_dtype f16, the default) or 4 (f32)
+vb=2; [ "${CB_ENGINE_KV_DTYPE:-f16}" = f32 ] && vb=4
+block_bytes=$((2 * 30 * 16 * 192 * vb))
 export CB_BLEND_KV_POOL_BYTES=$(( (ctx + 2 * OWN) * block_bytes ))
 stack_start blend blend3 || svc_finish
 cbctl query --mode blend --max-tokens 24 --context "$LONG" "$Q" >"$T/before" 2>/dev/null

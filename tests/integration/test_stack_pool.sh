@@ -5,8 +5,10 @@
 # same answer as before the refusal.
 . "$(dirname "$0")/lib/stack.bash"
 stack_setup
-# SmolLM2 at f32: K + V of 30 layers x 16 positions x 192 = 737,280 bytes a block
-export CB_BLEND_KV_POOL_BYTES=$((12 * 737280))
+# SmolLM2: K + V of 30 layers x 16 positions x 192 values of 2 bytes (engine.kv_dtype = f16, the default:
+# 368,640 bytes a block) or 4 (f32: 737,280)
+vb=2; [ "${CB_ENGINE_KV_DTYPE:-f16}" = f32 ] && vb=4
+export CB_BLEND_KV_POOL_BYTES=$((12 * 2 * 30 * 16 * 192 * vb))
 export CB_BLEND_CTX_SIZE=1024
 export CB_BLEND_HOT_CACHE_BYTES=0
 stack_start_all || svc_finish

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "wire/config.h"
+#include "wire/engine_config.h"
 #include "test.h"
 
 static char s_path[64];
@@ -43,6 +44,7 @@ static void clear_env(void) {
     unsetenv("CB_BLEND_RATIO");
     unsetenv("CB_COMMON_CURVE");
     unsetenv("CB_COMMON_KEYS_DIR");
+    unsetenv("CB_ENGINE_KV_DTYPE");
 }
 
 TEST(file_values_and_types) {
@@ -275,7 +277,39 @@ TEST(shipped_config) {
     CHECK(cb_config_bool(cfg, "cbctl", "curve", true, &curve, err, sizeof err) && !curve);
     CHECK(cb_config_data_path(cfg, "blend", "keys_dir", NULL, path, sizeof path, err, sizeof err) &&
           strcmp(path, "var/keys") == 0);
+    cb_engine_opts_t eo = {.kv_dtype = CB_ENGINE_KV_F32}; /* the engine section: an f16 pool */
+    CHECK_MSG(cb_engine_opts_from_config(cfg, &eo, err, sizeof err) == 0 && eo.kv_dtype == CB_ENGINE_KV_F16, "%s", err);
     cb_config_destroy(&cfg);
+}
+
+/* engine.kv_dtype: the engine section only (common.kv_dtype is the KV files' payload, never the pool's),
+ * environment and flags over the file, f16 when absent, a clear error for anything but f16 / f32. */
+TEST(engine_kv_dtype) {
+    clear_env();
+    char err[256];
+    write_cfg("common\n    kv_dtype = q8_0\nblend\n    ratio = 0.15\n");
+    cb_config_t *cfg = cb_config_load(s_path, "blend", err, sizeof err);
+    CHECK_MSG(cfg, "%s", err);
+    const char *v = NULL;
+    CHECK(cb_config_str_own(cfg, "engine", "kv_dtype", "dflt", &v, err, sizeof err) && !strcmp(v, "dflt"));
+    cb_engine_opts_t eo = {0};
+    CHECK_MSG(cb_engine_opts_from_config(cfg, &eo, err, sizeof err) == 0 && eo.kv_dtype == CB_ENGINE_KV_F16, "%s", err);
+    setenv("CB_ENGINE_KV_DTYPE", "f32", 1);
+    CHECK(cb_engine_opts_from_config(cfg, &eo, err, sizeof err) == 0 && eo.kv_dtype == CB_ENGINE_KV_F32);
+    setenv("CB_ENGINE_KV_DTYPE", "bf16", 1);
+    CHECK(cb_engine_opts_from_config(cfg, &eo, err, sizeof err) == -1 && strstr(err, "engine.kv_dtype = 'bf16'"));
+    unsetenv("CB_ENGINE_KV_DTYPE");
+    cb_config_destroy(&cfg);
+    write_cfg("engine\n    kv_dtype = f32\nblend\n    ratio = 0.15\n");
+    cfg = cb_config_load(s_path, "blend", err, sizeof err);
+    CHECK_MSG(cfg, "%s", err);
+    CHECK(cb_engine_opts_from_config(cfg, &eo, err, sizeof err) == 0 && eo.kv_dtype == CB_ENGINE_KV_F32);
+    CHECK(cb_config_set(cfg, "engine", "kv_dtype", "f16")); /* a flag */
+    CHECK(cb_engine_opts_from_config(cfg, &eo, err, sizeof err) == 0 && eo.kv_dtype == CB_ENGINE_KV_F16);
+    CHECK(cb_config_set(cfg, "engine", "kv_dtype", "half"));
+    CHECK(cb_engine_opts_from_config(cfg, &eo, err, sizeof err) == -1 && strstr(err, "expected f16 or f32"));
+    cb_config_destroy(&cfg);
+    unlink(s_path);
 }
 
 int main(void) {
@@ -285,5 +319,6 @@ int main(void) {
     RUN(precedence_flag_env_file);
     RUN(flag_errors);
     RUN(shipped_config);
+    RUN(engine_kv_dtype);
     return test_summary();
 }

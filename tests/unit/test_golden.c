@@ -19,6 +19,12 @@
  * near-ties: on "chat_capital" llama.cpp's top-2 gap is 0.089 and both llama.cpp and the emulation pick
  * token 60 where the exact computation (and we) pick 504.
  * Under ASan only the first two prompts and 8 greedy steps run.
+ *
+ * Since issue 13 decode runs integer matvecs on int8 activations (engine.h) while prefill stays f32, so
+ * the greedy runs follow llama.cpp's noise at some steps and ours at others: the test runs twice. With the
+ * native weights every prompt must meet the logit tolerance and every divergence must be at a near-tie
+ * (measured: worst top-10 error 0.75, 3-4 of 10 greedy runs identical, every divergence a near-tie); with
+ * the f32 reference weights (CB_ENGINE_WEIGHTS=f32) also at least half of the runs must be identical.
  */
 #include <jansson.h>
 #include <math.h>
@@ -40,14 +46,18 @@ static const char *fixture_path(void) {
     return p && *p ? p : "tests/fixtures/logits.jsonl";
 }
 
-TEST(test_golden_llamacpp) {
+/* One pass over the fixture with the native weights (f32 = false) or the f32 reference weights. */
+static void golden(bool f32) {
     const char *mp = test_model_path();
     if (!mp) SKIP("model not present");
     FILE *f = fopen(fixture_path(), "r");
     if (!f) SKIP("tests/fixtures/logits.jsonl not present");
     char err[256];
+    if (f32) setenv("CB_ENGINE_WEIGHTS", "f32", 1);
     cb_model_t *m = cb_model_load(mp, err, sizeof err);
+    unsetenv("CB_ENGINE_WEIGHTS");
     CHECK_MSG(m, "%s", err);
+    fprintf(stderr, "  %s weights:\n", f32 ? "f32 reference" : "native (int8 matvecs)");
     const int V = cb_model_hparams(m)->n_vocab;
     float *lg = malloc(sizeof(float) * (size_t)V);
     cb_engine_t *e = NULL;
@@ -138,10 +148,14 @@ TEST(test_golden_llamacpp) {
     fprintf(stderr, "  %d prompts: %d fully identical greedy runs, worst top-10 logit error %.4f (tol %.2f)\n",
             n_prompts, n_full, worst, GOLDEN_LOGIT_TOL);
     CHECK(!failed);
-    CHECK(n_full * 2 >= n_prompts);
+    if (f32) CHECK(n_full * 2 >= n_prompts);
 }
+
+TEST(test_golden_llamacpp) { golden(false); }
+TEST(test_golden_llamacpp_f32) { golden(true); }
 
 int main(void) {
     RUN(test_golden_llamacpp);
+    RUN(test_golden_llamacpp_f32);
     return test_summary();
 }

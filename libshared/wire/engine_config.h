@@ -1,0 +1,20 @@
+/* engine_config: the engine's options from the stack's configuration (the `engine` section), for the
+ * services that run the model (cb-blend, cb-precompute). One place for what they both do.
+ *
+ * Keys (engine section only: no fallback to common, whose kv_dtype is the KV files' payload):
+ *   kv_dtype    the KV pool's values in memory: f16 (default) | f32 (the reference); environment
+ *               CB_ENGINE_KV_DTYPE, flag --engine.kv_dtype=...
+ * config/cacheblend.cfg; docs/engine.md.
+ */
+#ifndef CB_ENGINE_CONFIG_H
+#define CB_ENGINE_CONFIG_H
+
+#include <stddef.h>
+
+#include "engine/engine.h"
+#include "wire/config.h"
+
+/* Sets o->kv_dtype from engine.kv_dtype (leaves the other fields). 0, or -1 with a clear err for a bad
+ * value ("config engine.kv_dtype = 'x': expected f16 or f32"). */
+int cb_engine_opts_from_config(const cb_config_t *cfg, cb_engine_opts_t *o, char *err, size_t errlen);
+#endif
