@@ -166,6 +166,17 @@ r1=$(rcli info stats | grep -o 'keyspace_hits:[0-9]*' | cut -d: -f2)
 [ "$r1" -gt "$r0" ] && echo "ok: blend workers read chunks made on the other host from Redis ($((r1 - r0)) hits)" \
   || { echo "FAIL: no Redis hits from the blend workers"; FAILS=$((FAILS + 1)); }
 wd() { hsend 1 "$CB_ROUTER_ENDPOINT" '{"type":"stats"}' | jq --arg p "$1" '[.worker_list[] | select(.pid == $p) | .dispatched] | add // 0'; }
+# The sequential questions go where the rendezvous hash of their first chunk points (then to the holder),
+# which for 4 questions is one worker for all of them 1 time in 8; a burst of new passages at once spreads
+# over both (the load bound), so both must have answered after it.
+pids=() bad=0
+for i in 1 2 3 4; do
+  hcbctl query --context "Memo $i: the ferry number $i sails at $((6 + i)) o'clock." \
+    "When does ferry $i sail?" >"$T/spread$i.out" 2>"$T/spread$i.err" &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || bad=$((bad + 1)); done
+check "a burst of 4 queries with new passages, all answered" "$bad" 0
 d2=$(wd "$(netns_pid blend2)") d3=$(wd "$(netns_pid blend3)")
 [ "$d2" -gt 0 ] && [ "$d3" -gt 0 ] && echo "ok: both blend workers answered queries ($d2, $d3)" \
   || { echo "FAIL: dispatched $d2 / $d3"; FAILS=$((FAILS + 1)); }
