@@ -169,14 +169,20 @@ wd() { hsend 1 "$CB_ROUTER_ENDPOINT" '{"type":"stats"}' | jq --arg p "$1" '[.wor
 # The sequential questions go where the rendezvous hash of their first chunk points (then to the holder),
 # which for 4 questions is one worker for all of them 1 time in 8; a burst of new passages at once spreads
 # over both (the load bound), so both must have answered after it.
-pids=() bad=0
-for i in 1 2 3 4; do
-  hcbctl query --context "Memo $i: the ferry number $i sails at $((6 + i)) o'clock." \
-    "When does ferry $i sail?" >"$T/spread$i.out" 2>"$T/spread$i.err" &
-  pids+=($!)
-done
-for p in "${pids[@]}"; do wait "$p" || bad=$((bad + 1)); done
-check "a burst of 4 queries with new passages, all answered" "$bad" 0
+# burst N TAG: N queries at once, each with a passage no earlier query had (TAG makes it new); sets
+# BURST_BAD to how many failed
+burst() {
+  local pids=() i p
+  BURST_BAD=0
+  for i in $(seq 1 "$1"); do
+    hcbctl query --context "Note $2 $i: the harbour crane number $i was painted blue in 19$((10 + i))." \
+      "What colour was crane $i painted?" >"$T/$2$i.out" 2>"$T/$2$i.err" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || BURST_BAD=$((BURST_BAD + 1)); done
+}
+burst 4 spread
+check "a burst of 4 queries with new passages, all answered" "$BURST_BAD" 0
 d2=$(wd "$(netns_pid blend2)") d3=$(wd "$(netns_pid blend3)")
 [ "$d2" -gt 0 ] && [ "$d3" -gt 0 ] && echo "ok: both blend workers answered queries ($d2, $d3)" \
   || { echo "FAIL: dispatched $d2 / $d3"; FAILS=$((FAILS + 1)); }
@@ -266,14 +272,8 @@ echo "ok: host 3 healed, its worker is back"
 for qq in "${QS[@]}"; do ask "4. healed:" "$qq"; done
 # the retrieval queries above go to the worker that holds their chunks (host 2's, which served alone);
 # a burst of new passages at once spreads over both
-pids=() bad=0
-for i in 1 2 3 4 5 6; do
-  hcbctl query --context "Note $i: the harbour crane number $i was painted blue in 19$((10 + i))." \
-    "What colour was crane $i painted?" >"$T/burst$i.out" 2>"$T/burst$i.err" &
-  pids+=($!)
-done
-for p in "${pids[@]}"; do wait "$p" || bad=$((bad + 1)); done
-check "4. healed: a burst of 6 queries, all answered" "$bad" 0
+burst 6 burst
+check "4. healed: a burst of 6 queries, all answered" "$BURST_BAD" 0
 d3b=$(wd "$(netns_pid blend3)")
 [ "$d3b" -gt 0 ] && echo "ok: host 3's worker answers again ($d3b)" || { echo "FAIL: host 3's worker got nothing after the heal"; FAILS=$((FAILS + 1)); }
 exactly_once "at the end"

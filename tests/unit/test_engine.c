@@ -1173,32 +1173,24 @@ TEST(test_seq_bad_args) {
 
 /* ---------------------------------------------------------------- real model */
 
-static cb_model_t *real_model(void) {
-    static cb_model_t *m;
-    static int tried;
-    if (!tried) {
-        tried = 1;
+/* The real model, loaded once per mode: native weights, or with f32 weight copies (CB_ENGINE_WEIGHTS=f32:
+ * the f32 reference numerics). NULL when absent or unloadable. */
+static cb_model_t *real_model_mode(bool f32) {
+    static cb_model_t *m[2];
+    static int tried[2];
+    if (!tried[f32]) {
+        tried[f32] = 1;
         const char *p = test_model_path();
         char err[256];
-        if (p && !(m = cb_model_load(p, err, sizeof err))) fprintf(stderr, "  load %s: %s\n", p, err);
-    }
-    return m;
-}
-
-/* The real model with f32 weight copies (CB_ENGINE_WEIGHTS=f32: the f32 reference numerics). */
-static cb_model_t *real_model_f32(void) {
-    static cb_model_t *m;
-    static int tried;
-    if (!tried) {
-        tried = 1;
-        const char *p = test_model_path();
-        char err[256];
-        setenv("CB_ENGINE_WEIGHTS", "f32", 1);
-        if (p && !(m = cb_model_load(p, err, sizeof err))) fprintf(stderr, "  load %s: %s\n", p, err);
+        if (f32) setenv("CB_ENGINE_WEIGHTS", "f32", 1);
+        if (p && !(m[f32] = cb_model_load(p, err, sizeof err))) fprintf(stderr, "  load %s: %s\n", p, err);
         unsetenv("CB_ENGINE_WEIGHTS");
     }
-    return m;
+    return m[f32];
 }
+
+static cb_model_t *real_model(void) { return real_model_mode(false); }
+static cb_model_t *real_model_f32(void) { return real_model_mode(true); }
 
 /* Prompt i of a batch test: base + 3..31 tokens (all lengths different for i < 29) into prompt; its length. */
 static int batch_prompt(int i, int base, int V, int32_t *prompt) {
