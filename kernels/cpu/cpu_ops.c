@@ -29,6 +29,13 @@
 #else
 #define CB_AVX512 0
 #endif
+/* AVX2 + FMA (and no AVX-512): the same kernels 8 lanes wide. The build is -march=native, so the set is
+ * the build machine's; the scalar loops remain for everything else. */
+#if !CB_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define CB_AVX2 1
+#else
+#define CB_AVX2 0
+#endif
 
 /* ---------------------------------------------------------------- OpenBLAS setup */
 
@@ -109,6 +116,82 @@ static inline __m512 exp16(__m512 x) {
 static inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 #endif
 
+#if CB_AVX2
+/* exp(x) for 8 lanes: the same reduction and polynomial as exp16; 2^n is built in the exponent field, so
+ * x is clamped to at most 88.376, and below ln FLT_MIN the result is 0 (no subnormals). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3365447505531f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ); /* exp underflows to 0 there, as expf does */
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The last n < 8 values of a row as one vector (the other lanes `fill`), and back. */
+static inline __m256 load_tail8(const float *s, int n, float fill) {
+    float t[8] = {fill, fill, fill, fill, fill, fill, fill, fill};
+    memcpy(t, s, sizeof(float) * (size_t)n);
+    return _mm256_loadu_ps(t);
+}
+static inline void store_tail8(float *s, int n, __m256 v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    memcpy(s, t, sizeof(float) * (size_t)n);
+}
+
+/* max of s[0:n) (n >= 1). */
+static inline float max_row8(const float *s, int n) {
+    __m256 v = _mm256_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
+    if (j < n) v = _mm256_max_ps(v, load_tail8(s + j, n - j, -INFINITY));
+    return hmax8(v);
+}
+
+/* s[0:n) = exp(s - m) in place; returns their sum (every value through exp8, whatever its lane). */
+static inline float exp_sub_sum8(float *s, int n, float m) {
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (j < n) {
+        const __m256 keep = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(load_tail8(s + j, n - j, m), vm)), keep);
+        store_tail8(s + j, n - j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum8(sum);
+}
+#endif
+
 void cb_cpu_exp(const float *src, float *dst, size_t n) {
     size_t i = 0;
 #if CB_AVX512
@@ -116,6 +199,12 @@ void cb_cpu_exp(const float *src, float *dst, size_t n) {
     if (i < n) {
         __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
         _mm512_mask_storeu_ps(dst + i, k, exp16(_mm512_maskz_loadu_ps(k, src + i)));
+        i = n;
+    }
+#elif CB_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, exp8(_mm256_loadu_ps(src + i)));
+    if (i < n) {
+        store_tail8(dst + i, (int)(n - i), exp8(load_tail8(src + i, (int)(n - i), 0.0f)));
         i = n;
     }
 #endif
@@ -131,6 +220,10 @@ static inline __attribute__((always_inline)) float dot_f32(const float *a, const
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     s = hsum16(acc);
+#elif CB_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    s = hsum8(acc);
 #endif
     for (; i < n; i++) s += a[i] * b[i];
     return s;
@@ -186,6 +279,13 @@ void cb_cpu_swiglu(const float *gate, const float *up, size_t n, float *out) {
         __m512 g = _mm512_loadu_ps(gate + i);
         __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         _mm512_storeu_ps(out + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+    }
+#elif CB_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
     }
 #endif
     for (; i < n; i++) {
@@ -581,6 +681,10 @@ static float softmax_row(float *s, int lim, int L) {
         j = lim;
     }
     sum = hsum16(vsum);
+#elif CB_AVX2
+    (void)j;
+    mx = max_row8(s, lim);
+    sum = exp_sub_sum8(s, lim, mx);
 #else
     for (j = 0; j < lim; j++) mx = s[j] > mx ? s[j] : mx;
     for (j = 0; j < lim; j++) {
@@ -716,6 +820,8 @@ static float online_softmax(float *s, int lim, int w, float *m, float *l) {
         vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_maskz_loadu_ps(k, s + j));
     }
     mx = _mm512_reduce_max_ps(vmx);
+#elif CB_AVX2
+    mx = max_row8(s, lim);
 #else
     for (; j < lim; j++) mx = s[j] > mx ? s[j] : mx;
 #endif
@@ -741,6 +847,9 @@ static float online_softmax(float *s, int lim, int w, float *m, float *l) {
         j = lim;
     }
     sum = hsum16(vsum);
+#elif CB_AVX2
+    (void)j;
+    sum = exp_sub_sum8(s, lim, m_new);
 #else
     for (; j < lim; j++) {
         float d = s[j] - m_new;
@@ -840,6 +949,16 @@ static inline __m512 hsum16x16(const __m512 v[16]) {
 }
 #endif
 
+#if CB_AVX2
+/* r[i] = sum of the 8 lanes of v[i], for i in 0..7. */
+static inline __m256 hsum8x8(const __m256 v[8]) {
+    __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
 /* s[j] = scale * q · K[j] for j < cnt (K rows kvd apart; hd a multiple of 16 on the AVX-512 path). */
 static void scores_row(const float *q, const float *K, int kvd, int cnt, int hd, float scale, float *s) {
     int j = 0;
@@ -860,6 +979,39 @@ static void scores_row(const float *q, const float *K, int kvd, int cnt, int hd,
                 v[k] = acc;
             }
             _mm512_mask_storeu_ps(s + j, (__mmask16)((1u << nk) - 1u), _mm512_mul_ps(hsum16x16(v), vs));
+        }
+        return;
+    }
+#elif CB_AVX2
+    if (hd % 8 == 0 && hd <= 128) {
+        __m256 qv[16], v[8];
+        const int nd = hd / 8;
+        for (int d = 0; d < nd; d++) qv[d] = _mm256_loadu_ps(q + 8 * d);
+        const __m256 vs = _mm256_set1_ps(scale);
+        for (; j + 8 <= cnt; j += 8) {
+            for (int k = 0; k < 8; k++) {
+                const float *kr = K + (size_t)(j + k) * kvd;
+                __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr)), a1 = _mm256_setzero_ps();
+                for (int d = 1; d + 1 < nd; d += 2) {
+                    a1 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kr + 8 * d), a1);
+                    a0 = _mm256_fmadd_ps(qv[d + 1], _mm256_loadu_ps(kr + 8 * d + 8), a0);
+                }
+                if (nd % 2 == 0) a1 = _mm256_fmadd_ps(qv[nd - 1], _mm256_loadu_ps(kr + 8 * (nd - 1)), a1);
+                v[k] = _mm256_add_ps(a0, a1);
+            }
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8x8(v), vs));
+        }
+        for (; j < cnt; j++) { /* the same sums, one key at a time */
+            const float *kr = K + (size_t)j * kvd;
+            __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr)), a1 = _mm256_setzero_ps();
+            for (int d = 1; d + 1 < nd; d += 2) {
+                a1 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kr + 8 * d), a1);
+                a0 = _mm256_fmadd_ps(qv[d + 1], _mm256_loadu_ps(kr + 8 * d + 8), a0);
+            }
+            if (nd % 2 == 0) a1 = _mm256_fmadd_ps(qv[nd - 1], _mm256_loadu_ps(kr + 8 * (nd - 1)), a1);
+            float a[8];
+            _mm256_storeu_ps(a, _mm256_add_ps(a0, a1));
+            s[j] = (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) * scale; /* hsum8x8's order */
         }
         return;
     }
@@ -887,6 +1039,23 @@ static void pv_row(const float *p, const float *V, int kvd, int cnt, int hd, flo
         _mm512_storeu_ps(o + d0 + 16, a1);
         _mm512_storeu_ps(o + d0 + 32, a2);
         _mm512_storeu_ps(o + d0 + 48, a3);
+    }
+#elif CB_AVX2
+    for (; d0 + 32 <= hd; d0 += 32) {
+        __m256 a0 = _mm256_loadu_ps(o + d0), a1 = _mm256_loadu_ps(o + d0 + 8), a2 = _mm256_loadu_ps(o + d0 + 16),
+               a3 = _mm256_loadu_ps(o + d0 + 24);
+        for (int j = 0; j < cnt; j++) {
+            const float *vr = V + (size_t)j * kvd + d0;
+            __m256 pj = _mm256_set1_ps(p[j]);
+            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr), a0);
+            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8), a1);
+            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 16), a2);
+            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 24), a3);
+        }
+        _mm256_storeu_ps(o + d0, a0);
+        _mm256_storeu_ps(o + d0 + 8, a1);
+        _mm256_storeu_ps(o + d0 + 16, a2);
+        _mm256_storeu_ps(o + d0 + 24, a3);
     }
 #endif
     for (int d = d0; d < hd; d++) {

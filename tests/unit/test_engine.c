@@ -761,9 +761,11 @@ static int engine_properties_dt(const cb_model_t *m, const int32_t *tok, int n, 
  * f32 ones. The activation rounding moves a product by up to 0.44% of sum|x||w| per block (cpu_quant.h),
  * and ~0.1% typically; over the layers of a forward pass that gives the logit differences measured below
  * (tiny model 0.066 / 0.12, SmolLM2 0.76 max over all 49152 logits: llama.cpp's own int8 activations move
- * SmolLM2's top-10 logits by 0.14-0.85 from the exact values, test_golden.c). Bounds: about 2x measured. */
+ * SmolLM2's top-10 logits by 0.14-0.85 from the exact values, test_golden.c). The SmolLM2 figure is chaotic
+ * in the last bits upstream: an f16 pool gave 0.81 with scalar attention and 1.55 with the AVX2 attention
+ * and exp (which moved the f32-weights run the other way, 0.024 -> 0.009). Bounds: about 2x measured. */
 #define TINY_NATIVE_TOL 0.3
-#define REAL_NATIVE_TOL 1.5
+#define REAL_NATIVE_TOL 3.0
 
 /* The f32 pool: the reference numerics the tolerances above were measured on. */
 static int engine_properties(const cb_model_t *m, const int32_t *tok, int n, int cut, double tol, double *d_dec,
