@@ -6,7 +6,8 @@
 #                                           the other .c files of <dir> link into each of them
 #   tests/unit/test_*.c                  -> build/tests/<stem> (and build/asan/tests/<stem>)
 #   tests/fuzz/fuzz_*.c                  -> build/fuzz/<stem> (clang libFuzzer, `make fuzz`)
-#   kernels/cuda/*.cu                    -> build/lib/libcbcuda.a when nvcc is found (or `make cuda`)
+#   kernels/cuda/*.cu                    -> build/lib/libcbcuda.so (loaded at run time, only where a GPU is)
+#                                           and build/lib/libcbcuda.a, when nvcc is found (or `make cuda`)
 
 CC      ?= cc
 ARCHFLAGS ?= -march=native
@@ -39,17 +40,32 @@ NVCC    ?= nvcc
 CB_CUDA ?= $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
 CU_SRC  := $(wildcard kernels/cuda/*.cu)
 NVFLAGS ?= -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 -Ilibshared -Ikernels -Xcompiler -fPIC
+# The CUDA backend is the shared library build/lib/libcbcuda.so, which engine/backend_select.c opens with
+# dlopen only when the driver reports a device (so a host without a GPU never maps cuBLAS; see
+# backend_select.h). The programs link CUDA_DL: libdl, their symbols exported (the library resolves the
+# libshared functions it calls against the program) and those functions forced in (build/lib/libcbcuda.needs,
+# made from the library's undefined symbols). Programs that call CUDA themselves (cb-bench-gpu, tests/gpu)
+# link CUDA_STATIC instead: libcbcuda.a and the CUDA libraries, as before, with the backend's entry points
+# kept and exported so that backend_select uses that copy rather than loading a second one.
+CUDA_DL :=
+CUDA_STATIC :=
 ifeq ($(CB_CUDA),1)
 ifneq ($(CU_SRC),)
 CUDA_LIB := build/lib/libcbcuda.a
+CUDA_SO  := build/lib/libcbcuda.so
+CUDA_NEEDS := build/lib/libcbcuda.needs
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC)))
 ALL_CFLAGS += -DCB_HAVE_CUDA=1 -I$(CUDA_HOME)/include
-LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasLt -lcublas -lcudart -lstdc++
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasLt -lcublas -lcudart -lstdc++
+CUDA_DL := -ldl -Wl,--export-dynamic @$(CUDA_NEEDS)
+CUDA_STATIC := $(CUDA_LIB) -Wl,-u,cb_backend_cuda_new -Wl,-u,cb_cuda_device_count -ldl -Wl,--export-dynamic $(CUDA_LIBS)
 endif
 endif
+# How each program gets the CUDA backend (default CUDA_DL).
+CUDA_LINK_cb-bench-gpu = $(CUDA_STATIC)
 
 .PHONY: all test test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve bench-redis cuda fuzz clean model eval check-layers
-all: build/lib/libshared.a $(CUDA_LIB) $(PROGS)
+all: build/lib/libshared.a $(CUDA_LIB) $(CUDA_SO) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
 	@mkdir -p $(dir $@)
@@ -75,24 +91,44 @@ build/lib/libcbcuda.a: $(patsubst %.cu,build/obj/%.cu.o,$(CU_SRC))
 	@mkdir -p $(dir $@)
 	ar rcs $@ $^
 
+build/lib/libcbcuda.so: $(patsubst %.cu,build/obj/%.cu.o,$(CU_SRC))
+	@mkdir -p $(dir $@)
+	$(CC) -shared -Wl,-soname,libcbcuda.so $^ $(CUDA_LIBS) -o $@
+
+# The libshared symbols libcbcuda.so expects from the program, as linker flags (-Wl,-u,name per line).
+build/lib/libcbcuda.needs: build/lib/libcbcuda.so build/lib/libshared.a
+	nm -D --undefined-only build/lib/libcbcuda.so | awk '{print $$NF}' | sort -u > $@.u
+	nm -g --defined-only build/lib/libshared.a | awk 'NF == 3 {print $$3}' | sort -u > $@.d
+	comm -12 $@.u $@.d | sed 's/^/-Wl,-u,/' > $@.tmp
+	rm -f $@.u $@.d
+	mv $@.tmp $@
+
 # One program per services/<dir>/cb*.c, plus the dir's other sources.
 define prog_rule
-build/bin/$(basename $(notdir $(1))): $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) $(wildcard $(dir $(1))*.h $(dir $(1))www/*) build/lib/libshared.a $(CUDA_LIB)
+build/bin/$(basename $(notdir $(1))): $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) $(wildcard $(dir $(1))*.h $(dir $(1))www/*) build/lib/libshared.a $(CUDA_LIB) $(CUDA_NEEDS)
 	@mkdir -p build/bin
-	$$(CC) $$(ALL_CFLAGS) $$(DIR_CFLAGS_$(notdir $(patsubst %/,%,$(dir $(1))))) -I$(dir $(1)) $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $(CUDA_LIB) $$(LDLIBS) $$(DIR_LIBS_$(notdir $(patsubst %/,%,$(dir $(1))))) -o $$@
+	$$(CC) $$(ALL_CFLAGS) $$(DIR_CFLAGS_$(notdir $(patsubst %/,%,$(dir $(1))))) -I$(dir $(1)) $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $$(or $$(CUDA_LINK_$(basename $(notdir $(1)))),$$(CUDA_DL)) $$(LDLIBS) $$(DIR_LIBS_$(notdir $(patsubst %/,%,$(dir $(1))))) -o $$@
 endef
 $(foreach s,$(PROG_SRC),$(eval $(call prog_rule,$(s))))
 
 # Some unit tests #include a service's sources (e.g. test_router_pool: services/router/pool.c): every test
 # is rebuilt when a service source changes.
 SVC_SRC := $(wildcard services/*/*.c services/*/*.h)
-build/tests/%: tests/unit/%.c tests/test.h build/lib/libshared.a $(CUDA_LIB) $(SVC_SRC)
+build/tests/%: tests/unit/%.c tests/test.h build/lib/libshared.a $(CUDA_NEEDS) $(SVC_SRC)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) -Itests $< build/lib/libshared.a $(CUDA_LIB) $(LDLIBS) -o $@
+	$(CC) $(ALL_CFLAGS) -Itests $< build/lib/libshared.a $(CUDA_DL) $(LDLIBS) -o $@
+
+# A fake CUDA driver reporting one device: test_backend_select loads the CUDA backend library through it.
+ifneq ($(CUDA_SO),)
+build/tests/fakecuda/libcuda.so.1: tests/unit/fake_libcuda.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CSTD) $(WARN) -shared -fPIC $< -o $@
+build/tests/test_backend_select: build/tests/fakecuda/libcuda.so.1 $(CUDA_SO)
+endif
 
 build/asan/tests/%: tests/unit/%.c tests/test.h build/asan/lib/libshared.a $(SVC_SRC)
 	@mkdir -p $(dir $@)
-	$(CC) $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS)) $(SAN_FLAGS) -Itests $< build/asan/lib/libshared.a $(filter-out -lcublasLt -lcublas -lcudart -lstdc++,$(LDLIBS)) -o $@
+	$(CC) $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS)) $(SAN_FLAGS) -Itests $< build/asan/lib/libshared.a $(LDLIBS) -o $@
 
 # The sanitizer build never links CUDA (ASan and the CUDA runtime do not mix well).
 build/asan/obj/%.o: ALL_CFLAGS := $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS))
@@ -136,9 +172,9 @@ build/fuzz/fuzz_%: tests/fuzz/fuzz_%.c build/fuzz/libshared.a
 fuzz: $(FUZZ_BINS)
 
 # The seed corpora's generator (tests/fuzz/make-corpora.sh): the real writers, so the seeds are valid files.
-build/tests/gen_corpora: tests/fuzz/gen_corpora.c build/lib/libshared.a $(CUDA_LIB)
+build/tests/gen_corpora: tests/fuzz/gen_corpora.c build/lib/libshared.a $(CUDA_NEEDS)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) $< build/lib/libshared.a $(CUDA_LIB) $(LDLIBS) -o $@
+	$(CC) $(ALL_CFLAGS) $< build/lib/libshared.a $(CUDA_DL) $(LDLIBS) -o $@
 
 # The fault and load suite (tests/faults/run.sh; docs/reliability.md): kill -9, a full disk, SIGSTOP, slow
 # clients, bounded load, fuzzing. Not part of `make test`; about 20 minutes on 2 cores. Needs root for tmpfs.

@@ -8,9 +8,10 @@ CB_CUDA_MK_INCLUDED := 1
 GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
 GPU_TESTS    := $(patsubst tests/gpu/%.c,build/gpu/%,$(GPU_TEST_SRC))
 
+# They call CUDA directly, so they link the backend in (CUDA_STATIC: libcbcuda.a and the CUDA libraries).
 build/gpu/%: tests/gpu/%.c tests/test.h build/lib/libshared.a $(CUDA_LIB) $(LIB_HDR)
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) -Itests $< build/lib/libshared.a $(CUDA_LIB) $(LDLIBS) -o $@
+	$(CC) $(ALL_CFLAGS) -Itests $< build/lib/libshared.a $(CUDA_STATIC) $(LDLIBS) -o $@
 
 .PHONY: gpu-tests
 gpu-tests: $(GPU_TESTS)

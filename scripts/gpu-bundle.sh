@@ -4,7 +4,8 @@
 # dependencies (no package registry there). Portable: -march=x86-64-v3 instead of -march=native, the CUDA
 # runtime linked statically, only the libraries actually used kept (--as-needed), and those that a CUDA
 # image may lack (OpenBLAS, libsodium, gfortran, quadmath, gomp) copied to build/gpu-bundle/lib, found
-# through an $ORIGIN rpath. cuBLAS comes from the GPU machine's toolkit (same major version, 13).
+# through an $ORIGIN rpath. cuBLAS comes from the GPU machine's toolkit (same major version, 13). The CUDA
+# backend is linked into both programs (libcbcuda.a), so the bundle needs no libcbcuda.so.
 # Carry build/gpu-bundle (< 64 MiB); scripts/gpu-check.sh uses it when `make cuda` fails there.
 set -eu
 cd "$(dirname "$0")/.."
@@ -26,6 +27,9 @@ echo "gpu-bundle: building the CUDA library" >&2
 make CB_CUDA=1 build/lib/libcbcuda.a >&2
 LIBS="-Wl,--as-needed $(pkg-config --libs $PKGS) -lm -lpthread -fopenmp -L$CUDA_HOME/lib64 -L$CUDA_HOME/targets/x86_64-linux/lib -lcublasLt -lcublas -lcudart_static -ldl -lrt -lstdc++"
 RP="-Wl,--disable-new-dtags -Wl,-rpath,\$ORIGIN/../lib -Wl,-rpath,/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/targets/x86_64-linux/lib"
+# Both programs link the CUDA backend in and export it: backend_select (which would otherwise dlopen
+# libcbcuda.so, absent from the bundle) then finds and uses this copy (Makefile: CUDA_STATIC).
+LIBS="$LIBS -Wl,-u,cb_backend_cuda_new -Wl,-u,cb_cuda_device_count -Wl,--export-dynamic"
 cc $CF -Itests tests/gpu/test_gpu.c "$B/libshared.a" build/lib/libcbcuda.a $LIBS $RP -o "$B/bin/test_gpu"
 cc $CF services/tools/cb-bench-gpu.c "$B/libshared.a" build/lib/libcbcuda.a $LIBS $RP -o "$B/bin/cb-bench-gpu"
 for bin in "$B"/bin/*; do

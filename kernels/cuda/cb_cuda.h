@@ -5,9 +5,11 @@
  * device memory it hands out, and the kernels of a llama-style forward pass plus CacheBlend's own
  * kernels (KV deviation, top-k selection, row gather/scatter) and a device-resident LRU of chunk KV.
  *
- * Build: these declarations are always visible; the implementation (the .cu files of kernels/cuda, libcbcuda.a)
- * exists only when the build defines CB_HAVE_CUDA=1. Callers guard their calls with
- * `#if CB_HAVE_CUDA`.
+ * Build: these declarations are always visible; the implementation (the .cu files of kernels/cuda, built as
+ * libcbcuda.so and libcbcuda.a) exists only when the build defines CB_HAVE_CUDA=1. Callers guard their calls
+ * with `#if CB_HAVE_CUDA`. The regular programs reach the backend only through engine/backend_select.c,
+ * which dlopens libcbcuda.so where a device is; only programs that call this API directly (cb-bench-gpu,
+ * tests/gpu) link libcbcuda.a and the CUDA libraries.
  *
  * Conventions
  *  - Every function that can fail returns an int: CB_CUDA_OK (0) or a negative CB_CUDA_E* code, and
