@@ -957,6 +957,16 @@ static inline __m256 hsum8x8(const __m256 v[8]) {
     __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
+/* q · key as 8 lane partial sums (q in qv [nd], key kr [8 * nd]): two chains, alternating. */
+static inline __m256 key_lanes8(const __m256 *qv, int nd, const float *kr) {
+    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr)), a1 = _mm256_setzero_ps();
+    for (int d = 1; d + 1 < nd; d += 2) {
+        a1 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kr + 8 * d), a1);
+        a0 = _mm256_fmadd_ps(qv[d + 1], _mm256_loadu_ps(kr + 8 * d + 8), a0);
+    }
+    if (nd % 2 == 0) a1 = _mm256_fmadd_ps(qv[nd - 1], _mm256_loadu_ps(kr + 8 * (nd - 1)), a1);
+    return _mm256_add_ps(a0, a1);
+}
 #endif
 
 /* s[j] = scale * q · K[j] for j < cnt (K rows kvd apart; hd a multiple of 16 on the AVX-512 path). */
@@ -989,28 +999,12 @@ static void scores_row(const float *q, const float *K, int kvd, int cnt, int hd,
         for (int d = 0; d < nd; d++) qv[d] = _mm256_loadu_ps(q + 8 * d);
         const __m256 vs = _mm256_set1_ps(scale);
         for (; j + 8 <= cnt; j += 8) {
-            for (int k = 0; k < 8; k++) {
-                const float *kr = K + (size_t)(j + k) * kvd;
-                __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr)), a1 = _mm256_setzero_ps();
-                for (int d = 1; d + 1 < nd; d += 2) {
-                    a1 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kr + 8 * d), a1);
-                    a0 = _mm256_fmadd_ps(qv[d + 1], _mm256_loadu_ps(kr + 8 * d + 8), a0);
-                }
-                if (nd % 2 == 0) a1 = _mm256_fmadd_ps(qv[nd - 1], _mm256_loadu_ps(kr + 8 * (nd - 1)), a1);
-                v[k] = _mm256_add_ps(a0, a1);
-            }
+            for (int k = 0; k < 8; k++) v[k] = key_lanes8(qv, nd, K + (size_t)(j + k) * kvd);
             _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8x8(v), vs));
         }
         for (; j < cnt; j++) { /* the same sums, one key at a time */
-            const float *kr = K + (size_t)j * kvd;
-            __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr)), a1 = _mm256_setzero_ps();
-            for (int d = 1; d + 1 < nd; d += 2) {
-                a1 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kr + 8 * d), a1);
-                a0 = _mm256_fmadd_ps(qv[d + 1], _mm256_loadu_ps(kr + 8 * d + 8), a0);
-            }
-            if (nd % 2 == 0) a1 = _mm256_fmadd_ps(qv[nd - 1], _mm256_loadu_ps(kr + 8 * (nd - 1)), a1);
             float a[8];
-            _mm256_storeu_ps(a, _mm256_add_ps(a0, a1));
+            _mm256_storeu_ps(a, key_lanes8(qv, nd, K + (size_t)j * kvd));
             s[j] = (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) * scale; /* hsum8x8's order */
         }
         return;

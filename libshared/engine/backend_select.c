@@ -134,9 +134,7 @@ static bool s_cuda_open(const char *path, s_cuda_api_t *api, char *why, size_t w
         cb_set_err(why, whylen, "cannot load the CUDA backend library: %s", e ? e : path);
         return false;
     }
-    char what[PATH_MAX + 16];
-    snprintf(what, sizeof what, "%s", path);
-    if (!s_cuda_resolve(h, what, api, why, whylen)) {
+    if (!s_cuda_resolve(h, path, api, why, whylen)) {
         dlclose(h);
         return false;
     }
