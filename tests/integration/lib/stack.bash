@@ -54,7 +54,7 @@ stack_launch() { svc_start "${2:-$1}" "build/bin/cb-$1"; }
 stack_ready() {
   local name=$1 log=${2:-$1} ep i
   ep=$(stack_endpoint "$name")
-  svc_wait_ping "$ep" 20 || return 1
+  svc_wait_ping "$ep" 20 "${SVC_PID[$log]:-}" || return 1
   if [ "$name" = precompute ] || [ "$name" = blend ]; then
     for i in $(seq 1 300); do
       [ "$(stack_stat "$name" worker_ready)" = "true" ] && return 0

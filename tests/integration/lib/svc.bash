@@ -60,17 +60,33 @@ svc_need() {
 # A free loopback port below the kernel's ephemeral range (32768+ on Linux), so that a client connecting
 # to it while nothing listens can never connect to itself (TCP simultaneous open).
 svc_free_port() {
-  python3 -c '
-import random, socket
-for _ in range(200):
+  # Ports handed out earlier in this test are in $T/.ports: a port is picked once and bound later by the
+  # service, so two picks that both found it free would make two services race for it (the loser cannot
+  # bind, and a ping to its endpoint is answered by the winner).
+  python3 - "${T:+$T/.ports}" <<'PY'
+import random, socket, sys
+path = sys.argv[1]
+try:
+    taken = set(int(x) for x in open(path).read().split()) if path else set()
+except (OSError, ValueError):
+    taken = set()
+for _ in range(400):
     p = random.randint(20000, 32000)
+    if p in taken:
+        continue
     s = socket.socket()
     try:
-        s.bind(("127.0.0.1", p)); print(p); break
+        s.bind(("127.0.0.1", p))
     except OSError:
-        pass
+        continue
     finally:
-        s.close()'
+        s.close()
+    if path:
+        with open(path, "a") as f:
+            f.write("%d\n" % p)
+    print(p)
+    break
+PY
 }
 
 # svc_start NAME BINARY [VAR=VALUE...] [-- ARGS...]: runs BINARY in the background with the variables
@@ -86,14 +102,21 @@ svc_start() {
   SVC_PID[$name]=$!
 }
 
-# svc_wait_ping ENDPOINT [SECONDS]: until the service answers ping.
+# svc_wait_ping ENDPOINT [SECONDS [PID]]: until the service answers ping (with PID: the process with that pid,
+# and a failure as soon as it exits: a service that could not bind must not pass on another one's answer).
 svc_wait_ping() {
-  local ep=$1 limit=${2:-10} i
+  local ep=$1 limit=${2:-10} pid=${3:-} i out
   for i in $(seq 1 $((limit * 10))); do
-    "$SEND" --timeout 200 "$ep" '{"type":"ping"}' >/dev/null 2>&1 && return 0
+    if out=$("$SEND" --timeout 200 "$ep" '{"type":"ping"}' 2>/dev/null); then
+      [ -z "$pid" ] && return 0
+      [ "$(jget "$out" pid)" = "$pid" ] && return 0
+    fi
+    if [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null; then
+      echo "FAIL: the process for $ep (pid $pid) exited before it answered ping"; return 1
+    fi
     sleep 0.1
   done
-  echo "FAIL: no ping answer from $ep within ${limit}s"; return 1
+  echo "FAIL: no ping answer from $ep${pid:+ by pid $pid} within ${limit}s"; return 1
 }
 
 # svc_stop NAME: SIGTERM, wait up to 5 s, the exit status must be 0.
