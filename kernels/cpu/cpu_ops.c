@@ -315,6 +315,10 @@ static inline float f16f(const uint8_t *p) {
 #endif
 
 void cb_cpu_dequant_row(const cb_weight_t *w, int row, float *dst) {
+    if (w->x8) {
+        cb_cpu_x8_dequant_row(w, row, dst);
+        return;
+    }
     const uint8_t *src = (const uint8_t *)w->q + (size_t)row * w->row_bytes;
     const int nb = w->cols / 32;
 #if CB_AVX512

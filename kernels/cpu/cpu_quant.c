@@ -198,6 +198,113 @@ ROWS_LOOP(s_q8_0)
 ROWS_LOOP(s_q4_k)
 ROWS_LOOP(s_q6_k)
 
+/* ---------------------------------------------------------------- interleaved rows (x8) */
+
+/* Offsets inside one x8 block (cpu_quant.h): row slot s (0..7) of a group sits in pair s & 3, lane s >> 2. */
+#define X8_Q4_1_BLK 160 /* 8 x 20 */
+#define X8_Q8_0_BLK 272 /* 8 x 34 */
+static inline size_t x8_blk_bytes(uint32_t type) { return type == CB_TYPE_Q4_1 ? X8_Q4_1_BLK : X8_Q8_0_BLK; }
+static inline const uint8_t *x8_block(const cb_weight_t *w, int g, int b) {
+    return (const uint8_t *)w->x8 + ((size_t)g * (size_t)(w->cols / 32) + (size_t)b) * x8_blk_bytes(w->type);
+}
+static inline size_t x8_q4_1_nib(int s) { return 32 + 32 * (size_t)(s & 3) + 16 * (size_t)(s >> 2); }
+static inline size_t x8_q8_0_lo(int s) { return 16 + 64 * (size_t)(s & 3) + 16 * (size_t)(s >> 2); }
+
+size_t cb_cpu_x8_bytes(const cb_weight_t *w) {
+    if (w->type != CB_TYPE_Q4_1 && w->type != CB_TYPE_Q8_0) return 0;
+    if (w->rows <= 0 || w->rows % 8 || w->cols <= 0 || w->cols % 32) return 0;
+    return (size_t)w->rows * w->row_bytes;
+}
+
+bool cb_cpu_x8_pack(const cb_weight_t *w, void *dst) {
+    const size_t n = cb_cpu_x8_bytes(w);
+    if (!n) return false;
+    const int nb = w->cols / 32;
+    if (w->type == CB_TYPE_Q8_0) /* -128 has no |w| in int8: the AVX2 kernel's sign trick needs |q| <= 127 */
+        for (size_t o = 0; o < (size_t)w->rows; o++)
+            for (int b = 0; b < nb; b++) {
+                const int8_t *q = (const int8_t *)((const uint8_t *)w->q + o * w->row_bytes + 34 * (size_t)b + 2);
+                for (int j = 0; j < 32; j++)
+                    if (q[j] == -128) return false;
+            }
+    uint8_t *out = dst;
+    for (int g = 0; g < w->rows / 8; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *blk = out + ((size_t)g * (size_t)nb + (size_t)b) * x8_blk_bytes(w->type);
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *src = (const uint8_t *)w->q + (size_t)(8 * g + s) * w->row_bytes;
+                if (w->type == CB_TYPE_Q4_1) {
+                    src += 20 * (size_t)b;
+                    memcpy(blk + 2 * s, src, 2);      /* d */
+                    memcpy(blk + 16 + 2 * s, src + 2, 2); /* m */
+                    memcpy(blk + x8_q4_1_nib(s), src + 4, 16);
+                } else {
+                    src += 34 * (size_t)b;
+                    memcpy(blk + 2 * s, src, 2);
+                    memcpy(blk + x8_q8_0_lo(s), src + 2, 16);
+                    memcpy(blk + x8_q8_0_lo(s) + 32, src + 18, 16);
+                }
+            }
+        }
+    return true;
+}
+
+/* Bit-identical to cb_dequant of the stored row (w = d q + m, or d q: one multiply, one add). */
+void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
+    const int g = row / 8, s = row % 8;
+    for (int b = 0; b < w->cols / 32; b++) {
+        const uint8_t *blk = x8_block(w, g, b);
+        float *o = dst + 32 * b;
+        const float d = f16_at(blk + 2 * s);
+        if (w->type == CB_TYPE_Q4_1) {
+            const float m = f16_at(blk + 16 + 2 * s);
+            const uint8_t *q = blk + x8_q4_1_nib(s);
+            for (int j = 0; j < 16; j++) {
+                o[j] = (float)(q[j] & 0xF) * d + m;
+                o[j + 16] = (float)(q[j] >> 4) * d + m;
+            }
+        } else {
+            const int8_t *q = (const int8_t *)(blk + x8_q8_0_lo(s));
+            for (int j = 0; j < 16; j++) {
+                o[j] = (float)q[j] * d;
+                o[j + 16] = (float)q[j + 32] * d;
+            }
+        }
+    }
+}
+
+/* The scalar x8 kernels: the scalar kernels' arithmetic, in the same order, on the interleaved blocks (so
+ * their results are the stored layout's bit for bit). o0, o1 multiples of 8. */
+static void s_q4_1x8(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    for (int o = o0; o < o1; o++)
+        for (int r = 0; r < R; r++) {
+            float acc = 0.0f;
+            for (int b = 0; b < w->cols / 32; b++) {
+                const uint8_t *blk = x8_block(w, o / 8, b), *q = blk + x8_q4_1_nib(o % 8);
+                const int8_t *xq = x[r].q + 32 * b;
+                int sum = 0;
+                for (int j = 0; j < 16; j++) sum += (q[j] & 0xF) * xq[j] + (q[j] >> 4) * xq[j + 16];
+                acc += f16_at(blk + 2 * (o % 8)) * x[r].d[b] * (float)sum + f16_at(blk + 16 + 2 * (o % 8)) * x[r].ds[b];
+            }
+            y[(size_t)r * ldy + o] = acc;
+        }
+}
+
+static void s_q8_0x8(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    for (int o = o0; o < o1; o++)
+        for (int r = 0; r < R; r++) {
+            float acc = 0.0f;
+            for (int b = 0; b < w->cols / 32; b++) {
+                const uint8_t *blk = x8_block(w, o / 8, b);
+                const int8_t *q = (const int8_t *)(blk + x8_q8_0_lo(o % 8)), *xq = x[r].q + 32 * b;
+                int sum = 0;
+                for (int j = 0; j < 16; j++) sum += q[j] * xq[j] + q[j + 32] * xq[j + 16];
+                acc += f16_at(blk + 2 * (o % 8)) * x[r].d[b] * (float)sum;
+            }
+            y[(size_t)r * ldy + o] = acc;
+        }
+}
+
 /* ---------------------------------------------------------------- AVX2 kernels */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -382,6 +489,87 @@ static inline __attribute__((always_inline)) void v_q6_k_r(const uint8_t *w, int
     for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]);
 }
 V_ROWS_SWITCH(v_q6_k)
+/* x8 kernels: one group of 8 weight rows per step of a block. A 32-byte load holds 16 bytes of row p and
+ * 16 of row p + 4; each activation half is broadcast to both lanes, so one maddubs multiplies two rows. Three
+ * hadds fold the 4 pairs' int32 partials into the 8 rows' block sums, in row order, which are scaled by the
+ * 8 d (one F16C conversion) times the activation's d, and accumulated in one vector per activation row. */
+#define XROWS 2 /* activation rows per pass over a group (the unpacked weights stay in registers) */
+static inline __attribute__((always_inline)) __m256i v_fold8(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+}
+
+static inline __attribute__((always_inline)) void v_q4_1x8_g(const uint8_t *blk, int nb, const xrow_t *x, const int R,
+                                                              __m256 *out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[XROWS], accm[XROWS];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, blk += X8_Q4_1_BLK) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        __m256i lo[4], hi[4];
+        for (int p = 0; p < 4; p++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * p));
+            lo[p] = _mm256_and_si256(raw, m4);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b)));
+            const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b + 16)));
+            __m256i v[4];
+            for (int p = 0; p < 4; p++) /* nibble x int8 pairs: |sum| <= 2 * 2 * 15 * 127, no int16 saturation */
+                v[p] = _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh)), ones);
+            const __m256 sum = _mm256_cvtepi32_ps(v_fold8(v[0], v[1], v[2], v[3]));
+            acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
+            accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].ds[b]), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm256_add_ps(acc[r], accm[r]);
+}
+
+static inline __attribute__((always_inline)) void v_q8_0x8_g(const uint8_t *blk, int nb, const xrow_t *x, const int R,
+                                                              __m256 *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[XROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, blk += X8_Q8_0_BLK) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i wl[4], wh[4];
+        for (int p = 0; p < 4; p++) {
+            wl[p] = _mm256_loadu_si256((const __m256i *)(blk + 16 + 64 * p));
+            wh[p] = _mm256_loadu_si256((const __m256i *)(blk + 48 + 64 * p));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b)));
+            const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b + 16)));
+            const __m256i axl = _mm256_sign_epi8(xl, xl), axh = _mm256_sign_epi8(xh, xh);
+            __m256i v[4];
+            for (int p = 0; p < 4; p++) /* |x| times w with x's sign (|w|, |x| <= 127: the pack checked) */
+                v[p] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(axl, _mm256_sign_epi8(wl[p], xl)), ones),
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(axh, _mm256_sign_epi8(wh[p], xh)), ones));
+            const __m256 sum = _mm256_cvtepi32_ps(v_fold8(v[0], v[1], v[2], v[3]));
+            acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+#define V_X8_CASE(fn, RR)                                                                                \
+    for (int g = o0 / 8; g < o1 / 8; g++) {                                                              \
+        __m256 out[XROWS];                                                                               \
+        fn##_g(x8_block(w, g, 0), w->cols / 32, x, RR, out);                                             \
+        for (int r = 0; r < RR; r++) _mm256_storeu_ps(y + (size_t)r * ldy + 8 * g, out[r]);              \
+    }                                                                                                    \
+    break;
+#define V_X8_SWITCH(fn)                                                                                  \
+    static void fn(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {   \
+        switch (R) {                                                                                     \
+        case 1: V_X8_CASE(fn, 1)                                                                         \
+        default: V_X8_CASE(fn, 2)                                                                        \
+        }                                                                                                \
+    }
+V_X8_SWITCH(v_q4_1x8)
+V_X8_SWITCH(v_q8_0x8)
 #pragma GCC pop_options
 #endif
 
@@ -390,11 +578,13 @@ V_ROWS_SWITCH(v_q6_k)
 typedef struct {
     const char *name;
     qdot_fn q4_0, q4_1, q8_0, q4_k, q6_k;
+    qdot_fn q4_1x8, q8_0x8; /* interleaved weights (w->x8) */
+    int x8_rows;            /* activation rows per call of an x8 kernel */
 } qdot_set_t;
 
-static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q8_0, s_q4_k, s_q6_k};
+static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS};
 #ifdef CB_HAVE_X86
-static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k};
+static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS};
 #endif
 
 static const qdot_set_t *g_set;
@@ -460,10 +650,16 @@ bool cb_cpu_qdot_supported(const cb_weight_t *w) {
 }
 
 void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int n, float *y, int ldy) {
-    const qdot_fn fn = kernel_of(kernels(), w->type);
+    const qdot_set_t *k = kernels();
+    qdot_fn fn = kernel_of(k, w->type);
+    int step = QROWS;
+    if (w->x8 && o0 % 8 == 0 && o1 % 8 == 0) {
+        fn = w->type == CB_TYPE_Q4_1 ? k->q4_1x8 : k->q8_0x8;
+        step = k->x8_rows;
+    }
     assert(fn && cb_cpu_qdot_supported(w));
-    for (int r0 = 0; r0 < n; r0 += QROWS) {
-        const int R = n - r0 < QROWS ? n - r0 : QROWS;
+    for (int r0 = 0; r0 < n; r0 += step) {
+        const int R = n - r0 < step ? n - r0 : step;
         xrow_t xs[QROWS];
         for (int r = 0; r < R; r++) xs[r] = xrow(xq, w->cols, r0 + r);
         fn(w, o0, o1, xs, R, y + (size_t)r0 * ldy, ldy);

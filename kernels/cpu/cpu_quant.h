@@ -41,6 +41,25 @@ bool cb_cpu_qdot_supported(const cb_weight_t *w);
  * four at a time over each weight block (unpacked once for the four). */
 void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int n, float *y, int ldy);
 
+/* Interleaved rows ("x8"), the layout the matvecs read fastest: Q4_1 and Q8_0 weights with rows % 8 == 0
+ * copied so that one block position of 8 consecutive rows is contiguous. Group g (rows 8g..8g+7), block b
+ * is at (g * cols/32 + b) * 8 * block bytes:
+ *   Q4_1: f16 d[8], f16 m[8], then 4 pairs of 32 bytes: pair p = the 16 nibble bytes of row 8g+p, then
+ *         those of row 8g+p+4 (160 bytes);
+ *   Q8_0: f16 d[8], then 4 pairs of 64 bytes: pair p = q[0..15] of row 8g+p, q[0..15] of row 8g+p+4,
+ *         q[16..31] of row 8g+p, q[16..31] of row 8g+p+4 (272 bytes).
+ * The same bytes as the stored rows, so the same size; a 32-byte load is half a block of two rows, and
+ * the 8 rows' scales convert in one instruction. Results are those of the stored layout within f32
+ * rounding (the integer block sums are the same; the scalar set is bit-identical).
+ * cb_cpu_x8_bytes: the copy's size, or 0 when w has no x8 form (type, rows % 8, cols % 32).
+ * cb_cpu_x8_pack: writes w's rows (w->q) interleaved into dst (cb_cpu_x8_bytes(w) bytes); false when w has
+ * no x8 form or is a Q8_0 holding -128 (the AVX2 kernel needs |q| <= 127; ggml's quantizer never writes it).
+ * A weight with w->x8 set is read there by cb_cpu_qdot_rows (ranges aligned to 8 rows) and by
+ * cb_cpu_x8_dequant_row (bit-identical to dequantizing the stored row). */
+size_t cb_cpu_x8_bytes(const cb_weight_t *w);
+bool cb_cpu_x8_pack(const cb_weight_t *w, void *dst);
+void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst);
+
 /* The kernel set in use: "avx2" or "scalar". cb_cpu_qdot_use selects one for the whole process ("avx2",
  * "scalar" or NULL = best available); 0, or -1 when the CPU cannot run it. Not thread-safe against running
  * kernels: tests call it between runs. */

@@ -11,8 +11,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "cpu/cpu_ops.h"
+#include "cpu/cpu_quant.h"
 #include "base/err.h"
 #include "base/log.h"
 #include "format/quant.h"
@@ -29,6 +32,8 @@ struct cb_model {
     const float *output_norm;    /* [n_embd] */
     float *arena;                /* f32 weight copies (CB_ENGINE_WEIGHTS=f32 only), huge-page advised */
     size_t arena_floats;
+    uint8_t *x8_arena;           /* interleaved copies (CB_ENGINE_WEIGHTS=native, the default) */
+    size_t x8_bytes;
     float **norm_copies;         /* norm vectors converted from F16/BF16 */
     int n_norm_copies;
     uint8_t fingerprint[32];
@@ -389,6 +394,51 @@ static bool dequant_supported(uint32_t type) {
     }
 }
 
+/* The x8 copies (cpu/cpu_quant.h) of every weight that has that form, in one huge-page-advised arena; the
+ * stored pages of a packed weight are then given back (madvise DONTNEED: the file mapping refills them if
+ * anything reads w->q again, e.g. a GPU upload), so the weights cost their size once. */
+static bool pack_x8(cb_model_t *m, char *err, size_t errlen) {
+    const int nw = 7 * m->hp.n_layer + 2;
+    cb_weight_t **ws = calloc((size_t)nw, sizeof *ws);
+    if (!ws) {
+        cb_set_err(err, errlen, "out of memory");
+        return false;
+    }
+    int n = 0;
+    for (int l = 0; l < m->hp.n_layer; l++) {
+        cb_layer_weights_t *L = &m->layers[l];
+        cb_weight_t *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t k = 0; k < sizeof lw / sizeof lw[0]; k++) ws[n++] = lw[k];
+    }
+    ws[n++] = &m->tok_embd;
+    if (!m->hp.tied_output) ws[n++] = &m->output;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += (cb_cpu_x8_bytes(ws[i]) + 63) / 64 * 64;
+    bool ok = true;
+    if (total) {
+        m->x8_arena = cb_cpu_alloc_huge(total, false);
+        if (!m->x8_arena) {
+            cb_set_err(err, errlen, "out of memory for %zu MB of interleaved weights", total >> 20);
+            ok = false;
+        }
+    }
+    const long page = sysconf(_SC_PAGESIZE);
+    uint8_t *p = m->x8_arena;
+    for (int i = 0; ok && i < n; i++) {
+        const size_t b = cb_cpu_x8_bytes(ws[i]);
+        if (!b || !cb_cpu_x8_pack(ws[i], p)) continue; /* read where stored */
+        ws[i]->x8 = p;
+        p += (b + 63) / 64 * 64;
+        m->x8_bytes += b;
+        const uintptr_t a = ((uintptr_t)ws[i]->q + (uintptr_t)page - 1) / (uintptr_t)page * (uintptr_t)page;
+        const uintptr_t e = ((uintptr_t)ws[i]->q + b) / (uintptr_t)page * (uintptr_t)page;
+        if (e > a) (void)madvise((void *)a, e - a, MADV_DONTNEED); /* advisory: a failure only costs memory */
+    }
+    if (ok && m->hp.tied_output) m->output.x8 = m->tok_embd.x8;
+    free(ws);
+    return ok;
+}
+
 static void dequant_weight(cb_weight_t *w, float *dst) {
     /* row-parallel: each row is a whole number of blocks; cb_cpu_dequant_row is bit-identical to cb_dequant */
     #pragma omp parallel for schedule(static)
@@ -451,8 +501,8 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
     /* Weights are read where they are stored; CB_ENGINE_WEIGHTS=f32 keeps f32 copies of the block matrices
      * (one arena, in layer order), which the CPU backend then uses instead (the f32 reference). */
     const char *wmode = getenv("CB_ENGINE_WEIGHTS");
-    if (wmode && *wmode && strcmp(wmode, "f32") != 0 && strcmp(wmode, "native") != 0) {
-        cb_set_err(err, errlen, "CB_ENGINE_WEIGHTS = '%s': expected native or f32", wmode);
+    if (wmode && *wmode && strcmp(wmode, "f32") != 0 && strcmp(wmode, "native") != 0 && strcmp(wmode, "stored") != 0) {
+        cb_set_err(err, errlen, "CB_ENGINE_WEIGHTS = '%s': expected native, stored or f32", wmode);
         goto fail;
     }
     for (int l = 0; l < hp->n_layer; l++) {
@@ -493,6 +543,8 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
         cb_set_err(err, errlen, "libsodium initialisation failed");
         goto fail;
     }
+    /* native (the default): the x8 copies for the CPU kernels; stored: the file's rows only */
+    if ((!wmode || !*wmode || !strcmp(wmode, "native")) && !pack_x8(m, err, errlen)) goto fail;
     CB_DEBUG("model %s: %d layers, n_embd %d, %d/%d heads, head_dim %d, n_ff %d, vocab %d, rope base %g, "
              "eps %g, %s output, f32 weights %zu MB", path, hp->n_layer, hp->n_embd, hp->n_head, hp->n_head_kv,
              hp->head_dim, hp->n_ff, hp->n_vocab, (double)hp->rope_base, (double)hp->rms_eps,
@@ -509,6 +561,7 @@ void cb_model_destroy(cb_model_t **self_p) {
     for (int i = 0; i < m->n_norm_copies; i++) free(m->norm_copies[i]);
     free(m->norm_copies);
     free(m->arena);
+    free(m->x8_arena);
     free(m->layers);
     cb_gguf_destroy(&m->gguf);
     free(m);

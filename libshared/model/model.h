@@ -65,6 +65,8 @@ typedef struct {
     int rows, cols;          /* out, in */
     const float *f32;        /* [rows][cols] dequantized copy, or NULL (the default: CB_ENGINE_WEIGHTS=f32
                                 keeps copies of the block matrices, the f32 reference numerics) */
+    const void *x8;          /* the rows interleaved by 8 (cpu/cpu_quant.h), or NULL; when set, the CPU
+                                kernels read only this copy (the default for Q4_1/Q8_0, see cb_model_load) */
 } cb_weight_t;
 
 typedef struct {

@@ -181,6 +181,79 @@ TEST(test_qdot_random) {
     free(x); free(y); free(ys); free(y1); free(xq);
 }
 
+/* The interleaved copies (x8): the same results as the stored rows (bit for bit in the scalar set, within
+ * f32 reordering in AVX2), row independence, aligned sub-ranges, the fallback for unaligned ranges, the
+ * exact dequantization, and the weights without an x8 form. */
+TEST(test_qdot_x8) {
+    const uint32_t types[] = {CB_TYPE_Q4_1, CB_TYPE_Q8_0};
+    enum { R = 40, C = 512, N = 7 };
+    float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *ys = malloc(sizeof(float) * N * R);
+    float *y1 = malloc(sizeof(float) * R), *row = malloc(sizeof(float) * C), *ref = malloc(sizeof(float) * C);
+    uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
+    random_x(x, N * C);
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        uint8_t *buf;
+        cb_weight_t w = random_weight(types[t], R, C, &buf);
+        if (types[t] == CB_TYPE_Q8_0) /* random bytes hold -128, which the pack refuses (checked below) */
+            for (int o = 0; o < R; o++)
+                for (int b = 0; b < C / 32; b++)
+                    for (int j = 0; j < 32; j++) {
+                        int8_t *q = (int8_t *)(buf + (size_t)o * w.row_bytes + 34 * b + 2 + j);
+                        if (*q == -128) *q = -127;
+                    }
+        const size_t nb = cb_cpu_x8_bytes(&w);
+        CHECK(nb == (size_t)R * w.row_bytes);
+        uint8_t *x8 = aligned_alloc(64, (nb + 63) / 64 * 64);
+        CHECK(cb_cpu_x8_pack(&w, x8));
+        cb_weight_t wx = w;
+        wx.x8 = x8;
+        for (int o = 0; o < R; o++) { /* bit-identical dequantization */
+            cb_cpu_x8_dequant_row(&wx, o, row);
+            CHECK(cb_dequant(w.type, buf + (size_t)o * w.row_bytes, ref, C));
+            CHECK(memcmp(row, ref, sizeof(float) * C) == 0);
+        }
+        for (size_t i = 0; i < 2; i++) {
+            if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
+            qmatvec(&w, x, N, ys, xq);
+            qmatvec(&wx, x, N, y, xq);
+            double worst = check_against_ref(&wx, x, N, 0, R, y, R);
+            fprintf(stderr, "  %-5s x8 %-6s worst error / bound %.3f\n", cb_type_name(w.type), ISAS[i], worst);
+            CHECK(worst <= 1.0);
+            for (int k = 0; k < N * R; k++)
+                CHECK(i == 0 ? y[k] == ys[k] : fabsf(y[k] - ys[k]) <= 1e-5f * (1.0f + fabsf(ys[k])));
+            for (int r = 0; r < N; r++) { /* a row alone gets the bits it gets among others */
+                cb_cpu_qdot_rows(&wx, 0, R, xq + (size_t)r * cb_cpu_q8_row_bytes(C), 1, y1, R);
+                CHECK(memcmp(y1, y + (size_t)r * R, sizeof(float) * R) == 0);
+            }
+            float sub[N * R];
+            const int ranges[2][2] = {{8, 24}, {5, 9}}; /* aligned: x8 kernel; unaligned: the stored rows */
+            for (int g = 0; g < 2; g++) {
+                for (int k = 0; k < N * R; k++) sub[k] = -7.0f;
+                const int a = ranges[g][0], e = ranges[g][1];
+                cb_cpu_qdot_rows(&wx, a, e, xq, N, sub, R);
+                for (int r = 0; r < N; r++)
+                    for (int o = 0; o < R; o++)
+                        CHECK(sub[r * R + o] == (o < a || o >= e ? -7.0f : g == 0 ? y[r * R + o] : ys[r * R + o]));
+            }
+        }
+        if (types[t] == CB_TYPE_Q8_0) {
+            buf[34 * 3 + 2 + 17] = 0x80; /* one -128 */
+            CHECK(!cb_cpu_x8_pack(&w, x8));
+        }
+        cb_weight_t odd = w;
+        odd.rows = R - 3;
+        CHECK(cb_cpu_x8_bytes(&odd) == 0);
+        free(x8);
+        free(buf);
+    }
+    uint8_t *buf;
+    cb_weight_t k4 = random_weight(CB_TYPE_Q4_K, 8, 256, &buf);
+    CHECK(cb_cpu_x8_bytes(&k4) == 0 && !cb_cpu_x8_pack(&k4, buf));
+    free(buf);
+    cb_cpu_qdot_use(NULL);
+    free(x); free(y); free(ys); free(y1); free(row); free(ref); free(xq);
+}
+
 /* The real model's matrices: a Q4_1 FFN matrix, the Q4_1 attention output and the Q8_0 embedding (tied
  * output) rows, with activations of the real scale (rms-normalised: |x| ~ 1, outliers included). */
 TEST(test_qdot_real_model) {
@@ -199,12 +272,17 @@ TEST(test_qdot_real_model) {
         float *x = malloc(sizeof(float) * N * w.cols), *y = malloc(sizeof(float) * N * w.rows);
         uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(w.cols) * N);
         random_x(x, N * w.cols);
-        for (size_t i = 0; i < 2; i++) {
-            if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
-            qmatvec(&w, x, N, y, xq);
-            double worst = check_against_ref(&w, x, N, 0, w.rows, y, w.rows);
-            fprintf(stderr, "  %-24s %-5s %-6s worst error / bound %.3f\n", w.name, cb_type_name(w.type), ISAS[i], worst);
-            CHECK(worst <= 1.0);
+        CHECK(w.x8 != NULL); /* the default load interleaves Q4_1 and Q8_0 */
+        for (int form = 0; form < 2; form++) { /* x8, then the stored rows */
+            if (form == 1) w.x8 = NULL;
+            for (size_t i = 0; i < 2; i++) {
+                if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
+                qmatvec(&w, x, N, y, xq);
+                double worst = check_against_ref(&w, x, N, 0, w.rows, y, w.rows);
+                fprintf(stderr, "  %-24s %-5s %-6s %-6s worst error / bound %.3f\n", w.name, cb_type_name(w.type),
+                        form ? "stored" : "x8", ISAS[i], worst);
+                CHECK(worst <= 1.0);
+            }
         }
         free(x); free(y); free(xq);
     }
@@ -215,6 +293,7 @@ TEST(test_qdot_real_model) {
 int main(void) {
     RUN(test_quantize_row);
     RUN(test_qdot_random);
+    RUN(test_qdot_x8);
     RUN(test_qdot_real_model);
     return test_summary();
 }
