@@ -250,7 +250,7 @@ bool cb_cpu_x8_pack(const cb_weight_t *w, void *dst) {
 }
 
 /* Bit-identical to cb_dequant of the stored row (w = d q + m, or d q: one multiply, one add). */
-void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
+static void s_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
     const int g = row / 8, s = row % 8;
     for (int b = 0; b < w->cols / 32; b++) {
         const uint8_t *blk = x8_block(w, g, b);
@@ -570,6 +570,34 @@ static inline __attribute__((always_inline)) void v_q8_0x8_g(const uint8_t *blk,
     }
 V_X8_SWITCH(v_q4_1x8)
 V_X8_SWITCH(v_q8_0x8)
+/* The x8 row dequantization, as s_x8_dequant_row (one multiply, one add per element: the same bits). */
+static void v_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
+    const int g = row / 8, s = row % 8;
+    for (int b = 0; b < w->cols / 32; b++) {
+        const uint8_t *blk = x8_block(w, g, b);
+        float *o = dst + 32 * b;
+        const __m256 d = _mm256_set1_ps(v_f16(blk + 2 * s));
+        __m128i q[2];
+        __m256 m = _mm256_setzero_ps();
+        if (w->type == CB_TYPE_Q4_1) {
+            m = _mm256_set1_ps(v_f16(blk + 16 + 2 * s));
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + x8_q4_1_nib(s))), m4 = _mm_set1_epi8(0x0F);
+            q[0] = _mm_and_si128(raw, m4);
+            q[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+        } else {
+            q[0] = _mm_loadu_si128((const __m128i *)(blk + x8_q8_0_lo(s)));
+            q[1] = _mm_loadu_si128((const __m128i *)(blk + x8_q8_0_lo(s) + 32));
+        }
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 2; k++) {
+                const __m128i b8 = k ? _mm_srli_si128(q[h], 8) : q[h];
+                const __m256i i32 = w->type == CB_TYPE_Q4_1 ? _mm256_cvtepu8_epi32(b8) : _mm256_cvtepi8_epi32(b8);
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(i32), d);
+                if (w->type == CB_TYPE_Q4_1) v = _mm256_add_ps(v, m);
+                _mm256_storeu_ps(o + 16 * h + 8 * k, v);
+            }
+    }
+}
 #pragma GCC pop_options
 #endif
 
@@ -580,11 +608,12 @@ typedef struct {
     qdot_fn q4_0, q4_1, q8_0, q4_k, q6_k;
     qdot_fn q4_1x8, q8_0x8; /* interleaved weights (w->x8) */
     int x8_rows;            /* activation rows per call of an x8 kernel */
+    void (*x8_dequant)(const cb_weight_t *w, int row, float *dst);
 } qdot_set_t;
 
-static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS};
+static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS, s_x8_dequant_row};
 #ifdef CB_HAVE_X86
-static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS};
+static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, v_x8_dequant_row};
 #endif
 
 static const qdot_set_t *g_set;
@@ -632,6 +661,8 @@ static const qdot_set_t *kernels(void) {
 }
 
 const char *cb_cpu_qdot_isa(void) { return kernels()->name; }
+
+void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst) { kernels()->x8_dequant(w, row, dst); }
 
 static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
     switch (type) {
