@@ -319,6 +319,10 @@ void cb_cpu_dequant_row(const cb_weight_t *w, int row, float *dst) {
         cb_cpu_x8_dequant_row(w, row, dst);
         return;
     }
+    if (w->v16) {
+        cb_cpu_v16_dequant_row(w, row, dst);
+        return;
+    }
     const uint8_t *src = (const uint8_t *)w->q + (size_t)row * w->row_bytes;
     const int nb = w->cols / 32;
 #if CB_AVX512
@@ -425,11 +429,27 @@ void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ld
 
 /* ---------------------------------------------------------------- GEMM (prefill) */
 
-/* Y[:, r0:r1] = X · W[r0:r1]ᵀ: one sgemm over the f32 rows when there are some (f32 copy or F32 tensor),
- * else over tiles of weight rows dequantized into tile [tile_floats] (the thread's), one sgemm per tile. */
-static void gemm_range(const cb_weight_t *w, const float *x, int n, float *y, int ldy, int r0, int r1, float *tile,
-                       size_t tile_floats) {
+/* GEMMs on the v16 layout run its integer kernel over the call's quantized rows (xq), in tiles of this
+ * many activation rows (their int8 rows stay in L1/L2 while the slice's weight groups pass). */
+#define V16_GEMM_TILE 64
+
+/* Weights whose GEMM is the integer kernel (v16 copy, no f32 reference copy). */
+static bool use_v16_gemm(const cb_weight_t *w) { return !w->f32 && w->v16; }
+
+/* Y[:, r0:r1] = X · W[r0:r1]ᵀ: for v16 weights by the integer kernel on xq (x quantized by quantize_rows);
+ * else one sgemm over the f32 rows when there are some (f32 copy or F32 tensor), else over tiles of weight
+ * rows dequantized into tile [tile_floats] (the thread's), one sgemm per tile. */
+static void gemm_range(const cb_weight_t *w, const float *x, const uint8_t *xq, int n, float *y, int ldy, int r0,
+                       int r1, float *tile, size_t tile_floats) {
     const int cols = w->cols;
+    if (xq) {
+        const size_t rb = cb_cpu_q8_row_bytes(cols);
+        for (int i0 = 0; i0 < n; i0 += V16_GEMM_TILE) {
+            const int m = n - i0 < V16_GEMM_TILE ? n - i0 : V16_GEMM_TILE;
+            cb_cpu_qdot_rows(w, r0, r1, xq + (size_t)i0 * rb, m, y + (size_t)i0 * ldy, ldy);
+        }
+        return;
+    }
     const float *f = w->f32 ? w->f32 : w->type == CB_TYPE_F32 ? (const float *)w->q : NULL;
     if (f) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, r1 - r0, cols, 1.0f, x, cols, f + (size_t)r0 * cols,
@@ -449,6 +469,7 @@ static void gemm_range(const cb_weight_t *w, const float *x, int n, float *y, in
 typedef struct {
     const cb_weight_t *w;
     const float *x;
+    const uint8_t *xq; /* x quantized, for v16 weights */
     int n, ldy, slice;
     float *y;
     const cb_cpu_mm_scratch_t *s;
@@ -459,7 +480,7 @@ static void gemm_task(void *arg, int task, int thread) {
     const cb_weight_t *w = j->w;
     int c0 = task * j->slice, c1 = c0 + j->slice < w->rows ? c0 + j->slice : w->rows;
     if (c1 > c0)
-        gemm_range(w, j->x, j->n, j->y, j->ldy, c0, c1, j->s->tiles + (size_t)thread * j->s->tile_floats,
+        gemm_range(w, j->x, j->xq, j->n, j->y, j->ldy, c0, c1, j->s->tiles + (size_t)thread * j->s->tile_floats,
                    j->s->tile_floats);
 }
 
@@ -470,7 +491,8 @@ void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy,
      * single-threaded sgemm (or one per tile), claimed dynamically. */
     int nt = cb_pool_size(pool), n_slices = nt > 1 ? 2 * nt : 1;
     int slice = ((w->rows + n_slices - 1) / n_slices + 31) / 32 * 32;
-    gemm_job_t j = {w, x, n, ldy, slice, y, s};
+    const uint8_t *xq = use_v16_gemm(w) ? quantize_rows(s, x, n, w->cols) : NULL;
+    gemm_job_t j = {w, x, xq, n, ldy, slice, y, s};
     cb_pool_run(pool, (w->rows + slice - 1) / slice, gemm_task, &j);
 }
 
@@ -495,8 +517,8 @@ static void multi_task(void *arg, int t, int thread) {
     const cb_weight_t *w = p->w;
     int r0 = j->task[t].r0, r1 = j->task[t].r1;
     if (j->gemm)
-        gemm_range(w, j->x, j->n, p->y, p->ldy, r0, r1, j->s->tiles + (size_t)thread * j->s->tile_floats,
-                   j->s->tile_floats);
+        gemm_range(w, j->x, use_v16_gemm(w) ? j->xq : NULL, j->n, p->y, p->ldy, r0, r1,
+                   j->s->tiles + (size_t)thread * j->s->tile_floats, j->s->tile_floats);
     else
         matvec_range(w, j->x, use_qdot(w) ? j->xq : NULL, j->n, p->y, p->ldy, r0, r1,
                      j->s->rows + (size_t)thread * j->s->max_cols);
@@ -516,7 +538,8 @@ void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float
     for (int p = 0; p < n_parts; p++) {
         assert(parts[p].w->cols == parts[0].w->cols); /* one x for every part */
         total += parts[p].w->rows;
-        if (!gemm && !j.xq && use_qdot(parts[p].w)) j.xq = quantize_rows(s, x, n, parts[p].w->cols);
+        if (!j.xq && (gemm ? use_v16_gemm(parts[p].w) : use_qdot(parts[p].w)))
+            j.xq = quantize_rows(s, x, n, parts[p].w->cols);
     }
     /* GEMM: ~2 slices per thread over all parts (multiples of 32 rows); matvec: ~8 per thread (16) */
     int align = gemm ? 32 : 16, per = gemm ? 2 : 8;

@@ -45,7 +45,7 @@ static xrow_t xrow(const void *base, int cols, int r) {
  * q = nearbyint(x / d) in the default rounding mode (to nearest even, as ggml's x86 quantizer), |q| <= 127,
  * d = max|x| / 127. Unlike ggml's Q8_0 / Q8_1, d and ds stay f32: an f16 d loses small blocks (max|x| below
  * ~1e-5 rounds d to 0) and an f16 ds overflows once max|x| > 2047 (outlier activations of large models). */
-void cb_cpu_q8_quantize(const float *x, int cols, void *dst) {
+static void s_q8_quantize(const float *x, int cols, void *dst) {
     int8_t *q = dst;
     float *d = (float *)((uint8_t *)dst + cols), *ds = d + cols / 32;
     for (int b = 0; b < cols / 32; b++) {
@@ -63,6 +63,15 @@ void cb_cpu_q8_quantize(const float *x, int cols, void *dst) {
         d[b] = db;
         ds[b] = db * (float)sum;
     }
+}
+
+static void (*g_quantize)(const float *x, int cols, void *dst);
+static pthread_once_t g_quantize_once = PTHREAD_ONCE_INIT;
+static void quantize_init(void);
+
+void cb_cpu_q8_quantize(const float *x, int cols, void *dst) {
+    pthread_once(&g_quantize_once, quantize_init);
+    g_quantize(x, cols, dst);
 }
 
 static inline float f16_at(const uint8_t *p) {
@@ -305,6 +314,69 @@ static void s_q8_0x8(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int 
         }
 }
 
+
+/* ---------------------------------------------------------------- 16-row VNNI layout (v16) */
+
+#define V16_BLK 320 /* 16 x 20 */
+static inline const uint8_t *v16_block(const cb_weight_t *w, int g, int b) {
+    return (const uint8_t *)w->v16 + ((size_t)g * (size_t)(w->cols / 32) + (size_t)b) * V16_BLK;
+}
+/* Nibble byte j (0..15) of row slot s (0..15) in a v16 block. */
+static inline size_t v16_nib(int s, int j) { return 64 + 64 * (size_t)(j / 4) + 4 * (size_t)s + (size_t)(j % 4); }
+
+size_t cb_cpu_v16_bytes(const cb_weight_t *w) {
+    if (w->type != CB_TYPE_Q4_1 || w->rows <= 0 || w->rows % 16 || w->cols <= 0 || w->cols % 32) return 0;
+    return (size_t)w->rows * w->row_bytes;
+}
+
+bool cb_cpu_v16_pack(const cb_weight_t *w, void *dst) {
+    if (!cb_cpu_v16_bytes(w)) return false;
+    const int nb = w->cols / 32;
+    for (int g = 0; g < w->rows / 16; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *blk = (uint8_t *)dst + ((size_t)g * (size_t)nb + (size_t)b) * V16_BLK;
+            for (int s = 0; s < 16; s++) {
+                const uint8_t *src = (const uint8_t *)w->q + (size_t)(16 * g + s) * w->row_bytes + 20 * (size_t)b;
+                memcpy(blk + 2 * s, src, 2);
+                memcpy(blk + 32 + 2 * s, src + 2, 2);
+                for (int j = 0; j < 16; j++) blk[v16_nib(s, j)] = src[4 + j];
+            }
+        }
+    return true;
+}
+
+static void s_v16_dequant_row(const cb_weight_t *w, int row, float *dst) {
+    const int g = row / 16, s = row % 16;
+    for (int b = 0; b < w->cols / 32; b++) {
+        const uint8_t *blk = v16_block(w, g, b);
+        const float d = f16_at(blk + 2 * s), m = f16_at(blk + 32 + 2 * s);
+        for (int j = 0; j < 16; j++) {
+            const uint8_t q = blk[v16_nib(s, j)];
+            dst[32 * b + j] = (float)(q & 0xF) * d + m;
+            dst[32 * b + j + 16] = (float)(q >> 4) * d + m;
+        }
+    }
+}
+
+void cb_cpu_v16_dequant_row(const cb_weight_t *w, int row, float *dst) { s_v16_dequant_row(w, row, dst); }
+
+/* s_q4_1_row's arithmetic on the v16 blocks (the stored layout's bits). o0, o1 multiples of 16. */
+static void s_q4_1v16(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    for (int o = o0; o < o1; o++)
+        for (int r = 0; r < R; r++) {
+            const int s = o % 16;
+            float acc = 0.0f;
+            for (int b = 0; b < w->cols / 32; b++) {
+                const uint8_t *blk = v16_block(w, o / 16, b);
+                const int8_t *xq = x[r].q + 32 * b;
+                int sum = 0;
+                for (int j = 0; j < 16; j++) sum += (blk[v16_nib(s, j)] & 0xF) * xq[j] + (blk[v16_nib(s, j)] >> 4) * xq[j + 16];
+                acc += f16_at(blk + 2 * s) * x[r].d[b] * (float)sum + f16_at(blk + 32 + 2 * s) * x[r].ds[b];
+            }
+            y[(size_t)r * ldy + o] = acc;
+        }
+}
+
 /* ---------------------------------------------------------------- AVX2 kernels */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -489,6 +561,46 @@ static inline __attribute__((always_inline)) void v_q6_k_r(const uint8_t *w, int
     for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]);
 }
 V_ROWS_SWITCH(v_q6_k)
+/* s_q8_quantize with 8 lanes, the same bits: max|x| is exact in any order, d and 1/d are the same scalar
+ * divisions, round-to-nearest-even is nearbyintf in the default mode, and the clamp and the integer sum
+ * are exact. */
+static void v_q8_quantize(const float *x, int cols, void *dst) {
+    int8_t *q = dst;
+    float *d = (float *)((uint8_t *)dst + cols), *ds = d + cols / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    for (int b = 0; b < cols / 32; b++) {
+        const float *xb = x + 32 * b;
+        __m256 v[4], am = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(xb + 8 * k);
+            am = _mm256_max_ps(am, _mm256_andnot_ps(sign, v[k]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+        const __m256 idv = _mm256_set1_ps(id);
+        __m256i iv[4], sum = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            iv[k] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(r), lim), nlim);
+            sum = _mm256_add_epi32(sum, iv[k]);
+        }
+        /* int32 -> int8 (values fit): packs, then undo the lane interleave of the two 256-bit packs */
+        const __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
+        const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        _mm256_storeu_si256((__m256i *)(q + 32 * b),
+                            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        d[b] = db;
+        ds[b] = db * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
 /* x8 kernels: one group of 8 weight rows per step of a block. A 32-byte load holds 16 bytes of row p and
  * 16 of row p + 4; each activation half is broadcast to both lanes, so one maddubs multiplies two rows. Three
  * hadds fold the 4 pairs' int32 partials into the 8 rows' block sums, in row order, which are scaled by the
@@ -502,20 +614,24 @@ static inline __attribute__((always_inline)) void v_q4_1x8_g(const uint8_t *blk,
                                                               __m256 *out) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[XROWS], accm[XROWS];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, blk += X8_Q4_1_BLK) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         __m256i lo[4], hi[4];
+        #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * p));
             lo[p] = _mm256_and_si256(raw, m4);
             hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         }
+        #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b)));
             const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b + 16)));
             __m256i v[4];
+            #pragma GCC unroll 4
             for (int p = 0; p < 4; p++) /* nibble x int8 pairs: |sum| <= 2 * 2 * 15 * 127, no int16 saturation */
                 v[p] = _mm256_madd_epi16(
                     _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh)), ones);
@@ -524,6 +640,7 @@ static inline __attribute__((always_inline)) void v_q4_1x8_g(const uint8_t *blk,
             accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].ds[b]), accm[r]);
         }
     }
+    #pragma GCC unroll 4
     for (int r = 0; r < R; r++) out[r] = _mm256_add_ps(acc[r], accm[r]);
 }
 
@@ -531,19 +648,23 @@ static inline __attribute__((always_inline)) void v_q8_0x8_g(const uint8_t *blk,
                                                               __m256 *out) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[XROWS];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, blk += X8_Q8_0_BLK) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256i wl[4], wh[4];
+        #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {
             wl[p] = _mm256_loadu_si256((const __m256i *)(blk + 16 + 64 * p));
             wh[p] = _mm256_loadu_si256((const __m256i *)(blk + 48 + 64 * p));
         }
+        #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b)));
             const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b + 16)));
             const __m256i axl = _mm256_sign_epi8(xl, xl), axh = _mm256_sign_epi8(xh, xh);
             __m256i v[4];
+            #pragma GCC unroll 4
             for (int p = 0; p < 4; p++) /* |x| times w with x's sign (|w|, |x| <= 127: the pack checked) */
                 v[p] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(axl, _mm256_sign_epi8(wl[p], xl)), ones),
                                         _mm256_madd_epi16(_mm256_maddubs_epi16(axh, _mm256_sign_epi8(wh[p], xh)), ones));
@@ -551,6 +672,7 @@ static inline __attribute__((always_inline)) void v_q8_0x8_g(const uint8_t *blk,
             acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
         }
     }
+    #pragma GCC unroll 4
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
@@ -599,6 +721,69 @@ static void v_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
     }
 }
 #pragma GCC pop_options
+
+/* ---------------------------------------------------------------- AVX-512 VNNI kernel (v16) */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+/* One group of 16 weight rows against R activation rows: per block, the 4 loads of 64 bytes (16 rows x 4
+ * nibble bytes) unpack to 8 vectors of u8 weights, each met by the activation's matching 4 bytes broadcast
+ * (vpdpbusd: u8 weight x s8 activation, 4 products per int32 lane), so each lane accumulates one row's
+ * exact block sum; then one convert and two FMAs per row and block (d_w d_x, and the min term m_w ds_x). */
+#define V16_MR 4 /* activation rows per pass over a group */
+static inline __attribute__((always_inline)) void w16_g(const uint8_t *blk, int nb, const xrow_t *x, const int R,
+                                                         __m512 *out) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[V16_MR];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, blk += V16_BLK) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        __m512i lo[4], hi[4];
+        #pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(blk + 64 + 64 * t));
+            lo[t] = _mm512_and_si512(raw, m4);
+            hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = x[r].q + 32 * b;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            #pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                int32_t a, c;
+                memcpy(&a, xq + 4 * t, 4);      /* elements 4t..4t+3: the low nibbles */
+                memcpy(&c, xq + 16 + 4 * t, 4); /* elements 16+4t..: the high nibbles */
+                s0 = _mm512_dpbusd_epi32(s0, lo[t], _mm512_set1_epi32(a));
+                s1 = _mm512_dpbusd_epi32(s1, hi[t], _mm512_set1_epi32(c));
+            }
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(x[r].d[b])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].ds[b]), acc[r]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+#define W16_CASE(RR)                                                                                     \
+    for (int g = o0 / 16; g < o1 / 16; g++) {                                                            \
+        __m512 out[V16_MR];                                                                              \
+        w16_g(v16_block(w, g, 0), w->cols / 32, x, RR, out);                                             \
+        for (int r = 0; r < RR; r++) _mm512_storeu_ps(y + (size_t)r * ldy + 16 * g, out[r]);             \
+    }                                                                                                    \
+    break;
+static void w_q4_1v16(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    switch (R) {
+    case 1: W16_CASE(1)
+    case 2: W16_CASE(2)
+    case 3: W16_CASE(3)
+    default: W16_CASE(4)
+    }
+}
+#pragma GCC pop_options
 #endif
 
 /* ---------------------------------------------------------------- dispatch */
@@ -609,15 +794,32 @@ typedef struct {
     qdot_fn q4_1x8, q8_0x8; /* interleaved weights (w->x8) */
     int x8_rows;            /* activation rows per call of an x8 kernel */
     void (*x8_dequant)(const cb_weight_t *w, int row, float *dst);
+    qdot_fn q4_1v16; /* the 16-row layout (w->v16) */
+    int v16_rows;
 } qdot_set_t;
 
-static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS, s_x8_dequant_row};
+static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS, s_x8_dequant_row,
+                                   s_q4_1v16, QROWS};
 #ifdef CB_HAVE_X86
-static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, v_x8_dequant_row};
+static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, v_x8_dequant_row,
+                                 s_q4_1v16, QROWS};
+/* AVX2 and, for the v16 layout, AVX-512 VNNI */
+static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS,
+                                v_x8_dequant_row, w_q4_1v16, V16_MR};
 #endif
 
 static const qdot_set_t *g_set;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static bool have_vnni(void) {
+#ifdef CB_HAVE_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
 
 static bool have_avx2(void) {
 #ifdef CB_HAVE_X86
@@ -625,6 +827,15 @@ static bool have_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
     return false;
+#endif
+}
+
+static void quantize_init(void) {
+#ifdef CB_HAVE_X86
+    const char *e = getenv("CB_CPU_ISA");
+    g_quantize = have_avx2() && !(e && !strcmp(e, "scalar")) ? v_q8_quantize : s_q8_quantize;
+#else
+    g_quantize = s_q8_quantize;
 #endif
 }
 
@@ -636,7 +847,7 @@ static void init_once(void) {
 int cb_cpu_qdot_use(const char *isa) {
     if (!isa) {
 #ifdef CB_HAVE_X86
-        g_set = have_avx2() ? &AVX2 : &SCALAR;
+        g_set = have_avx2() && have_vnni() ? &VNNI : have_avx2() ? &AVX2 : &SCALAR;
 #else
         g_set = &SCALAR;
 #endif
@@ -651,6 +862,10 @@ int cb_cpu_qdot_use(const char *isa) {
         g_set = &AVX2;
         return 0;
     }
+    if (!strcmp(isa, "avx512vnni") && have_avx2() && have_vnni()) {
+        g_set = &VNNI;
+        return 0;
+    }
 #endif
     return -1;
 }
@@ -663,6 +878,8 @@ static const qdot_set_t *kernels(void) {
 const char *cb_cpu_qdot_isa(void) { return kernels()->name; }
 
 void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst) { kernels()->x8_dequant(w, row, dst); }
+
+bool cb_cpu_v16_preferred(void) { return kernels()->q4_1v16 != s_q4_1v16; }
 
 static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
     switch (type) {
@@ -684,7 +901,10 @@ void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int 
     const qdot_set_t *k = kernels();
     qdot_fn fn = kernel_of(k, w->type);
     int step = QROWS;
-    if (w->x8 && o0 % 8 == 0 && o1 % 8 == 0) {
+    if (w->v16 && o0 % 16 == 0 && o1 % 16 == 0) {
+        fn = k->q4_1v16;
+        step = k->v16_rows;
+    } else if (w->x8 && o0 % 8 == 0 && o1 % 8 == 0) {
         fn = w->type == CB_TYPE_Q4_1 ? k->q4_1x8 : k->q8_0x8;
         step = k->x8_rows;
     }

@@ -60,8 +60,23 @@ size_t cb_cpu_x8_bytes(const cb_weight_t *w);
 bool cb_cpu_x8_pack(const cb_weight_t *w, void *dst);
 void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst);
 
-/* The kernel set in use: "avx2" or "scalar". cb_cpu_qdot_use selects one for the whole process ("avx2",
- * "scalar" or NULL = best available); 0, or -1 when the CPU cannot run it. Not thread-safe against running
+/* The 16-row VNNI layout ("v16") of Q4_1 weights with rows % 16 == 0, for CPUs with AVX-512 VNNI. Group g
+ * (rows 16g..16g+15), block b at (g * cols/32 + b) * 320: f16 d[16], f16 m[16], then 4 quads of 64 bytes:
+ * quad t = bytes 4t..4t+3 of each of the 16 rows' nibble bytes (row slot s at 4s). A quad's low nibbles
+ * are elements 4t..4t+3 and its high nibbles 16+4t..16+4t+3, so one vpdpbusd against the activation's
+ * matching 4 bytes (broadcast) adds 4 products to each row's int32 lane: no horizontal sums. The same
+ * kernel serves every call size (decode to prefill: a row's result does not depend on the call).
+ * cb_cpu_v16_bytes: the copy's size, or 0 (type, shape). cb_cpu_v16_pack: as cb_cpu_x8_pack.
+ * cb_cpu_v16_preferred: true when the kernel set in use has the VNNI kernel (the model then packs Q4_1 as
+ * v16 rather than x8). cb_cpu_v16_dequant_row: bit-identical to dequantizing the stored row. A weight has
+ * at most one of x8 and v16. */
+size_t cb_cpu_v16_bytes(const cb_weight_t *w);
+bool cb_cpu_v16_pack(const cb_weight_t *w, void *dst);
+bool cb_cpu_v16_preferred(void);
+void cb_cpu_v16_dequant_row(const cb_weight_t *w, int row, float *dst);
+
+/* The kernel set in use: "avx512vnni" (AVX2 plus the v16 kernel), "avx2" or "scalar". cb_cpu_qdot_use
+ * selects one for the whole process ("avx512vnni", "avx2", "scalar" or NULL = best available); 0, or -1 when the CPU cannot run it. Not thread-safe against running
  * kernels: tests call it between runs. */
 const char *cb_cpu_qdot_isa(void);
 int cb_cpu_qdot_use(const char *isa);

@@ -394,7 +394,7 @@ static bool dequant_supported(uint32_t type) {
     }
 }
 
-/* The x8 copies (cpu/cpu_quant.h) of every weight that has that form, in one huge-page-advised arena; the
+/* The x8 or v16 copies (cpu/cpu_quant.h) of every weight that has such a form, in one huge-page-advised arena; the
  * stored pages of a packed weight are then given back (madvise DONTNEED: the file mapping refills them if
  * anything reads w->q again, e.g. a GPU upload), so the weights cost their size once. */
 static bool pack_x8(cb_model_t *m, char *err, size_t errlen) {
@@ -412,8 +412,13 @@ static bool pack_x8(cb_model_t *m, char *err, size_t errlen) {
     }
     ws[n++] = &m->tok_embd;
     if (!m->hp.tied_output) ws[n++] = &m->output;
+    /* per weight: v16 where the VNNI kernel runs (Q4_1), else x8 (Q4_1, Q8_0), else none */
+    const bool v16 = cb_cpu_v16_preferred();
     size_t total = 0;
-    for (int i = 0; i < n; i++) total += (cb_cpu_x8_bytes(ws[i]) + 63) / 64 * 64;
+    for (int i = 0; i < n; i++) {
+        const size_t b = v16 && cb_cpu_v16_bytes(ws[i]) ? cb_cpu_v16_bytes(ws[i]) : cb_cpu_x8_bytes(ws[i]);
+        total += (b + 63) / 64 * 64;
+    }
     bool ok = true;
     if (total) {
         m->x8_arena = cb_cpu_alloc_huge(total, false);
@@ -425,16 +430,26 @@ static bool pack_x8(cb_model_t *m, char *err, size_t errlen) {
     const long page = sysconf(_SC_PAGESIZE);
     uint8_t *p = m->x8_arena;
     for (int i = 0; ok && i < n; i++) {
-        const size_t b = cb_cpu_x8_bytes(ws[i]);
-        if (!b || !cb_cpu_x8_pack(ws[i], p)) continue; /* read where stored */
-        ws[i]->x8 = p;
+        size_t b = 0;
+        if (v16 && cb_cpu_v16_bytes(ws[i]) && cb_cpu_v16_pack(ws[i], p)) {
+            ws[i]->v16 = p;
+            b = cb_cpu_v16_bytes(ws[i]);
+        } else if (cb_cpu_x8_bytes(ws[i]) && cb_cpu_x8_pack(ws[i], p)) {
+            ws[i]->x8 = p;
+            b = cb_cpu_x8_bytes(ws[i]);
+        } else {
+            continue; /* read where stored */
+        }
         p += (b + 63) / 64 * 64;
         m->x8_bytes += b;
         const uintptr_t a = ((uintptr_t)ws[i]->q + (uintptr_t)page - 1) / (uintptr_t)page * (uintptr_t)page;
         const uintptr_t e = ((uintptr_t)ws[i]->q + b) / (uintptr_t)page * (uintptr_t)page;
         if (e > a) (void)madvise((void *)a, e - a, MADV_DONTNEED); /* advisory: a failure only costs memory */
     }
-    if (ok && m->hp.tied_output) m->output.x8 = m->tok_embd.x8;
+    if (ok && m->hp.tied_output) {
+        m->output.x8 = m->tok_embd.x8;
+        m->output.v16 = m->tok_embd.v16;
+    }
     free(ws);
     return ok;
 }

@@ -67,6 +67,8 @@ typedef struct {
                                 keeps copies of the block matrices, the f32 reference numerics) */
     const void *x8;          /* the rows interleaved by 8 (cpu/cpu_quant.h), or NULL; when set, the CPU
                                 kernels read only this copy (the default for Q4_1/Q8_0, see cb_model_load) */
+    const void *v16;         /* the rows in the 16-row VNNI layout (cpu/cpu_quant.h), or NULL; at most one of
+                                x8 and v16 is set */
 } cb_weight_t;
 
 typedef struct {

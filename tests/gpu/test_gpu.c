@@ -877,9 +877,9 @@ TEST(test_backend_ops) {
     for (int i = 0; i < F * E; i++) wd[i] = frand(0.1f), wd2[i] = frand(0.1f);
     for (int i = 0; i < V * E; i++) tab[i] = frand(1.0f);
     for (int i = 0; i < N * F; i++) x[i] = frand(1.0f);
-    cb_weight_t w = {"w", CB_TYPE_F32, wd, sizeof(float) * E, F, E, wd, NULL};
-    cb_weight_t w2 = {"w2", CB_TYPE_F32, wd2, sizeof(float) * E, F, E, wd2, NULL};
-    cb_weight_t t = {"tok", CB_TYPE_F32, tab, sizeof(float) * E, V, E, tab, NULL};
+    cb_weight_t w = {"w", CB_TYPE_F32, wd, sizeof(float) * E, F, E, wd, NULL, NULL};
+    cb_weight_t w2 = {"w2", CB_TYPE_F32, wd2, sizeof(float) * E, F, E, wd2, NULL, NULL};
+    cb_weight_t t = {"tok", CB_TYPE_F32, tab, sizeof(float) * E, V, E, tab, NULL, NULL};
     /* matmul (n > 1 and n = 1) */
     for (int n = N; n >= 1; n -= N - 1) {
         for (int i = 0; i < N * LDY; i++) y1[i] = y2[i] = 0.0f, sc[i] = 0.0;
@@ -1050,7 +1050,7 @@ TEST(test_backend_matmul_pieces) {
     CHECK(wd && x && y1 && y2 && sc);
     for (size_t i = 0; i < (size_t)R * E; i++) wd[i] = frand(0.1f);
     for (int i = 0; i < N * E; i++) x[i] = frand(1.0f);
-    cb_weight_t w = {"head", CB_TYPE_F32, wd, sizeof(float) * E, R, E, wd, NULL};
+    cb_weight_t w = {"head", CB_TYPE_F32, wd, sizeof(float) * E, R, E, wd, NULL, NULL};
     cpu->ops->matmul(cpu->ctx, &w, x, N, y1, R);
     gpu->ops->matmul(gpu->ctx, &w, x, N, y2, R);
     CHECK_MSG(!cb_backend_cuda_failed(gpu), "the CUDA backend failed on a matmul larger than its scratch");

@@ -104,13 +104,15 @@ static void qmatvec(const cb_weight_t *w, const float *x, int n, float *y, uint8
     cb_cpu_qdot_rows(w, 0, w->rows, xq, n, y, w->rows);
 }
 
-static const char *const ISAS[] = {"scalar", "avx2"};
+static const char *const ISAS[] = {"scalar", "avx2", "avx512vnni"};
+enum { N_ISAS = 3 };
 
 TEST(test_quantize_row) {
-    enum { C = 256 };
+    enum { C = 2048 };
     float x[C];
     random_x(x, C);
-    x[5] = 1e-30f; /* tiny values and an exact tie */
+    x[5] = 1e-30f; /* tiny values and exact ties (x / d = k + 0.5 rounds to even) */
+    for (int j = 64; j < 96; j++) x[j] = (float)(j - 80) * 0.5f; /* amax 8: d = 8/127, x/d = ±127 at the ends */
     uint8_t *q = aligned_alloc(64, cb_cpu_q8_row_bytes(C));
     cb_cpu_q8_quantize(x, C, q);
     const int8_t *qs = (const int8_t *)q;
@@ -120,6 +122,11 @@ TEST(test_quantize_row) {
         int sum = 0;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * b + j]));
         CHECK(d[b] == amax / 127.0f);
+        const float id = amax > 0 ? 1.0f / (amax / 127.0f) : 0.0f;
+        for (int j = 0; j < 32; j++) { /* the exact rule, whichever kernel set quantized */
+            const float v = nearbyintf(x[32 * b + j] * id);
+            CHECK(qs[32 * b + j] == (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v));
+        }
         for (int j = 0; j < 32; j++) {
             CHECK(qs[32 * b + j] >= -127 && qs[32 * b + j] <= 127);
             CHECK(fabsf(x[32 * b + j] - d[b] * qs[32 * b + j]) <= amax / 254.0f * 1.0001f + 1e-30f);
@@ -142,7 +149,7 @@ TEST(test_qdot_random) {
         uint8_t *buf;
         cb_weight_t w = random_weight(types[t], R, C, &buf);
         CHECK(cb_cpu_qdot_supported(&w));
-        for (size_t i = 0; i < 2; i++) {
+        for (size_t i = 0; i < N_ISAS; i++) {
             if (cb_cpu_qdot_use(ISAS[i]) != 0) continue; /* this CPU cannot run it */
             n_isa += t == 0;
             qmatvec(&w, x, N, y, xq);
@@ -207,7 +214,7 @@ TEST(test_qdot_x8) {
         CHECK(cb_cpu_x8_pack(&w, x8));
         cb_weight_t wx = w;
         wx.x8 = x8;
-        for (size_t i = 0; i < 2; i++) {
+        for (size_t i = 0; i < N_ISAS; i++) {
             if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
             for (int o = 0; o < R; o++) { /* bit-identical dequantization */
                 cb_cpu_x8_dequant_row(&wx, o, row);
@@ -254,6 +261,67 @@ TEST(test_qdot_x8) {
     free(x); free(y); free(ys); free(y1); free(row); free(ref); free(xq);
 }
 
+/* The 16-row VNNI layout (v16, Q4_1): the stored rows' results (bit for bit in the scalar set, within f32
+ * reordering in the VNNI kernel), every call size giving a row the same bits (decode = prefill), aligned
+ * and unaligned sub-ranges, the exact dequantization, shapes without the form. */
+TEST(test_qdot_v16) {
+    enum { R = 48, C = 576, N = 11 };
+    float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *ys = malloc(sizeof(float) * N * R);
+    float *y1 = malloc(sizeof(float) * R), *row = malloc(sizeof(float) * C), *ref = malloc(sizeof(float) * C);
+    uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
+    random_x(x, N * C);
+    uint8_t *buf;
+    cb_weight_t w = random_weight(CB_TYPE_Q4_1, R, C, &buf);
+    const size_t nb = cb_cpu_v16_bytes(&w);
+    CHECK(nb == (size_t)R * w.row_bytes);
+    uint8_t *v16 = aligned_alloc(64, (nb + 63) / 64 * 64);
+    CHECK(cb_cpu_v16_pack(&w, v16));
+    cb_weight_t wv = w;
+    wv.v16 = v16;
+    for (int o = 0; o < R; o++) {
+        cb_cpu_v16_dequant_row(&wv, o, row);
+        CHECK(cb_dequant(w.type, buf + (size_t)o * w.row_bytes, ref, C));
+        CHECK(memcmp(row, ref, sizeof(float) * C) == 0);
+    }
+    int n_run = 0;
+    for (size_t i = 0; i < N_ISAS; i++) {
+        if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
+        n_run++;
+        qmatvec(&w, x, N, ys, xq);
+        qmatvec(&wv, x, N, y, xq);
+        double worst = check_against_ref(&wv, x, N, 0, R, y, R);
+        fprintf(stderr, "  Q4_1  v16 %-10s worst error / bound %.3f\n", ISAS[i], worst);
+        CHECK(worst <= 1.0);
+        for (int k = 0; k < N * R; k++)
+            CHECK(i == 0 ? y[k] == ys[k] : fabsf(y[k] - ys[k]) <= 1e-5f * (1.0f + fabsf(ys[k])));
+        for (int r = 0; r < N; r++) {
+            cb_cpu_qdot_rows(&wv, 0, R, xq + (size_t)r * cb_cpu_q8_row_bytes(C), 1, y1, R);
+            CHECK(memcmp(y1, y + (size_t)r * R, sizeof(float) * R) == 0);
+        }
+        float sub[N * R];
+        const int ranges[2][2] = {{16, 32}, {8, 24}}; /* aligned: v16 kernel; unaligned: the stored rows */
+        for (int g = 0; g < 2; g++) {
+            for (int k = 0; k < N * R; k++) sub[k] = -7.0f;
+            const int a = ranges[g][0], e = ranges[g][1];
+            cb_cpu_qdot_rows(&wv, a, e, xq, N, sub, R);
+            for (int r = 0; r < N; r++)
+                for (int o = 0; o < R; o++)
+                    CHECK(sub[r * R + o] == (o < a || o >= e ? -7.0f : g == 0 ? y[r * R + o] : ys[r * R + o]));
+        }
+    }
+    fprintf(stderr, "  v16 kernel sets run: %d\n", n_run);
+    cb_cpu_qdot_use(NULL);
+    cb_weight_t odd = w;
+    odd.rows = 40;
+    CHECK(cb_cpu_v16_bytes(&odd) == 0 && !cb_cpu_v16_pack(&odd, v16));
+    odd = w;
+    odd.type = CB_TYPE_Q8_0;
+    CHECK(cb_cpu_v16_bytes(&odd) == 0);
+    free(v16);
+    free(buf);
+    free(x); free(y); free(ys); free(y1); free(row); free(ref); free(xq);
+}
+
 /* The real model's matrices: a Q4_1 FFN matrix, the Q4_1 attention output and the Q8_0 embedding (tied
  * output) rows, with activations of the real scale (rms-normalised: |x| ~ 1, outliers included). */
 TEST(test_qdot_real_model) {
@@ -272,15 +340,16 @@ TEST(test_qdot_real_model) {
         float *x = malloc(sizeof(float) * N * w.cols), *y = malloc(sizeof(float) * N * w.rows);
         uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(w.cols) * N);
         random_x(x, N * w.cols);
-        CHECK(w.x8 != NULL); /* the default load interleaves Q4_1 and Q8_0 */
-        for (int form = 0; form < 2; form++) { /* x8, then the stored rows */
-            if (form == 1) w.x8 = NULL;
-            for (size_t i = 0; i < 2; i++) {
+        /* the default load interleaves Q4_1 (v16 where the VNNI kernel runs, else x8) and Q8_0 (x8) */
+        CHECK(w.type == CB_TYPE_Q4_1 && cb_cpu_v16_preferred() ? w.v16 && !w.x8 : w.x8 && !w.v16);
+        for (int form = 0; form < 2; form++) { /* interleaved, then the stored rows */
+            if (form == 1) w.x8 = w.v16 = NULL;
+            for (size_t i = 0; i < N_ISAS; i++) {
                 if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
                 qmatvec(&w, x, N, y, xq);
                 double worst = check_against_ref(&w, x, N, 0, w.rows, y, w.rows);
                 fprintf(stderr, "  %-24s %-5s %-6s %-6s worst error / bound %.3f\n", w.name, cb_type_name(w.type),
-                        form ? "stored" : "x8", ISAS[i], worst);
+                        form ? "stored" : ws[k]->v16 ? "v16" : "x8", ISAS[i], worst);
                 CHECK(worst <= 1.0);
             }
         }
@@ -294,6 +363,7 @@ int main(void) {
     RUN(test_quantize_row);
     RUN(test_qdot_random);
     RUN(test_qdot_x8);
+    RUN(test_qdot_v16);
     RUN(test_qdot_real_model);
     return test_summary();
 }
