@@ -339,7 +339,7 @@ bool cb_cpu_v16_pack(const cb_weight_t *w, void *dst) {
                 const uint8_t *src = (const uint8_t *)w->q + (size_t)(16 * g + s) * w->row_bytes + 20 * (size_t)b;
                 memcpy(blk + 2 * s, src, 2);
                 memcpy(blk + 32 + 2 * s, src + 2, 2);
-                for (int j = 0; j < 16; j++) blk[v16_nib(s, j)] = src[4 + j];
+                for (int t = 0; t < 4; t++) memcpy(blk + v16_nib(s, 4 * t), src + 4 + 4 * t, 4);
             }
         }
     return true;
