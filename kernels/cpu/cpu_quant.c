@@ -1,4 +1,5 @@
-/* cpu_quant.c: the integer matvec kernels of cpu_quant.h, in a portable scalar set and an AVX2 set.
+/* cpu_quant.c: the integer kernels of cpu_quant.h: a portable scalar set, an AVX2 set and an AVX-512 VNNI
+ * set (AVX2 plus the v16 kernel), over the stored rows and the interleaved copies (x8, v16).
  *
  * Block layouts (REFERENCE.md §3, format/quant.c): Q4_0 {f16 d; u8 qs[16]} w = (nibble - 8) d; Q4_1 {f16 d,
  * m; u8 qs[16]} w = nibble d + m (low nibbles are elements 0..15, high 16..31); Q8_0 {f16 d; i8 qs[32]};
@@ -7,8 +8,9 @@
  * nibbles; Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: 16 scales of 16 elements, w = d sc (q - 32).
  *
  * A product of one weight block and one activation block is an exact integer sum (|sum| < 2^23), scaled by
- * d_w * d_x in f32 and accumulated in f32. The AVX2 kernels keep 8 lanes of partial sums per row and add
- * them at the end; the scalar kernels add block by block.
+ * d_w * d_x in f32 and accumulated in f32. The AVX2 kernels on stored rows keep 8 lanes of partial sums per
+ * row and add them at the end; the x8 and v16 kernels keep one lane per weight row (8 or 16 rows per
+ * vector) and add block by block, as the scalar kernels do.
  */
 #include "cpu/cpu_quant.h"
 

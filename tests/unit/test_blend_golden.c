@@ -7,8 +7,11 @@
  * prefix, reuse, blend (metric a), blend (metric v) and blend (metric a, chunks now from their KV files),
  * the rows recomputed, a hash of the selected positions, then for 4 greedy steps the argmax and every
  * 97th logit. This test runs the same prompt through the new API and requires the same selections and
- * argmaxes and every logit within 1e-4 (at the commit it was written, the difference was 0; since the
+ * argmaxes and every logit within a bound (at the commit it was written, the difference was 0; since the
  * int8 kernels of issue 13 the f32 matvec's dot product is compiled with FMA contraction: 3e-5). The
+ * bound is 5e-4: OpenBLAS picks its sgemm kernel per CPU model, and on an AVX-512 Sapphire-Rapids-class
+ * Xeon commit ef1f21d already gives 1.34e-4 (f32 reassociation through 30 layers; logits ~10-20). Selections and
+ * argmaxes must still be the same. The
  * fixture holds f32 numerics, so the test runs on the f32 reference weights (CB_ENGINE_WEIGHTS=f32): it
  * checks the blend's bookkeeping, which the int8 decode numerics would hide. The kernels' summation order
  * depends on the vector ISA (AVX-512 or not: the fixture's first line), so on another ISA the test skips.
@@ -138,7 +141,7 @@ TEST(test_modes_match_before) {
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) fprintf(stderr, "  could not remove %s\n", dir);
     CHECK(!failed);
-    CHECK(worst <= 1e-4);
+    CHECK(worst <= 5e-4);
 }
 
 int main(void) {
