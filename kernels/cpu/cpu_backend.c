@@ -459,7 +459,7 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     c->rope_base = hp->rope_base;
     c->max_cols = hp->n_ff > hp->n_embd ? hp->n_ff : hp->n_embd;
     if (hp->n_head * hp->head_dim > c->max_cols) c->max_cols = hp->n_head * hp->head_dim;
-    c->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 0.0f};
+    c->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 0.0f, CB_ATTN_F32};
     c->rope_cs = cb_cpu_alloc_huge(sizeof(float) * (size_t)max_keys * hp->head_dim, true);
     c->rope_rows = malloc(sizeof(float) * (size_t)max_rows * hp->head_dim);
     c->mm = (cb_cpu_mm_scratch_t){.max_rows = max_rows, .max_cols = c->max_cols, .tile_floats = CB_CPU_TILE_FLOATS};

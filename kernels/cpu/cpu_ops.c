@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -610,10 +612,17 @@ static size_t att_cvt_offset(const cb_attn_geom_t *g, int max_keys) {
     return rows * (size_t)g->head_dim * 2 + att_tile_floats(g, max_keys) + 2 * (size_t)ATT_KEY_CHUNK * g->head_dim + 16;
 }
 
-static size_t att_thread_floats(const cb_attn_geom_t *g, int max_keys) {
+/* Offset of the bf16 block tiles: K [ATT_KEY_CHUNK][hd], V [ATT_KEY_CHUNK][hd], weights
+ * [ATT_KEY_CHUNK][G * ATT_BLOCK_ROWS], all bf16 (attn_block_bf16_task). */
+static size_t att_bf16_offset(const cb_attn_geom_t *g, int max_keys) {
     const size_t kvd = (size_t)g->n_head_kv * g->head_dim, a = ATT_ROWS_PIECE * kvd,
                  b = (size_t)ATT_F16_PIECE * g->head_dim;
     return att_cvt_offset(g, max_keys) + (a > b ? a : b) + 16;
+}
+
+static size_t att_thread_floats(const cb_attn_geom_t *g, int max_keys) {
+    const size_t G = (size_t)(g->n_head / g->n_head_kv);
+    return att_bf16_offset(g, max_keys) + (size_t)ATT_KEY_CHUNK * (2 * (size_t)g->head_dim + G * ATT_BLOCK_ROWS) / 2 + 16;
 }
 
 /* ---------------------------------------------------------------- KV views */
@@ -813,6 +822,7 @@ typedef struct {
     size_t per_thread;     /* floats of each thread's region */
     size_t partial_floats; /* floats of the shared partials region at the start of scratch */
     size_t cvt_offset;     /* f16 pools: offset of the converted piece in each thread's region */
+    size_t bf16_offset;    /* bf16 blocks: offset of their K, V and weight tiles in each thread's region */
     int n, rb;
     int chunk, n_chunks;   /* split kernel: keys per task, tasks per (row, KV head) */
 } attn_job_t;
@@ -890,6 +900,37 @@ static float online_softmax(float *s, int lim, int w, float *m, float *l) {
     return alpha;
 }
 
+/* Keys [c0, c0 + w) of KV head kvh as f32 rows ld floats apart: *K, *V point into the pool when the rows
+ * follow each other there (f32 pools), else into GK, GV [w][hd] (gathered, converted from f16 on the way). */
+static void chunk_kv(const cb_cpu_kv_t *kv, int kvh, int kvd, int hd, int c0, int w, float *GK, float *GV,
+                     const float **K, const float **V, int *ld) {
+    if (kv->dtype == CB_KV_F16) { /* converted while gathered, a run of consecutive rows at a time */
+        for (int p = c0, n_run; p < c0 + w; p += n_run) {
+            n_run = kv_run(kv, p, c0 + w);
+            const size_t e = kv_row(kv, p) * kvd + (size_t)kvh * hd;
+            cvt_rows_f16(kv_f16(kv->k, e), (size_t)kvd, n_run, hd, GK + (size_t)(p - c0) * hd, (size_t)hd);
+            cvt_rows_f16(kv_f16(kv->v, e), (size_t)kvd, n_run, hd, GV + (size_t)(p - c0) * hd, (size_t)hd);
+        }
+        *K = GK, *V = GV, *ld = hd;
+    } else if (kv_run(kv, c0, c0 + w) == w) {
+        *K = kv_f32(kv->k, kv_row(kv, c0) * kvd + (size_t)kvh * hd);
+        *V = kv_f32(kv->v, kv_row(kv, c0) * kvd + (size_t)kvh * hd);
+        *ld = kvd;
+    } else {
+        for (int p = c0, n_run; p < c0 + w; p += n_run) {
+            n_run = kv_run(kv, p, c0 + w);
+            const size_t r0 = kv_row(kv, p);
+            for (int t2 = 0; t2 < n_run; t2++) {
+                memcpy(GK + (size_t)(p - c0 + t2) * hd, kv_f32(kv->k, (r0 + t2) * kvd + (size_t)kvh * hd),
+                       sizeof(float) * (size_t)hd);
+                memcpy(GV + (size_t)(p - c0 + t2) * hd, kv_f32(kv->v, (r0 + t2) * kvd + (size_t)kvh * hd),
+                       sizeof(float) * (size_t)hd);
+            }
+        }
+        *K = GK, *V = GV, *ld = hd;
+    }
+}
+
 /* Block of rb rows x one KV head (its G query heads stacked as M rows), flash-style over chunks of
  * ATT_KEY_CHUNK keys so the score tile stays in L2: S = scale·Qg·K[c0:c1]ᵀ (sgemm), online softmax
  * per row with its own key limit, O = O·alpha + S·V[c0:c1] (sgemm, beta = 1); finally O / sum. */
@@ -914,35 +955,9 @@ static void attn_block_task(void *arg, int t, int thread) {
     for (int r = 0; r < M; r++) m[r] = -INFINITY, l[r] = 0.0f;
     const cb_cpu_kv_t *kv = j->kv;
     for (int c0 = 0; c0 < L; c0 += ATT_KEY_CHUNK) {
-        int w = L - c0 < ATT_KEY_CHUNK ? L - c0 : ATT_KEY_CHUNK;
-        /* the chunk's K/V rows: in place when they follow each other in the pool, else gathered */
+        int w = L - c0 < ATT_KEY_CHUNK ? L - c0 : ATT_KEY_CHUNK, ld;
         const float *K, *V;
-        int ld;
-        if (kv->dtype == CB_KV_F16) { /* converted while gathered, a run of consecutive rows at a time */
-            for (int p = c0, n_run; p < c0 + w; p += n_run) {
-                n_run = kv_run(kv, p, c0 + w);
-                const size_t e = kv_row(kv, p) * kvd + (size_t)kvh * hd;
-                cvt_rows_f16(kv_f16(kv->k, e), (size_t)kvd, n_run, hd, GK + (size_t)(p - c0) * hd, (size_t)hd);
-                cvt_rows_f16(kv_f16(kv->v, e), (size_t)kvd, n_run, hd, GV + (size_t)(p - c0) * hd, (size_t)hd);
-            }
-            K = GK, V = GV, ld = hd;
-        } else if (kv_run(kv, c0, c0 + w) == w) {
-            K = kv_f32(kv->k, kv_row(kv, c0) * kvd + (size_t)kvh * hd);
-            V = kv_f32(kv->v, kv_row(kv, c0) * kvd + (size_t)kvh * hd);
-            ld = kvd;
-        } else {
-            for (int p = c0, n_run; p < c0 + w; p += n_run) {
-                n_run = kv_run(kv, p, c0 + w);
-                const size_t r0 = kv_row(kv, p);
-                for (int t2 = 0; t2 < n_run; t2++) {
-                    memcpy(GK + (size_t)(p - c0 + t2) * hd, kv_f32(kv->k, (r0 + t2) * kvd + (size_t)kvh * hd),
-                           sizeof(float) * (size_t)hd);
-                    memcpy(GV + (size_t)(p - c0 + t2) * hd, kv_f32(kv->v, (r0 + t2) * kvd + (size_t)kvh * hd),
-                           sizeof(float) * (size_t)hd);
-                }
-            }
-            K = GK, V = GV, ld = hd;
-        }
+        chunk_kv(kv, kvh, kvd, hd, c0, w, GK, GV, &K, &V, &ld);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, w, hd, g->scale, Q, hd, K, ld, 0.0f, S, w);
         for (int r = 0; r < M; r++) {
             float alpha = online_softmax(S + (size_t)r * w, j->key_limit[i0 + r % nr] - c0, w, &m[r], &l[r]);
@@ -958,6 +973,218 @@ static void attn_block_task(void *arg, int t, int thread) {
             for (int d = 0; d < hd; d++) dst[d] = src[d] * a;
         }
 }
+
+/* ---------------------------------------------------------------- bf16 prefill blocks (AMX) */
+
+#if CB_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+/* The block, online softmax and chunking of attn_block_task, with its two products on the AMX tile unit
+ * (tdpbf16ps: a 16x32 bf16 tile times a 32x16 one into 16x16 f32 sums, ~15x the f32 FMA rate here): Q·scale,
+ * K, the softmax weights and V are rounded to bf16 (nearest even), every sum is f32. Per thread:
+ *   Qb [Mp][hd]        Q·scale of the block's M rows (G heads stacked), Mp = M rounded up to 16
+ *   Kp [hd/2][wp][2]   the chunk's K as dimension pairs, keys across (wp = w rounded up to 32, zero past w)
+ *   S  [Mp][wp] f32    scores;  Pb [Mp][wp]  the rounded weights
+ *   Vp [wp/2][hd][2]   the chunk's V as key pairs, dimensions across
+ *   O  [Mp][hd] f32    the output so far
+ * Tiles: 0-3 sums, 4 the left operand, 5-7 right operands. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg_t;
+
+static void amx_config(void) {
+    amx_cfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* 32 f32 as bf16 (nearest even) into dst [32]. */
+static inline void bf_row32(const float *src, float a, uint16_t *dst) {
+    const __m512 va = _mm512_set1_ps(a);
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + 16), va),
+                                                         _mm512_mul_ps(_mm512_loadu_ps(src), va)));
+}
+
+/* 16 values of a and 16 of b as bf16 pairs (a[i], b[i]), i = 0..15. */
+static inline __m512i bf_interleave(__m512 a, __m512 b) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+/* Kp and Vp from w f32 rows K, V (ld floats apart); keys w..wp-1 are zero. K: each 16 keys' 16 dimension
+ * pairs are a 16x16 transpose of 32-bit pairs, done through a small buffer. */
+static void amx_pack_kv(const float *K, const float *V, int ld, int w, int wp, int hd, uint16_t *Kp, uint16_t *Vp) {
+    uint32_t t[16][16];
+    for (int k0 = 0; k0 < wp; k0 += 16)
+        for (int d = 0; d < hd; d += 32) {
+            for (int k = 0; k < 16; k++) {
+                if (k0 + k < w) bf_row32(K + (size_t)(k0 + k) * ld + d, 1.0f, (uint16_t *)(void *)t[k]);
+                else memset(t[k], 0, sizeof t[k]);
+            }
+            for (int p = 0; p < 16; p++) {
+                uint32_t col[16];
+                for (int k = 0; k < 16; k++) col[k] = t[k][p];
+                memcpy(Kp + ((size_t)(d / 2 + p) * wp + k0) * 2, col, sizeof col);
+            }
+        }
+    for (int k = 0; k < wp; k += 2)
+        for (int d = 0; d < hd; d += 16) {
+            __m512 a = k < w ? _mm512_loadu_ps(V + (size_t)k * ld + d) : _mm512_setzero_ps();
+            __m512 b = k + 1 < w ? _mm512_loadu_ps(V + (size_t)(k + 1) * ld + d) : _mm512_setzero_ps();
+            _mm512_storeu_si512(Vp + ((size_t)(k / 2) * hd + d) * 2, bf_interleave(a, b));
+        }
+}
+
+/* S [Mp][wp] = Qb · Kpᵀ, 32 rows x 32 keys per step (4 sum tiles), hd / 32 tile products each. */
+static void amx_scores(const uint16_t *Qb, int Mp, int hd, const uint16_t *Kp, int wp, float *S) {
+    const size_t qs = (size_t)hd * 2, ks = (size_t)wp * 4, ss = (size_t)wp * 4;
+    for (int r0 = 0; r0 < Mp; r0 += 32) {
+        const bool two = r0 + 16 < Mp;
+        for (int n0 = 0; n0 < wp; n0 += 32) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int d = 0; d < hd; d += 32) {
+                _tile_loadd(5, Kp + ((size_t)(d / 2) * wp + n0) * 2, ks);
+                _tile_loadd(6, Kp + ((size_t)(d / 2) * wp + n0 + 16) * 2, ks);
+                _tile_loadd(4, Qb + (size_t)r0 * hd + d, qs);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                if (two) {
+                    _tile_loadd(7, Qb + (size_t)(r0 + 16) * hd + d, qs);
+                    _tile_dpbf16ps(2, 7, 5);
+                    _tile_dpbf16ps(3, 7, 6);
+                }
+            }
+            _tile_stored(0, S + (size_t)r0 * wp + n0, ss);
+            _tile_stored(1, S + (size_t)r0 * wp + n0 + 16, ss);
+            if (two) {
+                _tile_stored(2, S + (size_t)(r0 + 16) * wp + n0, ss);
+                _tile_stored(3, S + (size_t)(r0 + 16) * wp + n0 + 16, ss);
+            }
+        }
+    }
+}
+
+/* O [Mp][hd] (+)= Pb · V, 16 rows x 64 dimensions per step (hd % 64 == 0). */
+static void amx_pv(const uint16_t *Pb, int Mp, int wp, const uint16_t *Vp, int hd, bool first, float *O) {
+    const size_t ps = (size_t)wp * 2, vs = (size_t)hd * 4, os = (size_t)hd * 4;
+    for (int r0 = 0; r0 < Mp; r0 += 16)
+        for (int d0 = 0; d0 < hd; d0 += 64) {
+            float *o = O + (size_t)r0 * hd + d0;
+            if (first) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            } else {
+                _tile_loadd(0, o, os);
+                _tile_loadd(1, o + 16, os);
+                _tile_loadd(2, o + 32, os);
+                _tile_loadd(3, o + 48, os);
+            }
+            for (int k0 = 0; k0 < wp; k0 += 32) {
+                const uint16_t *v = Vp + ((size_t)(k0 / 2) * hd + d0) * 2;
+                _tile_loadd(4, Pb + (size_t)r0 * wp + k0, ps);
+                _tile_loadd(5, v, vs);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, v + 32, vs);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, v + 64, vs);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, v + 96, vs);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, o, os);
+            _tile_stored(1, o + 16, os);
+            _tile_stored(2, o + 32, os);
+            _tile_stored(3, o + 48, os);
+        }
+}
+
+static void attn_block_amx_task(void *arg, int t, int thread) {
+    const attn_job_t *j = arg;
+    const cb_attn_geom_t *g = j->g;
+    const int H = g->n_head, HKV = g->n_head_kv, hd = g->head_dim, G = H / HKV, qd = H * hd, kvd = HKV * hd;
+    const int rb = j->rb, blk = t / HKV, kvh = t % HKV;
+    const int i0 = blk * rb, nr = i0 + rb <= j->n ? rb : j->n - i0, M = G * nr, Mp = (M + 15) / 16 * 16;
+    int L = 0;
+    for (int i = 0; i < nr; i++) L = j->key_limit[i0 + i] > L ? j->key_limit[i0 + i] : L;
+    float *base = j->scratch + (size_t)thread * j->per_thread;
+    uint16_t *Qb = (uint16_t *)(void *)base;                   /* [Mp][hd] in the Q block's place */
+    float *O = base + (size_t)G * ATT_BLOCK_ROWS * hd;         /* [Mp][hd] */
+    float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;            /* [Mp][wp] */
+    float *GK = S + (size_t)G * ATT_BLOCK_ROWS * ATT_KEY_CHUNK; /* [ATT_KEY_CHUNK][hd] gathered K */
+    float *GV = GK + (size_t)ATT_KEY_CHUNK * hd;               /* [ATT_KEY_CHUNK][hd] gathered V */
+    uint16_t *Kp = (uint16_t *)(void *)(base + j->bf16_offset); /* [hd/2][wp][2] */
+    uint16_t *Vp = Kp + (size_t)ATT_KEY_CHUNK * hd;            /* [wp/2][hd][2] */
+    uint16_t *Pb = Vp + (size_t)ATT_KEY_CHUNK * hd;            /* [Mp][wp] */
+    float m[ATT_MAX_G * ATT_BLOCK_ROWS], l[ATT_MAX_G * ATT_BLOCK_ROWS];
+    for (int r = 0; r < Mp; r++) {
+        uint16_t *dst = Qb + (size_t)r * hd;
+        if (r >= M) {
+            memset(dst, 0, sizeof(uint16_t) * (size_t)hd);
+            continue;
+        }
+        const float *src = j->q + (size_t)(i0 + r % nr) * qd + (size_t)(kvh * G + r / nr) * hd;
+        for (int d = 0; d < hd; d += 32) bf_row32(src + d, g->scale, dst + d);
+        m[r] = -INFINITY, l[r] = 0.0f;
+    }
+    amx_config();
+    const cb_cpu_kv_t *kv = j->kv;
+    for (int c0 = 0; c0 < L; c0 += ATT_KEY_CHUNK) {
+        const int w = L - c0 < ATT_KEY_CHUNK ? L - c0 : ATT_KEY_CHUNK, wp = (w + 31) / 32 * 32;
+        int ld;
+        const float *K, *V;
+        chunk_kv(kv, kvh, kvd, hd, c0, w, GK, GV, &K, &V, &ld);
+        amx_pack_kv(K, V, ld, w, wp, hd, Kp, Vp);
+        amx_scores(Qb, Mp, hd, Kp, wp, S);
+        for (int r = 0; r < Mp; r++) {
+            float *s = S + (size_t)r * wp;
+            uint16_t *p = Pb + (size_t)r * wp;
+            if (r >= M) {
+                memset(p, 0, sizeof(uint16_t) * (size_t)wp);
+                continue;
+            }
+            float alpha = online_softmax(s, j->key_limit[i0 + r % nr] - c0, wp, &m[r], &l[r]);
+            if (c0 > 0 && alpha != 1.0f) scale_row(O + (size_t)r * hd, hd, alpha);
+            for (int k = 0; k < wp; k += 32) bf_row32(s + k, 1.0f, p + k);
+        }
+        amx_pv(Pb, Mp, wp, Vp, hd, c0 == 0, O);
+    }
+    _tile_release();
+    for (int r = 0; r < M; r++) {
+        float *dst = j->out + (size_t)(i0 + r % nr) * qd + (size_t)(kvh * G + r / nr) * hd;
+        const float *src = O + (size_t)r * hd, a = 1.0f / l[r];
+        for (int d = 0; d < hd; d++) dst[d] = src[d] * a;
+    }
+}
+#pragma GCC pop_options
+#endif
+
+/* AMX needs the kernel's leave to use tile data (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, once per process). */
+static bool g_attn_bf16;
+static pthread_once_t g_attn_bf16_once = PTHREAD_ONCE_INIT;
+static void attn_bf16_init(void) {
+#if CB_AVX512 && defined(__linux__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+        __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"))
+        g_attn_bf16 = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
+}
+static bool attn_bf16_ok(void) {
+    pthread_once(&g_attn_bf16_once, attn_bf16_init);
+    return g_attn_bf16;
+}
+
+bool cb_cpu_attn_bf16_supported(void) { return attn_bf16_ok(); }
 
 #if CB_AVX512
 /* r[i] = sum of the 16 lanes of v[i], for i in 0..15 (a transpose-and-add tree: 45 ops for 16 sums). */
@@ -1194,7 +1421,8 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
         max_lim = key_limit[i] > max_lim ? key_limit[i] : max_lim;
     }
     attn_job_t j = {g, q, kv, key_limit, out, scratch, att_thread_floats(g, max_keys),
-                    att_partial_floats(g, max_keys), att_cvt_offset(g, max_keys), n, ATT_BLOCK_ROWS, 0, 0};
+                    att_partial_floats(g, max_keys), att_cvt_offset(g, max_keys), att_bf16_offset(g, max_keys),
+                    n, ATT_BLOCK_ROWS, 0, 0};
     float *thread_scratch = scratch + j.partial_floats;
     if (H / HKV > ATT_MAX_G) { /* one task per (row, head) */
         j.scratch = thread_scratch;
@@ -1210,6 +1438,12 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
     }
     j.scratch = thread_scratch;
     while (j.rb > 8 && ((n + j.rb - 1) / j.rb) * HKV < 4 * nt) j.rb /= 2;
+#if CB_AVX512
+    if (g->math == CB_ATTN_BF16 && g->head_dim % 64 == 0 && attn_bf16_ok()) {
+        cb_pool_run(pool, ((n + j.rb - 1) / j.rb) * HKV, attn_block_amx_task, &j);
+        return;
+    }
+#endif
     cb_pool_run(pool, ((n + j.rb - 1) / j.rb) * HKV, attn_block_task, &j);
 }
 

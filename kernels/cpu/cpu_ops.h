@@ -114,6 +114,10 @@ void cb_cpu_kv_to_f32(cb_kv_dtype_t dtype, const void *src, float *dst, size_t n
  * cb_f32_to_f16 for the rest): bit-identical to cb_f32_to_f16 (format/quant.h) for every input, NaN included. */
 void cb_cpu_f32_to_f16(const float *src, uint16_t *dst, size_t n);
 
+/* True when this CPU runs the bf16 prefill blocks (g->math = CB_ATTN_BF16: AVX512-BF16, a build with AVX-512).
+ * Elsewhere, and for head_dim % 32 != 0, CB_ATTN_BF16 calls run the f32 blocks. */
+bool cb_cpu_attn_bf16_supported(void);
+
 /* Scratch floats needed by cb_cpu_attention for max_rows rows against max_keys keys with nt pool threads. */
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt);
 /* out[i] = softmax(q[i]·Kᵀ · scale over keys [0, key_limit[i])) · V, per head:
@@ -124,7 +128,13 @@ size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_k
  * Rows are independent: any limits, in any order (exact causal = pos+1). Blocks of rows run as
  * GEMMs (Q·Kᵀ, P·V) over chunks of 512 keys up to the largest limit in the block, masked per row (a chunk
  * spanning non-consecutive pool blocks is gathered first: the same values, bit for bit; an f16 pool's chunk
- * is always gathered, converted to f32 on the way). */
+ * is always gathered, converted to f32 on the way).
+ * g->math = CB_ATTN_BF16 (and cb_cpu_attn_bf16_supported()): the blocks (calls of more than 4 rows) round
+ * q, K, the softmax weights and V to bf16 (8 significant bits, nearest even) and sum every product in f32;
+ * the weights' sum is that of the rounded weights. Against the exact attention on the bf16-rounded q, K, V,
+ * a row's output then differs by at most ~2^-8 · max |v| (the weights' rounding) plus f32 rounding
+ * (tests/unit/test_engine.c checks this bound). Rows stay independent, and their bits do not depend on
+ * placement, but they do depend on the call's size (1-4 rows run f32). */
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *out, float *scratch, int max_keys, cb_pool_t *pool);
 

@@ -40,9 +40,17 @@ typedef struct {
 } cb_kv_table_t;
 
 /* Attention geometry (GQA: query head h reads KV head h / (n_head / n_head_kv)). */
+/* Arithmetic of the products of prefill attention (blocks of query rows; decode rows are always f32). */
+typedef enum {
+    CB_ATTN_F32 = 0,        /* f32 operands (what a zero-initialised geometry means) */
+    CB_ATTN_BF16 = 1        /* Q, K, softmax weights and V rounded to bf16, products summed in f32 (CPU with
+                               AVX512-BF16; elsewhere f32) */
+} cb_attn_math_t;
+
 typedef struct {
     int n_head, n_head_kv, head_dim;
     float scale;            /* usually 1/sqrt(head_dim) */
+    cb_attn_math_t math;    /* prefill blocks' products */
 } cb_attn_geom_t;
 
 /* One output of matmul_multi. */

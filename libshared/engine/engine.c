@@ -123,6 +123,30 @@ static bool resolve_kv_dtype(cb_engine_kv_dtype_t asked, cb_engine_kv_dtype_t *o
     return true;
 }
 
+bool cb_engine_attn_parse(const char *s, cb_engine_attn_t *out) {
+    if (!s) return false;
+    if (!strcmp(s, "bf16")) *out = CB_ENGINE_ATTN_BF16;
+    else if (!strcmp(s, "f32")) *out = CB_ENGINE_ATTN_F32;
+    else if (!strcmp(s, "default")) *out = CB_ENGINE_ATTN_DEFAULT;
+    else return false;
+    return true;
+}
+
+/* The attention arithmetic asked for: opts, else $CB_ENGINE_ATTN, else bf16. false (err) for a bad value. */
+static bool resolve_attn(cb_engine_attn_t asked, cb_attn_math_t *out, char *err, size_t errlen) {
+    if (asked != CB_ENGINE_ATTN_DEFAULT && asked != CB_ENGINE_ATTN_BF16 && asked != CB_ENGINE_ATTN_F32) {
+        cb_set_err(err, errlen, "engine: attn %d is not bf16 or f32", (int)asked);
+        return false;
+    }
+    const char *s = getenv("CB_ENGINE_ATTN");
+    if (asked == CB_ENGINE_ATTN_DEFAULT && s && *s && !cb_engine_attn_parse(s, &asked)) {
+        cb_set_err(err, errlen, "engine: CB_ENGINE_ATTN = '%.32s': expected bf16 or f32", s);
+        return false;
+    }
+    *out = asked == CB_ENGINE_ATTN_F32 ? CB_ATTN_F32 : CB_ATTN_BF16;
+    return true;
+}
+
 static void *buf(cb_engine_t *e, size_t bytes) { return e->be->ops->host_alloc(e->be->ctx, bytes); }
 
 cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t *o, char *err, size_t errlen) {
@@ -142,6 +166,8 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     }
     cb_engine_kv_dtype_t kv_dtype;
     if (!resolve_kv_dtype(o->kv_dtype, &kv_dtype, err, errlen)) return NULL;
+    cb_attn_math_t attn;
+    if (!resolve_attn(o->attn, &attn, err, errlen)) return NULL;
     cb_engine_t *e = calloc(1, sizeof *e);
     if (!e) {
         cb_set_err(err, errlen, "engine: out of memory");
@@ -159,7 +185,7 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->QD = hp->n_head * hp->head_dim;
     e->KVD = hp->n_head_kv * hp->head_dim;
     e->F = hp->n_ff;
-    e->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 1.0f / sqrtf((float)hp->head_dim)};
+    e->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 1.0f / sqrtf((float)hp->head_dim), attn};
     e->be = cb_backend_select(cb_backend_default_kind(), hp, e->max_rows, max_ctx, e->nt_max, NULL, berr, sizeof berr);
     if (!e->be) {
         cb_set_err(err, errlen, "engine: %s", berr);

@@ -83,12 +83,25 @@ bool cb_engine_kv_dtype_parse(const char *s, cb_engine_kv_dtype_t *out);
 /* "f16", "f32", "default"; "?" otherwise. */
 const char *cb_engine_kv_dtype_name(cb_engine_kv_dtype_t dtype);
 
+/* The arithmetic of prefill attention (config engine.attn; backend.h cb_attn_math_t). DEFAULT (the zero)
+ * means $CB_ENGINE_ATTN when set (bf16 or f32; anything else fails cb_engine_new_opts), else BF16. BF16:
+ * blocks of query rows multiply bf16-rounded operands with f32 sums where the CPU has AVX512-BF16 (twice
+ * the f32 rate; elsewhere, and on CUDA, the backend's own arithmetic); F32: the f32 reference. */
+typedef enum {
+    CB_ENGINE_ATTN_DEFAULT = 0,
+    CB_ENGINE_ATTN_BF16,
+    CB_ENGINE_ATTN_F32
+} cb_engine_attn_t;
+/* "bf16" | "f32" (and "default") -> *out; false for anything else (out untouched). */
+bool cb_engine_attn_parse(const char *s, cb_engine_attn_t *out);
+
 typedef struct {
     int max_ctx;             /* positions per sequence, 1..1<<20 */
     size_t kv_pool_bytes;    /* KV pool budget (K and V of every layer); 0 = kv_pool_seqs sequences of max_ctx */
     int block_tokens;        /* positions per block; 0 = CB_ENGINE_BLOCK_TOKENS */
     int kv_pool_seqs;        /* with kv_pool_bytes 0: sequences of max_ctx the pool holds; 0 = 2 */
     cb_engine_kv_dtype_t kv_dtype; /* the pool's values; DEFAULT = $CB_ENGINE_KV_DTYPE, else f16 */
+    cb_engine_attn_t attn;   /* prefill attention's arithmetic; DEFAULT = $CB_ENGINE_ATTN, else bf16 */
 } cb_engine_opts_t;
 
 /* Creates an engine: sequences of up to o->max_ctx positions, a KV pool of floor(kv_pool_bytes /

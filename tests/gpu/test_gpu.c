@@ -1174,7 +1174,7 @@ TEST(test_backend_attention) {
     /* rows at positions 130..149 over the layer's keys (exact causal limits), both layers (the same data) */
     int32_t lim[N];
     for (int i = 0; i < N; i++) lim[i] = NK - N + i + 1;
-    cb_attn_geom_t g = {f.hp.n_head, f.hp.n_head_kv, f.hp.head_dim, 1.0f / sqrtf((float)f.hp.head_dim)};
+    cb_attn_geom_t g = {f.hp.n_head, f.hp.n_head_kv, f.hp.head_dim, 1.0f / sqrtf((float)f.hp.head_dim), CB_ATTN_F32};
     if (ok) {
         cpu->ops->attention(cpu->ctx, &g, q, N, 0, &f.ts, lim, o1);
         gpu->ops->attention(gpu->ctx, &g, q, N, 0, &f.ts, lim, o2);

@@ -110,12 +110,13 @@ static int setup(void) {
     fprintf(stderr, "  model: %s (%d layers, vocabulary %d)\n", g_synth ? "synthetic" : path, g_hp->n_layer,
             g_hp->n_vocab);
     /* room for a few sequences of MAX_CTX at once (the store's context and chunk sequences, requests). An f32
-     * KV pool: the tolerances here (LOGIT_TOL, the KV comparisons) are those of the f32 reference numerics;
+     * KV pool and f32 prefill attention: the tolerances here (LOGIT_TOL, the KV comparisons) are those of the
+     * f32 reference numerics (bf16 attention's are test_engine.c's);
      * the f16 pool's own numerics are tests/unit/test_kvf16.c's (on f16, blend(1.0) vs full measured 3.5e-3,
      * prefix vs full 4.6e-3) */
     const size_t per_pos = (size_t)2 * g_hp->n_layer * g_hp->n_head_kv * g_hp->head_dim * sizeof(float);
     cb_engine_opts_t eo = {.max_ctx = MAX_CTX, .kv_pool_bytes = 6 * MAX_CTX * per_pos, .block_tokens = 0,
-                           .kv_dtype = CB_ENGINE_KV_F32};
+                           .kv_dtype = CB_ENGINE_KV_F32, .attn = CB_ENGINE_ATTN_F32};
     g_eng = cb_engine_new_opts(g_model, &eo, err, sizeof err);
     if (!g_eng) {
         snprintf(g_setup_err, sizeof g_setup_err, "engine: %s", err);
@@ -1048,7 +1049,7 @@ TEST(test_pool_full) {
     cb_engine_pool_stats(g_eng, &st); /* the block size of this backend */
     /* a pool of one sequence of max_ctx */
     cb_engine_opts_t eo = {.max_ctx = max_ctx, .kv_pool_bytes = (size_t)max_ctx / st.block_tokens * st.block_bytes,
-                           .kv_dtype = CB_ENGINE_KV_F32}; /* g_eng's pool type, whose block_bytes this uses */
+                           .kv_dtype = CB_ENGINE_KV_F32, .attn = CB_ENGINE_ATTN_F32}; /* g_eng's pool type, whose block_bytes this uses */
     cb_engine_t *e = cb_engine_new_opts(g_model, &eo, err, sizeof err);
     CHECK_MSG(e, "%s", err);
     cb_engine_set_threads(e, 1);

@@ -53,7 +53,7 @@ TEST(test_modes_match_before) {
     CHECK_MSG(m, "%s", err);
     const cb_hparams_t *hp = cb_model_hparams(m);
     /* the fixture holds the f32 KV pool's logits (tests/fixtures/blend_modes_gen.c) */
-    const cb_engine_opts_t eo = {.max_ctx = 2048, .kv_dtype = CB_ENGINE_KV_F32};
+    const cb_engine_opts_t eo = {.max_ctx = 2048, .kv_dtype = CB_ENGINE_KV_F32, .attn = CB_ENGINE_ATTN_F32};
     cb_engine_t *e = cb_engine_new_opts(m, &eo, err, sizeof err);
     CHECK_MSG(e, "%s", err);
     char dir[] = "/tmp/cb_test_golden_XXXXXX";

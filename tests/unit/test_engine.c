@@ -219,7 +219,7 @@ static void kv_pool_free(kv_pool_t *p) {
 /* The kernel over a contiguous table (blocks 0, 1, 2, ...) against the double reference, and over a
  * shuffled table in a larger pool ({2, 0, 3, 1}-like) bit for bit against the contiguous one. */
 static int check_attention_bt(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd)};
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32};
     const int kvd = HKV * hd, nb = (keys + bt - 1) / bt;
     size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
     float *q = malloc(qn * 4), *kc = malloc(kn * 4), *vc = malloc(kn * 4), *o = malloc(qn * 4), *r = malloc(qn * 4);
@@ -275,11 +275,75 @@ TEST(test_attention_key_limits) {
     CHECK(check_attention_bt(9, 3, 64, 40, 600, 2, 512));
 }
 
+/* The bf16 blocks (CB_ATTN_BF16; AMX): against the double reference over the bf16-rounded operands
+ * (q·scale, K, V rounded to nearest even), where the only rounding left is the softmax weights' (each
+ * within a relative 2^-8, so a row's output within 2^-8 · max |v| of the reference) plus the f32 kernel's
+ * own 2e-5; shuffled blocks bit for bit as contiguous ones. Where the CPU has no AMX, or head_dim is not a
+ * multiple of 64, the same call must give the f32 blocks' bits. */
+static int check_attention_bf16(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_BF16}, g1 = g, gf = g;
+    g1.scale = 1.0f, g1.math = CB_ATTN_F32, gf.math = CB_ATTN_F32;
+    const int kvd = HKV * hd, nb = (keys + bt - 1) / bt;
+    size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
+    float *q = malloc(qn * 4), *kc = malloc(kn * 4), *vc = malloc(kn * 4), *o = malloc(qn * 4), *r = malloc(qn * 4);
+    float *o2 = malloc(qn * 4), *qr = malloc(qn * 4), *kr = malloc(kn * 4), *vr = malloc(kn * 4);
+    int32_t *lim = malloc(sizeof(int32_t) * (size_t)n);
+    float *scr = malloc(sizeof(float) * cb_cpu_attention_scratch(&g, n, keys, nt));
+    fill(q, qn, 2.0f);
+    fill(kc, kn, 2.0f);
+    fill(vc, kn, 1.0f);
+    for (int i = 0; i < n; i++) {
+        lim[i] = (i % 5 == 3) ? 1 + (int)((frand() + 1) * 0.5f * (keys - 1)) : keys - n + i + 1;
+        if (lim[i] < 1) lim[i] = 1;
+    }
+    lim[0] = 1;
+    double vmax = 0;
+    for (size_t i = 0; i < qn; i++) qr[i] = cb_bf16_to_f32(cb_f32_to_bf16(q[i] * g.scale));
+    for (size_t i = 0; i < kn; i++) {
+        kr[i] = cb_bf16_to_f32(cb_f32_to_bf16(kc[i]));
+        vr[i] = cb_bf16_to_f32(cb_f32_to_bf16(vc[i]));
+        vmax = fmax(vmax, fabs(vr[i]));
+    }
+    kv_pool_t pc, ps;
+    kv_pool_make(&pc, kc, vc, keys, kvd, bt, nb, 0);
+    kv_pool_make(&ps, kc, vc, keys, kvd, bt, nb + 3, 1);
+    cb_pool_t *pool = cb_pool_new(nt);
+    cb_cpu_attention(&g, q, n, &pc.kv, lim, o, scr, keys, pool);
+    cb_cpu_attention(&g, q, n, &ps.kv, lim, o2, scr, keys, pool);
+    int ok = memcmp(o, o2, qn * 4) == 0;
+    if (!ok) fprintf(stderr, "  bf16 attention n%d keys%d bt%d: shuffled blocks differ\n", n, keys, bt);
+    if (cb_cpu_attn_bf16_supported() && hd % 64 == 0) {
+        attention_ref(&g1, qr, n, kr, vr, lim, r);
+        double d = maxdiff(o, r, qn), bound = vmax / 256.0 + 2e-5;
+        attention_ref(&gf, q, n, kc, vc, lim, r);
+        fprintf(stderr, "  bf16 attention H%d/%d hd%d n%d keys%d: %.3g of the bound %.3g (against the f32 operands: %.3g)\n",
+                H, HKV, hd, n, keys, d, bound, maxdiff(o, r, qn));
+        ok = ok && d <= bound;
+    } else {
+        cb_cpu_attention(&gf, q, n, &pc.kv, lim, o2, scr, keys, pool);
+        ok = ok && memcmp(o, o2, qn * 4) == 0;
+    }
+    cb_pool_destroy(&pool);
+    kv_pool_free(&pc);
+    kv_pool_free(&ps);
+    free(q); free(kc); free(vc); free(o); free(o2); free(r); free(lim); free(scr); free(qr); free(kr); free(vr);
+    return ok;
+}
+
+TEST(test_attention_bf16) {
+    if (!cb_cpu_attn_bf16_supported()) fprintf(stderr, "  no AMX-BF16 here: CB_ATTN_BF16 must run the f32 blocks\n");
+    CHECK(check_attention_bf16(9, 3, 64, 70, 1300, 2, CB_ENGINE_BLOCK_TOKENS)); /* SmolLM2: partial tiles, 3 chunks */
+    CHECK(check_attention_bf16(9, 3, 64, 5, 40, 1, 16));   /* the smallest block call, one partial chunk */
+    CHECK(check_attention_bf16(4, 4, 64, 33, 600, 3, 7));  /* no GQA, odd block size (gathered chunks) */
+    CHECK(check_attention_bf16(8, 2, 128, 130, 700, 2, CB_ENGINE_BLOCK_TOKENS)); /* head_dim 128: two P·V steps */
+    CHECK(check_attention_bf16(4, 2, 32, 20, 100, 1, 16)); /* head_dim 32: the f32 blocks */
+}
+
 /* A decode batch's attention (cb_cpu_attention_rows): n rows of different sequences, each with its own KV
  * on its own blocks of one pool (a shuffled permutation: the tables have breaks), limits from 1 to several
  * split chunks; every row bit for bit what a one-row cb_cpu_attention gives it. */
 static int check_attention_rows(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd)};
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32};
     const int kvd = HKV * hd, nb = (keys + bt - 1) / bt, n_pool = n * nb + 5;
     const size_t qn = (size_t)n * H * hd, rows = (size_t)n_pool * bt;
     float *q = malloc(qn * 4), *o = malloc(qn * 4), *o1 = malloc((size_t)H * hd * 4);
@@ -335,7 +399,7 @@ TEST(test_attention_rows) {
 /* Attention mass (blend metric 'a'): the sum over rows and heads of the softmax probabilities each key
  * gets, against a double-precision reference; every row contributes n_head in all. */
 static int check_attn_mass_bt(int H, int HKV, int hd, int n, int keys, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd)};
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32};
     const int G = H / HKV, kvd = HKV * hd, nb = (keys + bt - 1) / bt;
     size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
     float *q = malloc(qn * 4), *kc = malloc(kn * 4), *mass = calloc((size_t)keys, 4), *mass2 = calloc((size_t)keys, 4);
@@ -662,9 +726,12 @@ static void ref_forward(const cb_model_t *m, const int32_t *tok, int n, double *
 
 /* An engine with a KV pool of kv_dtype (the comparisons against f32 and double references use the f32
  * pool; tests/unit/test_kvf16.c compares the two pools). */
+/* The prefill attention of the engines the tests below make: the f32 reference unless a test says bf16. */
+static cb_engine_attn_t g_attn = CB_ENGINE_ATTN_F32;
+
 static cb_engine_t *engine_dt(const cb_model_t *m, int max_ctx, cb_engine_kv_dtype_t kv_dtype, char *err,
                               size_t errlen) {
-    cb_engine_opts_t o = {.max_ctx = max_ctx, .kv_dtype = kv_dtype};
+    cb_engine_opts_t o = {.max_ctx = max_ctx, .kv_dtype = kv_dtype, .attn = g_attn};
     return cb_engine_new_opts(m, &o, err, errlen);
 }
 
@@ -1358,6 +1425,14 @@ TEST(test_real_engine_properties) {
      * dominates (REAL_NATIVE_TOL). */
     CHECK(engine_properties_dt(mf, tok, n, n / 2 - 1, 0.1, CB_ENGINE_KV_F16, &dd, &ds) == 0);
     CHECK(engine_properties_dt(m, tok, n, n / 2 - 1, REAL_NATIVE_TOL, CB_ENGINE_KV_F16, &dd, &ds) == 0);
+    /* bf16 prefill attention (the default where the CPU has AMX): prefill rounds q, K, the weights and V to
+     * bf16 (2^-8 relative) while decode stays f32, so prefill vs decode and split differ by that rounding
+     * carried through the layers: measured (f32 weights, f16 pool) 0.16 / 0.12 over 25 tokens; bound 0.5.
+     * The composition stays bit for bit the prefill. */
+    g_attn = CB_ENGINE_ATTN_BF16;
+    CHECK(engine_properties_dt(mf, tok, n, n / 2 - 1, 0.5, CB_ENGINE_KV_F16, &dd, &ds) == 0);
+    CHECK(engine_properties_dt(m, tok, n, n / 2 - 1, REAL_NATIVE_TOL, CB_ENGINE_KV_F16, &dd, &ds) == 0);
+    g_attn = CB_ENGINE_ATTN_F32;
     const int nr = TEST_SANITIZED ? 2 : 6;
     double d = vs_reference(mf, tok, nr), dn = vs_reference(m, tok, nr);
     fprintf(stderr, "  SmolLM2: max|engine - f64 reference| over all logits, f32 weights %.3g, native %.3g (%d tokens)\n",
@@ -1373,6 +1448,7 @@ int main(void) {
     RUN(test_rope_pairing);
     RUN(test_rope_composition);
     RUN(test_attention_key_limits);
+    RUN(test_attention_bf16);
     RUN(test_attention_rows);
     RUN(test_attn_mass);
     RUN(test_dequant_and_matvec);
