@@ -277,6 +277,9 @@ int cb_engine_max_rows(const cb_engine_t *self) { return self->max_rows; }
 const cb_model_t *cb_engine_model(const cb_engine_t *self) { return self->model; }
 const char *cb_engine_backend_name(const cb_engine_t *self) { return self->be->ops->name; }
 cb_engine_kv_dtype_t cb_engine_kv_dtype(const cb_engine_t *self) { return self->kv_dtype; }
+cb_engine_attn_t cb_engine_attn(const cb_engine_t *self) {
+    return self->geom.math == CB_ATTN_BF16 ? CB_ENGINE_ATTN_BF16 : CB_ENGINE_ATTN_F32;
+}
 
 void cb_engine_pool_stats(const cb_engine_t *self, cb_engine_pool_stats_t *out) {
     memset(out, 0, sizeof *out);

@@ -125,6 +125,8 @@ const cb_model_t *cb_engine_model(const cb_engine_t *self);
 const char *cb_engine_backend_name(const cb_engine_t *self);
 /* The pool's value type as resolved at creation: CB_ENGINE_KV_F16 or CB_ENGINE_KV_F32 (F16 on CUDA: bf16). */
 cb_engine_kv_dtype_t cb_engine_kv_dtype(const cb_engine_t *self);
+/* The prefill attention asked for (resolved): BF16 or F32 (a backend without bf16 blocks runs f32). */
+cb_engine_attn_t cb_engine_attn(const cb_engine_t *self);
 
 /* Pool accounting. */
 typedef struct {

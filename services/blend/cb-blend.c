@@ -579,7 +579,7 @@ static void usage(FILE *f) {
                "  presence_penalty, ctx_size, max_queue, max_seqs, max_batch_tokens, stuck_ms, fault_step_delay_ms (tests),\n"
                "  hot_cache_bytes, kv_pool_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
                "  cacheindex_timeout_ms, router (worker of a cb-router), router_liveness, router_reconnect_max_ms,\n"
-               "  router_resident_keys, common.* (data_dir, kv_dir, model, threads, ...) and engine.kv_dtype (f16|f32).\n"
+               "  router_resident_keys, common.* (data_dir, kv_dir, model, threads, ...) and engine.kv_dtype (f16|f32), engine.attn (bf16|f32).\n"
                "  Environment CB_BLEND_<KEY> overrides the file.\n");
 }
 
@@ -653,6 +653,7 @@ int main(int argc, char **argv) {
         goto out;
     }
     ga.engine_kv_dtype = eo.kv_dtype;
+    ga.engine_attn = eo.attn;
     int md = cb_blend_mode_parse(mode);
     if (md < 0) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.mode = '%s': expected full, prefix, reuse or blend", mode);

@@ -237,7 +237,7 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
     /* default pool: every slot a whole context, and one more for the store's context and chunk misses
      * (address space; pages are touched as blocks are first used) */
     cb_engine_opts_t eo = {.max_ctx = ctx, .kv_pool_bytes = a->kv_pool_bytes, .kv_pool_seqs = a->max_seqs + 1,
-                           .kv_dtype = a->engine_kv_dtype};
+                           .kv_dtype = a->engine_kv_dtype, .attn = a->engine_attn};
     if (!(g->engine = cb_engine_new_opts(g->model, &eo, err, errlen))) return -1;
     if (a->threads > 0) cb_engine_set_threads(g->engine, a->threads);
     if (!(g->store = cb_kvstore_new(g->engine, a->kv_dir, a->mem, a->kv_dtype, err, errlen))) return -1;

@@ -519,7 +519,7 @@ static void usage(FILE *f) {
                "  retriever_timeout_ms, cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, workers, lease_ms,\n"
                "  max_leases_per_worker, max_lease_text_bytes, lease_from (run as a remote worker of that master),\n"
                "  worker_name, fault_chunk_delay_ms (tests), and common.* (data_dir, kv_dir, model, threads, ...);\n"
-               "  blend.system_prompt; engine.kv_dtype (f16|f32). Leases: docs/leases.md.\n"
+               "  blend.system_prompt; engine.kv_dtype (f16|f32), engine.attn (bf16|f32). Leases: docs/leases.md.\n"
                "  Environment CB_PRECOMPUTE_<KEY> overrides the file.\n");
 }
 
@@ -583,6 +583,7 @@ int main(int argc, char **argv) {
         goto out;
     }
     wa.engine_kv_dtype = eo.kv_dtype;
+    wa.engine_attn = eo.attn;
     cb_backend_kind_t bk;
     if (!cb_backend_kind_parse(backend, &bk)) {
         cb_log(CB_LOG_ERROR, NULL, "config precompute.backend = '%s': expected auto, cpu or cuda", backend);

@@ -255,7 +255,8 @@ static int worker_init(worker_t *w, char *err, size_t errlen) {
                  w->n_prefix, a->chunk_tokens, hp->n_ctx_train);
         return -1;
     }
-    const cb_engine_opts_t eo = {.max_ctx = w->max_ctx, .kv_dtype = a->engine_kv_dtype};
+    const cb_engine_opts_t eo = {.max_ctx = w->max_ctx, .kv_dtype = a->engine_kv_dtype,
+                                 .attn = a->engine_attn};
     if (!(w->engine = cb_engine_new_opts(w->model, &eo, err, errlen))) return -1;
     if (a->threads > 0) cb_engine_set_threads(w->engine, a->threads);
     if (!(w->store = cb_kvstore_new(w->engine, a->kv_dir, NULL, a->kv_dtype, err, errlen))) return -1;

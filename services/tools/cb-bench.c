@@ -26,6 +26,7 @@
 #include <sys/resource.h>
 
 #include "base/clock.h"
+#include "cpu/cpu_ops.h"
 #include "engine/engine.h"
 #include "base/log.h"
 #include "model/model.h"
@@ -204,6 +205,10 @@ int main(int argc, char **argv) {
         printf("decode  %ld sequences x %ld steps%s: batched %.1f tok/s, one at a time %.1f tok/s (%.2fx)\n", batch,
                n_decode < 64 ? n_decode : 64, batch_private ? " (private KV)" : "", batch_tok_s, serial_tok_s,
                batch_tok_s / serial_tok_s);
+    /* what ran: bf16 blocks need the CPU backend on a CPU with AMX-BF16 */
+    const char *attn_name = cb_engine_attn(e) == CB_ENGINE_ATTN_F32 ? "f32"
+                            : cb_cpu_attn_bf16_supported()         ? "bf16 (AMX)"
+                                                                   : "f32 (no AMX)";
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     double rss_mb = ru.ru_maxrss / 1024.0;
@@ -211,6 +216,7 @@ int main(int argc, char **argv) {
         json_object_set_new(out, "engine", json_string("cacheblend"));
         json_object_set_new(out, "threads", json_integer(cb_engine_threads(e)));
         json_object_set_new(out, "kv_dtype", json_string(cb_engine_kv_dtype_name(cb_engine_kv_dtype(e))));
+        json_object_set_new(out, "attn", json_string(attn_name));
         json_object_set_new(out, "load_ms", json_real(load_s * 1e3));
         json_object_set_new(out, "prefill", pf);
         json_object_set_new(out, "decode_steps", json_integer(n_decode));
@@ -228,8 +234,8 @@ int main(int argc, char **argv) {
         free(s);
     } else {
         json_decref(pf);
-        printf("load %.0f ms, threads %d, KV pool %s, peak RSS %.0f MB\n", load_s * 1e3, cb_engine_threads(e),
-               cb_engine_kv_dtype_name(cb_engine_kv_dtype(e)), rss_mb);
+        printf("load %.0f ms, threads %d, KV pool %s, attention %s, peak RSS %.0f MB\n", load_s * 1e3,
+               cb_engine_threads(e), cb_engine_kv_dtype_name(cb_engine_kv_dtype(e)), attn_name, rss_mb);
     }
     json_decref(out);
     free(tok);

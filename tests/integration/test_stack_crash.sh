@@ -87,11 +87,15 @@ stack_start blend || svc_finish
 # every sample document twice (~1,400 tokens): the full prefill outlasts the 1.2 s before the signal
 ctx=(); for f in data/sample/*.md data/sample/*.txt data/sample/*.md data/sample/*.txt; do ctx+=(--context "$(cat "$f")"); done
 Q="Who designed the Kettleby Lighthouse?"
+# for the signals, ~1,700 tokens (what this stack's ctx_size of 2048 allows): with bf16 attention on AMX
+# their prefill takes about a second at 2 threads, so the signal goes 0.5 s after the query (it arrives
+# within milliseconds): mid-prefill on any machine this runs on
+ctx_sig=("${ctx[@]}" --context "$(cat data/sample/brisket-station.txt)" --context "$(cat data/sample/kettleby-lighthouse.md)")
 for sig in KILL STOP; do
   t0=$(date +%s%N)
-  cbctl query --mode full --max-tokens 64 "${ctx[@]}" "$Q" >"$T/q.out" 2>"$T/q.err" &
+  cbctl query --mode full --max-tokens 64 "${ctx_sig[@]}" "$Q" >"$T/q.out" 2>"$T/q.err" &
   CL=$!
-  sleep 1.2
+  sleep 0.5
   kill -$sig "${SVC_PID[blend]}"
   wait "$CL"; rc=$?
   dt=$(( ($(date +%s%N) - t0) / 1000000 ))
