@@ -588,8 +588,12 @@ static int split_chunk(int lim, int rows, int n_head_kv, int nt) {
 /* Shared region at the start of the scratch: split-kernel partials [rows][n_head][chunks][2 + head_dim]
  * (ATT_SPLIT_ROWS rows), or those of cb_cpu_attention_rows [tasks][n_head][2 + head_dim] (ATT_ROWS_MAX rows). */
 static size_t att_partial_floats(const cb_attn_geom_t *g, int max_keys) {
-    return (size_t)ATT_ROWS_MAX * g->n_head * (size_t)((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN) *
-           (size_t)(g->head_dim + 2);
+    const size_t part = (size_t)ATT_ROWS_MAX * g->n_head * (size_t)((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN) *
+                        (size_t)(g->head_dim + 2);
+    /* or (bf16 blocks) every KV head's K and V in bf16 tiles: [n_head_kv][chunks][2][ATT_KEY_CHUNK][hd] */
+    const size_t pack = (size_t)g->n_head_kv * (size_t)((max_keys + ATT_KEY_CHUNK - 1) / ATT_KEY_CHUNK) *
+                        ATT_KEY_CHUNK * (size_t)g->head_dim;
+    return part > pack ? part : pack;
 }
 
 /* Per-thread region after it: Q and O blocks plus one score tile (or one row of scores), or the scores of
@@ -612,8 +616,7 @@ static size_t att_cvt_offset(const cb_attn_geom_t *g, int max_keys) {
     return rows * (size_t)g->head_dim * 2 + att_tile_floats(g, max_keys) + 2 * (size_t)ATT_KEY_CHUNK * g->head_dim + 16;
 }
 
-/* Offset of the bf16 block tiles: K [ATT_KEY_CHUNK][hd], V [ATT_KEY_CHUNK][hd], weights
- * [ATT_KEY_CHUNK][G * ATT_BLOCK_ROWS], all bf16 (attn_block_bf16_task). */
+/* Offset of the bf16 blocks' weights [G * ATT_BLOCK_ROWS][ATT_KEY_CHUNK] bf16 (attn_block_amx_task). */
 static size_t att_bf16_offset(const cb_attn_geom_t *g, int max_keys) {
     const size_t kvd = (size_t)g->n_head_kv * g->head_dim, a = ATT_ROWS_PIECE * kvd,
                  b = (size_t)ATT_F16_PIECE * g->head_dim;
@@ -622,7 +625,7 @@ static size_t att_bf16_offset(const cb_attn_geom_t *g, int max_keys) {
 
 static size_t att_thread_floats(const cb_attn_geom_t *g, int max_keys) {
     const size_t G = (size_t)(g->n_head / g->n_head_kv);
-    return att_bf16_offset(g, max_keys) + (size_t)ATT_KEY_CHUNK * (2 * (size_t)g->head_dim + G * ATT_BLOCK_ROWS) / 2 + 16;
+    return att_bf16_offset(g, max_keys) + (size_t)ATT_KEY_CHUNK * G * ATT_BLOCK_ROWS / 2 + 16;
 }
 
 /* ---------------------------------------------------------------- KV views */
@@ -822,7 +825,9 @@ typedef struct {
     size_t per_thread;     /* floats of each thread's region */
     size_t partial_floats; /* floats of the shared partials region at the start of scratch */
     size_t cvt_offset;     /* f16 pools: offset of the converted piece in each thread's region */
-    size_t bf16_offset;    /* bf16 blocks: offset of their K, V and weight tiles in each thread's region */
+    size_t bf16_offset;    /* bf16 blocks: offset of their weight tiles in each thread's region */
+    uint16_t *pack;        /* bf16 blocks: K and V tiles of every (KV head, chunk), in the shared region */
+    int max_lim;           /* bf16 blocks: the call's largest key limit */
     int n, rb;
     int chunk, n_chunks;   /* split kernel: keys per task, tasks per (row, KV head) */
 } attn_job_t;
@@ -1016,9 +1021,10 @@ static inline __m512i bf_interleave(__m512 a, __m512 b) {
     return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
-/* Kp and Vp from w f32 rows K, V (ld floats apart); keys w..wp-1 are zero. K: each 16 keys' 16 dimension
- * pairs are a 16x16 transpose of 32-bit pairs, done through a small buffer. */
+/* Kp [hd/2][ATT_KEY_CHUNK][2] and Vp [wp/2][hd][2] from w f32 rows K, V (ld floats apart); keys w..wp-1
+ * are zero. K: each 16 keys' 16 dimension pairs are a 16x16 transpose of 32-bit pairs, through a buffer. */
 static void amx_pack_kv(const float *K, const float *V, int ld, int w, int wp, int hd, uint16_t *Kp, uint16_t *Vp) {
+    const int wp_k = ATT_KEY_CHUNK;
     uint32_t t[16][16];
     for (int k0 = 0; k0 < wp; k0 += 16)
         for (int d = 0; d < hd; d += 32) {
@@ -1029,7 +1035,7 @@ static void amx_pack_kv(const float *K, const float *V, int ld, int w, int wp, i
             for (int p = 0; p < 16; p++) {
                 uint32_t col[16];
                 for (int k = 0; k < 16; k++) col[k] = t[k][p];
-                memcpy(Kp + ((size_t)(d / 2 + p) * wp + k0) * 2, col, sizeof col);
+                memcpy(Kp + ((size_t)(d / 2 + p) * wp_k + k0) * 2, col, sizeof col);
             }
         }
     for (int k = 0; k < wp; k += 2)
@@ -1040,9 +1046,11 @@ static void amx_pack_kv(const float *K, const float *V, int ld, int w, int wp, i
         }
 }
 
-/* S [Mp][wp] = Qb · Kpᵀ, 32 rows x 32 keys per step (4 sum tiles), hd / 32 tile products each. */
+/* S [Mp][wp] = Qb · Kpᵀ (Kp [hd/2][ATT_KEY_CHUNK][2]), 32 rows x 32 keys per step (4 sum tiles), hd / 32
+ * tile products each. */
 static void amx_scores(const uint16_t *Qb, int Mp, int hd, const uint16_t *Kp, int wp, float *S) {
-    const size_t qs = (size_t)hd * 2, ks = (size_t)wp * 4, ss = (size_t)wp * 4;
+    const int kst = ATT_KEY_CHUNK;
+    const size_t qs = (size_t)hd * 2, ks = (size_t)kst * 4, ss = (size_t)wp * 4;
     for (int r0 = 0; r0 < Mp; r0 += 32) {
         const bool two = r0 + 16 < Mp;
         for (int n0 = 0; n0 < wp; n0 += 32) {
@@ -1051,8 +1059,8 @@ static void amx_scores(const uint16_t *Qb, int Mp, int hd, const uint16_t *Kp, i
             _tile_zero(2);
             _tile_zero(3);
             for (int d = 0; d < hd; d += 32) {
-                _tile_loadd(5, Kp + ((size_t)(d / 2) * wp + n0) * 2, ks);
-                _tile_loadd(6, Kp + ((size_t)(d / 2) * wp + n0 + 16) * 2, ks);
+                _tile_loadd(5, Kp + ((size_t)(d / 2) * kst + n0) * 2, ks);
+                _tile_loadd(6, Kp + ((size_t)(d / 2) * kst + n0 + 16) * 2, ks);
                 _tile_loadd(4, Qb + (size_t)r0 * hd + d, qs);
                 _tile_dpbf16ps(0, 4, 5);
                 _tile_dpbf16ps(1, 4, 6);
@@ -1108,10 +1116,28 @@ static void amx_pv(const uint16_t *Pb, int Mp, int wp, const uint16_t *Vp, int h
         }
 }
 
+/* Task (KV head, chunk of keys): the chunk's K and V as bf16 tiles into the shared region (j->pack), once per
+ * call for every block of rows. */
+static void attn_pack_amx_task(void *arg, int t, int thread) {
+    const attn_job_t *j = arg;
+    const cb_attn_geom_t *g = j->g;
+    const int hd = g->head_dim, G = g->n_head / g->n_head_kv, kvd = g->n_head_kv * hd;
+    const int kvh = t / j->n_chunks, c0 = (t % j->n_chunks) * ATT_KEY_CHUNK;
+    const int w = j->max_lim - c0 < ATT_KEY_CHUNK ? j->max_lim - c0 : ATT_KEY_CHUNK, wp = (w + 31) / 32 * 32;
+    float *base = j->scratch + (size_t)thread * j->per_thread;
+    float *GK = base + (size_t)G * ATT_BLOCK_ROWS * hd * 2 + (size_t)G * ATT_BLOCK_ROWS * ATT_KEY_CHUNK;
+    float *GV = GK + (size_t)ATT_KEY_CHUNK * hd;
+    uint16_t *Kp = j->pack + (size_t)t * 2 * ATT_KEY_CHUNK * hd, *Vp = Kp + (size_t)ATT_KEY_CHUNK * hd;
+    int ld;
+    const float *K, *V;
+    chunk_kv(j->kv, kvh, kvd, hd, c0, w, GK, GV, &K, &V, &ld);
+    amx_pack_kv(K, V, ld, w, wp, hd, Kp, Vp);
+}
+
 static void attn_block_amx_task(void *arg, int t, int thread) {
     const attn_job_t *j = arg;
     const cb_attn_geom_t *g = j->g;
-    const int H = g->n_head, HKV = g->n_head_kv, hd = g->head_dim, G = H / HKV, qd = H * hd, kvd = HKV * hd;
+    const int H = g->n_head, HKV = g->n_head_kv, hd = g->head_dim, G = H / HKV, qd = H * hd;
     const int rb = j->rb, blk = t / HKV, kvh = t % HKV;
     const int i0 = blk * rb, nr = i0 + rb <= j->n ? rb : j->n - i0, M = G * nr, Mp = (M + 15) / 16 * 16;
     int L = 0;
@@ -1120,11 +1146,7 @@ static void attn_block_amx_task(void *arg, int t, int thread) {
     uint16_t *Qb = (uint16_t *)(void *)base;                   /* [Mp][hd] in the Q block's place */
     float *O = base + (size_t)G * ATT_BLOCK_ROWS * hd;         /* [Mp][hd] */
     float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;            /* [Mp][wp] */
-    float *GK = S + (size_t)G * ATT_BLOCK_ROWS * ATT_KEY_CHUNK; /* [ATT_KEY_CHUNK][hd] gathered K */
-    float *GV = GK + (size_t)ATT_KEY_CHUNK * hd;               /* [ATT_KEY_CHUNK][hd] gathered V */
-    uint16_t *Kp = (uint16_t *)(void *)(base + j->bf16_offset); /* [hd/2][wp][2] */
-    uint16_t *Vp = Kp + (size_t)ATT_KEY_CHUNK * hd;            /* [wp/2][hd][2] */
-    uint16_t *Pb = Vp + (size_t)ATT_KEY_CHUNK * hd;            /* [Mp][wp] */
+    uint16_t *Pb = (uint16_t *)(void *)(base + j->bf16_offset); /* [Mp][wp] */
     float m[ATT_MAX_G * ATT_BLOCK_ROWS], l[ATT_MAX_G * ATT_BLOCK_ROWS];
     for (int r = 0; r < Mp; r++) {
         uint16_t *dst = Qb + (size_t)r * hd;
@@ -1137,13 +1159,12 @@ static void attn_block_amx_task(void *arg, int t, int thread) {
         m[r] = -INFINITY, l[r] = 0.0f;
     }
     amx_config();
-    const cb_cpu_kv_t *kv = j->kv;
     for (int c0 = 0; c0 < L; c0 += ATT_KEY_CHUNK) {
         const int w = L - c0 < ATT_KEY_CHUNK ? L - c0 : ATT_KEY_CHUNK, wp = (w + 31) / 32 * 32;
-        int ld;
-        const float *K, *V;
-        chunk_kv(kv, kvh, kvd, hd, c0, w, GK, GV, &K, &V, &ld);
-        amx_pack_kv(K, V, ld, w, wp, hd, Kp, Vp);
+        /* the chunk's tiles (packed for the call's largest limit: keys w..wp-1 may hold real keys, which
+         * the softmax masks) */
+        const uint16_t *Kp = j->pack + ((size_t)kvh * j->n_chunks + (size_t)(c0 / ATT_KEY_CHUNK)) * 2 * ATT_KEY_CHUNK * hd;
+        const uint16_t *Vp = Kp + (size_t)ATT_KEY_CHUNK * hd;
         amx_scores(Qb, Mp, hd, Kp, wp, S);
         for (int r = 0; r < Mp; r++) {
             float *s = S + (size_t)r * wp;
@@ -1422,7 +1443,7 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
     }
     attn_job_t j = {g, q, kv, key_limit, out, scratch, att_thread_floats(g, max_keys),
                     att_partial_floats(g, max_keys), att_cvt_offset(g, max_keys), att_bf16_offset(g, max_keys),
-                    n, ATT_BLOCK_ROWS, 0, 0};
+                    NULL, 0, n, ATT_BLOCK_ROWS, 0, 0};
     float *thread_scratch = scratch + j.partial_floats;
     if (H / HKV > ATT_MAX_G) { /* one task per (row, head) */
         j.scratch = thread_scratch;
@@ -1440,6 +1461,10 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
     while (j.rb > 8 && ((n + j.rb - 1) / j.rb) * HKV < 4 * nt) j.rb /= 2;
 #if CB_AVX512
     if (g->math == CB_ATTN_BF16 && g->head_dim % 64 == 0 && attn_bf16_ok()) {
+        j.pack = (uint16_t *)(void *)scratch;
+        j.max_lim = max_lim;
+        j.n_chunks = (max_lim + ATT_KEY_CHUNK - 1) / ATT_KEY_CHUNK;
+        cb_pool_run(pool, HKV * j.n_chunks, attn_pack_amx_task, &j);
         cb_pool_run(pool, ((n + j.rb - 1) / j.rb) * HKV, attn_block_amx_task, &j);
         return;
     }
