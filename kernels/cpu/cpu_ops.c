@@ -1116,6 +1116,60 @@ static void amx_pv(const uint16_t *Pb, int Mp, int wp, const uint16_t *Vp, int h
         }
 }
 
+/* exp(x) to ~4e-5 relative (x <= 0, as the softmax's s - max): x = n ln2 + r, |r| <= ln2/2, degree-4 Taylor
+ * polynomial (its error r^5/120 <= 4.2e-5), 2^n by vscalefps. The weights are rounded to bf16 (2^-8
+ * relative) right after, so this is ~100x finer than what is kept. */
+static inline __m512 exp16_bf(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 24), r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The online-softmax step of one row over a chunk (online_softmax's contract), writing the weights as bf16
+ * into p [wp] (zeros past lim) instead of back into s; the sum is that of the rounded weights. */
+static float amx_softmax_row(const float *s, int lim, int wp, float *m, float *l, uint16_t *p) {
+    if (lim <= 0) {
+        memset(p, 0, sizeof(uint16_t) * (size_t)wp);
+        return 1.0f;
+    }
+    if (lim > wp) lim = wp;
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    int k = 0;
+    for (; k + 16 <= lim; k += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + k));
+    if (k < lim) {
+        const __mmask16 mk = (__mmask16)((1u << (lim - k)) - 1u);
+        vmx = _mm512_mask_max_ps(vmx, mk, vmx, _mm512_maskz_loadu_ps(mk, s + k));
+    }
+    const float mx = _mm512_reduce_max_ps(vmx), m_new = mx > *m ? mx : *m;
+    float alpha = 0.0f;
+    if (*m != -INFINITY) {
+        float d = *m - m_new;
+        cb_cpu_exp(&d, &alpha, 1);
+    }
+    const __m512 vm = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (k = 0; k < wp; k += 32) { /* wp % 32 == 0 */
+        const __mmask16 k0 = lim - k >= 16 ? 0xFFFF : lim - k <= 0 ? 0 : (__mmask16)((1u << (lim - k)) - 1u);
+        const __mmask16 k1 = lim - k >= 32 ? 0xFFFF : lim - k <= 16 ? 0 : (__mmask16)((1u << (lim - k - 16)) - 1u);
+        __m512 e0 = _mm512_maskz_mov_ps(k0, exp16_bf(_mm512_sub_ps(_mm512_maskz_loadu_ps(k0, s + k), vm)));
+        __m512 e1 = _mm512_maskz_mov_ps(k1, exp16_bf(_mm512_sub_ps(_mm512_maskz_loadu_ps(k1, s + k + 16), vm)));
+        const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+        _mm512_storeu_si512(p + k, b);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16)));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(
+                                     _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16)));
+    }
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *m = m_new;
+    return alpha;
+}
+
 /* Task (KV head, chunk of keys): the chunk's K and V as bf16 tiles into the shared region (j->pack), once per
  * call for every block of rows. */
 static void attn_pack_amx_task(void *arg, int t, int thread) {
@@ -1173,9 +1227,8 @@ static void attn_block_amx_task(void *arg, int t, int thread) {
                 memset(p, 0, sizeof(uint16_t) * (size_t)wp);
                 continue;
             }
-            float alpha = online_softmax(s, j->key_limit[i0 + r % nr] - c0, wp, &m[r], &l[r]);
+            float alpha = amx_softmax_row(s, j->key_limit[i0 + r % nr] - c0, wp, &m[r], &l[r], p);
             if (c0 > 0 && alpha != 1.0f) scale_row(O + (size_t)r * hd, hd, alpha);
-            for (int k = 0; k < wp; k += 32) bf_row32(s + k, 1.0f, p + k);
         }
         amx_pv(Pb, Mp, wp, Vp, hd, c0 == 0, O);
     }
