@@ -986,11 +986,15 @@ static void attn_block_task(void *arg, int t, int thread) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 /* The block, online softmax and chunking of attn_block_task, with its two products on the AMX tile unit
  * (tdpbf16ps: a 16x32 bf16 tile times a 32x16 one into 16x16 f32 sums, ~15x the f32 FMA rate here): Q·scale,
- * K, the softmax weights and V are rounded to bf16 (nearest even), every sum is f32. Per thread:
+ * K, the softmax weights and V are rounded to bf16 (nearest even), every sum is f32.
+ * Once per call, shared by every block (attn_pack_amx_task, in the scratch's shared region), per KV head and
+ * chunk of ATT_KEY_CHUNK keys (packed up to the call's largest limit, zero past it):
+ *   Kp [hd/2][ATT_KEY_CHUNK][2]  K as dimension pairs, keys across
+ *   Vp [ATT_KEY_CHUNK/2][hd][2]  V as key pairs, dimensions across
+ * Per block of rows (attn_block_amx_task, in the thread's region), for a chunk of w keys (wp = w rounded up
+ * to 32; keys w..wp-1 get zero weight):
  *   Qb [Mp][hd]        Q·scale of the block's M rows (G heads stacked), Mp = M rounded up to 16
- *   Kp [hd/2][wp][2]   the chunk's K as dimension pairs, keys across (wp = w rounded up to 32, zero past w)
- *   S  [Mp][wp] f32    scores;  Pb [Mp][wp]  the rounded weights
- *   Vp [wp/2][hd][2]   the chunk's V as key pairs, dimensions across
+ *   S  [Mp][wp] f32    scores;  Pb [Mp][wp]  the rounded weights (amx_softmax_row)
  *   O  [Mp][hd] f32    the output so far
  * Tiles: 0-3 sums, 4 the left operand, 5-7 right operands. */
 typedef struct {
