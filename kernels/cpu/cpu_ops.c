@@ -590,9 +590,9 @@ static int split_chunk(int lim, int rows, int n_head_kv, int nt) {
 static size_t att_partial_floats(const cb_attn_geom_t *g, int max_keys) {
     const size_t part = (size_t)ATT_ROWS_MAX * g->n_head * (size_t)((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN) *
                         (size_t)(g->head_dim + 2);
-    /* or (bf16 blocks) every KV head's K and V in bf16 tiles: [n_head_kv][chunks][2][ATT_KEY_CHUNK][hd] */
+    /* or (bf16 blocks) every KV head's K and V (hi, lo each) in bf16 tiles: [n_head_kv][chunks][4][ATT_KEY_CHUNK][hd] */
     const size_t pack = (size_t)g->n_head_kv * (size_t)((max_keys + ATT_KEY_CHUNK - 1) / ATT_KEY_CHUNK) *
-                        ATT_KEY_CHUNK * (size_t)g->head_dim;
+                        ATT_KEY_CHUNK * (size_t)g->head_dim * 2 + 16;
     return part > pack ? part : pack;
 }
 
@@ -1018,6 +1018,19 @@ static inline void bf_row32(const float *src, float a, uint16_t *dst) {
                                                          _mm512_mul_ps(_mm512_loadu_ps(src), va)));
 }
 
+/* 32 f32 · a as two bf16 rows: hi = bf16(x), lo = bf16(x - hi) (hi + lo holds 16 significant bits; an
+ * f16 value exactly). */
+static inline void bf_split32(const float *src, float a, uint16_t *hi, uint16_t *lo) {
+    const __m512 va = _mm512_set1_ps(a);
+    const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(src), va), x1 = _mm512_mul_ps(_mm512_loadu_ps(src + 16), va);
+    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+    const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    const __m512 h1 =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    _mm512_storeu_si512(hi, h);
+    _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0)));
+}
+
 /* 16 values of a and 16 of b as bf16 pairs (a[i], b[i]), i = 0..15. */
 static inline __m512i bf_interleave(__m512 a, __m512 b) {
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
@@ -1025,67 +1038,81 @@ static inline __m512i bf_interleave(__m512 a, __m512 b) {
     return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
-/* Kp [hd/2][ATT_KEY_CHUNK][2] and Vp [wp/2][hd][2] from w f32 rows K, V (ld floats apart); keys w..wp-1
- * are zero. K: each 16 keys' 16 dimension pairs are a 16x16 transpose of 32-bit pairs, through a buffer. */
+/* Kp (hi, then lo: 2 x [hd/2][ATT_KEY_CHUNK][2]) and Vp (hi, then lo: 2 x [ATT_KEY_CHUNK/2][hd][2]) from w f32 rows K, V (ld floats
+ * apart); keys w..wp-1 are zero. K: each 16 keys' 16 dimension pairs are a 16x16 transpose of 32-bit pairs,
+ * through a buffer. */
 static void amx_pack_kv(const float *K, const float *V, int ld, int w, int wp, int hd, uint16_t *Kp, uint16_t *Vp) {
     const int wp_k = ATT_KEY_CHUNK;
-    uint32_t t[16][16];
+    uint16_t *Kl = Kp + (size_t)ATT_KEY_CHUNK * hd;
+    uint32_t t[16][16], u[16][16];
     for (int k0 = 0; k0 < wp; k0 += 16)
         for (int d = 0; d < hd; d += 32) {
             for (int k = 0; k < 16; k++) {
-                if (k0 + k < w) bf_row32(K + (size_t)(k0 + k) * ld + d, 1.0f, (uint16_t *)(void *)t[k]);
-                else memset(t[k], 0, sizeof t[k]);
+                if (k0 + k < w)
+                    bf_split32(K + (size_t)(k0 + k) * ld + d, 1.0f, (uint16_t *)(void *)t[k], (uint16_t *)(void *)u[k]);
+                else memset(t[k], 0, sizeof t[k]), memset(u[k], 0, sizeof u[k]);
             }
             for (int p = 0; p < 16; p++) {
-                uint32_t col[16];
-                for (int k = 0; k < 16; k++) col[k] = t[k][p];
+                uint32_t col[16], col2[16];
+                for (int k = 0; k < 16; k++) col[k] = t[k][p], col2[k] = u[k][p];
                 memcpy(Kp + ((size_t)(d / 2 + p) * wp_k + k0) * 2, col, sizeof col);
+                memcpy(Kl + ((size_t)(d / 2 + p) * wp_k + k0) * 2, col2, sizeof col2);
             }
         }
     for (int k = 0; k < wp; k += 2)
         for (int d = 0; d < hd; d += 16) {
             __m512 a = k < w ? _mm512_loadu_ps(V + (size_t)k * ld + d) : _mm512_setzero_ps();
             __m512 b = k + 1 < w ? _mm512_loadu_ps(V + (size_t)(k + 1) * ld + d) : _mm512_setzero_ps();
-            _mm512_storeu_si512(Vp + ((size_t)(k / 2) * hd + d) * 2, bf_interleave(a, b));
+            const __m512i hi = bf_interleave(a, b);
+            /* lo: what the hi pairs leave (the same interleave of the residuals) */
+            const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a's bf16 low, b's high */
+            const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+            const __m512 hb =
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+            const __m512i lo = _mm512_permutexvar_epi16(
+                idx, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+            _mm512_storeu_si512(Vp + ((size_t)(k / 2) * hd + d) * 2, hi);
+            _mm512_storeu_si512(Vp + (size_t)ATT_KEY_CHUNK * hd + ((size_t)(k / 2) * hd + d) * 2, lo);
         }
 }
 
-/* S [Mp][wp] = Qb · Kpᵀ (Kp [hd/2][ATT_KEY_CHUNK][2]), 32 rows x 32 keys per step (4 sum tiles), hd / 32
- * tile products each. */
-static void amx_scores(const uint16_t *Qb, int Mp, int hd, const uint16_t *Kp, int wp, float *S) {
+/* S [Mp][wp] = Q · Kᵀ from the hi/lo halves (Qh, Ql [Mp][hd]; Kh, Kl [hd/2][ATT_KEY_CHUNK][2]) as
+ * Qh·Kh + Qh·Kl + Ql·Kh, all summed in f32 (the dropped Ql·Kl is ~2^-16 of the product): the scores get
+ * f32-like precision, which the softmax's exp would otherwise amplify (bf16 Q and K alone move a score of
+ * 20 by ~0.1). 16 rows x 32 keys per step (2 sum tiles), 3 x hd / 32 tile products each. */
+static void amx_scores(const uint16_t *Qh, const uint16_t *Ql, int Mp, int hd, const uint16_t *Kh,
+                       const uint16_t *Kl, int wp, float *S) {
     const int kst = ATT_KEY_CHUNK;
     const size_t qs = (size_t)hd * 2, ks = (size_t)kst * 4, ss = (size_t)wp * 4;
-    for (int r0 = 0; r0 < Mp; r0 += 32) {
-        const bool two = r0 + 16 < Mp;
+    for (int r0 = 0; r0 < Mp; r0 += 16)
         for (int n0 = 0; n0 < wp; n0 += 32) {
             _tile_zero(0);
             _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
             for (int d = 0; d < hd; d += 32) {
-                _tile_loadd(5, Kp + ((size_t)(d / 2) * kst + n0) * 2, ks);
-                _tile_loadd(6, Kp + ((size_t)(d / 2) * kst + n0 + 16) * 2, ks);
-                _tile_loadd(4, Qb + (size_t)r0 * hd + d, qs);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_dpbf16ps(1, 4, 6);
-                if (two) {
-                    _tile_loadd(7, Qb + (size_t)(r0 + 16) * hd + d, qs);
-                    _tile_dpbf16ps(2, 7, 5);
-                    _tile_dpbf16ps(3, 7, 6);
-                }
+                const size_t ko = ((size_t)(d / 2) * kst + n0) * 2;
+                _tile_loadd(4, Qh + (size_t)r0 * hd + d, qs);
+                _tile_loadd(5, Ql + (size_t)r0 * hd + d, qs);
+                _tile_loadd(6, Kh + ko, ks);
+                _tile_loadd(7, Kh + ko + 32, ks);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(0, 5, 6);
+                _tile_dpbf16ps(1, 5, 7);
+                _tile_loadd(6, Kl + ko, ks);
+                _tile_loadd(7, Kl + ko + 32, ks);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
             }
             _tile_stored(0, S + (size_t)r0 * wp + n0, ss);
             _tile_stored(1, S + (size_t)r0 * wp + n0 + 16, ss);
-            if (two) {
-                _tile_stored(2, S + (size_t)(r0 + 16) * wp + n0, ss);
-                _tile_stored(3, S + (size_t)(r0 + 16) * wp + n0 + 16, ss);
-            }
         }
-    }
 }
 
 /* O [Mp][hd] (+)= Pb · V, 16 rows x 64 dimensions per step (hd % 64 == 0). */
 static void amx_pv(const uint16_t *Pb, int Mp, int wp, const uint16_t *Vp, int hd, bool first, float *O) {
+    const uint16_t *Vl = Vp + (size_t)ATT_KEY_CHUNK * hd;
     const size_t ps = (size_t)wp * 2, vs = (size_t)hd * 4, os = (size_t)hd * 4;
     for (int r0 = 0; r0 < Mp; r0 += 16)
         for (int d0 = 0; d0 < hd; d0 += 64) {
@@ -1102,16 +1129,25 @@ static void amx_pv(const uint16_t *Pb, int Mp, int wp, const uint16_t *Vp, int h
                 _tile_loadd(3, o + 48, os);
             }
             for (int k0 = 0; k0 < wp; k0 += 32) {
-                const uint16_t *v = Vp + ((size_t)(k0 / 2) * hd + d0) * 2;
+                const size_t vo = ((size_t)(k0 / 2) * hd + d0) * 2;
+                const uint16_t *v = Vp + vo, *vl = Vl + vo;
                 _tile_loadd(4, Pb + (size_t)r0 * wp + k0, ps);
                 _tile_loadd(5, v, vs);
                 _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, v + 32, vs);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(7, v + 64, vs);
+                _tile_loadd(6, vl, vs);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, v + 32, vs);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(5, vl + 32, vs);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_loadd(6, v + 64, vs);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(7, vl + 64, vs);
                 _tile_dpbf16ps(2, 4, 7);
                 _tile_loadd(5, v + 96, vs);
                 _tile_dpbf16ps(3, 4, 5);
+                _tile_loadd(6, vl + 96, vs);
+                _tile_dpbf16ps(3, 4, 6);
             }
             _tile_stored(0, o, os);
             _tile_stored(1, o + 16, os);
@@ -1185,7 +1221,7 @@ static void attn_pack_amx_task(void *arg, int t, int thread) {
     float *base = j->scratch + (size_t)thread * j->per_thread;
     float *GK = base + (size_t)G * ATT_BLOCK_ROWS * hd * 2 + (size_t)G * ATT_BLOCK_ROWS * ATT_KEY_CHUNK;
     float *GV = GK + (size_t)ATT_KEY_CHUNK * hd;
-    uint16_t *Kp = j->pack + (size_t)t * 2 * ATT_KEY_CHUNK * hd, *Vp = Kp + (size_t)ATT_KEY_CHUNK * hd;
+    uint16_t *Kp = j->pack + (size_t)t * 4 * ATT_KEY_CHUNK * hd, *Vp = Kp + (size_t)2 * ATT_KEY_CHUNK * hd;
     int ld;
     const float *K, *V;
     chunk_kv(j->kv, kvh, kvd, hd, c0, w, GK, GV, &K, &V, &ld);
@@ -1201,19 +1237,21 @@ static void attn_block_amx_task(void *arg, int t, int thread) {
     int L = 0;
     for (int i = 0; i < nr; i++) L = j->key_limit[i0 + i] > L ? j->key_limit[i0 + i] : L;
     float *base = j->scratch + (size_t)thread * j->per_thread;
-    uint16_t *Qb = (uint16_t *)(void *)base;                   /* [Mp][hd] in the Q block's place */
+    uint16_t *Qh = (uint16_t *)(void *)base;                   /* [Mp][hd] hi, in the Q block's place */
+    uint16_t *Ql = Qh + (size_t)G * ATT_BLOCK_ROWS * hd;       /* [Mp][hd] lo */
     float *O = base + (size_t)G * ATT_BLOCK_ROWS * hd;         /* [Mp][hd] */
     float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;            /* [Mp][wp] */
     uint16_t *Pb = (uint16_t *)(void *)(base + j->bf16_offset); /* [Mp][wp] */
     float m[ATT_MAX_G * ATT_BLOCK_ROWS], l[ATT_MAX_G * ATT_BLOCK_ROWS];
     for (int r = 0; r < Mp; r++) {
-        uint16_t *dst = Qb + (size_t)r * hd;
+        uint16_t *dh = Qh + (size_t)r * hd, *dl = Ql + (size_t)r * hd;
         if (r >= M) {
-            memset(dst, 0, sizeof(uint16_t) * (size_t)hd);
+            memset(dh, 0, sizeof(uint16_t) * (size_t)hd);
+            memset(dl, 0, sizeof(uint16_t) * (size_t)hd);
             continue;
         }
         const float *src = j->q + (size_t)(i0 + r % nr) * qd + (size_t)(kvh * G + r / nr) * hd;
-        for (int d = 0; d < hd; d += 32) bf_row32(src + d, g->scale, dst + d);
+        for (int d = 0; d < hd; d += 32) bf_split32(src + d, g->scale, dh + d, dl + d);
         m[r] = -INFINITY, l[r] = 0.0f;
     }
     amx_config();
@@ -1221,9 +1259,9 @@ static void attn_block_amx_task(void *arg, int t, int thread) {
         const int w = L - c0 < ATT_KEY_CHUNK ? L - c0 : ATT_KEY_CHUNK, wp = (w + 31) / 32 * 32;
         /* the chunk's tiles (packed for the call's largest limit: keys w..wp-1 may hold real keys, which
          * the softmax masks) */
-        const uint16_t *Kp = j->pack + ((size_t)kvh * j->n_chunks + (size_t)(c0 / ATT_KEY_CHUNK)) * 2 * ATT_KEY_CHUNK * hd;
-        const uint16_t *Vp = Kp + (size_t)ATT_KEY_CHUNK * hd;
-        amx_scores(Qb, Mp, hd, Kp, wp, S);
+        const uint16_t *Kh = j->pack + ((size_t)kvh * j->n_chunks + (size_t)(c0 / ATT_KEY_CHUNK)) * 4 * ATT_KEY_CHUNK * hd;
+        const uint16_t *Kl = Kh + (size_t)ATT_KEY_CHUNK * hd, *Vp = Kl + (size_t)ATT_KEY_CHUNK * hd;
+        amx_scores(Qh, Ql, Mp, hd, Kh, Kl, wp, S);
         for (int r = 0; r < Mp; r++) {
             float *s = S + (size_t)r * wp;
             uint16_t *p = Pb + (size_t)r * wp;
