@@ -986,7 +986,8 @@ static void attn_block_task(void *arg, int t, int thread) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 /* The block, online softmax and chunking of attn_block_task, with its two products on the AMX tile unit
  * (tdpbf16ps: a 16x32 bf16 tile times a 32x16 one into 16x16 f32 sums, ~15x the f32 FMA rate here): Q·scale,
- * K, the softmax weights and V are rounded to bf16 (nearest even), every sum is f32.
+ * K and V enter as hi/lo bf16 pairs (x = hi + lo, nearest even: f16 K and V exactly, q·scale to 16 bits),
+ * the softmax weights are rounded once to bf16, every sum is f32.
  * Once per call, shared by every block (attn_pack_amx_task, in the scratch's shared region), per KV head and
  * chunk of ATT_KEY_CHUNK keys (packed up to the call's largest limit, zero past it):
  *   Kp [hd/2][ATT_KEY_CHUNK][2]  K as dimension pairs, keys across

@@ -129,11 +129,12 @@ size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_k
  * GEMMs (Q·Kᵀ, P·V) over chunks of 512 keys up to the largest limit in the block, masked per row (a chunk
  * spanning non-consecutive pool blocks is gathered first: the same values, bit for bit; an f16 pool's chunk
  * is always gathered, converted to f32 on the way).
- * g->math = CB_ATTN_BF16 (and cb_cpu_attn_bf16_supported()): the blocks (calls of more than 4 rows) round
- * q, K, the softmax weights and V to bf16 (8 significant bits, nearest even) and sum every product in f32;
- * the weights' sum is that of the rounded weights. Against the exact attention on the bf16-rounded q, K, V,
- * a row's output then differs by at most ~2^-8 · max |v| (the weights' rounding) plus f32 rounding
- * (tests/unit/test_engine.c checks this bound). Rows stay independent, and their bits do not depend on
+ * g->math = CB_ATTN_BF16 (and cb_cpu_attn_bf16_supported()): the blocks (calls of more than 4 rows) run
+ * their products on the AMX tile unit, every sum in f32: q·scale, K and V as hi/lo bf16 pairs (K and V, f16
+ * or f32 values, to 16 bits: f16 exactly), the softmax weights rounded once to bf16 (8 significant bits,
+ * nearest even; the weights' sum is that of the rounded weights). Against the exact attention a row's output
+ * differs by at most ~2^-8 · max |v| (the weights' rounding) plus ~2^-10 · max |v| (the scores' 2^-16)
+ * plus f32 rounding (tests/unit/test_engine.c checks this bound). Rows stay independent, and their bits do not depend on
  * placement, but they do depend on the call's size (1-4 rows run f32). */
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *out, float *scratch, int max_keys, cb_pool_t *pool);

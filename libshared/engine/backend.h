@@ -43,8 +43,8 @@ typedef struct {
 /* Arithmetic of the products of prefill attention (blocks of query rows; decode rows are always f32). */
 typedef enum {
     CB_ATTN_F32 = 0,        /* f32 operands (what a zero-initialised geometry means) */
-    CB_ATTN_BF16 = 1        /* Q, K, softmax weights and V rounded to bf16, products summed in f32 (CPU with
-                               AVX512-BF16; elsewhere f32) */
+    CB_ATTN_BF16 = 1        /* products on bf16 tiles summed in f32: q, K, V as hi/lo bf16 pairs, the softmax
+                               weights rounded once to bf16 (CPU with AMX-BF16; elsewhere f32) */
 } cb_attn_math_t;
 
 typedef struct {
