@@ -905,6 +905,12 @@ static float online_softmax(float *s, int lim, int w, float *m, float *l) {
     return alpha;
 }
 
+/* A thread's gathered K [ATT_KEY_CHUNK][hd] (then V) in its region of the block path: after the Q and O blocks
+ * [G * ATT_BLOCK_ROWS][hd] and the score tile [G * ATT_BLOCK_ROWS][ATT_KEY_CHUNK]. */
+static inline float *att_gather_k(float *base, int G, int hd) {
+    return base + (size_t)G * ATT_BLOCK_ROWS * hd * 2 + (size_t)G * ATT_BLOCK_ROWS * ATT_KEY_CHUNK;
+}
+
 /* Keys [c0, c0 + w) of KV head kvh as f32 rows ld floats apart: *K, *V point into the pool when the rows
  * follow each other there (f32 pools), else into GK, GV [w][hd] (gathered, converted from f16 on the way). */
 static void chunk_kv(const cb_cpu_kv_t *kv, int kvh, int kvd, int hd, int c0, int w, float *GK, float *GV,
@@ -950,7 +956,7 @@ static void attn_block_task(void *arg, int t, int thread) {
     float *Q = j->scratch + (size_t)thread * j->per_thread; /* [G*rb][hd] */
     float *O = Q + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][hd] */
     float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][ATT_KEY_CHUNK] */
-    float *GK = S + (size_t)G * ATT_BLOCK_ROWS * ATT_KEY_CHUNK; /* [ATT_KEY_CHUNK][hd] gathered K */
+    float *GK = att_gather_k(Q, G, hd);                     /* [ATT_KEY_CHUNK][hd] gathered K, after S */
     float *GV = GK + (size_t)ATT_KEY_CHUNK * hd;             /* [ATT_KEY_CHUNK][hd] gathered V */
     float m[ATT_MAX_G * ATT_BLOCK_ROWS], l[ATT_MAX_G * ATT_BLOCK_ROWS];
     for (int hh = 0; hh < G; hh++)
@@ -1012,31 +1018,33 @@ static void amx_config(void) {
     _tile_loadconfig(&c);
 }
 
-/* 32 f32 as bf16 (nearest even) into dst [32]. */
-static inline void bf_row32(const float *src, float a, uint16_t *dst) {
-    const __m512 va = _mm512_set1_ps(a);
-    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + 16), va),
-                                                         _mm512_mul_ps(_mm512_loadu_ps(src), va)));
+/* f32 of the bf16 words in the low (hi = 0) or high (hi = 1) half of x. */
+static inline __m512 bf_widen(__m512i x, int hi) {
+    const __m256i h = hi ? _mm512_extracti64x4_epi64(x, 1) : _mm512_castsi512_si256(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* 32 f32 · a as two bf16 rows: hi = bf16(x), lo = bf16(x - hi) (hi + lo holds 16 significant bits; an
- * f16 value exactly). */
+/* x0, x1 (16 f32 each) as bf16 hi/lo halves: *hi = bf16(x) (x0's low, x1's high), *lo = bf16(x - hi), the
+ * same order (hi + lo holds 16 significant bits; an f16 value exactly). */
+static inline void bf_split(__m512 x0, __m512 x1, __m512i *hi, __m512i *lo) {
+    *hi = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, bf_widen(*hi, 1)), _mm512_sub_ps(x0, bf_widen(*hi, 0)));
+}
+
+/* 32 f32 · a as two bf16 rows hi [32], lo [32]. */
 static inline void bf_split32(const float *src, float a, uint16_t *hi, uint16_t *lo) {
     const __m512 va = _mm512_set1_ps(a);
-    const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(src), va), x1 = _mm512_mul_ps(_mm512_loadu_ps(src + 16), va);
-    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
-    const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-    const __m512 h1 =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    __m512i h, l;
+    bf_split(_mm512_mul_ps(_mm512_loadu_ps(src), va), _mm512_mul_ps(_mm512_loadu_ps(src + 16), va), &h, &l);
     _mm512_storeu_si512(hi, h);
-    _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0)));
+    _mm512_storeu_si512(lo, l);
 }
 
-/* 16 values of a and 16 of b as bf16 pairs (a[i], b[i]), i = 0..15. */
-static inline __m512i bf_interleave(__m512 a, __m512 b) {
+/* The 32 bf16 words of x (a[0..15] low, b[0..15] high) as pairs (a[i], b[i]), i = 0..15. */
+static inline __m512i bf_pairs(__m512i x) {
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    return _mm512_permutexvar_epi16(idx, x);
 }
 
 /* Kp (hi, then lo: 2 x [hd/2][ATT_KEY_CHUNK][2]) and Vp (hi, then lo: 2 x [ATT_KEY_CHUNK/2][hd][2]) from w f32 rows K, V (ld floats
@@ -1064,18 +1072,10 @@ static void amx_pack_kv(const float *K, const float *V, int ld, int w, int wp, i
         for (int d = 0; d < hd; d += 16) {
             __m512 a = k < w ? _mm512_loadu_ps(V + (size_t)k * ld + d) : _mm512_setzero_ps();
             __m512 b = k + 1 < w ? _mm512_loadu_ps(V + (size_t)(k + 1) * ld + d) : _mm512_setzero_ps();
-            const __m512i hi = bf_interleave(a, b);
-            /* lo: what the hi pairs leave (the same interleave of the residuals) */
-            const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-            const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a's bf16 low, b's high */
-            const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-            const __m512 hb =
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
-            const __m512i lo = _mm512_permutexvar_epi16(
-                idx, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
-            _mm512_storeu_si512(Vp + ((size_t)(k / 2) * hd + d) * 2, hi);
-            _mm512_storeu_si512(Vp + (size_t)ATT_KEY_CHUNK * hd + ((size_t)(k / 2) * hd + d) * 2, lo);
+            __m512i hi, lo; /* keys k and k + 1 of 16 dimensions, then as (k, k + 1) pairs */
+            bf_split(a, b, &hi, &lo);
+            _mm512_storeu_si512(Vp + ((size_t)(k / 2) * hd + d) * 2, bf_pairs(hi));
+            _mm512_storeu_si512(Vp + (size_t)ATT_KEY_CHUNK * hd + ((size_t)(k / 2) * hd + d) * 2, bf_pairs(lo));
         }
 }
 
@@ -1202,9 +1202,7 @@ static float amx_softmax_row(const float *s, int lim, int wp, float *m, float *l
         __m512 e1 = _mm512_maskz_mov_ps(k1, exp16_bf(_mm512_sub_ps(_mm512_maskz_loadu_ps(k1, s + k + 16), vm)));
         const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
         _mm512_storeu_si512(p + k, b);
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16)));
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(
-                                     _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(bf_widen(b, 0), bf_widen(b, 1)));
     }
     *l = *l * alpha + _mm512_reduce_add_ps(sum);
     *m = m_new;
@@ -1219,8 +1217,7 @@ static void attn_pack_amx_task(void *arg, int t, int thread) {
     const int hd = g->head_dim, G = g->n_head / g->n_head_kv, kvd = g->n_head_kv * hd;
     const int kvh = t / j->n_chunks, c0 = (t % j->n_chunks) * ATT_KEY_CHUNK;
     const int w = j->max_lim - c0 < ATT_KEY_CHUNK ? j->max_lim - c0 : ATT_KEY_CHUNK, wp = (w + 31) / 32 * 32;
-    float *base = j->scratch + (size_t)thread * j->per_thread;
-    float *GK = base + (size_t)G * ATT_BLOCK_ROWS * hd * 2 + (size_t)G * ATT_BLOCK_ROWS * ATT_KEY_CHUNK;
+    float *GK = att_gather_k(j->scratch + (size_t)thread * j->per_thread, G, hd);
     float *GV = GK + (size_t)ATT_KEY_CHUNK * hd;
     uint16_t *Kp = j->pack + (size_t)t * 4 * ATT_KEY_CHUNK * hd, *Vp = Kp + (size_t)2 * ATT_KEY_CHUNK * hd;
     int ld;

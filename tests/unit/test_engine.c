@@ -216,6 +216,19 @@ static void kv_pool_free(kv_pool_t *p) {
     free(p->tab);
 }
 
+/* Random attention inputs: q [qn], K and V [kn]; key limits [n], mostly causal-like, some arbitrary (incl.
+ * limits < n, and 1). */
+static void attn_inputs(float *q, size_t qn, float *kc, float *vc, size_t kn, int32_t *lim, int n, int keys) {
+    fill(q, qn, 2.0f);
+    fill(kc, kn, 2.0f);
+    fill(vc, kn, 1.0f);
+    for (int i = 0; i < n; i++) {
+        lim[i] = (i % 5 == 3) ? 1 + (int)((frand() + 1) * 0.5f * (keys - 1)) : keys - n + i + 1;
+        if (lim[i] < 1) lim[i] = 1;
+    }
+    lim[0] = 1;
+}
+
 /* The kernel over a contiguous table (blocks 0, 1, 2, ...) against the double reference, and over a
  * shuffled table in a larger pool ({2, 0, 3, 1}-like) bit for bit against the contiguous one. */
 static int check_attention_bt(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
@@ -226,14 +239,7 @@ static int check_attention_bt(int H, int HKV, int hd, int n, int keys, int nt, i
     float *o2 = malloc(qn * 4);
     int32_t *lim = malloc(sizeof(int32_t) * (size_t)n);
     float *scr = malloc(sizeof(float) * cb_cpu_attention_scratch(&g, n, keys, nt));
-    fill(q, qn, 2.0f);
-    fill(kc, kn, 2.0f);
-    fill(vc, kn, 1.0f);
-    for (int i = 0; i < n; i++) { /* mostly causal-like, some arbitrary (incl. limits < n, and 1) */
-        lim[i] = (i % 5 == 3) ? 1 + (int)((frand() + 1) * 0.5f * (keys - 1)) : keys - n + i + 1;
-        if (lim[i] < 1) lim[i] = 1;
-    }
-    lim[0] = 1;
+    attn_inputs(q, qn, kc, vc, kn, lim, n, keys);
     kv_pool_t pc, ps;
     kv_pool_make(&pc, kc, vc, keys, kvd, bt, nb, 0);
     kv_pool_make(&ps, kc, vc, keys, kvd, bt, nb + 3, 1);
@@ -290,14 +296,7 @@ static int check_attention_bf16(int H, int HKV, int hd, int n, int keys, int nt,
     float *o2 = malloc(qn * 4), *qr = malloc(qn * 4), *kr = malloc(kn * 4), *vr = malloc(kn * 4);
     int32_t *lim = malloc(sizeof(int32_t) * (size_t)n);
     float *scr = malloc(sizeof(float) * cb_cpu_attention_scratch(&g, n, keys, nt));
-    fill(q, qn, 2.0f);
-    fill(kc, kn, 2.0f);
-    fill(vc, kn, 1.0f);
-    for (int i = 0; i < n; i++) {
-        lim[i] = (i % 5 == 3) ? 1 + (int)((frand() + 1) * 0.5f * (keys - 1)) : keys - n + i + 1;
-        if (lim[i] < 1) lim[i] = 1;
-    }
-    lim[0] = 1;
+    attn_inputs(q, qn, kc, vc, kn, lim, n, keys);
     double vmax = 0;
     for (size_t i = 0; i < qn; i++) qr[i] = cb_bf16_to_f32(cb_f32_to_bf16(q[i] * g.scale));
     for (size_t i = 0; i < kn; i++) {
