@@ -60,6 +60,7 @@ typedef struct {
     int grad_end;              /* last measuring layer (= check_layer when gradual is off) */
     float ratio, start_ratio;
     float auto_target, auto_floor, auto_ceil; /* ratio = auto (auto_target > 0) */
+    float auto_cost_keys;      /* ratio = auto, metric a: rank by mass per cost (0 = by mass) */
     int n_chosen;              /* candidates kept by the (last) selection; -1 before one */
     char metric;
     bool overlap;
@@ -121,6 +122,7 @@ struct cb_blend {
     int32_t *src_of;           /* [max_ctx] source index or -1 */
     int32_t *act;              /* [max_ctx] active rows (positions), ascending */
     double *dev;               /* [max_ctx] deviation of active index i (candidates) */
+    double *wdev;              /* [max_ctx] the candidates' ranking score (auto_cost_keys) */
     int32_t *order;            /* [max_ctx] scratch for selection */
     int32_t *cand;             /* [max_ctx] scratch for selection */
     uint8_t *keep;             /* [max_ctx] */
@@ -157,6 +159,7 @@ void cb_blend_opts_default(cb_blend_opts_t *o) {
     o->probe_suffix = CB_BLEND_DEFAULT_PROBE_SUFFIX;
     o->auto_floor = CB_BLEND_DEFAULT_AUTO_FLOOR;
     o->auto_ceil = CB_BLEND_DEFAULT_AUTO_CEIL;
+    o->auto_cost_keys = CB_BLEND_DEFAULT_AUTO_COST_KEYS;
 }
 
 static const char *const MODE_NAMES[CB_BLEND_MODE_COUNT_] = {"full", "prefix", "reuse", "blend"};
@@ -219,6 +222,10 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
             return -1;
         }
     }
+    if (!(o->auto_cost_keys >= 0.0f && o->auto_cost_keys < 1e9f)) {
+        cb_set_err(err, errlen, "blend: auto cost keys %g must be >= 0 (0 = off)", (double)o->auto_cost_keys);
+        return -1;
+    }
     if (o->lead_tokens < 0) {
         cb_set_err(err, errlen, "blend: lead tokens %d < 0", o->lead_tokens);
         return -1;
@@ -274,8 +281,9 @@ cb_blend_t *cb_blend_new(cb_kvstore_t *store, char *err, size_t errlen) {
     b->ub_lim = malloc(sizeof(int32_t) * R);
     b->ub_tok = malloc(sizeof(int32_t) * R);
     b->mass = malloc(sizeof(float) * C);
+    b->wdev = malloc(sizeof(double) * C);
     if (!b->x || !b->q || !b->kb || !b->vb || !b->tok || !b->cls || !b->src_of || !b->act || !b->dev || !b->order ||
-        !b->cand || !b->keep || !b->ub_lim || !b->ub_tok || !b->mass) {
+        !b->cand || !b->keep || !b->ub_lim || !b->ub_tok || !b->mass || !b->wdev) {
         cb_set_err(err, errlen, "blend: out of memory (%d positions)", b->max_ctx);
         cb_blend_destroy(&b);
         return NULL;
@@ -323,6 +331,7 @@ void cb_blend_destroy(cb_blend_t **self_p) {
     free(b->ub_lim);
     free(b->ub_tok);
     free(b->mass);
+    free(b->wdev);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
     free(b);
@@ -519,9 +528,9 @@ static int select_rows(cb_blend_t *b, run_t *R, int n_act, int target) {
 
 /* Metric 'a': b->order [m] holds the candidate rows (ascending), b->dev [m] their attention mass. Makes
  * the `target` most attended (ties: lower position first) COMPUTED; the others stay LOADED. 0 or -1. */
-static int select_by_mass(cb_blend_t *b, int m, int target) {
+static int select_by_mass(cb_blend_t *b, int m, int target, const double *rank) {
     if (target > m) target = m;
-    if (cb_engine_topk(b->e, m, b->dev, target, b->cand) != CB_ENGINE_OK) return -1;
+    if (cb_engine_topk(b->e, m, rank, target, b->cand) != CB_ENGINE_OK) return -1;
     for (int j = 0; j < target; j++) {
         int r = b->order[b->cand[j]];
         b->cls[r] = CB_ROW_COMPUTED;
@@ -751,15 +760,21 @@ static int probe_finish(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
         if (b->keep[i] == 2) b->cls[i] = CB_ROW_COMPUTED, b->srcs[b->src_of[i]].n_loaded--;
     }
     for (int i = 0; i < m; i++) b->dev[i] = b->mass[b->order[i]];
+    const double *rank = b->dev;
+    const double p0 = R->auto_cost_keys;
+    if (R->auto_target > 0.0f && p0 > 0.0) { /* mass per unit cost: later rows attend over more keys */
+        for (int i = 0; i < m; i++) b->wdev[i] = b->dev[i] / (1.0 + (double)b->order[i] / p0);
+        rank = b->wdev;
+    }
     int target = target_at(R, R->check_layer);
     if (R->auto_target > 0.0f) {
         /* auto: the count from the sorted masses; b->order still maps candidate index -> row, so sort into cand */
         if (R->auto_target >= 1.0f) target = m;
-        else if (cb_engine_topk(b->e, m, b->dev, m, b->cand) != CB_ENGINE_OK) target = -1;
+        else if (cb_engine_topk(b->e, m, rank, m, b->cand) != CB_ENGINE_OK) target = -1;
         else target = auto_count(b->dev, b->cand, m, R->auto_target, R->auto_floor, R->auto_ceil);
     }
     R->n_chosen = target < m ? target : m;
-    if (target < 0 || select_by_mass(b, m, target)) {
+    if (target < 0 || select_by_mass(b, m, target, rank)) {
         cb_set_err(err, errlen, "blend: the backend failed (top-k)");
         return -1;
     }
@@ -1040,6 +1055,7 @@ static int begin_passes(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
     R->ratio = o->ratio;
     R->auto_target = o->auto_target;
     R->auto_floor = o->auto_floor;
+    R->auto_cost_keys = o->auto_cost_keys;
     R->auto_ceil = o->auto_ceil;
     R->start_ratio = o->gradual_ratio != 0.0f ? o->gradual_ratio : o->ratio;
     R->grad_end = o->gradual_ratio != 0.0f ? o->gradual_end_layer : o->check_layer;

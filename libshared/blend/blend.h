@@ -102,6 +102,10 @@ typedef struct {
                                    ones hold this share of all candidates' score, but never fewer than
                                    floor(auto_floor * #candidates) nor more than ceil(auto_ceil * #candidates);
                                    >= 1: every candidate (blend then equals full). `ratio` is not used. 0 = off */
+    float auto_cost_keys;       /* ratio = auto with metric 'a': > 0 ranks the candidates by attention mass per
+                                   unit of recompute cost, cost(row at position p) = 1 + p / auto_cost_keys
+                                   (the keys at which a row's attention costs as much as its matrix products);
+                                   the coverage rule is unchanged. 0 = rank by mass alone */
     float auto_floor, auto_ceil;    /* ratio = auto's bounds, 0 <= floor <= ceil <= 1 (defaults below) */
     bool no_overlap;            /* load each layer in the compute thread (serial), for comparison */
     cb_blend_attn_hook_t attn_hook; /* NULL = none */
@@ -125,6 +129,7 @@ typedef struct {
                                             fixed 0.15; 0.8 chose 8-11 % for 0.038 / 0.799; 0.5 sits on the floor */
 #define CB_BLEND_DEFAULT_AUTO_FLOOR 0.02f /* ratio = auto: at least 2 % of the candidates */
 #define CB_BLEND_DEFAULT_AUTO_CEIL 0.40f  /* ... and at most 40 % */
+#define CB_BLEND_DEFAULT_AUTO_COST_KEYS 0.0f /* ratio = auto: rank by mass alone (see auto_cost_keys) */
 #define CB_BLEND_DEFAULT_LEAD 0 /* measured with metric a: 4 lead tokens per chunk gave the same first-token KL
                                    for 3 % more recomputed rows (with metric v, -2.5 % KL; docs/eval.md) */
 

@@ -385,6 +385,7 @@ static int prefill_start(gen_t *g, query_t *r, char *err, size_t errlen) {
     o.auto_target = r->q->ratio_auto ? (float)a->auto_target : 0.0f;
     o.auto_floor = (float)a->auto_floor;
     o.auto_ceil = (float)a->auto_ceil;
+    o.auto_cost_keys = (float)a->auto_cost_keys;
     o.check_layer = a->check_layer;
     o.metric = a->metric;
     o.lead_tokens = a->lead_tokens;

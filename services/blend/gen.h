@@ -130,7 +130,7 @@ typedef struct {
     int check_layer;
     char metric;                 /* 'a', 'k' or 'v' (blend.h) */
     int lead_tokens;
-    double auto_target, auto_floor, auto_ceil; /* ratio = auto (blend.h opts.auto_*) */
+    double auto_target, auto_floor, auto_ceil, auto_cost_keys; /* ratio = auto (blend.h opts.auto_*) */
     bool store_misses;           /* `put` computed chunks into cb-cacheindex */
     int cacheindex_timeout_ms;   /* per touch/put of the notifier (one attempt) */
     cb_kvmem_t *mem;             /* borrowed, thread-safe: the in-memory tier */

@@ -80,7 +80,8 @@ static int usage(const char *why) {
             "  --skip N           skip the first N examples\n"
             "  --modes LIST       comma list (default full,prefix,reuse,blend); a token may carry overrides,\n"
             "                     blend:r=0.05:metric=k:check=1:gradual=0.3/6:lead=4:probe=15:psuf=16:overlap=0,\n"
-            "                     blend:r=auto (ratio = auto), blend:t=0.6:floor=0.02:ceil=0.4 (auto with that target)\n"
+            "                     blend:r=auto (ratio = auto), blend:t=0.6:floor=0.02:ceil=0.4 (auto with that target),\n"
+            "                     blend:r=auto:cost=3000 (auto ranking by mass per cost, 1 + pos / 3000)\n"
             "  --ratio R|auto     blend recompute ratio (default %.2f), or auto: chosen per example\n"
             "  --auto-target T    ratio = auto's share of the candidates' score to cover (implies auto)\n"
             "  --metric k|v|a     selection metric: K or V deviation, or attention from the question (default %c)\n"
@@ -152,6 +153,8 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
             v->o.auto_target = 0.0f;
         } else if (!strcmp(k, "t")) { /* ratio = auto with this target */
             if (!parse_float(val, 1e-6f, 1.0f, &v->o.auto_target)) return false;
+        } else if (!strcmp(k, "cost")) { /* ratio = auto ranks by mass per cost, 1 + pos / cost */
+            if (!parse_float(val, 0.0f, 1e8f, &v->o.auto_cost_keys)) return false;
         } else if (!strcmp(k, "floor")) {
             if (!parse_float(val, 0.0f, 1.0f, &v->o.auto_floor)) return false;
         } else if (!strcmp(k, "ceil")) {
@@ -246,6 +249,7 @@ static json_t *summary_mode(const variant_t *v, const variant_t *full) {
     if (v->o.mode == CB_BLEND_BLEND) {
         json_object_set_new(c, "ratio", json_real(v->o.ratio));
         json_object_set_new(c, "auto_target", json_real(v->o.auto_target));
+        json_object_set_new(c, "auto_cost_keys", json_real(v->o.auto_cost_keys));
         char mt[2] = {v->o.metric, 0};
         json_object_set_new(c, "metric", json_string(mt));
         json_object_set_new(c, "check_layer", json_integer(v->o.check_layer));

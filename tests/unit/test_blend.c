@@ -285,6 +285,23 @@ TEST(test_blend_ratio1_equals_full) {
     free(full), free(bl);
 }
 
+/* The candidate rows (positions below `lim`) the main pass computes: a pass's layer-0 calls after any call at
+ * a later layer start a new pass, so the last pass's counts remain. */
+typedef struct {
+    int lim, last_layer, n;
+    double sum;
+} pos_state_t;
+
+static void pos_hook(void *ud, int layer, int n, const int32_t *pos, const int32_t *lim) {
+    pos_state_t *p = ud;
+    (void)lim;
+    if (layer == 0 && p->last_layer > 0) p->n = 0, p->sum = 0.0;
+    p->last_layer = layer;
+    if (layer != 0) return;
+    for (int i = 0; i < n; i++)
+        if (pos[i] < p->lim) p->n++, p->sum += pos[i];
+}
+
 /* ratio = auto: deterministic; never below the floor nor above the ceiling; easy targets choose fewer
  * rows than hard ones; target 1.0 chooses every candidate and then equals full; both metrics */
 TEST(test_ratio_auto) {
@@ -298,10 +315,12 @@ TEST(test_ratio_auto) {
     float *full = malloc(sizeof(float) * V), *a = malloc(sizeof(float) * V), *b2 = malloc(sizeof(float) * V);
     cb_blend_opts_t o = opts_mode(CB_BLEND_FULL);
     CHECK(run(&f, g_k, &o, full, NULL) == 0);
-    const char metrics[2] = {'a', 'v'};
-    for (int mi = 0; mi < 2; mi++) {
+    const char metrics[3] = {'a', 'v', 'a'};
+    const float costs[3] = {0.0f, 0.0f, 4.0f}; /* the last: metric a ranked by mass per cost */
+    for (int mi = 0; mi < 3; mi++) {
         o = opts_mode(CB_BLEND_BLEND);
         o.metric = metrics[mi];
+        o.auto_cost_keys = costs[mi];
         o.ratio = 0.77f; /* not used with auto */
         o.auto_floor = 0.05f;
         o.auto_ceil = 0.5f;
@@ -313,8 +332,9 @@ TEST(test_ratio_auto) {
             CHECK(run(&f, g_k, &o, a, &s1) == 0);
             CHECK(run(&f, g_k, &o, b2, &s2) == 0);
             int m = s1.n_candidates, lo = (int)floor(0.05 * m + 1e-9), hi = (int)ceil(0.5 * m - 1e-9);
-            fprintf(stderr, "  metric %c, auto target %.3f: %d of %d candidates (ratio %.3f), %d recomputed\n",
-                    o.metric, (double)targets[t], s1.n_chosen, m, (double)s1.ratio_chosen, s1.tokens_recomputed);
+            fprintf(stderr, "  metric %c, cost %g, auto target %.3f: %d of %d candidates (ratio %.3f), %d recomputed\n",
+                    o.metric, (double)o.auto_cost_keys, (double)targets[t], s1.n_chosen, m, (double)s1.ratio_chosen,
+                    s1.tokens_recomputed);
             CHECK(m > 0);
             CHECK(s1.n_chosen == s2.n_chosen && s1.tokens_recomputed == s2.tokens_recomputed); /* deterministic */
             CHECK(max_diff(a, b2, V) == 0.0);
@@ -335,6 +355,29 @@ TEST(test_ratio_auto) {
         fprintf(stderr, "  metric %c, auto target 1.0 vs full: max |dlogit| = %.3g\n", o.metric, d);
         CHECK_NEAR(d, 0, LOGIT_TOL);
     }
+    /* ranked by mass per cost (1 + pos / 4 keys), auto covers the same share of the mass with earlier rows */
+    double mean[2];
+    for (int c = 0; c < 2; c++) {
+        o = opts_mode(CB_BLEND_BLEND);
+        o.auto_target = 0.6f;
+        o.auto_cost_keys = c ? 4.0f : 0.0f;
+        pos_state_t ps = {n_total(g_k) - g_ns, 0, 0, 0.0};
+        o.attn_hook = pos_hook;
+        o.attn_hook_ud = &ps;
+        cb_blend_stats_t sc;
+        CHECK(run(&f, g_k, &o, a, &sc) == 0);
+        CHECK(ps.n == sc.n_chosen && ps.n > 0);
+        mean[c] = ps.sum / ps.n;
+        fprintf(stderr, "  auto target 0.6, cost %g: %d chosen, mean position %.1f\n", (double)o.auto_cost_keys,
+                sc.n_chosen, mean[c]);
+    }
+    CHECK(mean[1] < mean[0]);
+    o = opts_mode(CB_BLEND_BLEND);
+    o.auto_target = 0.5f;
+    o.auto_cost_keys = -1.0f;
+    char cerr[256];
+    CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, a, NULL, cerr, sizeof cerr) ==
+          CB_ENGINE_EINVAL);
     /* a fixed ratio reports what it chose too */
     o = opts_mode(CB_BLEND_BLEND);
     cb_blend_stats_t st;
