@@ -222,8 +222,9 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
             return -1;
         }
     }
-    if (!(o->auto_cost_keys >= 0.0f && o->auto_cost_keys < 1e9f)) {
-        cb_set_err(err, errlen, "blend: auto cost keys %g must be >= 0 (0 = off)", (double)o->auto_cost_keys);
+    if (!(o->auto_cost_keys >= 0.0f && o->auto_cost_keys <= CB_BLEND_AUTO_COST_KEYS_MAX)) {
+        cb_set_err(err, errlen, "blend: auto cost keys %g not in 0..%g (0 = off)", (double)o->auto_cost_keys,
+                   (double)CB_BLEND_AUTO_COST_KEYS_MAX);
         return -1;
     }
     if (o->lead_tokens < 0) {

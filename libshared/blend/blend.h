@@ -129,6 +129,7 @@ typedef struct {
                                             fixed 0.15; 0.8 chose 8-11 % for 0.038 / 0.799; 0.5 sits on the floor */
 #define CB_BLEND_DEFAULT_AUTO_FLOOR 0.02f /* ratio = auto: at least 2 % of the candidates */
 #define CB_BLEND_DEFAULT_AUTO_CEIL 0.40f  /* ... and at most 40 % */
+#define CB_BLEND_AUTO_COST_KEYS_MAX 1e8f /* auto_cost_keys' upper bound (config, cb-eval, opts) */
 #define CB_BLEND_DEFAULT_AUTO_COST_KEYS 0.0f /* ratio = auto: rank by mass alone. 3000 gave KL -0.0031 (se 0.0016)
                                                on 40 MuSiQue examples (AMX), +0.0012 (0.0012) on 20 (AVX2): off
                                                until a larger run settles it (docs/eval.md) */

@@ -603,8 +603,8 @@ int main(int argc, char **argv) {
                           sizeof err) ||
         !cb_config_double(cfg, SECTION, "auto_ceil", 0.0, 1.0, CB_BLEND_DEFAULT_AUTO_CEIL, &ga.auto_ceil, err,
                           sizeof err) ||
-        !cb_config_double(cfg, SECTION, "auto_cost_keys", 0.0, 1e8, CB_BLEND_DEFAULT_AUTO_COST_KEYS, &ga.auto_cost_keys,
-                          err, sizeof err) ||
+        !cb_config_double(cfg, SECTION, "auto_cost_keys", 0.0, CB_BLEND_AUTO_COST_KEYS_MAX,
+                          CB_BLEND_DEFAULT_AUTO_COST_KEYS, &ga.auto_cost_keys, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "k", 1, GEN_MAX_CONTEXTS, 3, &b.def.k, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_tokens", 1, 4096, 64, &b.def.max_tokens, err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "temperature", 0.0, 5.0, 0.0, &b.def.temperature, err, sizeof err) ||

@@ -154,7 +154,7 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
         } else if (!strcmp(k, "t")) { /* ratio = auto with this target */
             if (!parse_float(val, 1e-6f, 1.0f, &v->o.auto_target)) return false;
         } else if (!strcmp(k, "cost")) { /* ratio = auto ranks by mass per cost, 1 + pos / cost */
-            if (!parse_float(val, 0.0f, 1e8f, &v->o.auto_cost_keys)) return false;
+            if (!parse_float(val, 0.0f, CB_BLEND_AUTO_COST_KEYS_MAX, &v->o.auto_cost_keys)) return false;
         } else if (!strcmp(k, "floor")) {
             if (!parse_float(val, 0.0f, 1.0f, &v->o.auto_floor)) return false;
         } else if (!strcmp(k, "ceil")) {

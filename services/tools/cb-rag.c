@@ -92,8 +92,8 @@ int main(int argc, char **argv) {
         !cb_config_double(cfg, "blend", "auto_target", 1e-6, 1, CB_BLEND_DEFAULT_AUTO_TARGET, &auto_t, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "auto_floor", 0, 1, CB_BLEND_DEFAULT_AUTO_FLOOR, &auto_f, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "auto_ceil", 0, 1, CB_BLEND_DEFAULT_AUTO_CEIL, &auto_c, err, sizeof err) ||
-        !cb_config_double(cfg, "blend", "auto_cost_keys", 0, 1e8, CB_BLEND_DEFAULT_AUTO_COST_KEYS, &auto_k, err,
-                          sizeof err) ||
+        !cb_config_double(cfg, "blend", "auto_cost_keys", 0, CB_BLEND_AUTO_COST_KEYS_MAX,
+                          CB_BLEND_DEFAULT_AUTO_COST_KEYS, &auto_k, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "max_tokens", 1, 4096, 64, &max_tokens, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "temperature", 0, 5, 0, &temp, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "top_p", 1e-9, 1, 1, &top_p, err, sizeof err) ||
