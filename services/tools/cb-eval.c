@@ -15,8 +15,10 @@
  *
  * --modes is a comma list of mode names, each optionally with overrides, e.g.
  *   full,prefix,reuse,blend,blend:r=0.05,blend:metric=k,blend:gradual=0.3/6,blend:lead=4,blend:overlap=0
- * (keys: r, metric, check, gradual R1/L, lead, probe (layers), psuf (probe suffix rows), overlap 0|1); the token
- * is the mode's label. Plain `blend` takes --ratio, --metric, --check-layer, --gradual, --lead, --probe-layers,
+ * (keys: r (a ratio or auto), t (auto's target), cost, floor, ceil, metric, check, gradual R1/L, lead, probe
+ * (layers), psuf (probe suffix rows), overlap 0|1, kv (the chunk files' dtype: f16|f32|bf16|q8_0, kept in
+ * KV_DIR/<dtype> when it is not --kv-dtype's, so e.g. `blend,blend:kv=q8_0` compares two file dtypes against
+ * the same full in one run)); the token is the mode's label. Plain `blend` takes --ratio, --metric, --check-layer, --gradual, --lead, --probe-layers,
  * --probe-suffix, --no-overlap.
  *
  * Output: OUT/results.jsonl (one line per example and mode: id, mode, answer, f1, agree_f1,
@@ -62,10 +64,13 @@
 #include "model/tokenizer.h"
 
 #define MAX_VARIANTS 32
+#define MAX_STORES 4 /* chunk-file dtypes: f32, f16, bf16, q8_0 */
 
 typedef struct {
     char label[64];
     cb_blend_opts_t o;
+    int kv_dtype;              /* the chunk files' dtype (mode key kv=); -1: the run's --kv-dtype */
+    int store;                 /* index of its chunk store (stores[], one per dtype in use) */
     /* sums over examples */
     int n, n_agree, n_ftm, n_kl;
     double f1, agree, ftm, kl, ttft, ttft_cpu, rfrac, load, wait, sel, comp, resolve;
@@ -82,6 +87,7 @@ static int usage(const char *why) {
             "                     blend:r=0.05:metric=k:check=1:gradual=0.3/6:lead=4:probe=15:psuf=16:overlap=0,\n"
             "                     blend:r=auto (ratio = auto), blend:t=0.6:floor=0.02:ceil=0.4 (auto with that target),\n"
             "                     blend:r=auto:cost=3000 (auto ranking by mass per cost, 1 + pos / 3000)\n"
+            "                     blend:kv=q8_0 (chunk files of that dtype, in KV_DIR/q8_0)\n"
             "  --ratio R|auto     blend recompute ratio (default %.2f), or auto: chosen per example\n"
             "  --auto-target T    ratio = auto's share of the candidates' score to cover (implies auto)\n"
             "  --metric k|v|a     selection metric: K or V deviation, or attention from the question (default %c)\n"
@@ -140,6 +146,7 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
     if (m < 0) return false;
     v->o = *base;
     v->o.mode = (cb_blend_mode_t)m;
+    v->kv_dtype = -1;
     for (char *kv = strtok_r(NULL, ":", &save); kv; kv = strtok_r(NULL, ":", &save)) {
         char *eq = strchr(kv, '=');
         if (!eq) return false;
@@ -180,6 +187,8 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
         } else if (!strcmp(k, "overlap")) {
             if (strcmp(val, "0") && strcmp(val, "1")) return false;
             v->o.no_overlap = val[0] == '0';
+        } else if (!strcmp(k, "kv")) { /* this mode's chunk files in another dtype (their own store) */
+            if ((v->kv_dtype = cb_kv_dtype_parse(val)) < 0) return false;
         } else {
             return false;
         }
@@ -552,6 +561,7 @@ int main(int argc, char **argv) {
             snprintf(vs[0].label, sizeof vs[0].label, "full");
             vs[0].o = base;
             vs[0].o.mode = CB_BLEND_FULL;
+            vs[0].kv_dtype = -1;
             nv++;
         }
         /* full first: the others are scored against its answer */
@@ -568,9 +578,20 @@ int main(int argc, char **argv) {
     cb_model_t *model = NULL;
     cb_tokenizer_t *tok = NULL;
     cb_engine_t *eng = NULL;
-    cb_kvmem_t *mem = NULL;
-    cb_kvstore_t *store = NULL;
-    cb_blend_t *bl = NULL;
+    /* one chunk store (and blend over it) per chunk-file dtype in use: [0] --kv-dtype's in kv_dir, the others
+     * (mode key kv=) in kv_dir/<dtype>, since a file's name does not depend on its dtype; each its own memory
+     * tier, which is keyed by chunk too */
+    cb_kvmem_t *mem[MAX_STORES] = {NULL};
+    cb_kvstore_t *store[MAX_STORES] = {NULL};
+    cb_blend_t *bl[MAX_STORES] = {NULL};
+    cb_kv_dtype_t store_dt[MAX_STORES] = {dtype};
+    int n_stores = 1;
+    for (int i = 0; i < nv; i++) {
+        int dt = vs[i].kv_dtype < 0 ? (int)dtype : vs[i].kv_dtype, si = 0;
+        while (si < n_stores && (int)store_dt[si] != dt) si++;
+        if (si == n_stores) store_dt[n_stores++] = (cb_kv_dtype_t)dt; /* at most one per dtype */
+        vs[i].store = si;
+    }
     cb_seq_t *seq = NULL;
     cb_qa_set_t *set = NULL;
     float *logits = NULL;
@@ -630,11 +651,19 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cb-eval: cannot create %s or %s: %s\n", kv_dir, out, strerror(errno));
         goto done;
     }
-    if (mem_mb > 0 && !(mem = cb_kvmem_new((size_t)mem_mb << 20))) goto done;
-    if (!(store = cb_kvstore_new(eng, kv_dir, mem, dtype, err, sizeof err)) ||
-        !(bl = cb_blend_new(store, err, sizeof err))) {
-        fprintf(stderr, "cb-eval: %s\n", err);
-        goto done;
+    for (int si = 0; si < n_stores; si++) {
+        char dir[4096];
+        if (snprintf(dir, sizeof dir, si ? "%s/%s" : "%s", kv_dir, cb_kv_dtype_name(store_dt[si])) >= (int)sizeof dir ||
+            mkdir_p(dir) != 0) {
+            fprintf(stderr, "cb-eval: cannot create %s/%s\n", kv_dir, cb_kv_dtype_name(store_dt[si]));
+            goto done;
+        }
+        if (mem_mb > 0 && !(mem[si] = cb_kvmem_new((size_t)mem_mb << 20))) goto done;
+        if (!(store[si] = cb_kvstore_new(eng, dir, mem[si], store_dt[si], err, sizeof err)) ||
+            !(bl[si] = cb_blend_new(store[si], err, sizeof err))) {
+            fprintf(stderr, "cb-eval: %s\n", err);
+            goto done;
+        }
     }
     if (!(seq = cb_seq_new(eng)) || !(logits = malloc(sizeof(float) * (size_t)hp->n_vocab)) || !(gen = malloc(sizeof(int32_t) * (size_t)max_new)) ||
         !(lp_full = malloc(sizeof(double) * (size_t)hp->n_vocab)) || !(lp_mode = malloc(sizeof(double) * (size_t)hp->n_vocab)))
@@ -679,7 +708,7 @@ int main(int argc, char **argv) {
     json_object_set_new(config, "probe_suffix", json_integer(base.probe_suffix));
     json_object_set_new(config, "overlap", json_boolean(!base.no_overlap));
     json_object_set_new(config, "threads", json_integer(cb_engine_threads(eng)));
-    json_object_set_new(config, "kv_dtype", json_string(dtype == CB_KV_F16 ? "f16" : dtype == CB_KV_F32 ? "f32" : "bf16"));
+    json_object_set_new(config, "kv_dtype", json_string(cb_kv_dtype_name(dtype)));
     json_object_set_new(config, "mem_mb", json_integer(mem_mb));
     json_object_set_new(config, "max_new_tokens", json_integer(max_new));
     json_object_set_new(config, "prefix_tokens", json_integer(n_prefix));
@@ -741,14 +770,15 @@ int main(int argc, char **argv) {
         /* precompute missing chunk files (not timed) */
         double tp = cb_now_ms();
         int n_computed = 0;
-        for (int c = 0; c < nc; c++) {
-            cb_kvstore_src_t src;
-            if (cb_kvstore_ensure(store, prefix, n_prefix, chunk_tok[c], chunk_n[c], &src, NULL, err, sizeof err)) {
-                fprintf(stderr, "cb-eval: %s: chunk %d: %s\n", ex->id, c, err);
-                goto done;
+        for (int si = 0; si < n_stores; si++)
+            for (int c = 0; c < nc; c++) {
+                cb_kvstore_src_t src;
+                if (cb_kvstore_ensure(store[si], prefix, n_prefix, chunk_tok[c], chunk_n[c], &src, NULL, err, sizeof err)) {
+                    fprintf(stderr, "cb-eval: %s: chunk %d (%s): %s\n", ex->id, c, cb_kv_dtype_name(store_dt[si]), err);
+                    goto done;
+                }
+                n_computed += src == CB_KVSTORE_COMPUTED;
             }
-            n_computed += src == CB_KVSTORE_COMPUTED;
-        }
         fprintf(stderr, "[%d/%d] %s: %lld tokens, %d chunks (%d precomputed in %.1f s)\n", ei - first + 1, last - first,
                 ex->id, total, nc, n_computed, (cb_now_ms() - tp) / 1e3);
         cb_blend_chunk_t chunks[CB_QA_MAX_CTXS];
@@ -779,7 +809,7 @@ int main(int argc, char **argv) {
             variant_t *v = &vs[vi];
             cb_blend_stats_t bst;
             double t0 = cb_now_ms(), c0 = cpu_ms();
-            if (cb_blend_prefill(bl, seq, prefix, n_prefix, chunks, nc, suffix, n_suffix, &v->o, logits, &bst, err,
+            if (cb_blend_prefill(bl[v->store], seq, prefix, n_prefix, chunks, nc, suffix, n_suffix, &v->o, logits, &bst, err,
                                  sizeof err) != CB_ENGINE_OK) {
                 fprintf(stderr, "cb-eval: %s: %s: %s\n", ex->id, v->label, err);
                 goto done;
@@ -917,9 +947,11 @@ done:
     free(lp_full);
     free(lp_mode);
     cb_seq_destroy(&seq);
-    cb_blend_destroy(&bl);
-    cb_kvstore_destroy(&store);
-    cb_kvmem_destroy(&mem);
+    for (int si = 0; si < MAX_STORES; si++) {
+        cb_blend_destroy(&bl[si]);
+        cb_kvstore_destroy(&store[si]);
+        cb_kvmem_destroy(&mem[si]);
+    }
     cb_engine_destroy(&eng);
     cb_tokenizer_destroy(&tok);
     cb_model_destroy(&model);
