@@ -138,16 +138,29 @@ static int cpu_kv_write(void *ctx, int layer, const cb_kv_table_t *t, const int3
     return 0;
 }
 
-#define LOAD_TMP_FLOATS 4096 /* kv_load into an f16 pool: f32 values converted at a time (on the caller's stack) */
+#define LOAD_TMP_FLOATS 4096 /* kv_load into an f16 pool: f32 values converted at a time (on the caller's stack);
+                              * a multiple of the Q8_0 block */
+
+/* Heads of a row that load_rows_f16 converts at a time (whole heads, at most LOAD_TMP_FLOATS values). */
+static int load_heads(const cpu_ctx_t *c) {
+    const int hd = c->rope_hd, nkv = c->kvd / hd;
+    return LOAD_TMP_FLOATS / hd < nkv ? LOAD_TMP_FLOATS / hd : nkv;
+}
+
+/* Byte offset of value e of a KV payload of dtype: e * value size, or for Q8_0 (e % 32 == 0) its block's. */
+static size_t kv_src_off(cb_kv_dtype_t dtype, size_t e) {
+    return dtype == CB_KV_Q8_0 ? cb_kv_row_bytes(CB_KV_Q8_0, e) : e * cb_kv_dtype_size(dtype);
+}
 
 /* kv_load into an f16 pool, rows of positions p..p+w-1 at kdst, vdst (consecutive pool rows) from ksrc, vsrc
- * (dtype): each row converted to f32 on the stack, K rotated there as the f32 pool does it (the table's
- * coefficients, or the same ones computed), then rounded to f16 once; V from an f16 source copied as is
- * (converting it to f32 and back is the identity). */
+ * (dtype): each row converted to f32 on the stack (load_heads whole heads at a time: whole Q8_0 blocks, as
+ * cpu_kv_load checks), K rotated there as the f32 pool does it (the table's coefficients, or the same ones computed),
+ * then rounded to f16 once; V from an f16 source copied as is (converting it to f32 and back is the
+ * identity). */
 static void load_rows_f16(const cpu_ctx_t *c, uint16_t *kdst, uint16_t *vdst, int p, int w, const uint8_t *ksrc,
                           const uint8_t *vsrc, cb_kv_dtype_t dtype, float rope_base, bool table) {
-    const size_t esz = cb_kv_dtype_size(dtype), kvd = (size_t)c->kvd;
-    const int hd = c->rope_hd, nkv = c->kvd / hd, hs = LOAD_TMP_FLOATS / hd < nkv ? LOAD_TMP_FLOATS / hd : nkv;
+    const size_t kvd = (size_t)c->kvd;
+    const int hd = c->rope_hd, nkv = c->kvd / hd, hs = load_heads(c);
     float tmp[LOAD_TMP_FLOATS], cs_row[CB_KV_MAX_HEAD_DIM];
     for (int j = 0; j < w; j++) {
         const int32_t pj = p + j;
@@ -159,7 +172,7 @@ static void load_rows_f16(const cpu_ctx_t *c, uint16_t *kdst, uint16_t *vdst, in
         for (int h0 = 0; h0 < nkv; h0 += hs) { /* whole heads at a time */
             const int nh = nkv - h0 < hs ? nkv - h0 : hs;
             const size_t e = (size_t)j * kvd + (size_t)h0 * hd, cnt = (size_t)nh * hd;
-            cb_cpu_kv_to_f32(dtype, ksrc + e * esz, tmp, cnt);
+            cb_cpu_kv_to_f32(dtype, ksrc + kv_src_off(dtype, e), tmp, cnt);
             cb_cpu_rope_apply(tmp, 1, nh, hd, cs);
             cb_cpu_f32_to_f16(tmp, kdst + e, cnt);
         }
@@ -170,7 +183,7 @@ static void load_rows_f16(const cpu_ctx_t *c, uint16_t *kdst, uint16_t *vdst, in
     }
     for (size_t e = 0, all = (size_t)w * kvd; e < all; e += LOAD_TMP_FLOATS) {
         const size_t cnt = all - e < LOAD_TMP_FLOATS ? all - e : LOAD_TMP_FLOATS;
-        cb_cpu_kv_to_f32(dtype, vsrc + e * esz, tmp, cnt);
+        cb_cpu_kv_to_f32(dtype, vsrc + kv_src_off(dtype, e), tmp, cnt);
         cb_cpu_f32_to_f16(tmp, vdst + e, cnt);
     }
 }
@@ -181,9 +194,10 @@ static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
                        cb_kv_dtype_t dtype, float rope_base) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || layer < 0 || layer >= c->n_layer || pos0 < 0 || n < 0 || pos0 > t->n_pos - n) return -1;
-    const size_t esz = cb_kv_dtype_size(dtype), kvd = (size_t)c->kvd;
-    if (!esz) return -1;
+    const size_t kvd = (size_t)c->kvd, rowb = cb_kv_row_bytes(dtype, kvd); /* bytes of a source row */
     const int hd = c->rope_hd, nkv = c->kvd / hd;
+    if (!rowb) return -1; /* not a dtype, or a Q8_0 row of kvd % 32 != 0 */
+    if (dtype == CB_KV_Q8_0 && load_heads(c) < nkv && (load_heads(c) * hd) % 32) return -1; /* no such model */
     const bool table = rope_base == c->rope_base;
     uint8_t *kpl = pool_layer(c, c->kpool, layer), *vpl = pool_layer(c, c->vpool, layer);
     if (c->dtype == CB_KV_F16 && hd > CB_KV_MAX_HEAD_DIM) return -1;
@@ -194,13 +208,12 @@ static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
         size_t r = pool_row(c, t, p), i = (size_t)(p - pos0);
         if (c->dtype == CB_KV_F16) {
             load_rows_f16(c, (uint16_t *)(void *)pool_at(c, kpl, r), (uint16_t *)(void *)pool_at(c, vpl, r), p, w,
-                          (const uint8_t *)k + i * kvd * esz, (const uint8_t *)v + i * kvd * esz, dtype, rope_base,
-                          table);
+                          (const uint8_t *)k + i * rowb, (const uint8_t *)v + i * rowb, dtype, rope_base, table);
             continue;
         }
         float *kp = (float *)(void *)kpl, *vp = (float *)(void *)vpl;
-        cb_cpu_kv_to_f32(dtype, (const uint8_t *)k + i * kvd * esz, kp + r * kvd, (size_t)w * kvd);
-        cb_cpu_kv_to_f32(dtype, (const uint8_t *)v + i * kvd * esz, vp + r * kvd, (size_t)w * kvd);
+        cb_cpu_kv_to_f32(dtype, (const uint8_t *)k + i * rowb, kp + r * kvd, (size_t)w * kvd);
+        cb_cpu_kv_to_f32(dtype, (const uint8_t *)v + i * rowb, vp + r * kvd, (size_t)w * kvd);
         if (table && p + w <= c->max_keys) {
             cb_cpu_rope_apply(kp + r * kvd, w, nkv, hd, c->rope_cs + (size_t)p * hd);
         } else {
@@ -424,6 +437,7 @@ static const cb_backend_ops_t CPU_OPS = {
     .kv_copy_block = cpu_kv_copy_block,
     .kv_write = cpu_kv_write,
     .kv_load = cpu_kv_load,
+    .kv_load_q8_0 = true,
     .kv_read = cpu_kv_read,
     .attn_mass = cpu_attn_mass,
     .kv_deviation = cpu_kv_deviation,

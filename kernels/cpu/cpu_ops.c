@@ -672,6 +672,11 @@ void cb_cpu_kv_to_f32(cb_kv_dtype_t dt, const void *src, float *dst, size_t n) {
         memcpy(dst, src, n * sizeof(float));
         return;
     }
+    if (dt == CB_KV_Q8_0) {
+        assert(n % 32 == 0);
+        cb_dequant(CB_TYPE_Q8_0, src, dst, n); /* kvfile's decoder: the same bits */
+        return;
+    }
     const uint16_t *h = src;
     size_t i = 0;
     if (dt == CB_KV_F16) {
@@ -1674,7 +1679,7 @@ void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const
 
 int cb_cpu_kv_deviation(int n, int width, const float *fresh, const void *const *cached, cb_kv_dtype_t dtype,
                         double *dev, float *row) {
-    if (!cb_kv_dtype_size(dtype)) return -1;
+    if (!cb_kv_dtype_size(dtype) && !(dtype == CB_KV_Q8_0 && width % 32 == 0)) return -1;
     for (int i = 0; i < n; i++) {
         cb_cpu_kv_to_f32(dtype, cached[i], row, (size_t)width);
         const float *a = fresh + (size_t)i * width;

@@ -108,7 +108,7 @@ typedef struct {
 } cb_cpu_kv_t;
 
 /* n values of a KV payload (dtype) as f32 (F16C / AVX-512 conversion where available); bit-identical to
- * kvfile's conversion. */
+ * kvfile's conversion. CB_KV_Q8_0: src starts at a block (f16 d, 32 int8: 34 bytes) and n % 32 == 0. */
 void cb_cpu_kv_to_f32(cb_kv_dtype_t dtype, const void *src, float *dst, size_t n);
 /* n f32 values to binary16, rounding to nearest even (F16C / AVX-512 where available, the portable
  * cb_f32_to_f16 for the rest): bit-identical to cb_f32_to_f16 (format/quant.h) for every input, NaN included. */
@@ -166,7 +166,8 @@ void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_c
 /* The host-side CacheBlend operations of the backend table (backend.h: kv_deviation, topk, compact_rows),
  * written once for every backend whose scores and activations are host buffers.
  * dev[i] = sum_j (fresh[i][j] - f32(cached[i][j]))^2 over j < width in double, j in order; fresh [n][width],
- * cached [n] row pointers in dtype; row: [width] floats of scratch. 0, or -1 for a bad dtype. */
+ * cached [n] row pointers in dtype (CB_KV_Q8_0: rows of width % 32 == 0, each starting at a block); row: [width]
+ * floats of scratch. 0, or -1 for a bad dtype. */
 int cb_cpu_kv_deviation(int n, int width, const float *fresh, const void *const *cached, cb_kv_dtype_t dtype,
                         double *dev, float *row);
 /* out [min(k, n)] = indices of the k largest score [n], NaN first, ties to the lower index; idx: [n] scratch. */

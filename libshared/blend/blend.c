@@ -373,7 +373,7 @@ static bool row_needs_cache(const run_t *R, int c, int l) {
  * done layer l), in host memory of dtype *dt. */
 static const void *cached_row(const cb_blend_t *b, int r, int l, int which, cb_kv_dtype_t *dt) {
     const src_t *s = &b->srcs[b->src_of[r]];
-    size_t off = (size_t)(r - s->row0) * b->KVD;
+    size_t off = (size_t)(r - s->row0) * b->KVD; /* values */
     const cb_kvmem_entry_t *e = s->kind == SRC_ENTRY ? s->entry : s->fill;
     if (e) {
         *dt = CB_KV_F32;
@@ -381,7 +381,7 @@ static const void *cached_row(const cb_blend_t *b, int r, int l, int which, cb_k
     }
     const uint8_t *raw = which ? s->raw_v[l] : s->raw_k[l];
     *dt = s->dtype;
-    return raw + off * cb_kv_dtype_size(s->dtype);
+    return raw + (size_t)(r - s->row0) * cb_kv_row_bytes(s->dtype, (size_t)b->KVD);
 }
 
 /* Places layer l's cached K/V of every row that needs them into the sequence (the backend's layer load: K
@@ -424,7 +424,7 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
             dt = s->dtype;
             if (!need_rows) continue;
         }
-        const size_t esz = cb_kv_dtype_size(dt);
+        const size_t rowb = cb_kv_row_bytes(dt, (size_t)KVD); /* bytes of a source row */
         /* contiguous runs of rows that need the cache: one layer load each */
         int i = 0;
         while (i < s->n) {
@@ -434,8 +434,8 @@ static int load_layer(cb_blend_t *b, run_t *R, int l) {
             }
             int j = i + 1;
             while (j < s->n && row_needs_cache(R, b->cls[s->row0 + j], l)) j++;
-            if (cb_engine_kv_load(b->e, b->seq, l, s->row0 + i, j - i, (const uint8_t *)kp + (size_t)i * KVD * esz,
-                                  (const uint8_t *)vp + (size_t)i * KVD * esz, dt) != CB_ENGINE_OK)
+            if (cb_engine_kv_load(b->e, b->seq, l, s->row0 + i, j - i, (const uint8_t *)kp + (size_t)i * rowb,
+                                  (const uint8_t *)vp + (size_t)i * rowb, dt) != CB_ENGINE_OK)
                 return -1;
             i = j;
         }
@@ -857,9 +857,9 @@ static int build_rows(cb_blend_t *b, cb_blend_mode_t mode, const int32_t *prefix
                 s->raw_k = calloc((size_t)b->L, sizeof(void *));
                 s->raw_v = calloc((size_t)b->L, sizeof(void *));
                 if (!s->raw_k || !s->raw_v) return -1;
-                /* with a memory tier the file is decoded into an entry that joins it; a block dtype (q8_0),
-                 * which the backends' row loads do not take, is decoded into one in any case */
-                if (cb_kvstore_mem(b->store) || !cb_kv_dtype_size(s->dtype)) {
+                /* with a memory tier the file is decoded into an entry that joins it; a block dtype (q8_0)
+                 * that the backend's row load does not take is decoded into one in any case */
+                if (cb_kvstore_mem(b->store) || !cb_engine_kv_load_takes(b->e, s->dtype)) {
                     s->fill = cb_kvmem_entry_new(b->L, b->hp->n_head_kv, b->HD, s->n);
                     if (!s->fill) return -1;
                     memcpy(cb_kvmem_entry_tokens_mut(s->fill), chunks[c].tokens, sizeof(int32_t) * (size_t)s->n);

@@ -25,6 +25,7 @@
 #ifndef CB_BACKEND_H
 #define CB_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -111,10 +112,14 @@ typedef struct {
     int (*kv_write)(void *ctx, int layer, const cb_kv_table_t *t, const int32_t *pos, int n, const float *k,
                     const float *v);
     /* A layer load: n cached rows for positions pos0..pos0+n-1 of table t from host memory k, v
-     * [n][kv_dim] in dtype (f32, f16 or bf16; a memory-tier entry or a KV file's mapping), converted to the
-     * pool's type, pre-RoPE K rotated to its position with base rope_base on the way. */
+     * [n][kv_dim] in dtype (f32, f16 or bf16, and q8_0 where kv_load_q8_0; a memory-tier entry or a KV
+     * file's mapping), converted to the pool's type, pre-RoPE K rotated to its position with base rope_base
+     * on the way. */
     int (*kv_load)(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
                    cb_kv_dtype_t dtype, float rope_base);
+    /* kv_load and kv_deviation also take CB_KV_Q8_0 rows (kvfile's blocks: kv_dim / 32 blocks of 34 bytes a
+     * row), dequantized on the way; false: the caller decodes them first. */
+    bool kv_load_q8_0;
     /* Rows pos0..pos0+n-1 of the layer back as f32: k, v [n][kv_dim] (post-RoPE K; either may be NULL): the
      * values the pool holds (an f16 pool gives a written row back rounded to f16). */
     int (*kv_read)(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, float *k, float *v);

@@ -520,6 +520,10 @@ int cb_engine_kv_write(cb_engine_t *self, cb_seq_t *seq, int layer, const int32_
     return write_reserved(self, seq, layer, pos, n, k, v);
 }
 
+bool cb_engine_kv_load_takes(const cb_engine_t *self, cb_kv_dtype_t dtype) {
+    return cb_kv_dtype_size(dtype) || (dtype == CB_KV_Q8_0 && self->be->ops->kv_load_q8_0);
+}
+
 int cb_engine_kv_load(cb_engine_t *self, cb_seq_t *seq, int layer, int pos0, int n, const void *k, const void *v,
                       cb_kv_dtype_t dtype) {
     if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer || n < 0 || pos0 < 0 ||

@@ -210,6 +210,9 @@ int cb_engine_kv_write(cb_engine_t *self, cb_seq_t *seq, int layer, const int32_
  * positions must be reserved and owned (cb_seq_reserve): this call never allocates (see Threads). Status. */
 int cb_engine_kv_load(cb_engine_t *self, cb_seq_t *seq, int layer, int pos0, int n, const void *k, const void *v,
                       cb_kv_dtype_t dtype);
+/* Whether cb_engine_kv_load and cb_engine_kv_deviation take rows of dtype: the element dtypes always, q8_0
+ * where the backend dequantizes it in the load (backend.h kv_load_q8_0). */
+bool cb_engine_kv_load_takes(const cb_engine_t *self, cb_kv_dtype_t dtype);
 /* Layer l of seq at positions pos0..pos0+n-1 back as f32 (post-RoPE K): k, v [n][n_head_kv*head_dim] (either
  * may be NULL). For tests and diagnostics. Status. */
 int cb_engine_kv_read(cb_engine_t *self, const cb_seq_t *seq, int layer, int pos0, int n, float *k, float *v);

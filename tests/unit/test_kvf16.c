@@ -312,6 +312,69 @@ TEST(test_f16_backend_rows) {
     cb_model_destroy(&m);
 }
 
+/* Q8_0 rows of x [n] (n % 32 == 0) into q [n / 32 * 34]: any valid block will do here (the loads are checked
+ * against cb_dequant of the same bytes), so the scale is max|x| / 127 rounded to f16 and q = rint(x / d). */
+static void q8_encode(const float *x, size_t n, uint8_t *q) {
+    for (size_t b = 0; b < n / 32; b++, x += 32, q += 34) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        uint16_t dh = cb_f32_to_f16(amax / 127.0f);
+        float d = cb_f16_to_f32(dh);
+        memcpy(q, &dh, 2);
+        for (int i = 0; i < 32; i++) q[2 + i] = (uint8_t)(int8_t)(d > 0.0f ? rintf(x[i] / d) : 0.0f);
+    }
+}
+
+/* kv_load of Q8_0 rows (a q8_0 KV file's mapping) puts in the pool exactly what kv_load of the same rows
+ * decoded to f32 puts there, on an f16 and an f32 pool, inside and past the RoPE table; kv_deviation against
+ * Q8_0 rows equals it against the decoded rows. */
+TEST(test_q8_0_backend_rows) {
+    char err[256];
+    cb_model_t *m = load_tiny(err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    const cb_hparams_t *hp = cb_model_hparams(m);
+    enum { BT = 4, NB = 12, MAXK = 32, N = 10 };
+    const int kvd = hp->n_head_kv * hp->head_dim, nl = hp->n_layer;
+    CHECK(kvd % 32 == 0 && kvd <= 256);
+    const size_t nv = (size_t)N * kvd;
+    const cb_kv_dtype_t pools[2] = {CB_KV_F16, CB_KV_F32};
+    float k[N * 256], v[N * 256], kd[N * 256], vd[N * 256], kq[N * 256], vq[N * 256], kf[N * 256], vf[N * 256];
+    uint8_t qk[N * 256 / 32 * 34], qv[N * 256 / 32 * 34];
+    fill(k, nv, 3.0f);
+    fill(v, nv, 1.0f);
+    q8_encode(k, nv, qk);
+    q8_encode(v, nv, qv);
+    CHECK(cb_dequant(CB_TYPE_Q8_0, qk, kd, nv) && cb_dequant(CB_TYPE_Q8_0, qv, vd, nv));
+    const int32_t blocks[NB] = {5, 6, 2, 9, 10, 11, 0, 1, 3, 4, 7, 8};
+    const cb_kv_table_t t = {blocks, NB * BT};
+    for (int pi = 0; pi < 2; pi++) {
+        cb_backend_t *b = cb_backend_cpu_new(hp, 16, MAXK, 1, err, sizeof err);
+        CHECK_MSG(b, "%s", err);
+        CHECK(b->ops->kv_load_q8_0);
+        CHECK(b->ops->kv_pool_init(b->ctx, nl, kvd, BT, NB, pools[pi], err, sizeof err) == 0);
+        for (int variant = 0; variant < 2; variant++) {
+            const int pos0 = variant ? 30 : 18; /* 30..39: past the RoPE table */
+            const float base = variant ? 5000.0f : hp->rope_base;
+            CHECK(b->ops->kv_load(b->ctx, 0, &t, pos0, N, qk, qv, CB_KV_Q8_0, base) == 0);
+            CHECK(b->ops->kv_read(b->ctx, 0, &t, pos0, N, kq, vq) == 0);
+            CHECK(b->ops->kv_load(b->ctx, 1, &t, pos0, N, kd, vd, CB_KV_F32, base) == 0);
+            CHECK(b->ops->kv_read(b->ctx, 1, &t, pos0, N, kf, vf) == 0);
+            CHECK_MSG(!memcmp(kq, kf, sizeof(float) * nv) && !memcmp(vq, vf, sizeof(float) * nv),
+                      "kv_load of Q8_0 rows (%s pool, variant %d) is not the load of their f32 decoding",
+                      cb_kv_dtype_name(pools[pi]), variant);
+        }
+        /* deviation: fresh rows k against the cached Q8_0 rows, and against their decoding */
+        const void *cq[N], *cf[N];
+        double dq[N], df[N];
+        for (int i = 0; i < N; i++) cq[i] = qk + (size_t)i * (kvd / 32 * 34), cf[i] = kd + (size_t)i * kvd;
+        CHECK(b->ops->kv_deviation(b->ctx, N, kvd, k, cq, CB_KV_Q8_0, dq) == 0);
+        CHECK(b->ops->kv_deviation(b->ctx, N, kvd, k, cf, CB_KV_F32, df) == 0);
+        CHECK(!memcmp(dq, df, sizeof dq) && dq[0] > 0.0);
+        cb_backend_destroy(&b);
+    }
+    cb_model_destroy(&m);
+}
+
 /* ---------------------------------------------------------------- whole model */
 
 /* Prefill n tokens, then decode n_dec greedy steps, on an f32 and an f16 pool. Returns the max |logit
@@ -482,6 +545,7 @@ int main(void) {
     RUN(test_f16_attention_kernels);
     RUN(test_f16_attention_rows);
     RUN(test_f16_backend_rows);
+    RUN(test_q8_0_backend_rows);
     RUN(test_f16_logits_tiny);
     RUN(test_f16_logits_real);
     RUN(test_f16_share_cow);
