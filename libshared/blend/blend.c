@@ -45,7 +45,8 @@ typedef struct {
     int chunk;                 /* chunk index */
     cb_kvmem_entry_t *entry;   /* SRC_ENTRY: our reference */
     cb_kvfile_t *file;         /* SRC_FILE: open handle (owned) */
-    cb_kvmem_entry_t *fill;    /* SRC_FILE with a memory tier: entry decoded layer by layer (owned ref) */
+    cb_kvmem_entry_t *fill;    /* SRC_FILE with a memory tier or a dtype the backend does not load: entry decoded
+                                * layer by layer (owned ref) */
     cb_kv_dtype_t dtype;       /* SRC_FILE: payload dtype */
     const void **raw_k;        /* SRC_FILE without fill: [n_layer] layer's K/V in the mapping (set by the loader) */
     const void **raw_v;
