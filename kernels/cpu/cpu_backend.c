@@ -147,10 +147,6 @@ static int load_heads(const cpu_ctx_t *c) {
     return LOAD_TMP_FLOATS / hd < nkv ? LOAD_TMP_FLOATS / hd : nkv;
 }
 
-/* Byte offset of value e of a KV payload of dtype: e * value size, or for Q8_0 (e % 32 == 0) its block's. */
-static size_t kv_src_off(cb_kv_dtype_t dtype, size_t e) {
-    return dtype == CB_KV_Q8_0 ? cb_kv_row_bytes(CB_KV_Q8_0, e) : e * cb_kv_dtype_size(dtype);
-}
 
 /* kv_load into an f16 pool, rows of positions p..p+w-1 at kdst, vdst (consecutive pool rows) from ksrc, vsrc
  * (dtype): each row converted to f32 on the stack (load_heads whole heads at a time: whole Q8_0 blocks, as
@@ -172,7 +168,7 @@ static void load_rows_f16(const cpu_ctx_t *c, uint16_t *kdst, uint16_t *vdst, in
         for (int h0 = 0; h0 < nkv; h0 += hs) { /* whole heads at a time */
             const int nh = nkv - h0 < hs ? nkv - h0 : hs;
             const size_t e = (size_t)j * kvd + (size_t)h0 * hd, cnt = (size_t)nh * hd;
-            cb_cpu_kv_to_f32(dtype, ksrc + kv_src_off(dtype, e), tmp, cnt);
+            cb_cpu_kv_to_f32(dtype, ksrc + cb_kv_row_bytes(dtype, e), tmp, cnt); /* the bytes of e values */
             cb_cpu_rope_apply(tmp, 1, nh, hd, cs);
             cb_cpu_f32_to_f16(tmp, kdst + e, cnt);
         }
@@ -183,7 +179,7 @@ static void load_rows_f16(const cpu_ctx_t *c, uint16_t *kdst, uint16_t *vdst, in
     }
     for (size_t e = 0, all = (size_t)w * kvd; e < all; e += LOAD_TMP_FLOATS) {
         const size_t cnt = all - e < LOAD_TMP_FLOATS ? all - e : LOAD_TMP_FLOATS;
-        cb_cpu_kv_to_f32(dtype, vsrc + kv_src_off(dtype, e), tmp, cnt);
+        cb_cpu_kv_to_f32(dtype, vsrc + cb_kv_row_bytes(dtype, e), tmp, cnt);
         cb_cpu_f32_to_f16(tmp, vdst + e, cnt);
     }
 }
@@ -195,9 +191,9 @@ static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
     cpu_ctx_t *c = ctx;
     if (!c->kpool || layer < 0 || layer >= c->n_layer || pos0 < 0 || n < 0 || pos0 > t->n_pos - n) return -1;
     const size_t kvd = (size_t)c->kvd, rowb = cb_kv_row_bytes(dtype, kvd); /* bytes of a source row */
-    const int hd = c->rope_hd, nkv = c->kvd / hd;
+    const int hd = c->rope_hd, nkv = c->kvd / hd, hs = load_heads(c);
     if (!rowb) return -1; /* not a dtype, or a Q8_0 row of kvd % 32 != 0 */
-    if (dtype == CB_KV_Q8_0 && load_heads(c) < nkv && (load_heads(c) * hd) % 32) return -1; /* no such model */
+    if (dtype == CB_KV_Q8_0 && hs < nkv && (hs * hd) % 32) return -1; /* no such model */
     const bool table = rope_base == c->rope_base;
     uint8_t *kpl = pool_layer(c, c->kpool, layer), *vpl = pool_layer(c, c->vpool, layer);
     if (c->dtype == CB_KV_F16 && hd > CB_KV_MAX_HEAD_DIM) return -1;

@@ -374,15 +374,15 @@ static bool row_needs_cache(const run_t *R, int c, int l) {
  * done layer l), in host memory of dtype *dt. */
 static const void *cached_row(const cb_blend_t *b, int r, int l, int which, cb_kv_dtype_t *dt) {
     const src_t *s = &b->srcs[b->src_of[r]];
-    size_t off = (size_t)(r - s->row0) * b->KVD; /* values */
+    const size_t i = (size_t)(r - s->row0); /* the row within its chunk */
     const cb_kvmem_entry_t *e = s->kind == SRC_ENTRY ? s->entry : s->fill;
     if (e) {
         *dt = CB_KV_F32;
-        return (which ? cb_kvmem_entry_v(e, l) : cb_kvmem_entry_k(e, l)) + off;
+        return (which ? cb_kvmem_entry_v(e, l) : cb_kvmem_entry_k(e, l)) + i * (size_t)b->KVD;
     }
     const uint8_t *raw = which ? s->raw_v[l] : s->raw_k[l];
     *dt = s->dtype;
-    return raw + (size_t)(r - s->row0) * cb_kv_row_bytes(s->dtype, (size_t)b->KVD);
+    return raw + i * cb_kv_row_bytes(s->dtype, (size_t)b->KVD);
 }
 
 /* Places layer l's cached K/V of every row that needs them into the sequence (the backend's layer load: K

@@ -238,6 +238,11 @@ TEST(test_f16_attention_rows) {
 
 /* ---------------------------------------------------------------- backend row operations */
 
+/* The row-operation tests' pool: BT positions a block, NB blocks, a RoPE table of MAXK positions, N rows
+ * loaded; the block table has breaks (logical block i is pool block ROW_BLOCKS[i]). */
+enum { BT = 4, NB = 12, MAXK = 32, N = 10 };
+static const int32_t ROW_BLOCKS[NB] = {5, 6, 2, 9, 10, 11, 0, 1, 3, 4, 7, 8};
+
 /* kv_write then kv_read gives the f16 rounding; kv_load (f32, f16, bf16 sources; positions inside and past
  * the RoPE table, another base) holds the f16 rounding of what an f32 pool holds after the same load;
  * kv_copy_block copies it. */
@@ -246,7 +251,6 @@ TEST(test_f16_backend_rows) {
     cb_model_t *m = load_tiny(err, sizeof err);
     CHECK_MSG(m, "%s", err);
     const cb_hparams_t *hp = cb_model_hparams(m);
-    enum { BT = 4, NB = 12, MAXK = 32, N = 10 };
     const int kvd = hp->n_head_kv * hp->head_dim, nl = hp->n_layer;
     cb_backend_t *b16 = cb_backend_cpu_new(hp, 16, MAXK, 1, err, sizeof err);
     cb_backend_t *b32 = cb_backend_cpu_new(hp, 16, MAXK, 1, err, sizeof err);
@@ -255,8 +259,7 @@ TEST(test_f16_backend_rows) {
     CHECK(b16->ops->kv_pool_init(b16->ctx, nl, kvd, BT, NB, CB_KV_F16, err, sizeof err) == 0);
     CHECK(b32->ops->kv_pool_init(b32->ctx, nl, kvd, BT, NB, CB_KV_F32, err, sizeof err) == 0);
     CHECK(b16->kv_value_bytes == 2 && b32->kv_value_bytes == 4);
-    const int32_t blocks[NB] = {5, 6, 2, 9, 10, 11, 0, 1, 3, 4, 7, 8}; /* breaks in the table */
-    const cb_kv_table_t t = {blocks, NB * BT};
+    const cb_kv_table_t t = {ROW_BLOCKS, NB * BT};
     float k[N * 256], v[N * 256], kr[N * 256], vr[N * 256], k32[N * 256], v32[N * 256];
     uint16_t h[2][N * 256];
     CHECK(kvd <= 256);
@@ -289,7 +292,7 @@ TEST(test_f16_backend_rows) {
                 ks = h[0], vs = h[1];
             }
             const int pos0 = variant ? 30 : 18; /* 30..39: past the table (and the positions' blocks wrap) */
-            const cb_kv_table_t tl = {blocks, NB * BT};
+            const cb_kv_table_t tl = {ROW_BLOCKS, NB * BT};
             const float base = variant ? 5000.0f : hp->rope_base;
             CHECK(b16->ops->kv_load(b16->ctx, 0, &tl, pos0, N, ks, vs, dts[di], base) == 0);
             CHECK(b32->ops->kv_load(b32->ctx, 0, &tl, pos0, N, ks, vs, dts[di], base) == 0);
@@ -333,7 +336,6 @@ TEST(test_q8_0_backend_rows) {
     cb_model_t *m = load_tiny(err, sizeof err);
     CHECK_MSG(m, "%s", err);
     const cb_hparams_t *hp = cb_model_hparams(m);
-    enum { BT = 4, NB = 12, MAXK = 32, N = 10 };
     const int kvd = hp->n_head_kv * hp->head_dim, nl = hp->n_layer;
     CHECK(kvd % 32 == 0 && kvd <= 256);
     const size_t nv = (size_t)N * kvd;
@@ -345,8 +347,7 @@ TEST(test_q8_0_backend_rows) {
     q8_encode(k, nv, qk);
     q8_encode(v, nv, qv);
     CHECK(cb_dequant(CB_TYPE_Q8_0, qk, kd, nv) && cb_dequant(CB_TYPE_Q8_0, qv, vd, nv));
-    const int32_t blocks[NB] = {5, 6, 2, 9, 10, 11, 0, 1, 3, 4, 7, 8};
-    const cb_kv_table_t t = {blocks, NB * BT};
+    const cb_kv_table_t t = {ROW_BLOCKS, NB * BT};
     for (int pi = 0; pi < 2; pi++) {
         cb_backend_t *b = cb_backend_cpu_new(hp, 16, MAXK, 1, err, sizeof err);
         CHECK_MSG(b, "%s", err);
