@@ -117,6 +117,14 @@ void cb_cpu_f32_to_f16(const float *src, uint16_t *dst, size_t n);
 /* True when this CPU runs the bf16 prefill blocks (g->math = CB_ATTN_BF16: AVX512-BF16, a build with AVX-512).
  * Elsewhere, and for head_dim % 32 != 0, CB_ATTN_BF16 calls run the f32 blocks. */
 bool cb_cpu_attn_bf16_supported(void);
+/* True when this CPU runs the int16 prefill blocks (g->math = CB_ATTN_I16: AVX512-VNNI and -BW, a build with
+ * AVX-512). Elsewhere, and for head_dim % 64 != 0 or > 256, CB_ATTN_I16 calls run the f32 blocks. */
+bool cb_cpu_attn_i16_supported(void);
+/* What an asked arithmetic runs as on this CPU (CB_ATTN_AUTO resolved: bf16 where AMX-BF16 is, else int16
+ * where AVX512-VNNI is, else f32; an unsupported one as f32), and its name ("bf16 (AMX)", "int16 (VNNI)",
+ * "f32", or "f32 (no AMX or VNNI)" for a faster one asked that this CPU lacks). */
+cb_attn_math_t cb_cpu_attn_math(cb_attn_math_t asked);
+const char *cb_cpu_attn_name(cb_attn_math_t asked);
 
 /* Scratch floats needed by cb_cpu_attention for max_rows rows against max_keys keys with nt pool threads. */
 size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_keys, int nt);

@@ -44,8 +44,11 @@ typedef struct {
 /* Arithmetic of the products of prefill attention (blocks of query rows; decode rows are always f32). */
 typedef enum {
     CB_ATTN_F32 = 0,        /* f32 operands (what a zero-initialised geometry means) */
-    CB_ATTN_BF16 = 1        /* products on bf16 tiles summed in f32: q, K, V as hi/lo bf16 pairs, the softmax
+    CB_ATTN_BF16 = 1,       /* products on bf16 tiles summed in f32: q, K, V as hi/lo bf16 pairs, the softmax
                                weights rounded once to bf16 (CPU with AMX-BF16; elsewhere f32) */
+    CB_ATTN_I16 = 2,        /* products as int16 pairs summed in int32: q·scale, K, V and the softmax weights
+                               rounded per row to ~13 bits (CPU with AVX512-VNNI; elsewhere f32) */
+    CB_ATTN_AUTO = 3        /* the fastest of these the CPU has: BF16, else I16, else F32 */
 } cb_attn_math_t;
 
 typedef struct {

@@ -127,23 +127,28 @@ bool cb_engine_attn_parse(const char *s, cb_engine_attn_t *out) {
     if (!s) return false;
     if (!strcmp(s, "bf16")) *out = CB_ENGINE_ATTN_BF16;
     else if (!strcmp(s, "f32")) *out = CB_ENGINE_ATTN_F32;
+    else if (!strcmp(s, "int16")) *out = CB_ENGINE_ATTN_INT16;
+    else if (!strcmp(s, "auto")) *out = CB_ENGINE_ATTN_AUTO;
     else if (!strcmp(s, "default")) *out = CB_ENGINE_ATTN_DEFAULT;
     else return false;
     return true;
 }
 
-/* The attention arithmetic asked for: opts, else $CB_ENGINE_ATTN, else bf16. false (err) for a bad value. */
+/* The attention arithmetic asked for: opts, else $CB_ENGINE_ATTN, else auto. false (err) for a bad value. */
 static bool resolve_attn(cb_engine_attn_t asked, cb_attn_math_t *out, char *err, size_t errlen) {
-    if (asked != CB_ENGINE_ATTN_DEFAULT && asked != CB_ENGINE_ATTN_BF16 && asked != CB_ENGINE_ATTN_F32) {
-        cb_set_err(err, errlen, "engine: attn %d is not bf16 or f32", (int)asked);
+    if (asked < CB_ENGINE_ATTN_DEFAULT || asked > CB_ENGINE_ATTN_AUTO) {
+        cb_set_err(err, errlen, "engine: attn %d is not auto, bf16, int16 or f32", (int)asked);
         return false;
     }
     const char *s = getenv("CB_ENGINE_ATTN");
     if (asked == CB_ENGINE_ATTN_DEFAULT && s && *s && !cb_engine_attn_parse(s, &asked)) {
-        cb_set_err(err, errlen, "engine: CB_ENGINE_ATTN = '%.32s': expected bf16 or f32", s);
+        cb_set_err(err, errlen, "engine: CB_ENGINE_ATTN = '%.32s': expected auto, bf16, int16 or f32", s);
         return false;
     }
-    *out = asked == CB_ENGINE_ATTN_F32 ? CB_ATTN_F32 : CB_ATTN_BF16;
+    *out = asked == CB_ENGINE_ATTN_F32     ? CB_ATTN_F32
+           : asked == CB_ENGINE_ATTN_BF16  ? CB_ATTN_BF16
+           : asked == CB_ENGINE_ATTN_INT16 ? CB_ATTN_I16
+                                           : CB_ATTN_AUTO;
     return true;
 }
 
@@ -278,7 +283,12 @@ const cb_model_t *cb_engine_model(const cb_engine_t *self) { return self->model;
 const char *cb_engine_backend_name(const cb_engine_t *self) { return self->be->ops->name; }
 cb_engine_kv_dtype_t cb_engine_kv_dtype(const cb_engine_t *self) { return self->kv_dtype; }
 cb_engine_attn_t cb_engine_attn(const cb_engine_t *self) {
-    return self->geom.math == CB_ATTN_BF16 ? CB_ENGINE_ATTN_BF16 : CB_ENGINE_ATTN_F32;
+    switch (self->geom.math) {
+    case CB_ATTN_BF16: return CB_ENGINE_ATTN_BF16;
+    case CB_ATTN_I16: return CB_ENGINE_ATTN_INT16;
+    case CB_ATTN_AUTO: return CB_ENGINE_ATTN_AUTO;
+    default: return CB_ENGINE_ATTN_F32;
+    }
 }
 
 void cb_engine_pool_stats(const cb_engine_t *self, cb_engine_pool_stats_t *out) {

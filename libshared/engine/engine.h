@@ -84,16 +84,20 @@ bool cb_engine_kv_dtype_parse(const char *s, cb_engine_kv_dtype_t *out);
 const char *cb_engine_kv_dtype_name(cb_engine_kv_dtype_t dtype);
 
 /* The arithmetic of prefill attention (config engine.attn; backend.h cb_attn_math_t). DEFAULT (the zero)
- * means $CB_ENGINE_ATTN when set (bf16 or f32; anything else fails cb_engine_new_opts), else BF16. BF16:
- * blocks of query rows run their products on bf16 tiles with f32 sums where the CPU has AMX-BF16 (q, K, V
- * as hi/lo bf16 pairs, the softmax weights rounded once; ~1.8x the f32 blocks at 8,000 tokens; elsewhere,
- * and on CUDA, the backend's own arithmetic); F32: the f32 reference. */
+ * means $CB_ENGINE_ATTN when set (auto, bf16, int16 or f32; anything else fails cb_engine_new_opts), else
+ * AUTO. BF16: blocks of query rows run their products on bf16 tiles with f32 sums where the CPU has
+ * AMX-BF16 (q, K, V as hi/lo bf16 pairs, the softmax weights rounded once; ~1.8x the f32 blocks at 8,000
+ * tokens). INT16: on int16 pairs with int32 sums where the CPU has AVX512-VNNI (every operand rounded per
+ * row to ~13 bits). AUTO: BF16 where the CPU has AMX, else INT16 where it has VNNI, else f32. Where the CPU
+ * lacks the one asked, and on CUDA, the backend's own arithmetic. F32: the f32 reference. */
 typedef enum {
     CB_ENGINE_ATTN_DEFAULT = 0,
     CB_ENGINE_ATTN_BF16,
-    CB_ENGINE_ATTN_F32
+    CB_ENGINE_ATTN_F32,
+    CB_ENGINE_ATTN_INT16,
+    CB_ENGINE_ATTN_AUTO
 } cb_engine_attn_t;
-/* "bf16" | "f32" (and "default") -> *out; false for anything else (out untouched). */
+/* "auto" | "bf16" | "int16" | "f32" (and "default") -> *out; false for anything else (out untouched). */
 bool cb_engine_attn_parse(const char *s, cb_engine_attn_t *out);
 
 typedef struct {
@@ -102,7 +106,7 @@ typedef struct {
     int block_tokens;        /* positions per block; 0 = CB_ENGINE_BLOCK_TOKENS */
     int kv_pool_seqs;        /* with kv_pool_bytes 0: sequences of max_ctx the pool holds; 0 = 2 */
     cb_engine_kv_dtype_t kv_dtype; /* the pool's values; DEFAULT = $CB_ENGINE_KV_DTYPE, else f16 */
-    cb_engine_attn_t attn;   /* prefill attention's arithmetic; DEFAULT = $CB_ENGINE_ATTN, else bf16 */
+    cb_engine_attn_t attn;   /* prefill attention's arithmetic; DEFAULT = $CB_ENGINE_ATTN, else auto */
 } cb_engine_opts_t;
 
 /* Creates an engine: sequences of up to o->max_ctx positions, a KV pool of floor(kv_pool_bytes /
@@ -126,7 +130,8 @@ const cb_model_t *cb_engine_model(const cb_engine_t *self);
 const char *cb_engine_backend_name(const cb_engine_t *self);
 /* The pool's value type as resolved at creation: CB_ENGINE_KV_F16 or CB_ENGINE_KV_F32 (F16 on CUDA: bf16). */
 cb_engine_kv_dtype_t cb_engine_kv_dtype(const cb_engine_t *self);
-/* The prefill attention asked for (resolved): BF16 or F32 (a backend without bf16 blocks runs f32). */
+/* The prefill attention asked for (DEFAULT resolved): AUTO, BF16, INT16 or F32 (what runs is the backend's:
+ * cpu_ops.h cb_cpu_attn_name). */
 cb_engine_attn_t cb_engine_attn(const cb_engine_t *self);
 
 /* Pool accounting. */

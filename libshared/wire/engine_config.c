@@ -13,10 +13,10 @@ int cb_engine_opts_from_config(const cb_config_t *cfg, cb_engine_opts_t *o, char
         return -1;
     }
     o->kv_dtype = d;
-    if (!cb_config_str_own(cfg, "engine", "attn", "bf16", &s, err, errlen)) return -1;
+    if (!cb_config_str_own(cfg, "engine", "attn", "auto", &s, err, errlen)) return -1;
     cb_engine_attn_t a;
     if (!cb_engine_attn_parse(s, &a) || a == CB_ENGINE_ATTN_DEFAULT) {
-        snprintf(err, errlen, "config engine.attn = '%.32s': expected bf16 or f32", s);
+        snprintf(err, errlen, "config engine.attn = '%.32s': expected auto, bf16, int16 or f32", s);
         return -1;
     }
     o->attn = a;

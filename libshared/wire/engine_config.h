@@ -4,8 +4,10 @@
  * Keys (engine section only: no fallback to common, whose kv_dtype is the KV files' payload):
  *   kv_dtype    the KV pool's values in memory: f16 (default) | f32 (the reference); environment
  *               CB_ENGINE_KV_DTYPE, flag --engine.kv_dtype=...
- *   attn        prefill attention's arithmetic: bf16 (default; bf16 tiles, f32 sums, on CPUs with
- *               AMX-BF16) | f32 (the reference); environment CB_ENGINE_ATTN, flag --engine.attn=...
+ *   attn        prefill attention's arithmetic: auto (default: bf16 with AMX, else int16 with VNNI, else
+ *               f32) | bf16 (bf16 tiles, f32 sums, on CPUs with AMX-BF16) | int16 (int16 pairs, int32
+ *               sums, on CPUs with AVX512-VNNI) | f32 (the reference); environment CB_ENGINE_ATTN, flag
+ *               --engine.attn=...
  * config/cacheblend.cfg; docs/engine.md.
  */
 #ifndef CB_ENGINE_CONFIG_H

@@ -579,7 +579,7 @@ static void usage(FILE *f) {
                "  presence_penalty, ctx_size, max_queue, max_seqs, max_batch_tokens, stuck_ms, fault_step_delay_ms (tests),\n"
                "  hot_cache_bytes, kv_pool_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
                "  cacheindex_timeout_ms, router (worker of a cb-router), router_liveness, router_reconnect_max_ms,\n"
-               "  router_resident_keys, common.* (data_dir, kv_dir, model, threads, ...) and engine.kv_dtype (f16|f32), engine.attn (bf16|f32).\n"
+               "  router_resident_keys, common.* (data_dir, kv_dir, model, threads, ...) and engine.kv_dtype (f16|f32), engine.attn (auto|bf16|int16|f32).\n"
                "  Environment CB_BLEND_<KEY> overrides the file.\n");
 }
 

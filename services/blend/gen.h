@@ -122,7 +122,7 @@ typedef struct {
     int ctx_size;
     size_t kv_pool_bytes;        /* engine KV pool budget; 0 = max_seqs + 1 sequences of ctx_size */
     cb_engine_kv_dtype_t engine_kv_dtype; /* the pool's values (engine.kv_dtype: f16 or f32) */
-    cb_engine_attn_t engine_attn;         /* prefill attention (engine.attn: bf16 or f32) */
+    cb_engine_attn_t engine_attn;         /* prefill attention (engine.attn: auto, bf16, int16 or f32) */
     int threads;
     int max_seqs;                /* queries running at once (slots), >= 1 */
     int max_batch_tokens;        /* prefill compute per step, in tokens (cb_blend_step's budget), >= 1 */

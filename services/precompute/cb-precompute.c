@@ -519,7 +519,7 @@ static void usage(FILE *f) {
                "  retriever_timeout_ms, cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, workers, lease_ms,\n"
                "  max_leases_per_worker, max_lease_text_bytes, lease_from (run as a remote worker of that master),\n"
                "  worker_name, fault_chunk_delay_ms (tests), and common.* (data_dir, kv_dir, model, threads, ...);\n"
-               "  blend.system_prompt; engine.kv_dtype (f16|f32), engine.attn (bf16|f32). Leases: docs/leases.md.\n"
+               "  blend.system_prompt; engine.kv_dtype (f16|f32), engine.attn (auto|bf16|int16|f32). Leases: docs/leases.md.\n"
                "  Environment CB_PRECOMPUTE_<KEY> overrides the file.\n");
 }
 

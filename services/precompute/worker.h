@@ -94,7 +94,7 @@ typedef struct {
     char kv_dir[4096];           /* must exist */
     cb_kv_dtype_t kv_dtype;      /* the KV files' payload (kv_dtype: f16, bf16, f32 or q8_0) */
     cb_engine_kv_dtype_t engine_kv_dtype; /* the engine's KV pool (engine.kv_dtype: f16 or f32) */
-    cb_engine_attn_t engine_attn;         /* prefill attention (engine.attn: bf16 or f32) */
+    cb_engine_attn_t engine_attn;         /* prefill attention (engine.attn: auto, bf16, int16 or f32) */
     char db_path[4096];          /* local source: the job table */
     char lease_from[256];        /* remote role: the master's endpoint ("" = the local source) */
     char worker_name[CB_JOB_OWNER_MAX - 1]; /* remote role: how the master knows this worker */
