@@ -590,9 +590,7 @@ static int split_chunk(int lim, int rows, int n_head_kv, int nt) {
 static size_t att_partial_floats(const cb_attn_geom_t *g, int max_keys) {
     const size_t part = (size_t)ATT_ROWS_MAX * g->n_head * (size_t)((max_keys + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN) *
                         (size_t)(g->head_dim + 2);
-    /* or every KV head's K and V packed per chunk, [n_head_kv][chunks][4][ATT_KEY_CHUNK][hd] uint16: hi and lo
-     * bf16 tiles of each (bf16 blocks), int16 pairs and scales (int16 blocks), or f32 K and V (f32 blocks
-     * over an f16 pool) */
+    /* or (bf16 blocks) every KV head's K and V (hi, lo each) in bf16 tiles: [n_head_kv][chunks][4][ATT_KEY_CHUNK][hd] */
     const size_t pack = (size_t)g->n_head_kv * (size_t)((max_keys + ATT_KEY_CHUNK - 1) / ATT_KEY_CHUNK) *
                         ATT_KEY_CHUNK * (size_t)g->head_dim * 2 + 16;
     return part > pack ? part : pack;
@@ -833,8 +831,7 @@ typedef struct {
     size_t partial_floats; /* floats of the shared partials region at the start of scratch */
     size_t cvt_offset;     /* f16 pools: offset of the converted piece in each thread's region */
     size_t bf16_offset;    /* bf16 blocks: offset of their weight tiles in each thread's region */
-    uint16_t *pack;        /* bf16 / int16 blocks: K and V packed per (KV head, chunk), in the shared region;
-                              f32 blocks over an f16 pool: K and V as f32 [ATT_KEY_CHUNK][hd] each there */
+    uint16_t *pack;        /* bf16 blocks: K and V tiles of every (KV head, chunk), in the shared region */
     int max_lim;           /* bf16 blocks: the call's largest key limit */
     int n, rb;
     int chunk, n_chunks;   /* split kernel: keys per task, tasks per (row, KV head) */
@@ -950,25 +947,6 @@ static void chunk_kv(const cb_cpu_kv_t *kv, int kvh, int kvd, int hd, int c0, in
     }
 }
 
-/* Task (KV head, chunk of keys) of the f32 blocks over an f16 pool: the chunk's K and V converted to f32
- * [ATT_KEY_CHUNK][hd] each into the shared region, once per call (the same values chunk_kv gives each
- * block, which at 8,000 tokens converted every key once per block of rows: 8 % of the prefill). */
-static void attn_pack_f32_task(void *arg, int t, int thread) {
-    (void)thread;
-    const attn_job_t *j = arg;
-    const int hd = j->g->head_dim, kvd = j->g->n_head_kv * hd;
-    const int kvh = t / j->n_chunks, c0 = (t % j->n_chunks) * ATT_KEY_CHUNK;
-    const int w = j->max_lim - c0 < ATT_KEY_CHUNK ? j->max_lim - c0 : ATT_KEY_CHUNK;
-    float *K = (float *)(void *)(j->pack + (size_t)t * 4 * ATT_KEY_CHUNK * hd), *V = K + (size_t)ATT_KEY_CHUNK * hd;
-    const cb_cpu_kv_t *kv = j->kv;
-    for (int p = c0, n_run; p < c0 + w; p += n_run) {
-        n_run = kv_run(kv, p, c0 + w);
-        const size_t e = kv_row(kv, p) * kvd + (size_t)kvh * hd;
-        cvt_rows_f16(kv_f16(kv->k, e), (size_t)kvd, n_run, hd, K + (size_t)(p - c0) * hd, (size_t)hd);
-        cvt_rows_f16(kv_f16(kv->v, e), (size_t)kvd, n_run, hd, V + (size_t)(p - c0) * hd, (size_t)hd);
-    }
-}
-
 /* Block of rb rows x one KV head (its G query heads stacked as M rows), flash-style over chunks of
  * ATT_KEY_CHUNK keys so the score tile stays in L2: S = scale·Qg·K[c0:c1]ᵀ (sgemm), online softmax
  * per row with its own key limit, O = O·alpha + S·V[c0:c1] (sgemm, beta = 1); finally O / sum. */
@@ -995,11 +973,7 @@ static void attn_block_task(void *arg, int t, int thread) {
     for (int c0 = 0; c0 < L; c0 += ATT_KEY_CHUNK) {
         int w = L - c0 < ATT_KEY_CHUNK ? L - c0 : ATT_KEY_CHUNK, ld;
         const float *K, *V;
-        if (j->pack) { /* an f16 pool's chunk, converted once per call */
-            K = (const float *)(const void *)(j->pack + ((size_t)kvh * j->n_chunks + (size_t)(c0 / ATT_KEY_CHUNK)) * 4 *
-                                                            ATT_KEY_CHUNK * hd);
-            V = K + (size_t)ATT_KEY_CHUNK * hd, ld = hd;
-        } else chunk_kv(kv, kvh, kvd, hd, c0, w, GK, GV, &K, &V, &ld);
+        chunk_kv(kv, kvh, kvd, hd, c0, w, GK, GV, &K, &V, &ld);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, w, hd, g->scale, Q, hd, K, ld, 0.0f, S, w);
         for (int r = 0; r < M; r++) {
             float alpha = online_softmax(S + (size_t)r * w, j->key_limit[i0 + r % nr] - c0, w, &m[r], &l[r]);
@@ -1934,12 +1908,6 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
         return;
     }
 #endif
-    if (kv->dtype == CB_KV_F16) {
-        j.pack = (uint16_t *)(void *)scratch;
-        j.max_lim = max_lim;
-        j.n_chunks = (max_lim + ATT_KEY_CHUNK - 1) / ATT_KEY_CHUNK;
-        cb_pool_run(pool, HKV * j.n_chunks, attn_pack_f32_task, &j);
-    }
     cb_pool_run(pool, ((n + j.rb - 1) / j.rb) * HKV, attn_block_task, &j);
 }
 
