@@ -143,7 +143,12 @@ size_t cb_cpu_attention_scratch(const cb_attn_geom_t *g, int max_rows, int max_k
  * nearest even; the weights' sum is that of the rounded weights). Against the exact attention a row's output
  * differs by at most ~2^-8 · max |v| (the weights' rounding) plus ~2^-10 · max |v| (the scores' 2^-16)
  * plus f32 rounding (tests/unit/test_engine.c checks this bound). Rows stay independent, and their bits do not depend on
- * placement, but they do depend on the call's size (1-4 rows run f32). */
+ * placement, but they do depend on the call's size (1-4 rows run f32).
+ * g->math = CB_ATTN_I16 (or AUTO without AMX; cb_cpu_attn_i16_supported()): the blocks run both products as
+ * int16 pairs with int32 sums (vpdpwssd): q·scale and K rounded per row to floor(sqrt(2^31 / head_dim))
+ * steps of the row's largest |value|, V per key and the softmax weights per row and chunk to 5792 steps;
+ * the weights' sum is the f32 sum of the unrounded exp (bounds: test_attention_i16). Independence and
+ * placement as for bf16. */
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *out, float *scratch, int max_keys, cb_pool_t *pool);
 
