@@ -990,6 +990,29 @@ static void attn_block_task(void *arg, int t, int thread) {
         }
 }
 
+/* The max half of a reduced-precision block's online-softmax step (online_softmax's contract) over the
+ * allowed scores s[0, lim), 1 <= lim: *m_new = the running max m with theirs, and the factor the row's
+ * output so far is rescaled by (exp(m - *m_new); 0 for the first chunk, m = -inf). */
+#if CB_AVX512
+static float block_max_step(const float *s, int lim, float m, float *m_new) {
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    int k = 0;
+    for (; k + 16 <= lim; k += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + k));
+    if (k < lim) {
+        const __mmask16 mk = (__mmask16)((1u << (lim - k)) - 1u);
+        vmx = _mm512_mask_max_ps(vmx, mk, vmx, _mm512_maskz_loadu_ps(mk, s + k));
+    }
+    const float mx = _mm512_reduce_max_ps(vmx);
+    *m_new = mx > m ? mx : m;
+    float alpha = 0.0f;
+    if (m != -INFINITY) {
+        float d = m - *m_new;
+        cb_cpu_exp(&d, &alpha, 1);
+    }
+    return alpha;
+}
+#endif
+
 /* ---------------------------------------------------------------- bf16 prefill blocks (AMX) */
 
 #if CB_AVX512
@@ -1185,22 +1208,11 @@ static float amx_softmax_row(const float *s, int lim, int wp, float *m, float *l
         return 1.0f;
     }
     if (lim > wp) lim = wp;
-    __m512 vmx = _mm512_set1_ps(-INFINITY);
-    int k = 0;
-    for (; k + 16 <= lim; k += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + k));
-    if (k < lim) {
-        const __mmask16 mk = (__mmask16)((1u << (lim - k)) - 1u);
-        vmx = _mm512_mask_max_ps(vmx, mk, vmx, _mm512_maskz_loadu_ps(mk, s + k));
-    }
-    const float mx = _mm512_reduce_max_ps(vmx), m_new = mx > *m ? mx : *m;
-    float alpha = 0.0f;
-    if (*m != -INFINITY) {
-        float d = *m - m_new;
-        cb_cpu_exp(&d, &alpha, 1);
-    }
+    float m_new;
+    const float alpha = block_max_step(s, lim, *m, &m_new);
     const __m512 vm = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
-    for (k = 0; k < wp; k += 32) { /* wp % 32 == 0 */
+    for (int k = 0; k < wp; k += 32) { /* wp % 32 == 0 */
         const __mmask16 k0 = lim - k >= 16 ? 0xFFFF : lim - k <= 0 ? 0 : (__mmask16)((1u << (lim - k)) - 1u);
         const __mmask16 k1 = lim - k >= 32 ? 0xFFFF : lim - k <= 16 ? 0 : (__mmask16)((1u << (lim - k - 16)) - 1u);
         __m512 e0 = _mm512_maskz_mov_ps(k0, exp16_bf(_mm512_sub_ps(_mm512_maskz_loadu_ps(k0, s + k), vm)));
@@ -1513,22 +1525,11 @@ static float i16_softmax_row(float *s, int lim, int wp, const float *vs, float *
         return 1.0f;
     }
     if (lim > wp) lim = wp;
-    __m512 vmx = _mm512_set1_ps(-INFINITY);
-    int k = 0;
-    for (; k + 16 <= lim; k += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + k));
-    if (k < lim) {
-        const __mmask16 mk = (__mmask16)((1u << (lim - k)) - 1u);
-        vmx = _mm512_mask_max_ps(vmx, mk, vmx, _mm512_maskz_loadu_ps(mk, s + k));
-    }
-    const float mx = _mm512_reduce_max_ps(vmx), m_new = mx > *m ? mx : *m;
-    float alpha = 0.0f;
-    if (*m != -INFINITY) {
-        float d = *m - m_new;
-        cb_cpu_exp(&d, &alpha, 1);
-    }
+    float m_new;
+    const float alpha = block_max_step(s, lim, *m, &m_new);
     const __m512 vm = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps(), wmax = _mm512_setzero_ps();
-    for (k = 0; k < wp; k += 16) { /* wp % 16 == 0 */
+    for (int k = 0; k < wp; k += 16) { /* wp % 16 == 0 */
         const __mmask16 mk = lim - k >= 16 ? 0xFFFF : lim - k <= 0 ? 0 : (__mmask16)((1u << (lim - k)) - 1u);
         const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + k), vm)));
         _mm512_storeu_ps(s + k, e);
@@ -1537,7 +1538,7 @@ static float i16_softmax_row(float *s, int lim, int wp, const float *vs, float *
     }
     const float top = _mm512_reduce_max_ps(wmax);
     const __m512 f = _mm512_set1_ps(top > 0.0f ? (float)I16_PV_MAX / top : 0.0f);
-    for (k = 0; k < wp; k += 16)
+    for (int k = 0; k < wp; k += 16)
         _mm256_storeu_si256((__m256i *)(void *)(p + k),
                             _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
                                 _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(s + k), _mm512_loadu_ps(vs + k)), f))));
@@ -1633,7 +1634,11 @@ const char *cb_cpu_attn_name(cb_attn_math_t asked) {
     switch (cb_cpu_attn_math(asked)) {
     case CB_ATTN_BF16: return "bf16 (AMX)";
     case CB_ATTN_I16: return "int16 (VNNI)";
-    default: return asked == CB_ATTN_F32 ? "f32" : "f32 (no AMX or VNNI)";
+    default:
+        return asked == CB_ATTN_BF16  ? "f32 (no AMX)"
+               : asked == CB_ATTN_I16 ? "f32 (no VNNI)"
+               : asked == CB_ATTN_AUTO ? "f32 (no AMX or VNNI)"
+                                       : "f32";
     }
 }
 

@@ -122,7 +122,8 @@ bool cb_cpu_attn_bf16_supported(void);
 bool cb_cpu_attn_i16_supported(void);
 /* What an asked arithmetic runs as on this CPU (CB_ATTN_AUTO resolved: bf16 where AMX-BF16 is, else int16
  * where AVX512-VNNI is, else f32; an unsupported one as f32), and its name ("bf16 (AMX)", "int16 (VNNI)",
- * "f32", or "f32 (no AMX or VNNI)" for a faster one asked that this CPU lacks). */
+ * "f32", or "f32 (no AMX)", "f32 (no VNNI)", "f32 (no AMX or VNNI)" for a faster one asked that this CPU
+ * lacks). */
 cb_attn_math_t cb_cpu_attn_math(cb_attn_math_t asked);
 const char *cb_cpu_attn_name(cb_attn_math_t asked);
 

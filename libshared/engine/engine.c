@@ -32,6 +32,7 @@ struct cb_engine {
     const cb_hparams_t *hp;
     cb_backend_t *be;
     cb_attn_geom_t geom;
+    cb_engine_attn_t attn;   /* asked for, DEFAULT resolved (geom.math is its backend arithmetic) */
     int max_ctx, max_rows, nt, nt_max; /* threads in use; most the scratch allows */
     int E, QD, KVD, F;       /* n_embd, n_head*head_dim, n_head_kv*head_dim, n_ff */
 
@@ -134,8 +135,18 @@ bool cb_engine_attn_parse(const char *s, cb_engine_attn_t *out) {
     return true;
 }
 
-/* The attention arithmetic asked for: opts, else $CB_ENGINE_ATTN, else auto. false (err) for a bad value. */
-static bool resolve_attn(cb_engine_attn_t asked, cb_attn_math_t *out, char *err, size_t errlen) {
+cb_attn_math_t cb_engine_attn_math(cb_engine_attn_t attn) {
+    switch (attn) {
+    case CB_ENGINE_ATTN_F32: return CB_ATTN_F32;
+    case CB_ENGINE_ATTN_BF16: return CB_ATTN_BF16;
+    case CB_ENGINE_ATTN_INT16: return CB_ATTN_I16;
+    default: return CB_ATTN_AUTO;
+    }
+}
+
+/* The attention arithmetic asked for: opts, else $CB_ENGINE_ATTN, else auto (*out: never DEFAULT). false
+ * (err) for a bad value. */
+static bool resolve_attn(cb_engine_attn_t asked, cb_engine_attn_t *out, char *err, size_t errlen) {
     if (asked < CB_ENGINE_ATTN_DEFAULT || asked > CB_ENGINE_ATTN_AUTO) {
         cb_set_err(err, errlen, "engine: attn %d is not auto, bf16, int16 or f32", (int)asked);
         return false;
@@ -145,10 +156,7 @@ static bool resolve_attn(cb_engine_attn_t asked, cb_attn_math_t *out, char *err,
         cb_set_err(err, errlen, "engine: CB_ENGINE_ATTN = '%.32s': expected auto, bf16, int16 or f32", s);
         return false;
     }
-    *out = asked == CB_ENGINE_ATTN_F32     ? CB_ATTN_F32
-           : asked == CB_ENGINE_ATTN_BF16  ? CB_ATTN_BF16
-           : asked == CB_ENGINE_ATTN_INT16 ? CB_ATTN_I16
-                                           : CB_ATTN_AUTO;
+    *out = asked == CB_ENGINE_ATTN_DEFAULT ? CB_ENGINE_ATTN_AUTO : asked;
     return true;
 }
 
@@ -171,7 +179,7 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     }
     cb_engine_kv_dtype_t kv_dtype;
     if (!resolve_kv_dtype(o->kv_dtype, &kv_dtype, err, errlen)) return NULL;
-    cb_attn_math_t attn;
+    cb_engine_attn_t attn;
     if (!resolve_attn(o->attn, &attn, err, errlen)) return NULL;
     cb_engine_t *e = calloc(1, sizeof *e);
     if (!e) {
@@ -190,7 +198,9 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->QD = hp->n_head * hp->head_dim;
     e->KVD = hp->n_head_kv * hp->head_dim;
     e->F = hp->n_ff;
-    e->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 1.0f / sqrtf((float)hp->head_dim), attn};
+    e->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 1.0f / sqrtf((float)hp->head_dim),
+                              cb_engine_attn_math(attn)};
+    e->attn = attn;
     e->be = cb_backend_select(cb_backend_default_kind(), hp, e->max_rows, max_ctx, e->nt_max, NULL, berr, sizeof berr);
     if (!e->be) {
         cb_set_err(err, errlen, "engine: %s", berr);
@@ -282,14 +292,7 @@ int cb_engine_max_rows(const cb_engine_t *self) { return self->max_rows; }
 const cb_model_t *cb_engine_model(const cb_engine_t *self) { return self->model; }
 const char *cb_engine_backend_name(const cb_engine_t *self) { return self->be->ops->name; }
 cb_engine_kv_dtype_t cb_engine_kv_dtype(const cb_engine_t *self) { return self->kv_dtype; }
-cb_engine_attn_t cb_engine_attn(const cb_engine_t *self) {
-    switch (self->geom.math) {
-    case CB_ATTN_BF16: return CB_ENGINE_ATTN_BF16;
-    case CB_ATTN_I16: return CB_ENGINE_ATTN_INT16;
-    case CB_ATTN_AUTO: return CB_ENGINE_ATTN_AUTO;
-    default: return CB_ENGINE_ATTN_F32;
-    }
-}
+cb_engine_attn_t cb_engine_attn(const cb_engine_t *self) { return self->attn; }
 
 void cb_engine_pool_stats(const cb_engine_t *self, cb_engine_pool_stats_t *out) {
     memset(out, 0, sizeof *out);

@@ -52,6 +52,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "engine/backend.h"
 #include "format/kvfile.h"
 #include "model/model.h"
 
@@ -133,6 +134,9 @@ cb_engine_kv_dtype_t cb_engine_kv_dtype(const cb_engine_t *self);
 /* The prefill attention asked for (DEFAULT resolved): AUTO, BF16, INT16 or F32 (what runs is the backend's:
  * cpu_ops.h cb_cpu_attn_name). */
 cb_engine_attn_t cb_engine_attn(const cb_engine_t *self);
+/* The backend arithmetic (backend.h cb_attn_math_t) of an attn value: F32, BF16, I16, or AUTO (for AUTO and
+ * DEFAULT). */
+cb_attn_math_t cb_engine_attn_math(cb_engine_attn_t attn);
 
 /* Pool accounting. */
 typedef struct {

@@ -206,11 +206,7 @@ int main(int argc, char **argv) {
                n_decode < 64 ? n_decode : 64, batch_private ? " (private KV)" : "", batch_tok_s, serial_tok_s,
                batch_tok_s / serial_tok_s);
     /* what ran: bf16 or int16 blocks need the CPU backend on a CPU with AMX-BF16 or AVX512-VNNI */
-    const cb_engine_attn_t ea = cb_engine_attn(e);
-    const char *attn_name = cb_cpu_attn_name(ea == CB_ENGINE_ATTN_F32     ? CB_ATTN_F32
-                                             : ea == CB_ENGINE_ATTN_BF16  ? CB_ATTN_BF16
-                                             : ea == CB_ENGINE_ATTN_INT16 ? CB_ATTN_I16
-                                                                          : CB_ATTN_AUTO);
+    const char *attn_name = cb_cpu_attn_name(cb_engine_attn_math(cb_engine_attn(e)));
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     double rss_mb = ru.ru_maxrss / 1024.0;

@@ -281,79 +281,44 @@ TEST(test_attention_key_limits) {
     CHECK(check_attention_bt(9, 3, 64, 40, 600, 2, 512));
 }
 
-/* The bf16 blocks (CB_ATTN_BF16; AMX): against the double reference. q·scale, K and V enter as bf16 hi/lo
- * pairs (K and V, f16 values, exactly; q to 16 bits, the dropped lo·lo product ~2^-16 of a score), so the
- * rounding left is the softmax weights' (each within a relative 2^-8: a row's output within 2^-8 · max |v|)
- * plus the scores' (2^-16 · sum |q·scale||k| <= 5e-4 here, a relative change of the weights of twice
- * that: bound 2^-10 · max |v|) plus the f32 kernel's own 2e-5; shuffled blocks bit for bit as contiguous. Where the CPU has no AMX, or head_dim is not a
- * multiple of 64, the same call must give the f32 blocks' bits. */
-static int check_attention_bf16(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_BF16}, g1 = g, gf = g;
-    g1.scale = 1.0f, g1.math = CB_ATTN_F32, gf.math = CB_ATTN_F32;
-    const int kvd = HKV * hd, nb = (keys + bt - 1) / bt;
-    size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
-    float *q = malloc(qn * 4), *kc = malloc(kn * 4), *vc = malloc(kn * 4), *o = malloc(qn * 4), *r = malloc(qn * 4);
-    float *o2 = malloc(qn * 4), *qr = malloc(qn * 4), *kr = malloc(kn * 4), *vr = malloc(kn * 4);
-    int32_t *lim = malloc(sizeof(int32_t) * (size_t)n);
-    float *scr = malloc(sizeof(float) * cb_cpu_attention_scratch(&g, n, keys, nt));
-    attn_inputs(q, qn, kc, vc, kn, lim, n, keys);
-    double vmax = 0;
-    for (size_t i = 0; i < qn; i++) qr[i] = cb_bf16_to_f32(cb_f32_to_bf16(q[i] * g.scale));
-    for (size_t i = 0; i < kn; i++) {
-        kr[i] = cb_bf16_to_f32(cb_f32_to_bf16(kc[i]));
-        vr[i] = cb_bf16_to_f32(cb_f32_to_bf16(vc[i]));
-        vmax = fmax(vmax, fabs(vr[i]));
-    }
-    kv_pool_t pc, ps;
-    kv_pool_make(&pc, kc, vc, keys, kvd, bt, nb, 0);
-    kv_pool_make(&ps, kc, vc, keys, kvd, bt, nb + 3, 1);
-    cb_pool_t *pool = cb_pool_new(nt);
-    cb_cpu_attention(&g, q, n, &pc.kv, lim, o, scr, keys, pool);
-    cb_cpu_attention(&g, q, n, &ps.kv, lim, o2, scr, keys, pool);
-    int ok = memcmp(o, o2, qn * 4) == 0;
-    if (!ok) fprintf(stderr, "  bf16 attention n%d keys%d bt%d: shuffled blocks differ\n", n, keys, bt);
-    if (cb_cpu_attn_bf16_supported() && hd % 64 == 0) {
-        attention_ref(&gf, q, n, kc, vc, lim, r);
-        double d = maxdiff(o, r, qn), bound = vmax / 256.0 + vmax / 1024.0 + 2e-5;
-        attention_ref(&g1, qr, n, kr, vr, lim, r);
-        fprintf(stderr, "  bf16 attention H%d/%d hd%d n%d keys%d: %.3g, bound %.3g (from the reference on bf16-rounded q, K, V: %.3g)\n",
-                H, HKV, hd, n, keys, d, bound, maxdiff(o, r, qn));
-        ok = ok && d <= bound;
-    } else {
-        cb_cpu_attention(&gf, q, n, &pc.kv, lim, o2, scr, keys, pool);
-        ok = ok && memcmp(o, o2, qn * 4) == 0;
-    }
-    cb_pool_destroy(&pool);
-    kv_pool_free(&pc);
-    kv_pool_free(&ps);
-    free(q); free(kc); free(vc); free(o); free(o2); free(r); free(lim); free(scr); free(qr); free(kr); free(vr);
-    return ok;
-}
-
-TEST(test_attention_bf16) {
-    if (!cb_cpu_attn_bf16_supported()) fprintf(stderr, "  no AMX-BF16 here: CB_ATTN_BF16 must run the f32 blocks\n");
-    CHECK(check_attention_bf16(9, 3, 64, 70, 1300, 2, CB_ENGINE_BLOCK_TOKENS)); /* SmolLM2: partial tiles, 3 chunks */
-    CHECK(check_attention_bf16(9, 3, 64, 5, 40, 1, 16));   /* the smallest block call, one partial chunk */
-    CHECK(check_attention_bf16(4, 4, 64, 33, 600, 3, 7));  /* no GQA, odd block size (gathered chunks) */
-    CHECK(check_attention_bf16(8, 2, 128, 130, 700, 2, CB_ENGINE_BLOCK_TOKENS)); /* head_dim 128: two P·V steps */
-    CHECK(check_attention_bf16(4, 2, 32, 20, 100, 1, 16)); /* head_dim 32: the f32 blocks */
-}
-
-/* The int16 blocks (CB_ATTN_I16; AVX512-VNNI): against the double reference. Each operand is rounded to an
- * integer grid scaled per row (cpu_ops.c): q·scale and K to m = floor(sqrt(2^31 / hd)) steps of their row's
- * largest |value| (5792 for hd 64), V per key and the softmax weights per row and chunk to 5792 steps.
- * Bounds, each for an error at most half a step:
+/* The reduced-precision blocks against the double reference, each with its bound on max |out - ref|; shuffled
+ * blocks bit for bit as contiguous. Where the CPU lacks the unit, or head_dim is not a multiple of 64, the
+ * same call must give the f32 blocks' bits.
+ *
+ * bf16 (CB_ATTN_BF16; AMX): q·scale, K and V enter as bf16 hi/lo pairs (K and V, f16 values, exactly; q to
+ * 16 bits, the dropped lo·lo product ~2^-16 of a score), so the rounding left is the softmax weights' (each
+ * within a relative 2^-8: a row's output within 2^-8 · max |v|) plus the scores' (2^-16 · sum |q·scale||k|
+ * <= 5e-4 here, a relative change of the weights of twice that: bound 2^-10 · max |v|) plus the f32
+ * kernel's own 2e-5.
+ *
+ * int16 (CB_ATTN_I16; AVX512-VNNI): each operand is rounded to an integer grid scaled per row (cpu_ops.c):
+ * q·scale and K to m = floor(sqrt(2^31 / hd)) steps of their row's largest |value| (5792 for hd 64), V per
+ * key and the softmax weights per row and chunk to 5792 steps. Bounds, each for an error at most half a step:
  *   scores: |ds| <= hd · max|q·scale| · max|k| / m (every product's two roundings); the weights then move by
  *     a relative 2|ds|, the output by 2|ds| · max|v|;
  *   V: max|v| / 11584;
  *   weights: the sum of up to `keys` independent roundings, each within half a step of the chunk's largest
  *     weight (<= the row's sum): 3.5 standard deviations, sqrt(keys / 12) · 3.5 / 5792 · max|v|, as
  *     sqrt(keys) / 5792 · max|v| (a statistical bound: the roundings of random inputs are independent);
- * plus the f32 kernel's 2e-5; shuffled blocks bit for bit as contiguous. Where the CPU has no VNNI, or
- * head_dim is not a multiple of 64, the same call must give the f32 blocks' bits. */
-static int check_attention_i16(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_I16}, gf = g;
+ * plus the f32 kernel's 2e-5. */
+static double reduced_attention_bound(cb_attn_math_t math, const cb_attn_geom_t *g, const float *q, size_t qn,
+                                      const float *kc, const float *vc, size_t kn, int keys) {
+    double vmax = 0, qmax = 0, kmax = 0;
+    for (size_t i = 0; i < qn; i++) qmax = fmax(qmax, fabs(q[i] * g->scale));
+    for (size_t i = 0; i < kn; i++) {
+        kmax = fmax(kmax, fabs(kc[i]));
+        vmax = fmax(vmax, fabs(math == CB_ATTN_BF16 ? cb_bf16_to_f32(cb_f32_to_bf16(vc[i])) : vc[i]));
+    }
+    if (math == CB_ATTN_BF16) return vmax / 256.0 + vmax / 1024.0 + 2e-5;
+    const double m = floor(sqrt(2147483647.0 / g->head_dim)), ds = g->head_dim * qmax * kmax / m;
+    return 2 * ds * vmax + vmax / 11584.0 + sqrt((double)keys) / 5792.0 * vmax + 2e-5;
+}
+
+static int check_attention_reduced(cb_attn_math_t math, int H, int HKV, int hd, int n, int keys, int nt, int bt) {
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), math}, gf = g;
     gf.math = CB_ATTN_F32;
+    const char *name = math == CB_ATTN_BF16 ? "bf16" : "int16";
+    const bool unit = math == CB_ATTN_BF16 ? cb_cpu_attn_bf16_supported() : cb_cpu_attn_i16_supported();
     const int kvd = HKV * hd, nb = (keys + bt - 1) / bt;
     size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
     float *q = malloc(qn * 4), *kc = malloc(kn * 4), *vc = malloc(kn * 4), *o = malloc(qn * 4), *r = malloc(qn * 4);
@@ -361,9 +326,6 @@ static int check_attention_i16(int H, int HKV, int hd, int n, int keys, int nt, 
     int32_t *lim = malloc(sizeof(int32_t) * (size_t)n);
     float *scr = malloc(sizeof(float) * cb_cpu_attention_scratch(&g, n, keys, nt));
     attn_inputs(q, qn, kc, vc, kn, lim, n, keys);
-    double vmax = 0, qmax = 0, kmax = 0;
-    for (size_t i = 0; i < qn; i++) qmax = fmax(qmax, fabs(q[i] * g.scale));
-    for (size_t i = 0; i < kn; i++) kmax = fmax(kmax, fabs(kc[i])), vmax = fmax(vmax, fabs(vc[i]));
     kv_pool_t pc, ps;
     kv_pool_make(&pc, kc, vc, keys, kvd, bt, nb, 0);
     kv_pool_make(&ps, kc, vc, keys, kvd, bt, nb + 3, 1);
@@ -371,15 +333,12 @@ static int check_attention_i16(int H, int HKV, int hd, int n, int keys, int nt, 
     cb_cpu_attention(&g, q, n, &pc.kv, lim, o, scr, keys, pool);
     cb_cpu_attention(&g, q, n, &ps.kv, lim, o2, scr, keys, pool);
     int ok = memcmp(o, o2, qn * 4) == 0;
-    if (!ok) fprintf(stderr, "  int16 attention n%d keys%d bt%d: shuffled blocks differ\n", n, keys, bt);
-    if (cb_cpu_attn_i16_supported() && hd % 64 == 0) {
+    if (!ok) fprintf(stderr, "  %s attention n%d keys%d bt%d: shuffled blocks differ\n", name, n, keys, bt);
+    if (unit && hd % 64 == 0) {
         attention_ref(&gf, q, n, kc, vc, lim, r);
-        const double m = floor(sqrt(2147483647.0 / hd)), ds = hd * qmax * kmax / m;
-        const double bound = 2 * ds * vmax + vmax / 11584.0 + sqrt((double)keys) / 5792.0 * vmax + 2e-5;
-        double d = maxdiff(o, r, qn);
-        cb_cpu_attention(&gf, q, n, &pc.kv, lim, o2, scr, keys, pool);
-        fprintf(stderr, "  int16 attention H%d/%d hd%d n%d keys%d: %.3g, bound %.3g (the f32 blocks: %.3g)\n", H, HKV,
-                hd, n, keys, d, bound, maxdiff(o2, r, qn));
+        const double d = maxdiff(o, r, qn), bound = reduced_attention_bound(math, &g, q, qn, kc, vc, kn, keys);
+        fprintf(stderr, "  %s attention H%d/%d hd%d n%d keys%d: %.3g, bound %.3g\n", name, H, HKV, hd, n, keys, d,
+                bound);
         ok = ok && d <= bound;
     } else {
         cb_cpu_attention(&gf, q, n, &pc.kv, lim, o2, scr, keys, pool);
@@ -392,14 +351,23 @@ static int check_attention_i16(int H, int HKV, int hd, int n, int keys, int nt, 
     return ok;
 }
 
+static void attention_reduced_cases(cb_attn_math_t math) {
+    CHECK(check_attention_reduced(math, 9, 3, 64, 70, 1300, 2, CB_ENGINE_BLOCK_TOKENS)); /* SmolLM2: partial tiles, 3 chunks */
+    CHECK(check_attention_reduced(math, 9, 3, 64, 5, 40, 1, 16));   /* the smallest block call, one partial chunk */
+    CHECK(check_attention_reduced(math, 4, 4, 64, 33, 600, 3, 7));  /* no GQA, odd block size (gathered chunks) */
+    CHECK(check_attention_reduced(math, 8, 2, 128, 130, 700, 2, CB_ENGINE_BLOCK_TOKENS)); /* head_dim 128: two P·V steps */
+    CHECK(check_attention_reduced(math, 16, 1, 64, 7, 300, 2, 16)); /* G 16: 112 rows (int16: 4-row and 2-row tiles) */
+    CHECK(check_attention_reduced(math, 4, 2, 32, 20, 100, 1, 16)); /* head_dim 32: the f32 blocks */
+}
+
+TEST(test_attention_bf16) {
+    if (!cb_cpu_attn_bf16_supported()) fprintf(stderr, "  no AMX-BF16 here: CB_ATTN_BF16 must run the f32 blocks\n");
+    attention_reduced_cases(CB_ATTN_BF16);
+}
+
 TEST(test_attention_i16) {
     if (!cb_cpu_attn_i16_supported()) fprintf(stderr, "  no AVX512-VNNI here: CB_ATTN_I16 must run the f32 blocks\n");
-    CHECK(check_attention_i16(9, 3, 64, 70, 1300, 2, CB_ENGINE_BLOCK_TOKENS)); /* SmolLM2: partial tiles, 3 chunks */
-    CHECK(check_attention_i16(9, 3, 64, 5, 40, 1, 16));   /* the smallest block call, one partial chunk */
-    CHECK(check_attention_i16(4, 4, 64, 33, 600, 3, 7));  /* no GQA, odd block size (gathered chunks) */
-    CHECK(check_attention_i16(8, 2, 128, 130, 700, 2, CB_ENGINE_BLOCK_TOKENS)); /* head_dim 128: two P·V passes */
-    CHECK(check_attention_i16(16, 1, 64, 7, 300, 2, 16)); /* G 16: 112 rows, a 4-row score tile, 2-row P·V tiles */
-    CHECK(check_attention_i16(4, 2, 32, 20, 100, 1, 16)); /* head_dim 32: the f32 blocks */
+    attention_reduced_cases(CB_ATTN_I16);
 }
 
 /* A decode batch's attention (cb_cpu_attention_rows): n rows of different sequences, each with its own KV
