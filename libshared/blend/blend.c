@@ -68,8 +68,10 @@ typedef struct {
     int n_cand_total;
     float *logits;             /* NULL: skip the LM head (and the last layer's attention/MLP) */
     cb_blend_attn_hook_t hook;
+    cb_blend_sparse_hook_t sparse_hook;
     void *hook_ud;
     bool preloaded;            /* every LOADED row's K/V is already in the sequence, at every layer */
+    bool sparse;               /* rows with b->sparse set attend sparsely (the main pass after a probe) */
     int probe_rows;            /* > 0: a probe pass (metric 'a'); the last probe_rows active rows add their
                                   attention mass over keys into b->mass at every layer */
     int compute_layers;        /* > 0: layers [compute_layers, L) only place their cached rows (a probe that
@@ -129,6 +131,11 @@ struct cb_blend {
     uint8_t *keep;             /* [max_ctx] */
     int32_t *ub_lim, *ub_tok;  /* [max_rows] */
     float *mass;               /* [max_ctx] attention mass each row receives in a probe pass (metric 'a') */
+    uint8_t *sparse;           /* [max_ctx] 1: the row attends sparsely in the main pass (opts.sparse_keys) */
+    uint8_t *blk_keep;         /* [max_ctx] per KV block: 1 = every sparse row before it attends it */
+    int32_t *blk_list;         /* [max_ctx] a sparse call's gathered block indices */
+    double *blk_mass;          /* [max_ctx] per KV block: probe mass */
+    int bt;                    /* engine positions per KV block */
 
     src_t *srcs;               /* [cap_srcs] */
     int n_srcs, cap_srcs;
@@ -161,6 +168,7 @@ void cb_blend_opts_default(cb_blend_opts_t *o) {
     o->auto_floor = CB_BLEND_DEFAULT_AUTO_FLOOR;
     o->auto_ceil = CB_BLEND_DEFAULT_AUTO_CEIL;
     o->auto_cost_keys = CB_BLEND_DEFAULT_AUTO_COST_KEYS;
+    o->sparse_keys = CB_BLEND_DEFAULT_SPARSE_KEYS;
 }
 
 static const char *const MODE_NAMES[CB_BLEND_MODE_COUNT_] = {"full", "prefix", "reuse", "blend"};
@@ -236,6 +244,14 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
         cb_set_err(err, errlen, "blend: probe layers %d outside [0, %d] (0 = all)", o->probe_layers, b->L);
         return -1;
     }
+    if (!(o->sparse_keys >= 0.0f && o->sparse_keys <= 1.0f)) {
+        cb_set_err(err, errlen, "blend: sparse keys %g outside [0, 1] (0 = dense)", (double)o->sparse_keys);
+        return -1;
+    }
+    if (o->sparse_keys > 0.0f && o->metric != 'a') {
+        cb_set_err(err, errlen, "blend: sparse keys need metric 'a' (the probe's attention mass ranks the blocks)");
+        return -1;
+    }
     if (o->probe_suffix < 0) {
         cb_set_err(err, errlen, "blend: probe suffix rows %d < 0 (0 = all)", o->probe_suffix);
         return -1;
@@ -284,8 +300,16 @@ cb_blend_t *cb_blend_new(cb_kvstore_t *store, char *err, size_t errlen) {
     b->ub_tok = malloc(sizeof(int32_t) * R);
     b->mass = malloc(sizeof(float) * C);
     b->wdev = malloc(sizeof(double) * C);
+    b->sparse = calloc(C, 1);
+    b->blk_keep = malloc(C);
+    b->blk_list = malloc(sizeof(int32_t) * C);
+    b->blk_mass = malloc(sizeof(double) * C);
+    cb_engine_pool_stats_t ps;
+    cb_engine_pool_stats(b->e, &ps);
+    b->bt = ps.block_tokens;
     if (!b->x || !b->q || !b->kb || !b->vb || !b->tok || !b->cls || !b->src_of || !b->act || !b->dev || !b->order ||
-        !b->cand || !b->keep || !b->ub_lim || !b->ub_tok || !b->mass || !b->wdev) {
+        !b->cand || !b->keep || !b->ub_lim || !b->ub_tok || !b->mass || !b->wdev ||
+        !b->sparse || !b->blk_keep || !b->blk_list || !b->blk_mass) {
         cb_set_err(err, errlen, "blend: out of memory (%d positions)", b->max_ctx);
         cb_blend_destroy(&b);
         return NULL;
@@ -334,6 +358,10 @@ void cb_blend_destroy(cb_blend_t **self_p) {
     free(b->ub_tok);
     free(b->mass);
     free(b->wdev);
+    free(b->sparse);
+    free(b->blk_keep);
+    free(b->blk_list);
+    free(b->blk_mass);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
     free(b);
@@ -600,15 +628,45 @@ static int layer_qkv_rows(cb_blend_t *b, const run_t *R, int l, int n_act, bool 
     return 0;
 }
 
-/* Attention (exact causal limits) + MLP of active rows [a0, n_act) of layer l. */
+/* Sparse attention + MLP of active rows [i0, i0 + n), all sparse and of the chunk whose rows start at c0:
+ * their keys are the kept blocks before the chunk's first block, then every block from it to the last
+ * row's (ascending), each row up to itself. */
+static void attn_sparse(cb_blend_t *b, const run_t *R, int l, int i0, int n, int c0) {
+    const int bt = b->bt, first = c0 / bt, last = b->act[i0 + n - 1] / bt;
+    int nb = 0;
+    for (int k = 0; k < first; k++)
+        if (b->blk_keep[k]) b->blk_list[nb++] = k;
+    const int before = nb;
+    for (int k = first; k <= last; k++) b->blk_list[nb++] = k;
+    for (int j = 0; j < n; j++) b->ub_lim[j] = (before - first) * bt + b->act[i0 + j] + 1;
+    if (R->sparse_hook) R->sparse_hook(R->hook_ud, l, n, b->act + i0, b->ub_lim, b->blk_list, nb, bt);
+    cb_engine_layer_attn_mlp_blocks(b->e, b->seq, l, b->x + (size_t)i0 * b->E, b->q + (size_t)i0 * b->QD, n,
+                                    b->blk_list, nb, b->ub_lim);
+}
+
+/* Attention (exact causal limits) + MLP of active rows [a0, n_act) of layer l: runs of dense rows in
+ * ubatches over every earlier key; runs of one chunk's sparse rows over their gathered blocks. */
 static void layer_attn_rows(cb_blend_t *b, const run_t *R, int l, int a0, int n_act) {
     const int MR = b->max_rows;
-    for (int i0 = a0; i0 < n_act; i0 += MR) {
-        int n = n_act - i0 < MR ? n_act - i0 : MR;
-        const int32_t *pos = b->act + i0;
-        for (int j = 0; j < n; j++) b->ub_lim[j] = pos[j] + 1;
-        if (R->hook) R->hook(R->hook_ud, l, n, pos, b->ub_lim);
-        cb_engine_layer_attn_mlp(b->e, b->seq, l, b->x + (size_t)i0 * b->E, b->q + (size_t)i0 * b->QD, n, b->ub_lim);
+    int i0 = a0;
+    while (i0 < n_act) {
+        const int r0 = b->act[i0];
+        const bool sp = R->sparse && b->sparse[r0];
+        const int c0 = sp ? b->srcs[b->src_of[r0]].row0 : 0;
+        int n = 1;
+        while (n < MR && i0 + n < n_act && (R->sparse && b->sparse[b->act[i0 + n]]) == sp &&
+               (!sp || b->srcs[b->src_of[b->act[i0 + n]]].row0 == c0))
+            n++;
+        if (sp) {
+            attn_sparse(b, R, l, i0, n, c0);
+        } else {
+            const int32_t *pos = b->act + i0;
+            for (int j = 0; j < n; j++) b->ub_lim[j] = pos[j] + 1;
+            if (R->hook) R->hook(R->hook_ud, l, n, pos, b->ub_lim);
+            cb_engine_layer_attn_mlp(b->e, b->seq, l, b->x + (size_t)i0 * b->E, b->q + (size_t)i0 * b->QD, n,
+                                     b->ub_lim);
+        }
+        i0 += n;
     }
 }
 
@@ -750,6 +808,32 @@ static int probe_setup(cb_blend_t *b, job_t *J) {
     return 1;
 }
 
+/* opts.sparse_keys after the selection: the chosen candidates (b->order [m] maps candidate -> row, and
+ * b->cand the chosen ones' indices) attend sparsely; the KV blocks wholly inside the chunks are ranked by
+ * their rows' probe mass and the top share kept (the prefix's blocks always). 0, or -1 (backend). */
+static int sparse_setup(cb_blend_t *b, job_t *J, int m) {
+    run_t *R = &J->R;
+    const int bt = b->bt, s0 = J->N - J->n_suffix;
+    const int p_end = (J->n_prefix + bt - 1) / bt, c_end = s0 / bt; /* chunk blocks [p_end, c_end) */
+    for (int j = 0; j < R->n_chosen && j < m; j++) b->sparse[b->order[b->cand[j]]] = 1;
+    R->sparse = true;
+    memset(b->blk_keep, 0, (size_t)(c_end > p_end ? c_end : p_end));
+    memset(b->blk_keep, 1, (size_t)p_end);
+    const int nc = c_end - p_end;
+    if (nc <= 0) return 0;
+    for (int k = 0; k < nc; k++) {
+        double sm = 0.0;
+        for (int r = (p_end + k) * bt; r < (p_end + k + 1) * bt; r++) sm += b->mass[r];
+        b->blk_mass[k] = sm;
+    }
+    int keep = (int)ceil((double)J->opts.sparse_keys * nc - 1e-9);
+    if (keep > nc) keep = nc;
+    if (keep <= 0) return 0;
+    if (cb_engine_topk(b->e, nc, b->blk_mass, keep, b->blk_list) != CB_ENGINE_OK) return -1;
+    for (int k = 0; k < keep; k++) b->blk_keep[p_end + b->blk_list[k]] = 1;
+    return 0;
+}
+
 /* After a successful probe pass: the most attended candidates COMPUTED, the rest LOADED; the main pass
  * only overwrites its computed rows (the probe placed every cached row of every layer and verified the
  * files). 0, or -1 with err. */
@@ -781,6 +865,10 @@ static int probe_finish(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
         return -1;
     }
     R->preloaded = true;
+    if (J->opts.sparse_keys > 0.0f && sparse_setup(b, J, m) != 0) {
+        cb_set_err(err, errlen, "blend: the backend failed (top-k)");
+        return -1;
+    }
     return 0;
 }
 
@@ -1039,6 +1127,7 @@ static long long resolve_unit(cb_blend_t *b, job_t *J, char *err, size_t errlen)
 static int begin_passes(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
     const cb_blend_opts_t *o = &J->opts;
     const int N = J->N;
+    memset(b->sparse, 0, (size_t)N);
     int n_cand_total = build_rows(b, o->mode, J->prefix, J->n_prefix, J->chunks, J->n_chunks, J->n_need, J->rs,
                                   J->suffix, J->n_suffix, o->lead_tokens);
     if (n_cand_total < 0) {
@@ -1066,6 +1155,7 @@ static int begin_passes(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
     R->n_cand_total = n_cand_total;
     R->logits = J->logits;
     R->hook = o->attn_hook;
+    R->sparse_hook = o->sparse_hook;
     R->hook_ud = o->attn_hook_ud;
     J->cur = R->blend && o->metric == 'a' && probe_setup(b, J) ? &J->P : R;
     J->ph = J->cur == &J->P ? PH_PROBE : PH_MAIN;

@@ -40,6 +40,15 @@
  * to the rows right after the chunks (the suffix rows before them are absent from the probe's keys); the
  * main pass always computes the whole suffix at its own positions.
  *
+ * Sparse keys (opts.sparse_keys = S > 0, metric 'a'; docs/eval.md): in the main pass a chosen candidate of
+ * chunk c attends only the prefix's KV blocks, the blocks of chunk c up to itself (exact causal limit) and
+ * the ceil(S * B) of the B KV blocks wholly inside the chunks (engine blocks of block_tokens rows) whose
+ * rows received the most probe attention mass, those before chunk c. The recomputed rows are the ones the
+ * question attends to; most of their attention cost was over keys far back in the other chunks, and the
+ * probe says which of those the answer draws on. The suffix and every other computed row stay dense. The
+ * gathered blocks go to the backend's attention as a block table (cb_engine_layer_attn_mlp_blocks), so
+ * every backend runs it. S = 1 keeps every block (the dense keys, in per-chunk calls).
+ *
  * Per layer: the LOADED rows' K/V are placed in the request's sequence (cb_engine_kv_load: converted and
  * re-rotated by the backend, by a loader thread that prepares layer l+1 while layer l computes, unless
  * opts.no_overlap); Q/K/V of every active row are computed (ubatches of cb_engine_max_rows) and written to
@@ -58,8 +67,8 @@
  * Ownership: the store (and through it the engine) is borrowed and must outlive the blend object; the
  * sequence of a call is borrowed for the call. One blend object per store, used by one thread at a time,
  * one call at a time (the service runs one blend at a time, in slices, beside the decode of the others).
- * Memory: about (n_embd + n_head*head_dim) * 4 + 30 bytes per max_ctx position of activations, plus 4 bytes
- * per position of attention mass for metric a's probe; the KV is in the engine's pool.
+ * Memory: about (n_embd + n_head*head_dim) * 4 + 44 bytes per max_ctx position of activations and sparse-key
+ * tables, plus 4 bytes per position of attention mass for metric a's probe; the KV is in the engine's pool.
  */
 #ifndef CB_BLEND_H
 #define CB_BLEND_H
@@ -83,6 +92,11 @@ enum { CB_ROW_LOADED = 0, CB_ROW_COMPUTED = 1, CB_ROW_CANDIDATE = 2 };
 /* Called before every attention call of a prefill (tests): n rows at positions pos [n] with key
  * limits key_limit [n] (arrays valid during the call only). */
 typedef void (*cb_blend_attn_hook_t)(void *ud, int layer, int n, const int32_t *pos, const int32_t *key_limit);
+/* Called before every sparse attention call (opts.sparse_keys; tests): n rows at positions pos [n] attend
+ * the first key_limit[i] keys of the blocks blk [n_blk] (indices into the sequence's block table, each of
+ * block_tokens positions) laid end to end. */
+typedef void (*cb_blend_sparse_hook_t)(void *ud, int layer, int n, const int32_t *pos, const int32_t *key_limit,
+                                       const int32_t *blk, int n_blk, int block_tokens);
 
 typedef struct {
     cb_blend_mode_t mode;       /* default CB_BLEND_BLEND */
@@ -107,8 +121,13 @@ typedef struct {
                                    (the keys at which a row's attention costs as much as its matrix products);
                                    the coverage rule is unchanged. 0 = rank by mass alone */
     float auto_floor, auto_ceil;    /* ratio = auto's bounds, 0 <= floor <= ceil <= 1 (defaults below) */
+    float sparse_keys;          /* metric 'a': > 0 makes the chosen candidates attend only to the prefix, their own
+                                   chunk up to themselves and this share of the other earlier key blocks, those
+                                   with the most probe attention mass (engine blocks of block_tokens rows); 0 =
+                                   every earlier key (dense, the default); 1 = every block (dense, gathered) */
     bool no_overlap;            /* load each layer in the compute thread (serial), for comparison */
-    cb_blend_attn_hook_t attn_hook; /* NULL = none */
+    cb_blend_attn_hook_t attn_hook; /* NULL = none (dense calls) */
+    cb_blend_sparse_hook_t sparse_hook; /* NULL = none (sparse calls); both take attn_hook_ud */
     void *attn_hook_ud;
 } cb_blend_opts_t;
 
@@ -133,6 +152,7 @@ typedef struct {
 #define CB_BLEND_DEFAULT_AUTO_COST_KEYS 0.0f /* ratio = auto: rank by mass alone. 3000 gave KL -0.0031 (se 0.0016)
                                                on 40 MuSiQue examples (AMX), +0.0012 (0.0012) on 20 (AVX2): off
                                                until a larger run settles it (docs/eval.md) */
+#define CB_BLEND_DEFAULT_SPARSE_KEYS 0.0f /* dense: see docs/eval.md for sparse_keys' measurements */
 #define CB_BLEND_DEFAULT_LEAD 0 /* measured with metric a: 4 lead tokens per chunk gave the same first-token KL
                                    for 3 % more recomputed rows (with metric v, -2.5 % KL; docs/eval.md) */
 

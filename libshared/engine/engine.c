@@ -54,6 +54,7 @@ struct cb_engine {
     int32_t *pos;            /* [max_rows] positions of the ubatch */
     int32_t *limit;          /* [max_rows] key limits (pos + 1) */
     cb_kv_table_t *tables;   /* [max_rows] block tables of a decode batch's rows */
+    int32_t *gather;         /* [seq_max_blocks] a gathered block table (cb_engine_layer_attn_mlp_blocks) */
 
     /* primitives' private scratch (never handed out) */
     float *xb;               /* [max_rows][E] normed input; also the logits row's norm */
@@ -239,12 +240,13 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->pos = calloc(R, sizeof(int32_t));
     e->limit = calloc(R, sizeof(int32_t));
     e->tables = calloc(R, sizeof(cb_kv_table_t));
+    e->gather = calloc((size_t)e->seq_max_blocks, sizeof(int32_t));
     e->xb = buf(e, sizeof(float) * R * e->E);
     e->att = buf(e, sizeof(float) * R * e->QD);
     e->proj = buf(e, sizeof(float) * R * e->E);
     e->gate = buf(e, sizeof(float) * R * e->F);
     e->up = buf(e, sizeof(float) * R * e->F);
-    if (!e->x || !e->q || !e->k || !e->v || !e->pos || !e->limit || !e->tables || !e->xb || !e->att || !e->proj ||
+    if (!e->x || !e->q || !e->k || !e->v || !e->pos || !e->limit || !e->tables || !e->gather || !e->xb || !e->att || !e->proj ||
         !e->gate || !e->up)
         goto oom;
     return e;
@@ -276,6 +278,7 @@ void cb_engine_destroy(cb_engine_t **self_p) {
     free(e->pos);
     free(e->limit);
     free(e->tables);
+    free(e->gather);
     free(e);
     *self_p = NULL;
 }
@@ -579,6 +582,20 @@ void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer,
     assert(n >= 1 && n <= self->max_rows);
     assert(seq && seq->e == self);
     cb_kv_table_t t = table_of(seq);
+    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t.n_pos);
+    self->be->ops->attention(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, self->att);
+    layer_post_attn(self, layer, x, n, false);
+}
+
+void cb_engine_layer_attn_mlp_blocks(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q,
+                                     int n, const int32_t *blk, int n_blk, const int32_t *key_limit) {
+    assert(n >= 1 && n <= self->max_rows);
+    assert(seq && seq->e == self && n_blk >= 1 && n_blk <= seq->n_blocks);
+    for (int i = 0; i < n_blk; i++) {
+        assert(blk[i] >= 0 && blk[i] < seq->n_blocks);
+        self->gather[i] = seq->blocks[blk[i]];
+    }
+    cb_kv_table_t t = {self->gather, n_blk * self->bt};
     for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t.n_pos);
     self->be->ops->attention(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, self->att);
     layer_post_attn(self, layer, x, n, false);

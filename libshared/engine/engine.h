@@ -230,6 +230,12 @@ int cb_engine_kv_read(cb_engine_t *self, const cb_seq_t *seq, int layer, int pos
  * o_proj + residual into x, FFN RMSNorm, SwiGLU MLP + residual into x:  x [n][n_embd] in/out. */
 void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
                               const int32_t *key_limit);
+/* The same over some of seq's blocks: the keys are the positions of blocks blk [n_blk] (indices into seq's
+ * block table, each < cb_seq_blocks) laid end to end in that order, block_tokens each; row i attends the
+ * first key_limit[i] of them (1..n_blk * block_tokens). K is stored rotated, so the scores are those of the
+ * true positions whatever the order. Sparse attention (the blend's sparse_keys). */
+void cb_engine_layer_attn_mlp_blocks(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q,
+                                     int n, const int32_t *blk, int n_blk, const int32_t *key_limit);
 /* Attention mass of q [n][n_head*head_dim] over layer l of seq (backend.h attn_mass): mass [>= max
  * key_limit] accumulated. Status. */
 int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,

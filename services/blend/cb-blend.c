@@ -605,6 +605,8 @@ int main(int argc, char **argv) {
                           sizeof err) ||
         !cb_config_double(cfg, SECTION, "auto_cost_keys", 0.0, CB_BLEND_AUTO_COST_KEYS_MAX,
                           CB_BLEND_DEFAULT_AUTO_COST_KEYS, &ga.auto_cost_keys, err, sizeof err) ||
+        !cb_config_double(cfg, SECTION, "sparse_keys", 0.0, 1.0, CB_BLEND_DEFAULT_SPARSE_KEYS, &ga.sparse_keys, err,
+                          sizeof err) ||
         !cb_config_int(cfg, SECTION, "k", 1, GEN_MAX_CONTEXTS, 3, &b.def.k, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_tokens", 1, 4096, 64, &b.def.max_tokens, err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "temperature", 0.0, 5.0, 0.0, &b.def.temperature, err, sizeof err) ||
@@ -670,6 +672,11 @@ int main(int argc, char **argv) {
     cb_backend_set_default_kind(bk);
     if (!cb_blend_metric_parse(metric)) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected a, k or v", metric);
+        goto out;
+    }
+    if (ga.sparse_keys > 0.0 && metric[0] != 'a') {
+        cb_log(CB_LOG_ERROR, NULL, "config blend.sparse_keys = %g needs blend.metric = a (the probe ranks the blocks)",
+               ga.sparse_keys);
         goto out;
     }
     ga.cfg = cfg;

@@ -386,6 +386,7 @@ static int prefill_start(gen_t *g, query_t *r, char *err, size_t errlen) {
     o.auto_floor = (float)a->auto_floor;
     o.auto_ceil = (float)a->auto_ceil;
     o.auto_cost_keys = (float)a->auto_cost_keys;
+    o.sparse_keys = (float)a->sparse_keys;
     o.check_layer = a->check_layer;
     o.metric = a->metric;
     o.lead_tokens = a->lead_tokens;

@@ -131,6 +131,7 @@ typedef struct {
     char metric;                 /* 'a', 'k' or 'v' (blend.h) */
     int lead_tokens;
     double auto_target, auto_floor, auto_ceil, auto_cost_keys; /* ratio = auto (blend.h opts.auto_*) */
+    double sparse_keys;          /* blend.h opts.sparse_keys (metric 'a'; 0 = dense) */
     bool store_misses;           /* `put` computed chunks into cb-cacheindex */
     int cacheindex_timeout_ms;   /* per touch/put of the notifier (one attempt) */
     cb_kvmem_t *mem;             /* borrowed, thread-safe: the in-memory tier */

@@ -88,6 +88,8 @@ static int usage(const char *why) {
             "                     blend:r=auto (ratio = auto), blend:t=0.6:floor=0.02:ceil=0.4 (auto with that target),\n"
             "                     blend:r=auto:cost=3000 (auto ranking by mass per cost, 1 + pos / 3000)\n"
             "                     blend:kv=q8_0 (chunk files of that dtype, in KV_DIR/q8_0)\n"
+            "                     blend:sparse=0.25 (chosen rows attend the prefix, their chunk and that share of\n"
+            "                     the other earlier key blocks, by probe mass; 0 = dense)\n"
             "  --ratio R|auto     blend recompute ratio (default %.2f), or auto: chosen per example\n"
             "  --auto-target T    ratio = auto's share of the candidates' score to cover (implies auto)\n"
             "  --metric k|v|a     selection metric: K or V deviation, or attention from the question (default %c)\n"
@@ -96,6 +98,8 @@ static int usage(const char *why) {
             "  --lead N           leading tokens of each chunk always recomputed (default %d)\n"
             "  --probe-layers N   metric a: layers the probe pass measures (default %d; 0 = all)\n"
             "  --probe-suffix N   metric a: last suffix rows the probe pass computes (default %d; 0 = all)\n"
+            "  --sparse-keys S    blend, metric a: share of earlier key blocks the chosen rows attend (default %.2f;\n"
+            "                     0 = dense)\n"
             "  --no-overlap       load each layer's KV serially (no loader thread)\n"
             "  --kv-dir DIR       chunk KV files (default var/kv; created)\n"
             "  --kv-dtype T       f16 (default), bf16, f32 or q8_0 (int8 blocks) for new files\n"
@@ -109,7 +113,8 @@ static int usage(const char *why) {
             "  --dump-prompt      print the first example's prompt (pieces separated by |) and exit\n"
             "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n",
             (double)CB_BLEND_DEFAULT_RATIO, CB_BLEND_DEFAULT_METRIC, CB_BLEND_DEFAULT_CHECK_LAYER,
-            CB_BLEND_DEFAULT_LEAD, CB_BLEND_DEFAULT_PROBE_LAYERS, CB_BLEND_DEFAULT_PROBE_SUFFIX);
+            CB_BLEND_DEFAULT_LEAD, CB_BLEND_DEFAULT_PROBE_LAYERS, CB_BLEND_DEFAULT_PROBE_SUFFIX,
+            (double)CB_BLEND_DEFAULT_SPARSE_KEYS);
     return 2;
 }
 
@@ -181,6 +186,8 @@ static bool parse_variant(const char *tok, const cb_blend_opts_t *base, variant_
         } else if (!strcmp(k, "probe")) {
             if (!parse_long(val, 0, 4096, &l)) return false;
             v->o.probe_layers = (int)l;
+        } else if (!strcmp(k, "sparse")) { /* sparse attention for the chosen rows: share of blocks kept */
+            if (!parse_float(val, 0.0f, 1.0f, &v->o.sparse_keys)) return false;
         } else if (!strcmp(k, "psuf")) {
             if (!parse_long(val, 0, 4096, &l)) return false;
             v->o.probe_suffix = (int)l;
@@ -267,6 +274,7 @@ static json_t *summary_mode(const variant_t *v, const variant_t *full) {
         json_object_set_new(c, "lead_tokens", json_integer(v->o.lead_tokens));
         json_object_set_new(c, "probe_layers", json_integer(v->o.probe_layers));
         json_object_set_new(c, "probe_suffix", json_integer(v->o.probe_suffix));
+        json_object_set_new(c, "sparse_keys", json_real(v->o.sparse_keys));
     }
     json_object_set_new(c, "overlap", json_boolean(!v->o.no_overlap));
     json_object_set_new(m, "config", c);
@@ -510,6 +518,8 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--probe-suffix")) {
             if (!parse_long(v, 0, 4096, &l)) return usage("bad --probe-suffix");
             base.probe_suffix = (int)l;
+        } else if (!strcmp(a, "--sparse-keys")) {
+            if (!parse_float(v, 0.0f, 1.0f, &base.sparse_keys)) return usage("bad --sparse-keys");
         } else if (!strcmp(a, "--kv-dir")) kv_dir = v;
         else if (!strcmp(a, "--kv-dtype")) {
             int dt = cb_kv_dtype_parse(v);

@@ -83,7 +83,7 @@ int main(int argc, char **argv) {
     if (!question || !*question) return usage("no QUESTION");
 
     const char *mode_s, *metric, *model_path, *sys;
-    double ratio = CB_BLEND_DEFAULT_RATIO, temp, top_p, freq_pen, pres_pen, auto_t, auto_f, auto_c, auto_k;
+    double ratio = CB_BLEND_DEFAULT_RATIO, temp, top_p, freq_pen, pres_pen, auto_t, auto_f, auto_c, auto_k, sparse;
     const char *ratio_raw = cb_config_raw(cfg, "blend", "ratio", NULL, NULL); /* a number, or "auto" */
     bool ratio_auto = ratio_raw && !strcmp(ratio_raw, "auto");
     int64_t max_tokens, seed, check, lead, ctx_size, hot, threads, pool_bytes;
@@ -94,6 +94,7 @@ int main(int argc, char **argv) {
         !cb_config_double(cfg, "blend", "auto_ceil", 0, 1, CB_BLEND_DEFAULT_AUTO_CEIL, &auto_c, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "auto_cost_keys", 0, CB_BLEND_AUTO_COST_KEYS_MAX,
                           CB_BLEND_DEFAULT_AUTO_COST_KEYS, &auto_k, err, sizeof err) ||
+        !cb_config_double(cfg, "blend", "sparse_keys", 0, 1, CB_BLEND_DEFAULT_SPARSE_KEYS, &sparse, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "max_tokens", 1, 4096, 64, &max_tokens, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "temperature", 0, 5, 0, &temp, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "top_p", 1e-9, 1, 1, &top_p, err, sizeof err) ||
@@ -171,6 +172,7 @@ int main(int argc, char **argv) {
     o.auto_floor = (float)auto_f;
     o.auto_ceil = (float)auto_c;
     o.auto_cost_keys = (float)auto_k;
+    o.sparse_keys = (float)sparse;
     o.check_layer = (int)check;
     o.metric = metric[0];
     o.lead_tokens = (int)lead;

@@ -302,6 +302,98 @@ static void pos_hook(void *ud, int layer, int n, const int32_t *pos, const int32
         if (pos[i] < p->lim) p->n++, p->sum += pos[i];
 }
 
+/* What the sparse hook saw in the last main pass (layer-0 calls after a later layer start a new pass). */
+typedef struct {
+    float share;               /* opts.sparse_keys */
+    int last_layer, rows, calls, bad;
+} sparse_state_t;
+
+static void sparse_hook(void *ud, int layer, int n, const int32_t *pos, const int32_t *lim, const int32_t *blk,
+                        int n_blk, int bt) {
+    sparse_state_t *st = ud;
+    if (layer == 0 && st->last_layer > 0) st->rows = 0, st->calls = 0;
+    st->last_layer = layer;
+    st->calls++;
+    if (layer == 0) st->rows += n;
+    const int p_end = (g_np + bt - 1) / bt, c_end = (n_total(g_k) - g_ns) / bt;
+    const int kept_max = (int)ceil((double)st->share * (c_end - p_end) - 1e-9);
+    for (int i = 0; i < n; i++) {
+        const int p = pos[i], c0 = g_np + (p - g_np) / g_nc * g_nc; /* the row's chunk starts at c0 */
+        if (p < g_np || p >= n_total(g_k) - g_ns || lim[i] < 1 || lim[i] > n_blk * bt) {
+            st->bad++;
+            continue;
+        }
+        /* the keys row i attends: strictly rising, ending at itself, the whole prefix and its chunk up to itself */
+        int prev = -1, n_pre = 0, n_own = 0, mid = 0, last_mid = -1;
+        for (int k = 0; k < lim[i]; k++) {
+            const int kp = blk[k / bt] * bt + k % bt;
+            if (kp <= prev || kp > p) st->bad++;
+            prev = kp;
+            n_pre += kp < g_np;
+            n_own += kp >= c0;
+            if (kp / bt >= p_end && kp / bt < c0 / bt && kp / bt != last_mid) mid++, last_mid = kp / bt;
+        }
+        if (prev != p || n_pre != g_np || n_own != p - c0 + 1 || mid > kept_max) st->bad++;
+    }
+}
+
+/* opts.sparse_keys: the chosen rows attend the prefix, their own chunk up to themselves and at most the
+ * asked share of the other chunk blocks (the hook checks every call); deterministic; every block kept is
+ * the dense blend within LOGIT_TOL; out-of-range shares and metrics without a probe are refused */
+TEST(test_sparse_keys) {
+    SETUP();
+    int V = g_hp->n_vocab;
+    const char *dir = make_dir();
+    CHECK(dir);
+    fix_t f;
+    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
+    CHECK(ensure_all(&f, g_k) == 0);
+    float *dense = malloc(sizeof(float) * V), *a = malloc(sizeof(float) * V), *b2 = malloc(sizeof(float) * V);
+    cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
+    o.ratio = 0.5f;
+    cb_blend_stats_t sd, s1, s2;
+    CHECK(run(&f, g_k, &o, dense, &sd) == 0);
+    const float shares[] = {1.0f, 0.5f, 0.25f, 0.01f};
+    for (size_t i = 0; i < sizeof shares / sizeof shares[0]; i++) {
+        sparse_state_t st = {.share = shares[i]};
+        o.sparse_keys = shares[i];
+        o.sparse_hook = sparse_hook;
+        o.attn_hook_ud = &st;
+        CHECK(run(&f, g_k, &o, a, &s1) == 0);
+        CHECK(run(&f, g_k, &o, b2, &s2) == 0);
+        double d = max_diff(dense, a, V);
+        fprintf(stderr, "  sparse keys %.2f: %d calls, %d rows at layer 0 (%d chosen), max |dlogit| vs dense %.3g\n",
+                (double)shares[i], st.calls, st.rows, s1.n_chosen, d);
+        CHECK(st.bad == 0);
+        CHECK(st.rows == s1.n_chosen && s1.n_chosen == sd.n_chosen && st.rows > 0); /* every chosen row, sparse */
+        CHECK(max_diff(a, b2, V) == 0.0);                                           /* deterministic */
+        CHECK(s1.tokens_recomputed == sd.tokens_recomputed);
+        if (shares[i] == 1.0f) CHECK_NEAR(d, 0, LOGIT_TOL);
+    }
+    /* auto chooses the same rows with and without sparse keys (they change the main pass only) */
+    o.auto_target = 0.6f;
+    o.sparse_keys = 0.0f;
+    CHECK(run(&f, g_k, &o, a, &s1) == 0);
+    o.sparse_keys = 0.25f;
+    CHECK(run(&f, g_k, &o, a, &s2) == 0);
+    CHECK(s1.n_chosen == s2.n_chosen);
+    char err[256];
+    o = opts_mode(CB_BLEND_BLEND);
+    const float bad[] = {-0.1f, 1.5f, NAN};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        o.sparse_keys = bad[i];
+        CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, a, NULL, err, sizeof err) ==
+              CB_ENGINE_EINVAL);
+    }
+    o.sparse_keys = 0.25f;
+    o.metric = 'v';
+    CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, a, NULL, err, sizeof err) ==
+          CB_ENGINE_EINVAL);
+    fix_close(&f);
+    rm_dir(dir);
+    free(dense), free(a), free(b2);
+}
+
 /* ratio = auto: deterministic; never below the floor nor above the ceiling; easy targets choose fewer
  * rows than hard ones; target 1.0 chooses every candidate and then equals full; both metrics */
 TEST(test_ratio_auto) {
@@ -1284,6 +1376,7 @@ int main(void) {
     RUN(test_full_equals_engine_prefill);
     RUN(test_blend_ratio1_equals_full);
     RUN(test_ratio_auto);
+    RUN(test_sparse_keys);
     RUN(test_q8_files);
     RUN(test_reuse_single_chunk_equals_full);
     RUN(test_prefix_equals_full);

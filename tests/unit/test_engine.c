@@ -1217,6 +1217,69 @@ TEST(test_capture_and_load) {
     cb_model_destroy(&m);
 }
 
+/* Attention over gathered blocks (cb_engine_layer_attn_mlp_blocks, the blend's sparse keys) gives, bit for
+ * bit, what plain attention gives over a sequence holding those blocks' K/V at consecutive positions, in
+ * the order listed (K stays rotated at its true position either way): for a decode-sized call and a
+ * prefill-sized one, blocks in order and shuffled, with per-row key limits inside the gathered keys. */
+TEST(test_attn_blocks) {
+    char err[256];
+    cb_model_t *m = load_tiny(NULL, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    cb_engine_t *e = cb_engine_new(m, 128, err, sizeof err);
+    CHECK_MSG(e, "%s", err);
+    const int bt = pool_stats(e).block_tokens;
+    enum { N = 80, KVD = TINY_HKV * TINY_HD, QD = TINY_H * TINY_HD, R = 20 };
+    int32_t tok[N];
+    for (int i = 0; i < N; i++) tok[i] = (i * 31 + 5) % 80;
+    cb_seq_t *s = cb_seq_new(e), *c = cb_seq_new(e);
+    CHECK(s && c);
+    CHECK(cb_engine_prefill(e, s, tok, N, 0, NULL) == CB_ENGINE_OK);
+    CHECK(cb_seq_blocks(s) == N / bt);
+    static float k[N * KVD], v[N * KVD], q[R * QD], x0[R * TINY_E], xa[R * TINY_E], xb[R * TINY_E];
+    fill(q, R * QD, 1.0f);
+    fill(x0, R * TINY_E, 1.0f);
+    const int32_t lists[2][3] = {{0, 2, 4}, {4, 0, 2}};
+    for (int li = 0; li < 2; li++) {
+        const int32_t *blk = lists[li];
+        const int nk = 3 * bt;
+        cb_seq_clear(c);
+        for (int l = 0; l < TINY_L; l++)
+            for (int j = 0; j < 3; j++) {
+                int32_t pos[64];
+                for (int i = 0; i < bt; i++) pos[i] = j * bt + i;
+                CHECK(cb_engine_kv_read(e, s, l, blk[j] * bt, bt, k, v) == CB_ENGINE_OK); /* post-RoPE K */
+                CHECK(cb_engine_kv_write(e, c, l, pos, bt, k, v) == CB_ENGINE_OK);
+            }
+        for (int pass = 0; pass < 2; pass++) {
+            const int n = pass ? R : 3; /* a decode-sized call and a prefill-sized one */
+            int32_t lim[R];
+            for (int i = 0; i < n; i++) lim[i] = nk - (i * 7) % (nk - 1);
+            for (int l = 0; l < TINY_L; l++) {
+                memcpy(xa, x0, sizeof xa);
+                memcpy(xb, x0, sizeof xb);
+                cb_engine_layer_attn_mlp_blocks(e, s, l, xa, q, n, blk, 3, lim);
+                cb_engine_layer_attn_mlp(e, c, l, xb, q, n, lim);
+                CHECK_MSG(!memcmp(xa, xb, sizeof(float) * (size_t)n * TINY_E), "list %d, %d rows, layer %d: %g", li,
+                          n, l, maxdiff(xa, xb, (size_t)n * TINY_E));
+            }
+        }
+    }
+    /* every block in order is plain attention over the sequence */
+    const int32_t all[5] = {0, 1, 2, 3, 4};
+    int32_t lim[R];
+    for (int i = 0; i < R; i++) lim[i] = N - i;
+    memcpy(xa, x0, sizeof xa);
+    memcpy(xb, x0, sizeof xb);
+    cb_engine_layer_attn_mlp_blocks(e, s, 1, xa, q, R, all, 5, lim);
+    cb_engine_layer_attn_mlp(e, s, 1, xb, q, R, lim);
+    CHECK(!memcmp(xa, xb, sizeof xa));
+    cb_seq_destroy(&s);
+    cb_seq_destroy(&c);
+    CHECK(pool_stats(e).blocks_used == 0);
+    cb_engine_destroy(&e);
+    cb_model_destroy(&m);
+}
+
 /* Bad arguments are CB_ENGINE_EINVAL with nothing computed or allocated. */
 TEST(test_seq_bad_args) {
     char err[256];
@@ -1501,6 +1564,7 @@ int main(void) {
     RUN(test_pool_exhausted);
     RUN(test_seq_blocks_return);
     RUN(test_capture_and_load);
+    RUN(test_attn_blocks);
     RUN(test_seq_bad_args);
     RUN(test_decode_batch);
     RUN(test_real_hparams);
