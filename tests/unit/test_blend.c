@@ -371,6 +371,8 @@ TEST(test_sparse_keys) {
         if (shares[i] == 1.0f) CHECK_NEAR(d, 0, LOGIT_TOL);
     }
     /* auto chooses the same rows with and without sparse keys (they change the main pass only) */
+    o.sparse_hook = NULL;
+    o.attn_hook_ud = NULL;
     o.auto_target = 0.6f;
     o.sparse_keys = 0.0f;
     CHECK(run(&f, g_k, &o, a, &s1) == 0);
