@@ -248,10 +248,6 @@ static int check_opts(const cb_blend_t *b, const cb_blend_opts_t *o, char *err, 
         cb_set_err(err, errlen, "blend: sparse keys %g outside [0, 1] (0 = dense)", (double)o->sparse_keys);
         return -1;
     }
-    if (o->sparse_keys > 0.0f && o->metric != 'a') {
-        cb_set_err(err, errlen, "blend: sparse keys need metric 'a' (the probe's attention mass ranks the blocks)");
-        return -1;
-    }
     if (o->probe_suffix < 0) {
         cb_set_err(err, errlen, "blend: probe suffix rows %d < 0 (0 = all)", o->probe_suffix);
         return -1;

@@ -124,7 +124,8 @@ typedef struct {
     float sparse_keys;          /* metric 'a': > 0 makes the chosen candidates attend only to the prefix, their own
                                    chunk up to themselves and this share of the other earlier key blocks, those
                                    with the most probe attention mass (engine blocks of block_tokens rows); 0 =
-                                   every earlier key (dense, the default); 1 = every block (dense, gathered) */
+                                   every earlier key (dense); 1 = every block (dense, gathered). No effect with
+                                   metrics 'k' and 'v' (no probe) */
     bool no_overlap;            /* load each layer in the compute thread (serial), for comparison */
     cb_blend_attn_hook_t attn_hook; /* NULL = none (dense calls) */
     cb_blend_sparse_hook_t sparse_hook; /* NULL = none (sparse calls); both take attn_hook_ud */

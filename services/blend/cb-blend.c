@@ -674,11 +674,6 @@ int main(int argc, char **argv) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected a, k or v", metric);
         goto out;
     }
-    if (ga.sparse_keys > 0.0 && metric[0] != 'a') {
-        cb_log(CB_LOG_ERROR, NULL, "config blend.sparse_keys = %g needs blend.metric = a (the probe ranks the blocks)",
-               ga.sparse_keys);
-        goto out;
-    }
     ga.cfg = cfg;
     snprintf(ga.model_path, sizeof ga.model_path, "%s", model);
     b.model_path = model;

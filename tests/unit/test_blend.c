@@ -339,7 +339,7 @@ static void sparse_hook(void *ud, int layer, int n, const int32_t *pos, const in
 
 /* opts.sparse_keys: the chosen rows attend the prefix, their own chunk up to themselves and at most the
  * asked share of the other chunk blocks (the hook checks every call); deterministic; every block kept is
- * the dense blend within LOGIT_TOL; out-of-range shares and metrics without a probe are refused */
+ * the dense blend within LOGIT_TOL; out-of-range shares are refused; metrics without a probe ignore it */
 TEST(test_sparse_keys) {
     SETUP();
     int V = g_hp->n_vocab;
@@ -387,10 +387,16 @@ TEST(test_sparse_keys) {
         CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, a, NULL, err, sizeof err) ==
               CB_ENGINE_EINVAL);
     }
-    o.sparse_keys = 0.25f;
+    /* metrics without a probe ignore it: the dense blend, bit for bit */
     o.metric = 'v';
-    CHECK(cb_blend_prefill(f.b, f.seq, g_prefix, g_np, g_ch, g_k, g_suffix, g_ns, &o, a, NULL, err, sizeof err) ==
-          CB_ENGINE_EINVAL);
+    o.sparse_keys = 0.0f;
+    CHECK(run(&f, g_k, &o, dense, NULL) == 0);
+    sparse_state_t st = {.share = 0.25f};
+    o.sparse_keys = 0.25f;
+    o.sparse_hook = sparse_hook;
+    o.attn_hook_ud = &st;
+    CHECK(run(&f, g_k, &o, a, NULL) == 0);
+    CHECK(st.calls == 0 && max_diff(dense, a, V) == 0.0);
     fix_close(&f);
     rm_dir(dir);
     free(dense), free(a), free(b2);
