@@ -153,7 +153,10 @@ typedef struct {
 #define CB_BLEND_DEFAULT_AUTO_COST_KEYS 0.0f /* ratio = auto: rank by mass alone. 3000 gave KL -0.0031 (se 0.0016)
                                                on 40 MuSiQue examples (AMX), +0.0012 (0.0012) on 20 (AVX2): off
                                                until a larger run settles it (docs/eval.md) */
-#define CB_BLEND_DEFAULT_SPARSE_KEYS 0.0f /* dense: see docs/eval.md for sparse_keys' measurements */
+#define CB_BLEND_DEFAULT_SPARSE_KEYS 0.5f /* all 100 MuSiQue dev examples, ratio = auto (docs/eval.md): first-token
+                                             KL 0.0321 against the dense fixed 0.15's 0.0318 (paired +0.0002, se
+                                             0.0014) at 0.199 of full's TTFT against 0.251 (dense auto: 0.306);
+                                             0.25 reached 0.144 for KL 0.0365 (+0.0046, se 0.0015) */
 #define CB_BLEND_DEFAULT_LEAD 0 /* measured with metric a: 4 lead tokens per chunk gave the same first-token KL
                                    for 3 % more recomputed rows (with metric v, -2.5 % KL; docs/eval.md) */
 

@@ -351,6 +351,7 @@ TEST(test_sparse_keys) {
     float *dense = malloc(sizeof(float) * V), *a = malloc(sizeof(float) * V), *b2 = malloc(sizeof(float) * V);
     cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
     o.ratio = 0.5f;
+    o.sparse_keys = 0.0f; /* the dense reference */
     cb_blend_stats_t sd, s1, s2;
     CHECK(run(&f, g_k, &o, dense, &sd) == 0);
     const float shares[] = {1.0f, 0.5f, 0.25f, 0.01f};
@@ -461,6 +462,7 @@ TEST(test_ratio_auto) {
         o = opts_mode(CB_BLEND_BLEND);
         o.auto_target = 0.6f;
         o.auto_cost_keys = c ? 4.0f : 0.0f;
+        o.sparse_keys = 0.0f; /* every chosen row in the dense calls the hook sees */
         pos_state_t ps = {n_total(g_k) - g_ns, 0, 0, 0.0};
         o.attn_hook = pos_hook;
         o.attn_hook_ud = &ps;

@@ -88,6 +88,7 @@ TEST(test_modes_match_before) {
         cb_blend_opts_default(&o);
         o.mode = t == 0 ? CB_BLEND_FULL : t == 1 ? CB_BLEND_PREFIX : t == 2 ? CB_BLEND_REUSE : CB_BLEND_BLEND;
         if (t == 4) o.metric = 'v';
+        o.sparse_keys = 0.0f; /* the fixture predates sparse keys: the dense blend */
         cb_blend_stats_t st;
         int rc = cb_blend_prefill(b, seq, pre, 45, ch, 3, suf, 40, &o, lg, &st, err, sizeof err);
         if (rc) {
