@@ -536,6 +536,9 @@ TEST(test_q8_files) {
             CHECK(ensure_all(&f16, g_k) == 0 && ensure_all(&f8, g_k) == 0);
             cb_blend_opts_t o = opts_mode(modes[mi]);
             if (mi == 2) o.metric = 'v';
+            /* dense keys: with sparse keys the q8_0 rounding of the probe's mass may pick another block when two
+             * are close (the sanitized prompt has two), which on the random synthetic model can flip the argmax */
+            o.sparse_keys = 0.0f;
             cb_blend_stats_t s16, s8;
             CHECK(run(&f16, g_k, &o, l16, &s16) == 0);
             CHECK(run(&f8, g_k, &o, l8, &s8) == 0);
