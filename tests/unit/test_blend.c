@@ -209,6 +209,18 @@ static int ensure_all(fix_t *f, int k) {
     return 0;
 }
 
+/* A new directory with f16 files of every chunk, and a fixture over it: the directory, or NULL. */
+static const char *fix_ready(fix_t *f) {
+    const char *dir = make_dir();
+    if (!dir) return NULL;
+    if (fix_open(f, dir, NULL, CB_KV_F16) != 0 || ensure_all(f, g_k) != 0) {
+        fix_close(f);
+        rm_dir(dir);
+        return NULL;
+    }
+    return dir;
+}
+
 /* full through the blend path = the engine's own prefill; the fused KV then serves decoding */
 TEST(test_full_equals_engine_prefill) {
     SETUP();
@@ -343,11 +355,9 @@ static void sparse_hook(void *ud, int layer, int n, const int32_t *pos, const in
 TEST(test_sparse_keys) {
     SETUP();
     int V = g_hp->n_vocab;
-    const char *dir = make_dir();
-    CHECK(dir);
     fix_t f;
-    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
-    CHECK(ensure_all(&f, g_k) == 0);
+    const char *dir = fix_ready(&f);
+    CHECK(dir);
     float *dense = malloc(sizeof(float) * V), *a = malloc(sizeof(float) * V), *b2 = malloc(sizeof(float) * V);
     cb_blend_opts_t o = opts_mode(CB_BLEND_BLEND);
     o.ratio = 0.5f;
@@ -408,11 +418,9 @@ TEST(test_sparse_keys) {
 TEST(test_ratio_auto) {
     SETUP();
     int V = g_hp->n_vocab;
-    const char *dir = make_dir();
-    CHECK(dir);
     fix_t f;
-    CHECK(fix_open(&f, dir, NULL, CB_KV_F16) == 0);
-    CHECK(ensure_all(&f, g_k) == 0);
+    const char *dir = fix_ready(&f);
+    CHECK(dir);
     float *full = malloc(sizeof(float) * V), *a = malloc(sizeof(float) * V), *b2 = malloc(sizeof(float) * V);
     cb_blend_opts_t o = opts_mode(CB_BLEND_FULL);
     CHECK(run(&f, g_k, &o, full, NULL) == 0);
