@@ -71,7 +71,6 @@ typedef struct {
     cb_blend_sparse_hook_t sparse_hook;
     void *hook_ud;
     bool preloaded;            /* every LOADED row's K/V is already in the sequence, at every layer */
-    bool sparse;               /* rows with b->sparse set attend sparsely (the main pass after a probe) */
     int probe_rows;            /* > 0: a probe pass (metric 'a'); the last probe_rows active rows add their
                                   attention mass over keys into b->mass at every layer */
     int compute_layers;        /* > 0: layers [compute_layers, L) only place their cached rows (a probe that
@@ -131,7 +130,8 @@ struct cb_blend {
     uint8_t *keep;             /* [max_ctx] */
     int32_t *ub_lim, *ub_tok;  /* [max_rows] */
     float *mass;               /* [max_ctx] attention mass each row receives in a probe pass (metric 'a') */
-    uint8_t *sparse;           /* [max_ctx] 1: the row attends sparsely in the main pass (opts.sparse_keys) */
+    uint8_t *sparse;           /* [max_ctx] 1: the row attends sparsely in the main pass (opts.sparse_keys; all 0
+                                  before the probe, so the probe pass is dense) */
     uint8_t *blk_keep;         /* [max_ctx] per KV block: 1 = every sparse row before it attends it */
     int32_t *blk_list;         /* [max_ctx] a sparse call's gathered block indices */
     double *blk_mass;          /* [max_ctx] per KV block: probe mass */
@@ -640,20 +640,19 @@ static void attn_sparse(cb_blend_t *b, const run_t *R, int l, int i0, int n, int
                                     b->blk_list, nb, b->ub_lim);
 }
 
+/* Which attention call row r joins: -1 dense, else the first row of its chunk (a sparse row). */
+static int attn_group(const cb_blend_t *b, int r) { return b->sparse[r] ? b->srcs[b->src_of[r]].row0 : -1; }
+
 /* Attention (exact causal limits) + MLP of active rows [a0, n_act) of layer l: runs of dense rows in
  * ubatches over every earlier key; runs of one chunk's sparse rows over their gathered blocks. */
 static void layer_attn_rows(cb_blend_t *b, const run_t *R, int l, int a0, int n_act) {
     const int MR = b->max_rows;
     int i0 = a0;
     while (i0 < n_act) {
-        const int r0 = b->act[i0];
-        const bool sp = R->sparse && b->sparse[r0];
-        const int c0 = sp ? b->srcs[b->src_of[r0]].row0 : 0;
+        const int c0 = attn_group(b, b->act[i0]);
         int n = 1;
-        while (n < MR && i0 + n < n_act && (R->sparse && b->sparse[b->act[i0 + n]]) == sp &&
-               (!sp || b->srcs[b->src_of[b->act[i0 + n]]].row0 == c0))
-            n++;
-        if (sp) {
+        while (n < MR && i0 + n < n_act && attn_group(b, b->act[i0 + n]) == c0) n++;
+        if (c0 >= 0) {
             attn_sparse(b, R, l, i0, n, c0);
         } else {
             const int32_t *pos = b->act + i0;
@@ -804,15 +803,13 @@ static int probe_setup(cb_blend_t *b, job_t *J) {
     return 1;
 }
 
-/* opts.sparse_keys after the selection: the chosen candidates (b->order [m] maps candidate -> row, and
- * b->cand the chosen ones' indices) attend sparsely; the KV blocks wholly inside the chunks are ranked by
- * their rows' probe mass and the top share kept (the prefix's blocks always). 0, or -1 (backend). */
-static int sparse_setup(cb_blend_t *b, job_t *J, int m) {
-    run_t *R = &J->R;
+/* opts.sparse_keys after the selection: the chosen candidates (b->order maps candidate -> row, and
+ * b->cand [n_chosen] the chosen ones' indices) attend sparsely; the KV blocks wholly inside the chunks are
+ * ranked by their rows' probe mass and the top share kept (the prefix's blocks always). 0, or -1 (backend). */
+static int sparse_setup(cb_blend_t *b, job_t *J) {
     const int bt = b->bt, s0 = J->N - J->n_suffix;
     const int p_end = (J->n_prefix + bt - 1) / bt, c_end = s0 / bt; /* chunk blocks [p_end, c_end) */
-    for (int j = 0; j < R->n_chosen && j < m; j++) b->sparse[b->order[b->cand[j]]] = 1;
-    R->sparse = true;
+    for (int j = 0; j < J->R.n_chosen; j++) b->sparse[b->order[b->cand[j]]] = 1;
     memset(b->blk_keep, 0, (size_t)(c_end > p_end ? c_end : p_end));
     memset(b->blk_keep, 1, (size_t)p_end);
     const int nc = c_end - p_end;
@@ -861,7 +858,7 @@ static int probe_finish(cb_blend_t *b, job_t *J, char *err, size_t errlen) {
         return -1;
     }
     R->preloaded = true;
-    if (J->opts.sparse_keys > 0.0f && sparse_setup(b, J, m) != 0) {
+    if (J->opts.sparse_keys > 0.0f && sparse_setup(b, J) != 0) {
         cb_set_err(err, errlen, "blend: the backend failed (top-k)");
         return -1;
     }

@@ -246,8 +246,8 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->proj = buf(e, sizeof(float) * R * e->E);
     e->gate = buf(e, sizeof(float) * R * e->F);
     e->up = buf(e, sizeof(float) * R * e->F);
-    if (!e->x || !e->q || !e->k || !e->v || !e->pos || !e->limit || !e->tables || !e->gather || !e->xb || !e->att || !e->proj ||
-        !e->gate || !e->up)
+    if (!e->x || !e->q || !e->k || !e->v || !e->pos || !e->limit || !e->tables || !e->gather || !e->xb || !e->att ||
+        !e->proj || !e->gate || !e->up)
         goto oom;
     return e;
 oom:
@@ -577,28 +577,31 @@ static void layer_post_attn(cb_engine_t *self, int layer, float *x, int n, bool 
     ops->add(ctx, x, self->proj, nE);
 }
 
+/* Attention of q over table t (row i over its first key_limit[i] keys), then layer_post_attn into x. */
+static void attn_mlp_table(cb_engine_t *self, const cb_kv_table_t *t, int layer, float *x, const float *q, int n,
+                           const int32_t *key_limit) {
+    assert(n >= 1 && n <= self->max_rows);
+    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t->n_pos);
+    self->be->ops->attention(self->be->ctx, &self->geom, q, n, layer, t, key_limit, self->att);
+    layer_post_attn(self, layer, x, n, false);
+}
+
 void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
                               const int32_t *key_limit) {
-    assert(n >= 1 && n <= self->max_rows);
     assert(seq && seq->e == self);
     cb_kv_table_t t = table_of(seq);
-    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t.n_pos);
-    self->be->ops->attention(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, self->att);
-    layer_post_attn(self, layer, x, n, false);
+    attn_mlp_table(self, &t, layer, x, q, n, key_limit);
 }
 
 void cb_engine_layer_attn_mlp_blocks(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q,
                                      int n, const int32_t *blk, int n_blk, const int32_t *key_limit) {
-    assert(n >= 1 && n <= self->max_rows);
     assert(seq && seq->e == self && n_blk >= 1 && n_blk <= seq->n_blocks);
     for (int i = 0; i < n_blk; i++) {
         assert(blk[i] >= 0 && blk[i] < seq->n_blocks);
         self->gather[i] = seq->blocks[blk[i]];
     }
     cb_kv_table_t t = {self->gather, n_blk * self->bt};
-    for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t.n_pos);
-    self->be->ops->attention(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, self->att);
-    layer_post_attn(self, layer, x, n, false);
+    attn_mlp_table(self, &t, layer, x, q, n, key_limit);
 }
 
 int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
