@@ -156,7 +156,8 @@ typedef struct {
 #define CB_BLEND_DEFAULT_SPARSE_KEYS 0.5f /* all 100 MuSiQue dev examples, ratio = auto (docs/eval.md): first-token
                                              KL 0.0321 against the dense fixed 0.15's 0.0318 (paired +0.0002, se
                                              0.0014) at 0.199 of full's TTFT against 0.251 (dense auto: 0.306);
-                                             0.25 reached 0.144 for KL 0.0365 (+0.0046, se 0.0015) */
+                                             0.25 reached 0.144 for KL 0.0365 (+0.0046, se 0.0015); the fixed
+                                             0.15 with 0.5: +0.0021 (0.0014) at 0.168 */
 #define CB_BLEND_DEFAULT_LEAD 0 /* measured with metric a: 4 lead tokens per chunk gave the same first-token KL
                                    for 3 % more recomputed rows (with metric v, -2.5 % KL; docs/eval.md) */
 
