@@ -130,10 +130,19 @@ export CB_BLEND_KV_POOL_BYTES=$(( (ctx + 2 * OWN) * block_bytes ))
 stack_start blend blend3 || svc_finish
 cbctl query --mode blend --max-tokens 24 --context "$LONG" "$Q" >"$T/before" 2>/dev/null
 used=$(stack_stat blend pool_blocks_used)
+# the queries arrive in order: each client starts once the service has seen the one before (in flight, or
+# already ended), not after a fixed pause that a slow process start on a loaded machine can outlast
+seen() {
+  local st; st=$("$SEND" --timeout 3000 "$(stack_endpoint blend)" '{"type":"stats"}' 2>/dev/null || echo '{}')
+  [ $(( $(jget "$st" running) + $(jget "$st" waiting) + $(jget "$st" queries_done) + $(jget "$st" queries_failed) )) \
+    -ge $(( base + $1 )) ]
+}
+st0=$("$SEND" --timeout 3000 "$(stack_endpoint blend)" '{"type":"stats"}')
+base=$(( $(jget "$st0" queries_done) + $(jget "$st0" queries_failed) ))
 pids=()
 for j in 0 1 2; do
   cbctl query --mode blend --max-tokens 400 --context "$LONG" "$Q" >"$T/ex.$j" 2>"$T/ex.$j.err" & pids+=($!)
-  sleep 0.1
+  wait_until 20 seen $((j + 1)) || echo "note: query $j not seen by the service within 20 s"
 done
 ok=0; over=0; rcs=""
 for j in 0 1 2; do
