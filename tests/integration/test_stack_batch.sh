@@ -127,6 +127,10 @@ svc_stop blend2
 vb=2; [ "${CB_ENGINE_KV_DTYPE:-f16}" = f32 ] && vb=4
 block_bytes=$((2 * 30 * 16 * 192 * vb))
 export CB_BLEND_KV_POOL_BYTES=$(( (ctx + 2 * OWN) * block_bytes ))
+# every step 40 ms slower: the oldest needs its growth block only ~0.5 s after its first token (the prompt's
+# last block has room for 16 - N % 16 tokens), so the second query is in before it; one that arrived later,
+# on a loaded machine, found the oldest grown, waited, and the third became the newest running
+export CB_BLEND_FAULT_STEP_DELAY_MS=40
 stack_start blend blend3 || svc_finish
 cbctl query --mode blend --max-tokens 24 --context "$LONG" "$Q" >"$T/before" 2>/dev/null
 used=$(stack_stat blend pool_blocks_used)
@@ -142,7 +146,8 @@ base=$(( $(jget "$st0" queries_done) + $(jget "$st0" queries_failed) ))
 pids=()
 for j in 0 1 2; do
   cbctl query --mode blend --max-tokens 400 --context "$LONG" "$Q" >"$T/ex.$j" 2>"$T/ex.$j.err" & pids+=($!)
-  wait_until 20 seen $((j + 1)) || echo "note: query $j not seen by the service within 20 s"
+  for _ in $(seq 400); do seen $((j + 1)) && break; sleep 0.05; done
+  seen $((j + 1)) || echo "note: query $j not seen by the service within 20 s"
 done
 ok=0; over=0; rcs=""
 for j in 0 1 2; do
@@ -158,5 +163,6 @@ check "no block leaked" "$(stack_stat blend pool_blocks_used)" "$used"
 cbctl query --mode blend --max-tokens 24 --context "$LONG" "$Q" >"$T/after" 2>/dev/null
 check "the service keeps answering, with the same answer" "$(cat "$T/after")" "$(cat "$T/before")"
 
+unset CB_BLEND_FAULT_STEP_DELAY_MS
 for s in blend3 precompute cacheindex retriever; do svc_stop $s; done
 svc_finish
