@@ -136,18 +136,17 @@ cbctl query --mode blend --max-tokens 24 --context "$LONG" "$Q" >"$T/before" 2>/
 used=$(stack_stat blend pool_blocks_used)
 # the queries arrive in order: each client starts once the service has seen the one before (in flight, or
 # already ended), not after a fixed pause that a slow process start on a loaded machine can outlast
-seen() {
-  local st; st=$("$SEND" --timeout 3000 "$(stack_endpoint blend)" '{"type":"stats"}' 2>/dev/null || echo '{}')
+ended() { local st; st=$(stack_stats blend); echo $(( $(jget "$st" queries_done) + $(jget "$st" queries_failed) )); }
+seen() { # at least $1 of the load queries in flight or ended
+  local st; st=$(stack_stats blend)
   [ $(( $(jget "$st" running) + $(jget "$st" waiting) + $(jget "$st" queries_done) + $(jget "$st" queries_failed) )) \
     -ge $(( base + $1 )) ]
 }
-st0=$("$SEND" --timeout 3000 "$(stack_endpoint blend)" '{"type":"stats"}')
-base=$(( $(jget "$st0" queries_done) + $(jget "$st0" queries_failed) ))
+base=$(ended)
 pids=()
 for j in 0 1 2; do
   cbctl query --mode blend --max-tokens 400 --context "$LONG" "$Q" >"$T/ex.$j" 2>"$T/ex.$j.err" & pids+=($!)
-  for _ in $(seq 400); do seen $((j + 1)) && break; sleep 0.05; done
-  seen $((j + 1)) || echo "note: query $j not seen by the service within 20 s"
+  wait_until 20 seen $((j + 1)) || echo "note: query $j not seen by the service within 20 s"
 done
 ok=0; over=0; rcs=""
 for j in 0 1 2; do

@@ -74,8 +74,10 @@ stack_start_all() {
   for s in retriever cacheindex precompute blend; do stack_ready $s || return 1; done
 }
 
-# stack_stat NAME FIELD: one field of the service's stats reply ("null" when unreachable).
-stack_stat() { jget "$("$SEND" --timeout 3000 "$(stack_endpoint "$1")" '{"type":"stats"}' 2>/dev/null || echo '{}')" "$2"; }
+# stack_stats NAME: the service's whole stats reply ({} when unreachable), for reading several fields of one
+# moment; stack_stat NAME FIELD: one field of it ("null" when unreachable).
+stack_stats() { "$SEND" --timeout 3000 "$(stack_endpoint "$1")" '{"type":"stats"}' 2>/dev/null || echo '{}'; }
+stack_stat() { jget "$(stack_stats "$1")" "$2"; }
 
 # stack_kill9 LOGNAME: SIGKILL, reaped, forgotten.
 stack_kill9() {
