@@ -238,7 +238,7 @@ static int cpu_kv_read(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
 /* ---------------------------------------------------------------- CacheBlend operations */
 
 static int cpu_attn_mass(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
-                         const int32_t *key_limit, float *mass) {
+                         const int32_t *key_limit, float *mass, float *out) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || layer < 0 || layer >= c->n_layer || g->n_head_kv != c->geom.n_head_kv ||
         g->n_head != c->geom.n_head || g->head_dim != c->geom.head_dim)
@@ -246,7 +246,7 @@ static int cpu_attn_mass(void *ctx, const cb_attn_geom_t *g, const float *q, int
     for (int i = 0; i < n; i++)
         if (key_limit[i] < 1 || key_limit[i] > t->n_pos || key_limit[i] > c->max_keys) return -1;
     cb_cpu_kv_t kv = kv_view(c, layer, t);
-    cb_cpu_attn_mass(g, q, n, &kv, key_limit, mass, c->mass_scratch);
+    cb_cpu_attn_mass(g, q, n, &kv, key_limit, mass, out, c->mass_scratch, c->pool);
     return 0;
 }
 

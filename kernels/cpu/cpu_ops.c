@@ -741,54 +741,104 @@ static float softmax_row(float *s, int lim, int L) {
     return 1.0f / sum;
 }
 
-size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys) {
+/* Per KV head (one task each): Q block [G*R][hd], scores [G*R][keys], one KV head's K (then V) rows
+ * gathered [keys][hd], and the head's mass [keys]. */
+static size_t mass_task_floats(const cb_attn_geom_t *g, int max_keys) {
     size_t rows = (size_t)CB_CPU_MASS_ROWS * (size_t)(g->n_head / g->n_head_kv), keys = max_keys > 0 ? max_keys : 1;
-    /* Q block, score rows, and one KV head's keys gathered when the table is not one run */
-    return rows * (size_t)g->head_dim + rows * keys + keys * (size_t)g->head_dim;
+    return rows * (size_t)g->head_dim + rows * keys + keys * (size_t)g->head_dim + keys;
+}
+
+size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys) {
+    return (size_t)g->n_head_kv * mass_task_floats(g, max_keys);
+}
+
+/* One KV head's rows [L][hd] of pool plane base (K or V) as f32 (ld *ldx): in place when f32 and one run,
+ * else gathered (converted from f16) into buf [L][hd]. */
+static const float *mass_head_rows(const cb_cpu_kv_t *kv, const void *base, int kvh, int kvd, int hd, int L,
+                                   float *buf, int *ldx) {
+    if (kv->dtype == CB_KV_F16) {
+        for (int p = 0, w; p < L; p += w) {
+            w = kv_run(kv, p, L);
+            cvt_rows_f16(kv_f16(base, kv_row(kv, p) * kvd + (size_t)kvh * hd), (size_t)kvd, w, hd,
+                         buf + (size_t)p * hd, (size_t)hd);
+        }
+    } else if (kv_run(kv, 0, L) < L) {
+        for (int p = 0; p < L; p++)
+            memcpy(buf + (size_t)p * hd, kv_f32(base, kv_row(kv, p) * kvd + (size_t)kvh * hd), sizeof(float) * (size_t)hd);
+    } else {
+        *ldx = kvd;
+        return kv_f32(base, kv_row(kv, 0) * kvd + (size_t)kvh * hd);
+    }
+    *ldx = hd;
+    return buf;
+}
+
+typedef struct {
+    const cb_attn_geom_t *g;
+    const float *q;           /* [n][n_head*head_dim] */
+    const cb_cpu_kv_t *kv;
+    const int32_t *key_limit; /* [n] */
+    int n, max_lim;
+    float *out;               /* NULL, or [n][n_head*head_dim] */
+    float *scratch;           /* [n_head_kv][mass_task_floats] */
+    size_t task_floats;
+} mass_job_t;
+
+/* KV head t: every row block's scores as one GEMM over keys [0, L) (the same bits whatever the placement),
+ * the softmax per row and head into the head's mass, and with out the probabilities' GEMM with V. */
+static void mass_task(void *arg, int kvh, int thread) {
+    (void)thread;
+    const mass_job_t *j = arg;
+    const cb_attn_geom_t *g = j->g;
+    const int G = g->n_head / g->n_head_kv, hd = g->head_dim, qd = g->n_head * hd, kvd = g->n_head_kv * hd;
+    float *Q = j->scratch + (size_t)kvh * j->task_floats;  /* [G*nr][hd] */
+    float *S = Q + (size_t)CB_CPU_MASS_ROWS * G * hd;     /* [G*nr][L] */
+    float *GX = S + (size_t)CB_CPU_MASS_ROWS * G * j->max_lim; /* [L][hd] */
+    float *mass = GX + (size_t)j->max_lim * hd;           /* [L] */
+    memset(mass, 0, sizeof(float) * (size_t)j->max_lim);
+    for (int i0 = 0; i0 < j->n; i0 += CB_CPU_MASS_ROWS) {
+        int nr = j->n - i0 < CB_CPU_MASS_ROWS ? j->n - i0 : CB_CPU_MASS_ROWS, M = G * nr, L = 0, ld;
+        for (int i = 0; i < nr; i++) L = j->key_limit[i0 + i] > L ? j->key_limit[i0 + i] : L;
+        for (int hh = 0; hh < G; hh++)
+            for (int i = 0; i < nr; i++)
+                memcpy(Q + ((size_t)hh * nr + i) * hd, j->q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
+                       sizeof(float) * (size_t)hd);
+        const float *K = mass_head_rows(j->kv, j->kv->k, kvh, kvd, hd, L, GX, &ld);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, K, ld, 0.0f, S, L);
+        for (int r = 0; r < M; r++) {
+            float *s = S + (size_t)r * L;
+            int lim = j->key_limit[i0 + r % nr];
+            float inv = softmax_row(s, lim, L); /* zeros in [lim, L) */
+            for (int k = 0; k < lim; k++) {
+                s[k] *= inv; /* the probabilities, for P·V too */
+                mass[k] += s[k];
+            }
+        }
+        if (!j->out) continue;
+        const float *V = mass_head_rows(j->kv, j->kv->v, kvh, kvd, hd, L, GX, &ld);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, L, 1.0f, S, L, V, ld, 0.0f, Q, hd);
+        for (int hh = 0; hh < G; hh++)
+            for (int i = 0; i < nr; i++)
+                memcpy(j->out + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd, Q + ((size_t)hh * nr + i) * hd,
+                       sizeof(float) * (size_t)hd);
+    }
 }
 
 void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
-                      float *mass, float *scratch) {
-    const int G = g->n_head / g->n_head_kv, hd = g->head_dim, qd = g->n_head * hd, kvd = g->n_head_kv * hd;
-    for (int i0 = 0; i0 < n; i0 += CB_CPU_MASS_ROWS) {
-        int nr = n - i0 < CB_CPU_MASS_ROWS ? n - i0 : CB_CPU_MASS_ROWS, M = G * nr, L = 0;
-        for (int i = 0; i < nr; i++) L = key_limit[i0 + i] > L ? key_limit[i0 + i] : L;
-        float *Q = scratch;                        /* [G*nr][hd] */
-        float *S = Q + (size_t)CB_CPU_MASS_ROWS * G * hd; /* [G*nr][L] */
-        float *GK = S + (size_t)CB_CPU_MASS_ROWS * G * L; /* [L][hd] keys of one KV head, gathered */
-        const bool f16 = kv->dtype == CB_KV_F16, one_run = !f16 && kv_run(kv, 0, L) == L;
-        for (int kvh = 0; kvh < g->n_head_kv; kvh++) {
-            for (int hh = 0; hh < G; hh++)
-                for (int i = 0; i < nr; i++)
-                    memcpy(Q + ((size_t)hh * nr + i) * hd, q + (size_t)(i0 + i) * qd + (size_t)(kvh * G + hh) * hd,
-                           sizeof(float) * (size_t)hd);
-            /* one GEMM over keys [0, L) whatever the placement (in place when they are one run, else
-             * gathered), so the scores are the same bits either way */
-            const float *K;
-            int ldk = kvd;
-            if (f16) {
-                for (int p = 0, w; p < L; p += w) {
-                    w = kv_run(kv, p, L);
-                    cvt_rows_f16(kv_f16(kv->k, kv_row(kv, p) * kvd + (size_t)kvh * hd), (size_t)kvd, w, hd,
-                                 GK + (size_t)p * hd, (size_t)hd);
-                }
-                K = GK, ldk = hd;
-            } else if (!one_run) {
-                for (int p = 0; p < L; p++)
-                    memcpy(GK + (size_t)p * hd, kv_f32(kv->k, kv_row(kv, p) * kvd + (size_t)kvh * hd),
-                           sizeof(float) * (size_t)hd);
-                K = GK, ldk = hd;
-            } else {
-                K = kv_f32(kv->k, kv_row(kv, 0) * kvd + (size_t)kvh * hd);
-            }
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, K, ldk, 0.0f, S, L);
-            for (int r = 0; r < M; r++) {
-                float *s = S + (size_t)r * L;
-                int lim = key_limit[i0 + r % nr];
-                float inv = softmax_row(s, lim, lim);
-                for (int j = 0; j < lim; j++) mass[j] += s[j] * inv;
-            }
-        }
+                      float *mass, float *out, float *scratch, cb_pool_t *pool) {
+    int L = 0;
+    for (int i = 0; i < n; i++) L = key_limit[i] > L ? key_limit[i] : L;
+    if (n < 1) return;
+    mass_job_t j = {g, q, kv, key_limit, n, L, out, scratch, 0};
+    /* the tasks' areas are laid out for L keys: within the max_keys layout the scratch was sized for */
+    const size_t rows = (size_t)CB_CPU_MASS_ROWS * (size_t)(g->n_head / g->n_head_kv);
+    j.task_floats = rows * (size_t)g->head_dim + rows * (size_t)L + (size_t)L * g->head_dim + (size_t)L;
+    if (pool) cb_pool_run(pool, g->n_head_kv, mass_task, &j);
+    else
+        for (int t = 0; t < g->n_head_kv; t++) mass_task(&j, t, 0);
+    for (int t = 0; t < g->n_head_kv; t++) { /* the heads' masses in head order: the same bits on any pool */
+        const float *m = scratch + (size_t)t * j.task_floats + j.task_floats - (size_t)L;
+        for (int k = 0; k < L; k++) mass[k] += m[k];
     }
 }
 

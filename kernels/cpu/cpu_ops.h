@@ -165,17 +165,18 @@ void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const
 
 /* Attention mass, for query-aware selection (blend.h, metric 'a'): for each of the n query rows and each
  * head, the softmax probabilities over keys [0, key_limit[i]) (as cb_cpu_attention computes them) are
- * added to mass [key], so every row adds n_head in all.
- *   q [n][n_head*head_dim] (post-RoPE), kv the layer's keys (post-RoPE),
- *   key_limit [n], mass [>= max key_limit] (accumulated, not cleared)
- *   scratch: cb_cpu_attn_mass_scratch(g, max_keys) floats
- * Rows go CB_CPU_MASS_ROWS at a time as one GEMM per KV head over keys [0, max limit) (in place, or gathered
- * when the rows are not one run or the pool is f16, converted on the way);
- * single-threaded (a few rows only). */
+ * added to mass [key], so every row adds n_head in all; with out, also the rows' attention output (those
+ * probabilities times V, f32 GEMMs whatever g->math).
+ *   q [n][n_head*head_dim] (post-RoPE), kv the layer's keys and values (post-RoPE K),
+ *   key_limit [n], mass [>= max key_limit] (accumulated, not cleared), out NULL or [n][n_head*head_dim]
+ *   scratch: cb_cpu_attn_mass_scratch(g, max_keys) floats; pool: NULL (this thread) or the threads
+ * One task per KV head: rows go CB_CPU_MASS_ROWS at a time as one GEMM over keys [0, max limit) (in place,
+ * or gathered when the rows are not one run or the pool is f16, converted on the way); the heads' masses
+ * are added in head order, so the bits do not depend on the pool. */
 #define CB_CPU_MASS_ROWS 16
 size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys);
 void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
-                      float *mass, float *scratch);
+                      float *mass, float *out, float *scratch, cb_pool_t *pool);
 
 /* The host-side CacheBlend operations of the backend table (backend.h: kv_deviation, topk, compact_rows),
  * written once for every backend whose scores and activations are host buffers.

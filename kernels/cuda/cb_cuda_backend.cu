@@ -495,7 +495,9 @@ bad:
 }
 
 int be_attn_mass(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
-                 const int32_t *key_limit, float *mass) {
+                 const int32_t *key_limit, float *mass, float *out) {
+    if (out && n > 0) be_attention(ctx, g, q, n, layer, t, key_limit, out); /* its own call (and lock); a failure
+                                                                             marks the context, checked below */
     be_ctx *c = BE(ctx);
     be_lock lk(c);
     if (n == 0) return 0;

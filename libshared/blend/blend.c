@@ -731,14 +731,25 @@ static int run_layer(cb_blend_t *b, run_t *R) {
         if (n_act < 0) return -1;
         R->n_act = n_act;
     }
-    if (R->probe_rows > 0) {
-        int np = R->probe_rows < n_act ? R->probe_rows : n_act;
-        for (int j = 0; j < np; j++) b->ub_lim[j] = b->act[n_act - np + j] + 1;
-        if (cb_engine_attn_mass(b->e, b->seq, l, b->q + (size_t)(n_act - np) * QD, np, b->ub_lim, b->mass)) return -1;
-    }
     int a0 = 0;
     if (l == CL - 1) a0 = R->logits ? n_act - 1 : n_act;
-    layer_attn_rows(b, R, l, a0, n_act);
+    if (R->probe_rows > 0) {
+        /* the probe rows (the last active ones: suffix rows, dense) add their attention mass; where they also
+         * attend (every probe layer but the last), one call gives both, from the same probabilities */
+        const int np = R->probe_rows < n_act ? R->probe_rows : n_act, p0 = n_act - np;
+        const bool attend = a0 <= p0;
+        assert(attn_group(b, b->act[p0]) < 0);
+        layer_attn_rows(b, R, l, a0, attend ? p0 : n_act);
+        const int32_t *pos = b->act + p0;
+        for (int j = 0; j < np; j++) b->ub_lim[j] = pos[j] + 1;
+        const float *q = b->q + (size_t)p0 * QD;
+        if (attend && R->hook) R->hook(R->hook_ud, l, np, pos, b->ub_lim);
+        rc = attend ? cb_engine_layer_attn_mass_mlp(b->e, b->seq, l, b->x + (size_t)p0 * b->E, q, np, b->ub_lim, b->mass)
+                    : cb_engine_attn_mass(b->e, b->seq, l, q, np, b->ub_lim, b->mass);
+        if (rc != CB_ENGINE_OK) return -1;
+    } else {
+        layer_attn_rows(b, R, l, a0, n_act);
+    }
     R->t_select += t_sel;
     R->t_compute += cb_now_ms() - tc - t_sel;
     return 0;

@@ -130,9 +130,12 @@ typedef struct {
     /* ---- CacheBlend ---- */
     /* Attention mass (metric 'a'): for each row i and head, the softmax probabilities of q[i] over keys
      * [0, key_limit[i]) of the layer (as attention computes them) are added to mass [key]:
-     * q [n][n_head*head_dim] post-RoPE, mass [>= max key_limit] accumulated, not cleared. */
+     * q [n][n_head*head_dim] post-RoPE, mass [>= max key_limit] accumulated, not cleared; out NULL, or
+     * [n][n_head*head_dim] the rows' attention output as well (the CPU computes it from the same
+     * probabilities in f32, whatever engine.attn, so it differs from the attention operation's by that
+     * operation's rounding; CUDA runs its attention). */
     int (*attn_mass)(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
-                     const int32_t *key_limit, float *mass);
+                     const int32_t *key_limit, float *mass, float *out);
     /* KV deviation: dev[i] = sum_j (fresh[i][j] - cached_i[j])^2 over j < width, in double; fresh f32
      * [n][width] (pre-RoPE K or V just computed), cached [n] row pointers into host memory of dtype. */
     int (*kv_deviation)(void *ctx, int n, int width, const float *fresh, const void *const *cached,

@@ -240,6 +240,11 @@ void cb_engine_layer_attn_mlp_blocks(cb_engine_t *self, const cb_seq_t *seq, int
  * key_limit] accumulated. Status. */
 int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
                         const int32_t *key_limit, float *mass);
+/* cb_engine_layer_attn_mlp of n <= max_rows rows whose attention comes with their mass (as
+ * cb_engine_attn_mass adds it) from one backend call (attn_mass with out; on the CPU in f32 whatever
+ * engine.attn). Status. */
+int cb_engine_layer_attn_mass_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
+                                  const int32_t *key_limit, float *mass);
 /* KV deviation (backend.h kv_deviation) of fresh [n][n_head_kv*head_dim] against cached row pointers [n]
  * in dtype: dev [n]. Status. */
 int cb_engine_kv_deviation(cb_engine_t *self, int n, const float *fresh, const void *const *cached,

@@ -1198,10 +1198,10 @@ TEST(test_backend_attention) {
     for (int j = 0; j < NK; j++) m1[j] = m2[j] = 0.25f, m3[j] = m4[j] = 0.0f;
     double sum2 = 0;
     if (ok) {
-        ok = cpu->ops->attn_mass(cpu->ctx, &g, q, N, 0, &f.ts, lim, m1) == 0 &&
-             gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &f.ts, lim, m2) == 0 &&
-             gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &f.ts, lim, m3) == 0 &&
-             gpu->ops->attn_mass(gpu->ctx, &g, q, N, 1, &f.tc, lim, m4) == 0;
+        ok = cpu->ops->attn_mass(cpu->ctx, &g, q, N, 0, &f.ts, lim, m1, NULL) == 0 &&
+             gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &f.ts, lim, m2, NULL) == 0 &&
+             gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &f.ts, lim, m3, NULL) == 0 &&
+             gpu->ops->attn_mass(gpu->ctx, &g, q, N, 1, &f.tc, lim, m4, NULL) == 0;
         for (int j = 0; j < NK; j++) m1[j] -= 0.25f, m2[j] -= 0.25f, sum2 += m2[j];
         ok = ok && close_enough("attn_mass", m2, m1, NK, NULL, 3e-2, 2e-4);
         if (ok && !(fabs(sum2 - N * f.hp.n_head) <= 1e-3 * N * f.hp.n_head)) {

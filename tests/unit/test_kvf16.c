@@ -168,9 +168,9 @@ static int check_kernels(int H, int HKV, int hd, int n, int keys, int nt, int bt
         fprintf(stderr, "  attention H%d/%d hd%d n%d keys%d bt%d: f16 vs f32 max %g, shuffled max %g\n", H, HKV, hd, n,
                 keys, bt, maxdiff(o32, o16, qn), maxdiff(o16, o16s, qn));
     const int mn = n < 20 ? n : 20;
-    cb_cpu_attn_mass(&g, q, mn, &pc.kv32, lim, m32, mscr);
-    cb_cpu_attn_mass(&g, q, mn, &pc.kv16, lim, m16, mscr);
-    cb_cpu_attn_mass(&g, q, mn, &ps.kv16, lim, m16s, mscr);
+    cb_cpu_attn_mass(&g, q, mn, &pc.kv32, lim, m32, NULL, mscr, NULL);
+    cb_cpu_attn_mass(&g, q, mn, &pc.kv16, lim, m16, NULL, mscr, NULL);
+    cb_cpu_attn_mass(&g, q, mn, &ps.kv16, lim, m16s, NULL, mscr, NULL);
     if (memcmp(m32, m16, (size_t)keys * 4) || memcmp(m16, m16s, (size_t)keys * 4)) {
         fprintf(stderr, "  attn_mass H%d/%d keys%d bt%d: f16 vs f32 max %g, shuffled max %g\n", H, HKV, keys, bt,
                 maxdiff(m32, m16, (size_t)keys), maxdiff(m16, m16s, (size_t)keys));
