@@ -826,13 +826,11 @@ static void mass_task(void *arg, int kvh, int thread) {
 
 void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *mass, float *out, float *scratch, cb_pool_t *pool) {
+    if (n < 1) return;
     int L = 0;
     for (int i = 0; i < n; i++) L = key_limit[i] > L ? key_limit[i] : L;
-    if (n < 1) return;
-    mass_job_t j = {g, q, kv, key_limit, n, L, out, scratch, 0};
-    /* the tasks' areas are laid out for L keys: within the max_keys layout the scratch was sized for */
-    const size_t rows = (size_t)CB_CPU_MASS_ROWS * (size_t)(g->n_head / g->n_head_kv);
-    j.task_floats = rows * (size_t)g->head_dim + rows * (size_t)L + (size_t)L * g->head_dim + (size_t)L;
+    /* the tasks' areas laid out for L keys: within the max_keys layout the scratch was sized for */
+    mass_job_t j = {g, q, kv, key_limit, n, L, out, scratch, mass_task_floats(g, L)};
     if (pool) cb_pool_run(pool, g->n_head_kv, mass_task, &j);
     else
         for (int t = 0; t < g->n_head_kv; t++) mass_task(&j, t, 0);
