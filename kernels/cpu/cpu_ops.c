@@ -784,7 +784,7 @@ typedef struct {
     size_t task_floats;
 } mass_job_t;
 
-/* KV head t: every row block's scores as one GEMM over keys [0, L) (the same bits whatever the placement),
+/* KV head kvh: every row block's scores as one GEMM over keys [0, L) (the same bits whatever the placement),
  * the softmax per row and head into the head's mass, and with out the probabilities' GEMM with V. */
 static void mass_task(void *arg, int kvh, int thread) {
     (void)thread;

@@ -643,6 +643,15 @@ static void attn_sparse(cb_blend_t *b, const run_t *R, int l, int i0, int n, int
 /* Which attention call row r joins: -1 dense, else the first row of its chunk (a sparse row). */
 static int attn_group(const cb_blend_t *b, int r) { return b->sparse[r] ? b->srcs[b->src_of[r]].row0 : -1; }
 
+/* b->ub_lim [n] of the dense active rows [i0, i0 + n): every earlier key; with attend, the hook is told of
+ * their attention call. Their positions. */
+static const int32_t *dense_limits(cb_blend_t *b, const run_t *R, int l, int i0, int n, bool attend) {
+    const int32_t *pos = b->act + i0;
+    for (int j = 0; j < n; j++) b->ub_lim[j] = pos[j] + 1;
+    if (attend && R->hook) R->hook(R->hook_ud, l, n, pos, b->ub_lim);
+    return pos;
+}
+
 /* Attention (exact causal limits) + MLP of active rows [a0, n_act) of layer l: runs of dense rows in
  * ubatches over every earlier key; runs of one chunk's sparse rows over their gathered blocks. */
 static void layer_attn_rows(cb_blend_t *b, const run_t *R, int l, int a0, int n_act) {
@@ -655,9 +664,7 @@ static void layer_attn_rows(cb_blend_t *b, const run_t *R, int l, int a0, int n_
         if (c0 >= 0) {
             attn_sparse(b, R, l, i0, n, c0);
         } else {
-            const int32_t *pos = b->act + i0;
-            for (int j = 0; j < n; j++) b->ub_lim[j] = pos[j] + 1;
-            if (R->hook) R->hook(R->hook_ud, l, n, pos, b->ub_lim);
+            dense_limits(b, R, l, i0, n, true);
             cb_engine_layer_attn_mlp(b->e, b->seq, l, b->x + (size_t)i0 * b->E, b->q + (size_t)i0 * b->QD, n,
                                      b->ub_lim);
         }
@@ -740,10 +747,8 @@ static int run_layer(cb_blend_t *b, run_t *R) {
         const bool attend = a0 <= p0;
         assert(attn_group(b, b->act[p0]) < 0);
         layer_attn_rows(b, R, l, a0, attend ? p0 : n_act);
-        const int32_t *pos = b->act + p0;
-        for (int j = 0; j < np; j++) b->ub_lim[j] = pos[j] + 1;
+        dense_limits(b, R, l, p0, np, attend);
         const float *q = b->q + (size_t)p0 * QD;
-        if (attend && R->hook) R->hook(R->hook_ud, l, np, pos, b->ub_lim);
         rc = attend ? cb_engine_layer_attn_mass_mlp(b->e, b->seq, l, b->x + (size_t)p0 * b->E, q, np, b->ub_lim, b->mass)
                     : cb_engine_attn_mass(b->e, b->seq, l, q, np, b->ub_lim, b->mass);
         if (rc != CB_ENGINE_OK) return -1;

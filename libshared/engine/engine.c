@@ -604,24 +604,27 @@ void cb_engine_layer_attn_mlp_blocks(cb_engine_t *self, const cb_seq_t *seq, int
     attn_mlp_table(self, &t, layer, x, q, n, key_limit);
 }
 
-int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
-                        const int32_t *key_limit, float *mass) {
-    if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer) return CB_ENGINE_EINVAL;
+/* The backend's attn_mass over layer l of seq; out NULL or self->att (then n <= max_rows). Status. */
+static int attn_mass_call(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
+                          const int32_t *key_limit, float *mass, float *out) {
+    if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer || (out && (n < 1 || n > self->max_rows)))
+        return CB_ENGINE_EINVAL;
     cb_kv_table_t t = table_of(seq);
-    return self->be->ops->attn_mass(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, mass, NULL)
+    return self->be->ops->attn_mass(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, mass, out)
                ? CB_ENGINE_EBACKEND
                : CB_ENGINE_OK;
 }
 
+int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
+                        const int32_t *key_limit, float *mass) {
+    return attn_mass_call(self, seq, layer, q, n, key_limit, mass, NULL);
+}
+
 int cb_engine_layer_attn_mass_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
                                   const int32_t *key_limit, float *mass) {
-    if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer || n < 1 || n > self->max_rows)
-        return CB_ENGINE_EINVAL;
-    cb_kv_table_t t = table_of(seq);
-    if (self->be->ops->attn_mass(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, mass, self->att))
-        return CB_ENGINE_EBACKEND;
-    layer_post_attn(self, layer, x, n, false);
-    return CB_ENGINE_OK;
+    int rc = attn_mass_call(self, seq, layer, q, n, key_limit, mass, self->att);
+    if (rc == CB_ENGINE_OK) layer_post_attn(self, layer, x, n, false);
+    return rc;
 }
 
 int cb_engine_kv_deviation(cb_engine_t *self, int n, const float *fresh, const void *const *cached,
