@@ -26,7 +26,8 @@ typedef struct {
     cb_pool_t *pool;        /* nt - 1 workers + the caller */
     int max_rows, max_keys;
     int rope_hd;            /* head_dim the table was built for */
-    float rope_base;
+    cb_rope_t rope;         /* the rotation the table holds (the model's; freq_factors -> rope_ff) */
+    float *rope_ff;         /* [rope_hd / 2] a copy of the model's rope_freqs, or NULL */
     float *rope_cs;         /* [max_keys][rope_hd] (cos, sin) pairs per position */
     float *rope_rows;       /* [max_rows][rope_hd] coefficients of the rows of one call */
     cb_cpu_mm_scratch_t mm; /* matvec row buffers, quantized activations, GEMM weight tiles */
@@ -154,7 +155,7 @@ static int load_heads(const cpu_ctx_t *c) {
  * then rounded to f16 once; V from an f16 source copied as is (converting it to f32 and back is the
  * identity). */
 static void load_rows_f16(const cpu_ctx_t *c, uint16_t *kdst, uint16_t *vdst, int p, int w, const uint8_t *ksrc,
-                          const uint8_t *vsrc, cb_kv_dtype_t dtype, float rope_base, bool table) {
+                          const uint8_t *vsrc, cb_kv_dtype_t dtype, const cb_rope_t *rope, bool table) {
     const size_t kvd = (size_t)c->kvd;
     const int hd = c->rope_hd, nkv = c->kvd / hd, hs = load_heads(c);
     float tmp[LOAD_TMP_FLOATS], cs_row[CB_KV_MAX_HEAD_DIM];
@@ -162,14 +163,14 @@ static void load_rows_f16(const cpu_ctx_t *c, uint16_t *kdst, uint16_t *vdst, in
         const int32_t pj = p + j;
         const float *cs = c->rope_cs + (size_t)pj * hd;
         if (!table || pj >= c->max_keys) {
-            cb_cpu_rope_coeffs(pj, hd, rope_base, cs_row);
+            cb_cpu_rope_coeffs(pj, rope, cs_row);
             cs = cs_row;
         }
         for (int h0 = 0; h0 < nkv; h0 += hs) { /* whole heads at a time */
             const int nh = nkv - h0 < hs ? nkv - h0 : hs;
             const size_t e = (size_t)j * kvd + (size_t)h0 * hd, cnt = (size_t)nh * hd;
             cb_cpu_kv_to_f32(dtype, ksrc + cb_kv_row_bytes(dtype, e), tmp, cnt); /* the bytes of e values */
-            cb_cpu_rope_apply(tmp, 1, nh, hd, cs);
+            cb_cpu_rope_apply(tmp, 1, nh, hd, rope->type, cs);
             cb_cpu_f32_to_f16(tmp, kdst + e, cnt);
         }
     }
@@ -187,14 +188,15 @@ static void load_rows_f16(const cpu_ctx_t *c, uint16_t *kdst, uint16_t *vdst, in
 /* Thread-safe (the loader thread): touches only the pool rows named, the read-only RoPE table and its own
  * stack. */
 static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
-                       cb_kv_dtype_t dtype, float rope_base) {
+                       cb_kv_dtype_t dtype, const cb_rope_t *rope) {
     cpu_ctx_t *c = ctx;
     if (!c->kpool || layer < 0 || layer >= c->n_layer || pos0 < 0 || n < 0 || pos0 > t->n_pos - n) return -1;
     const size_t kvd = (size_t)c->kvd, rowb = cb_kv_row_bytes(dtype, kvd); /* bytes of a source row */
     const int hd = c->rope_hd, nkv = c->kvd / hd, hs = load_heads(c);
     if (!rowb) return -1; /* not a dtype, or a Q8_0 row of kvd % 32 != 0 */
     if (dtype == CB_KV_Q8_0 && hs < nkv && (hs * hd) % 32) return -1; /* no such model */
-    const bool table = rope_base == c->rope_base;
+    if (!rope || rope->n_dims != hd) return -1;
+    const bool table = cb_rope_equal(rope, &c->rope);
     uint8_t *kpl = pool_layer(c, c->kpool, layer), *vpl = pool_layer(c, c->vpool, layer);
     if (c->dtype == CB_KV_F16 && hd > CB_KV_MAX_HEAD_DIM) return -1;
     for (int p = pos0, w; p < pos0 + n; p += w) {
@@ -204,18 +206,18 @@ static int cpu_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, i
         size_t r = pool_row(c, t, p), i = (size_t)(p - pos0);
         if (c->dtype == CB_KV_F16) {
             load_rows_f16(c, (uint16_t *)(void *)pool_at(c, kpl, r), (uint16_t *)(void *)pool_at(c, vpl, r), p, w,
-                          (const uint8_t *)k + i * rowb, (const uint8_t *)v + i * rowb, dtype, rope_base, table);
+                          (const uint8_t *)k + i * rowb, (const uint8_t *)v + i * rowb, dtype, rope, table);
             continue;
         }
         float *kp = (float *)(void *)kpl, *vp = (float *)(void *)vpl;
         cb_cpu_kv_to_f32(dtype, (const uint8_t *)k + i * rowb, kp + r * kvd, (size_t)w * kvd);
         cb_cpu_kv_to_f32(dtype, (const uint8_t *)v + i * rowb, vp + r * kvd, (size_t)w * kvd);
         if (table && p + w <= c->max_keys) {
-            cb_cpu_rope_apply(kp + r * kvd, w, nkv, hd, c->rope_cs + (size_t)p * hd);
+            cb_cpu_rope_apply(kp + r * kvd, w, nkv, hd, rope->type, c->rope_cs + (size_t)p * hd);
         } else {
             for (int j = 0; j < w; j++) {
                 int32_t pj = p + j;
-                cb_cpu_rope(kp + (r + (size_t)j) * kvd, 1, nkv, hd, &pj, rope_base);
+                cb_cpu_rope(kp + (r + (size_t)j) * kvd, 1, nkv, &pj, rope);
             }
         }
     }
@@ -322,21 +324,27 @@ static void cpu_rmsnorm(void *ctx, const float *x, const float *w, int n, int di
     cb_pool_run(c->pool, (n + j.rows_per_task - 1) / j.rows_per_task, rms_task, &j);
 }
 
-static void cpu_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base) {
+static void cpu_rope(void *ctx, float *x, int n, int n_heads, const int32_t *pos, const cb_rope_t *r) {
     cpu_ctx_t *c = ctx;
-    bool table = head_dim == c->rope_hd && base == c->rope_base && n <= c->max_rows;
+    const int hd = r->n_dims;
+    bool table = cb_rope_equal(r, &c->rope) && n <= c->max_rows;
     if (!table) {
-        cb_cpu_rope(x, n, n_heads, head_dim, pos, base);
+        cb_cpu_rope(x, n, n_heads, pos, r);
         return;
     }
     for (int i = 0; i < n; i++) {
-        float *dst = c->rope_rows + (size_t)i * head_dim;
+        float *dst = c->rope_rows + (size_t)i * hd;
         if (pos[i] >= 0 && pos[i] < c->max_keys)
-            memcpy(dst, c->rope_cs + (size_t)pos[i] * head_dim, sizeof(float) * (size_t)head_dim);
+            memcpy(dst, c->rope_cs + (size_t)pos[i] * hd, sizeof(float) * (size_t)hd);
         else
-            cb_cpu_rope_coeffs(pos[i], head_dim, base, dst);
+            cb_cpu_rope_coeffs(pos[i], r, dst);
     }
-    cb_cpu_rope_apply(x, n, n_heads, head_dim, c->rope_rows);
+    cb_cpu_rope_apply(x, n, n_heads, hd, r->type, c->rope_rows);
+}
+
+static void cpu_add_bias(void *ctx, float *x, const float *b, int n, int dim) {
+    (void)ctx;
+    cb_cpu_add_bias(x, b, n, dim);
 }
 
 static void cpu_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
@@ -403,6 +411,7 @@ static void cpu_destroy(void *ctx) {
     if (!c) return;
     cb_pool_destroy(&c->pool);
     free(c->rope_cs);
+    free(c->rope_ff);
     free(c->rope_rows);
     free(c->mm.rows);
     free(c->mm.xq);
@@ -420,6 +429,7 @@ static const cb_backend_ops_t CPU_OPS = {
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
+    .add_bias = cpu_add_bias,
     .attention = cpu_attention,
     .attention_rows = cpu_attention_rows,
     .swiglu = cpu_swiglu,
@@ -466,7 +476,19 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     c->max_rows = max_rows;
     c->max_keys = max_keys;
     c->rope_hd = hp->head_dim;
-    c->rope_base = hp->rope_base;
+    c->rope = cb_hparams_rope(hp);
+    if (c->rope.n_dims != hp->head_dim) {
+        snprintf(err, errlen, "backend: partial rotary (%d of %d dims) is not supported", c->rope.n_dims, hp->head_dim);
+        cpu_destroy(c);
+        free(be);
+        return NULL;
+    }
+    if (c->rope.freq_factors) {
+        c->rope_ff = malloc(sizeof(float) * (size_t)(hp->head_dim / 2));
+        if (!c->rope_ff) goto oom;
+        memcpy(c->rope_ff, c->rope.freq_factors, sizeof(float) * (size_t)(hp->head_dim / 2));
+        c->rope.freq_factors = c->rope_ff;
+    }
     c->max_cols = hp->n_ff > hp->n_embd ? hp->n_ff : hp->n_embd;
     if (hp->n_head * hp->head_dim > c->max_cols) c->max_cols = hp->n_head * hp->head_dim;
     c->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 0.0f, CB_ATTN_F32};
@@ -485,7 +507,7 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     if (!c->mass_scratch || !c->topk_idx) goto oom;
     if (!c->rope_cs || !c->rope_rows || !c->mm.rows || !c->mm.xq || !c->mm.tiles || !c->att_scratch || !c->pool) goto oom;
     for (int p = 0; p < max_keys; p++)
-        cb_cpu_rope_coeffs(p, hp->head_dim, hp->rope_base, c->rope_cs + (size_t)p * hp->head_dim);
+        cb_cpu_rope_coeffs(p, &c->rope, c->rope_cs + (size_t)p * hp->head_dim);
     return be;
 oom:
     snprintf(err, errlen, "backend: out of memory");

@@ -241,20 +241,32 @@ void cb_cpu_rmsnorm(const float *x, const float *w, int n, int dim, float eps, f
     }
 }
 
-void cb_cpu_rope_coeffs(int32_t pos, int head_dim, float base, float *cs) {
-    for (int i = 0; i < head_dim / 2; i++) {
-        double inv_freq = pow((double)base, -2.0 * i / (double)head_dim);
+void cb_cpu_rope_coeffs(int32_t pos, const cb_rope_t *r, float *cs) {
+    const int d = r->n_dims;
+    for (int i = 0; i < d / 2; i++) {
+        double inv_freq = pow((double)r->base, -2.0 * i / (double)d);
         double theta = (double)pos * inv_freq;
+        if (r->freq_scale != 1.0f) theta *= (double)r->freq_scale;
+        if (r->freq_factors) theta /= (double)r->freq_factors[i];
         cs[2 * i] = (float)cos(theta);
         cs[2 * i + 1] = (float)sin(theta);
     }
 }
 
-void cb_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, const float *cs) {
+void cb_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, cb_rope_type_t type, const float *cs) {
+    const int half = head_dim / 2;
     for (int r = 0; r < n; r++) {
         const float *c = cs + (size_t)r * head_dim;
         for (int h = 0; h < n_heads; h++) {
             float *v = x + ((size_t)r * n_heads + h) * head_dim;
+            if (type == CB_ROPE_NEOX) {
+                for (int i = 0; i < half; i++) {
+                    float x0 = v[i], x1 = v[i + half], co = c[2 * i], si = c[2 * i + 1];
+                    v[i] = x0 * co - x1 * si;
+                    v[i + half] = x0 * si + x1 * co;
+                }
+                continue;
+            }
             for (int i = 0; i < head_dim; i += 2) {
                 float x0 = v[i], x1 = v[i + 1], co = c[i], si = c[i + 1];
                 v[i] = x0 * co - x1 * si;
@@ -264,12 +276,19 @@ void cb_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, const float *
     }
 }
 
-void cb_cpu_rope(float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base) {
+void cb_cpu_rope(float *x, int n, int n_heads, const int32_t *pos, const cb_rope_t *r) {
     float cs[2048];
-    assert(head_dim <= 2048);
-    for (int r = 0; r < n; r++) {
-        cb_cpu_rope_coeffs(pos[r], head_dim, base, cs);
-        cb_cpu_rope_apply(x + (size_t)r * n_heads * head_dim, 1, n_heads, head_dim, cs);
+    assert(r->n_dims <= 2048);
+    for (int i = 0; i < n; i++) {
+        cb_cpu_rope_coeffs(pos[i], r, cs);
+        cb_cpu_rope_apply(x + (size_t)i * n_heads * r->n_dims, 1, n_heads, r->n_dims, r->type, cs);
+    }
+}
+
+void cb_cpu_add_bias(float *x, const float *b, int n, int dim) {
+    for (int i = 0; i < n; i++) {
+        float *xr = x + (size_t)i * dim;
+        for (int j = 0; j < dim; j++) xr[j] += b[j];
     }
 }
 

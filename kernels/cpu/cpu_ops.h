@@ -36,14 +36,18 @@ void *cb_cpu_alloc_huge(size_t bytes, bool zero);
 /* y[i][:] = x[i][:] / sqrt(mean(x[i]^2) + eps) * w[:]; x [n][dim], w [dim], y [n][dim] (y may be x). */
 void cb_cpu_rmsnorm(const float *x, const float *w, int n, int dim, float eps, float *y);
 
-/* RoPE coefficients of one position: cs[2i] = cos(pos * base^(-2i/hd)), cs[2i+1] = sin(...), for
- * i in 0..hd/2-1; computed in double then rounded, so every caller gets bit-identical values. */
-void cb_cpu_rope_coeffs(int32_t pos, int head_dim, float base, float *cs /* [head_dim] */);
-/* NORM (adjacent-pair) rotation of x [n][n_heads*head_dim] in place with per-row coefficients
- * cs [n][head_dim] (from cb_cpu_rope_coeffs). */
-void cb_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, const float *cs);
-/* Convenience: coefficients computed per row from pos [n] (same values as a table would hold). */
-void cb_cpu_rope(float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base);
+/* RoPE coefficients of one position under r (model.h cb_rope_t): cs[2i] = cos(theta_i), cs[2i+1] = sin(theta_i),
+ * theta_i = pos * freq_scale * base^(-2i/n_dims) / freq_factors[i], for i in 0..n_dims/2-1; computed in double
+ * then rounded, so every caller gets bit-identical values. */
+void cb_cpu_rope_coeffs(int32_t pos, const cb_rope_t *r, float *cs /* [r->n_dims] */);
+/* Rotation of x [n][n_heads*head_dim] in place with per-row coefficients cs [n][head_dim] (from
+ * cb_cpu_rope_coeffs): pair i is (x[2i], x[2i+1]) for NORM, (x[i], x[i + head_dim/2]) for NEOX. */
+void cb_cpu_rope_apply(float *x, int n, int n_heads, int head_dim, cb_rope_type_t type, const float *cs);
+/* Convenience: coefficients computed per row from pos [n] (same values as a table would hold);
+ * x [n][n_heads*r->n_dims]. */
+void cb_cpu_rope(float *x, int n, int n_heads, const int32_t *pos, const cb_rope_t *r);
+/* x[i][j] += b[j]:  x [n][dim], b [dim]. */
+void cb_cpu_add_bias(float *x, const float *b, int n, int dim);
 
 /* out[i] = silu(gate[i]) * up[i] over n elements (out may alias gate or up). */
 void cb_cpu_swiglu(const float *gate, const float *up, size_t n, float *out);

@@ -158,21 +158,36 @@ int cb_cuda_embed(cb_cuda_t *self, const int32_t *dev_tokens, int n, const cb_bf
 int cb_cuda_rmsnorm(cb_cuda_t *self, int n, int dim, const float *x, int ldx, const int32_t *rows,
                     const float *w, float eps, cb_bf16_t *out, int ldo);
 
-/* RoPE, llama "NORM" mode: adjacent pairs (x[2i], x[2i+1]) within each head rotated by
- * angle = pos * base^(-2i/head_dim) (REFERENCE.md §6). in/out bf16 [n][ld] with n_heads heads of
- * head_dim at columns h*head_dim; in == out allowed (in place). Positions: pos device int32 [n] when
- * non-NULL, else pos0 + i. Positions may be negative: rotating post-RoPE K by (p' - p) moves it from
- * p to p' (rotations compose); rotating pre-RoPE K by p' places it at p'. Angles are reduced in
- * double precision, so positions up to 2^31 keep full f32 accuracy. */
+/* RoPE pairing of cb_cuda_rope (the values of engine model.h's cb_rope_type_t). */
+typedef enum { CB_CUDA_ROPE_NORM = 0, CB_CUDA_ROPE_NEOX = 2 } cb_cuda_rope_mode_t;
+
+/* How cb_cuda_rope turns a head of head_dim values: pair i (0 <= i < head_dim/2) at position p by
+ *     theta_i = p * freq_scale * base^(-2i/head_dim) / (freq_factors ? freq_factors[i] : 1).
+ * {CB_CUDA_ROPE_NORM, base, 1, NULL} is plain llama RoPE (REFERENCE.md §6). */
+typedef struct {
+    cb_cuda_rope_mode_t mode;   /* NORM: pair i is (x[2i], x[2i+1]); NEOX: (x[i], x[i + head_dim/2]) */
+    float base;                 /* > 0 (<arch>.rope.freq_base) */
+    float freq_scale;           /* > 0; 1 = no scaling (1 / rope.scaling.factor for linear scaling) */
+    const float *freq_factors;  /* device f32 [head_dim/2] (rope_freqs, Llama 3), or NULL */
+} cb_cuda_rope_t;
+
+/* RoPE as r says: each pair (x0, x1) of each head becomes (x0 cos - x1 sin, x0 sin + x1 cos) at angle
+ * theta_i (cb_cuda_rope_t). in/out bf16 [n][ld] with n_heads heads of head_dim at columns h*head_dim;
+ * in == out allowed (in place). Positions: pos device int32 [n] when non-NULL, else pos0 + i. Positions
+ * may be negative: rotating post-RoPE K by (p' - p) moves it from p to p' (rotations compose); rotating
+ * pre-RoPE K by p' places it at p'. Angles are reduced in double precision, so positions up to 2^31 keep
+ * full f32 accuracy. head_dim even; ld_in, ld_out even and rows 4-byte aligned (NORM reads pairs as
+ * 32-bit words). */
 int cb_cuda_rope(cb_cuda_t *self, int n, int n_heads, int head_dim, const cb_bf16_t *in, int ld_in,
-                 cb_bf16_t *out, int ld_out, const int32_t *pos, int pos0, float base);
+                 cb_bf16_t *out, int ld_out, const int32_t *pos, int pos0, const cb_cuda_rope_t *r);
 
 /* out[i][j] = bf16(silu(gate[i][j]) * up[i][j]); gate/up bf16 rows of stride ld_in (they may be the
  * two halves of one fused [n][2*ffn] buffer), out bf16 [n][ldo]. */
 int cb_cuda_swiglu(cb_cuda_t *self, int n, int ffn, const cb_bf16_t *gate, const cb_bf16_t *up, int ld_in,
                    cb_bf16_t *out, int ldo);
 
-/* h[i][j] += y[i][j]; h f32 [n][ldh], y f32 or bf16 [n][ldy]. */
+/* h[i][j] += y[i][j]; h f32 [n][ldh], y f32 or bf16 [n][ldy]. ldy = 0 adds y's one row [dim] to every row
+ * of h (a projection's bias). */
 int cb_cuda_add(cb_cuda_t *self, int n, int dim, float *h, int ldh, const void *y, cb_cuda_dtype_t y_dtype,
                 int ldy);
 

@@ -1,11 +1,14 @@
 /* cb_cuda_backend.cu: the CUDA instance of backend.h's table (see cb_cuda_backend.h).
  *
  * Dense operations copy their host inputs to device scratch, convert f32 -> bf16, run the cb_cuda kernel
- * and copy the result back as f32. The KV pool lives on the device (bf16, [n_layer][n_blocks][bt][kv_dim]
- * for K and the same for V): writes and layer loads scatter into it, attention and attention mass read
- * it in place (consecutive blocks) or through one device-to-device gather of the table's blocks.
- * Everything runs on the context's compute stream and every operation ends synchronized (its outputs, or
- * its inputs read, before it returns), under one mutex (the blend's loader thread calls kv_load). */
+ * and copy the result back as f32 (add and add_bias stay f32). RoPE takes the layer's cb_rope_t (pairing,
+ * base, linear scaling, frequency factors, the last uploaded once per tensor); kv_load's re-rotation of
+ * pre-RoPE K runs the same kernel with the same descriptor. The KV pool lives on the device (bf16,
+ * [n_layer][n_blocks][bt][kv_dim] for K and the same for V): writes and layer loads scatter into it,
+ * attention and attention mass read it in place (consecutive blocks) or through one device-to-device
+ * gather of the table's blocks. Everything runs on the context's compute stream and every operation ends
+ * synchronized (its outputs, or its inputs read, before it returns), under one mutex (the blend's loader
+ * thread calls kv_load). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,6 +54,9 @@ struct be_ctx {
     int32_t *d_idx = nullptr;                     /* device [idx_cap] block ids / pool rows */
     int32_t *h_idx = nullptr;                     /* host (pageable: h2d copies it before returning) */
     std::unordered_map<const void *, cb_bf16_t *> wcache;   /* weight storage address -> bf16 copy */
+    /* RoPE frequency factors (cb_rope_t.freq_factors, a host tensor of the model) -> device f32 [n] copy */
+    struct ff_copy { float *d; int n; };
+    std::unordered_map<const float *, ff_copy> ffcache;
     bool failed = false;
 };
 
@@ -107,6 +113,43 @@ const cb_bf16_t *weight(be_ctx *c, const cb_weight_t *w) {
     }
     c->wcache[w->q] = d;
     return d;
+}
+
+/* True when r is a rotation the kernel takes for heads of head_dim values: NORM or NEOX pairing, n_dims =
+ * head_dim (even, > 0), base and freq_scale finite and > 0. */
+bool rope_ok(const cb_rope_t *r, int head_dim) {
+    return r && (r->type == CB_ROPE_NORM || r->type == CB_ROPE_NEOX) && r->n_dims == head_dim && head_dim > 0 &&
+           head_dim % 2 == 0 && r->base > 0.0f && !std::isinf(r->base) && r->freq_scale > 0.0f &&
+           !std::isinf(r->freq_scale);
+}
+
+/* r (checked by rope_ok) as cb_cuda_rope takes it. Its frequency factors, a host tensor [n_dims/2] of the
+ * model, get a device copy on first use, cached by their address like the weights (so the model must
+ * outlive the backend); later calls allocate and copy nothing. */
+int rope_dev(be_ctx *c, const cb_rope_t *r, cb_cuda_rope_t *out) {
+    out->mode = r->type == CB_ROPE_NEOX ? CB_CUDA_ROPE_NEOX : CB_CUDA_ROPE_NORM;
+    out->base = r->base;
+    out->freq_scale = r->freq_scale;
+    out->freq_factors = NULL;
+    if (!r->freq_factors) return 0;
+    const int half = r->n_dims / 2;
+    auto it = c->ffcache.find(r->freq_factors);
+    if (it != c->ffcache.end()) {
+        if (it->second.n != half) return -1;   /* the same tensor read as another head size */
+        out->freq_factors = it->second.d;
+        return 0;
+    }
+    float *d = (float *)cb_cuda_malloc(c->cu, (size_t)half * sizeof(float));
+    if (!d) return -1;
+    /* pageable source: staged, in compute-stream order before the kernels that read it */
+    int rc = cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, d, r->freq_factors, (size_t)half * sizeof(float));
+    if (rc != 0) {
+        cb_cuda_free(c->cu, d);
+        return rc;
+    }
+    c->ffcache[r->freq_factors] = {d, half};
+    out->freq_factors = d;
+    return 0;
 }
 
 /* ------------------------------------------------------------------ dense operations */
@@ -167,16 +210,41 @@ bad:
     nan_fill(y, ne);
 }
 
-void be_rope(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base) {
+void be_rope(void *ctx, float *x, int n, int n_heads, const int32_t *pos, const cb_rope_t *r) {
     be_ctx *c = BE(ctx);
     be_lock lk(c);
-    const size_t ne = (size_t)(n > 0 ? n : 0) * n_heads * head_dim;
-    if (n < 1 || ne > c->cap_in || ne > c->cap_out || n > c->max_rows) { c->failed = true; goto bad; }
+    const int hd = r ? r->n_dims : 0;   /* rotated dims of a head: x is [n][n_heads * hd] */
+    const size_t ne = (size_t)(n > 0 ? n : 0) * (size_t)(n_heads > 0 ? n_heads : 0) * (size_t)(hd > 0 ? hd : 0);
+    cb_cuda_rope_t cr;
+    if (n < 1 || n_heads < 1 || !rope_ok(r, hd) || !pos || ne > c->cap_in || ne > c->cap_out || n > c->max_rows) {
+        c->failed = true;
+        goto bad;
+    }
+    TRYB(rope_dev(c, r, &cr));
     TRYB(up_bf16(c, x, ne, c->d_in, c->b_in));
     TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_i, pos, (size_t)n * 4));
-    TRYB(cb_cuda_rope(c->cu, n, n_heads, head_dim, c->b_in, n_heads * head_dim, c->b_in, n_heads * head_dim, c->d_i, 0,
-                      base));
+    TRYB(cb_cuda_rope(c->cu, n, n_heads, hd, c->b_in, n_heads * hd, c->b_in, n_heads * hd, c->d_i, 0, &cr));
     TRYB(down_f32(c, c->b_in, ne, c->d_out, x));
+    return;
+bad:
+    nan_fill(x, ne);
+}
+
+/* In f32 (as add): x goes up in row pieces that fit the input scratch, b once into the second one. */
+void be_add_bias(void *ctx, float *x, const float *b, int n, int dim) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    const size_t ne = (size_t)(n > 0 ? n : 0) * (size_t)(dim > 0 ? dim : 0);
+    const int piece = dim > 0 ? (int)std::min(c->cap_in / (size_t)dim, (size_t)0x7fffffff) : 0; /* rows per upload */
+    if (n < 1 || dim < 1 || piece < 1 || !b) { c->failed = true; goto bad; }
+    TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_in2, b, (size_t)dim * 4));
+    for (int r0 = 0; r0 < n; r0 += piece) {
+        const int nr = std::min(piece, n - r0);
+        float *xr = x + (size_t)r0 * dim;
+        TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_in, xr, (size_t)nr * dim * 4));
+        TRYB(cb_cuda_add(c->cu, nr, dim, c->d_in, dim, c->d_in2, CB_CUDA_F32, 0));
+        TRYB(cb_cuda_d2h(c->cu, xr, c->d_in, (size_t)nr * dim * 4));   /* waits: d_in is free again */
+    }
     return;
 bad:
     nan_fill(x, ne);
@@ -391,16 +459,19 @@ int be_kv_write(void *ctx, int layer, const cb_kv_table_t *t, const int32_t *pos
 }
 
 /* The raw rows (f32, f16 or bf16: the ggml type ids of the same dtypes) are copied to the device as they
- * are and converted there (cb_cuda_dequant), then K is rotated from position 0 to pos0 + i in bf16. */
+ * are and converted there (cb_cuda_dequant), then K is rotated from position 0 to pos0 + i in bf16 by r,
+ * with the kernel and arguments the rope operation uses. */
 int be_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
-               cb_kv_dtype_t dtype, float rope_base) {
+               cb_kv_dtype_t dtype, const cb_rope_t *r) {
     be_ctx *c = BE(ctx);
     be_lock lk(c);
     if (!c->pool_k || c->failed || layer < 0 || layer >= c->n_layer || n < 0 || pos0 < 0 || !t ||
-        pos0 > t->n_pos - n || !k || !v || !(rope_base > 0.0f))
+        pos0 > t->n_pos - n || !k || !v || !rope_ok(r, c->head_dim))
         return -1;
     const size_t esz = cb_kv_dtype_size(dtype), rb = (size_t)c->kvd * 2;
     if (!esz) return -1;
+    cb_cuda_rope_t cr;
+    TRYI(rope_dev(c, r, &cr));
     const int piece = (int)std::min(c->cap_in / (size_t)c->kvd, (size_t)c->idx_cap);
     for (int r0 = 0; r0 < n; r0 += piece) {
         const int nr = std::min(piece, n - r0);
@@ -411,7 +482,7 @@ int be_kv_load(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, co
         TRYI(cb_cuda_dequant(c->cu, (uint32_t)dtype, c->d_in, ne, c->b_in, CB_CUDA_BF16));
         TRYI(cb_cuda_dequant(c->cu, (uint32_t)dtype, c->d_in2, ne, c->b_in2, CB_CUDA_BF16));
         TRYI(cb_cuda_rope(c->cu, nr, c->n_head_kv, c->head_dim, c->b_in, c->kvd, c->b_in, c->kvd, NULL, pos0 + r0,
-                          rope_base));
+                          &cr));
         TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_idx, c->h_idx, (size_t)nr * 4));
         TRYI(cb_cuda_copy_rows(c->cu, nr, rb, plane_k(c, layer), rb, c->d_idx, c->b_in, rb, NULL));
         TRYI(cb_cuda_copy_rows(c->cu, nr, rb, plane_v(c, layer), rb, c->d_idx, c->b_in2, rb, NULL));
@@ -563,6 +634,7 @@ void be_destroy(void *ctx) {
     if (!c) return;
     if (c->cu) {
         for (auto &kv : c->wcache) cb_cuda_free(c->cu, kv.second);
+        for (auto &kv : c->ffcache) cb_cuda_free(c->cu, kv.second.d);
         cb_cuda_destroy(&c->cu);   /* frees the scratch and the pool too */
     }
     free(c->h_mass);
@@ -579,6 +651,7 @@ cb_backend_ops_t make_ops() {
     o.matmul = be_matmul;
     o.rmsnorm = be_rmsnorm;
     o.rope = be_rope;
+    o.add_bias = be_add_bias;
     o.attention = be_attention;
     o.swiglu = be_swiglu;
     o.add = be_add;

@@ -11,8 +11,11 @@
  *
  * What still round-trips: activations. The table's contract keeps them in host buffers (host_alloc gives
  * pinned memory), so every dense operation (matmul, rmsnorm, rope, attention's q and output, swiglu, add,
- * embed) copies its inputs in and its outputs out, computing in bf16 operands with f32 accumulation (the
- * CUDA backend's precision, DESIGN.md §5). kv_deviation, topk and compact_rows run on the host: their
+ * add_bias, embed) copies its inputs in and its outputs out, computing in bf16 operands with f32 accumulation
+ * (the CUDA backend's precision, DESIGN.md §5; add and add_bias are f32 throughout). rope and kv_load's
+ * re-rotation take the layer's cb_rope_t (NORM or NEOX pairing, base, linear scaling, Llama 3 frequency
+ * factors); the factors, a host tensor of the model, are copied to the device once per tensor address, so,
+ * like the weights, they must outlive the backend. kv_deviation, topk and compact_rows run on the host: their
  * inputs are host memory by that same contract (see the .cu for why that is also the cheaper place), and
  * there they give the CPU reference's results bit for bit. The fully device-resident schedules (prefill,
  * decode) are cb_cuda_llama.h.

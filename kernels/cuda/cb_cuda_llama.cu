@@ -187,9 +187,10 @@ static int cl_qkv(cb_cuda_llama_t *m, int l, int nr, const float *hr, const int3
     TRY(cb_cuda_gemm(cu, nr, m->QKVD, m->E, m->xn, m->E, L->wqkv, m->E, m->qkv, CB_CUDA_BF16, m->QKVD, 0.0f));
     if (cap_k) TRY(cb_cuda_copy_rows(cu, nr, kvb, cap_k, kvb, NULL, m->qkv + m->QD, qkvb, NULL));
     if (cap_v) TRY(cb_cuda_copy_rows(cu, nr, kvb, cap_v, kvb, NULL, m->qkv + m->QD + m->KVD, qkvb, NULL));
-    TRY(cb_cuda_rope(cu, nr, m->hp.n_head, m->hp.head_dim, m->qkv, m->QKVD, m->qkv, m->QKVD, pos, 0, m->hp.rope_base));
+    const cb_cuda_rope_t rope = {CB_CUDA_ROPE_NORM, m->hp.rope_base, 1.0f, NULL};   /* llama: plain NORM RoPE */
+    TRY(cb_cuda_rope(cu, nr, m->hp.n_head, m->hp.head_dim, m->qkv, m->QKVD, m->qkv, m->QKVD, pos, 0, &rope));
     TRY(cb_cuda_rope(cu, nr, m->hp.n_head_kv, m->hp.head_dim, m->qkv + m->QD, m->QKVD, m->qkv + m->QD, m->QKVD, pos, 0,
-                     m->hp.rope_base));
+                     &rope));
     return CB_CUDA_OK;
 }
 

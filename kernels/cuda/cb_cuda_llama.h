@@ -26,7 +26,7 @@ typedef struct cb_cuda_llama cb_cuda_llama_t;
 
 typedef struct {
     int n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab;
-    float rope_base, rms_eps;
+    float rope_base, rms_eps;   /* RoPE is llama's plain NORM rotation of that base (no scaling, no factors) */
     bool tied;              /* the LM head is token_embd */
 } cb_cuda_llama_hp_t;
 

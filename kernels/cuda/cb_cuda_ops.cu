@@ -234,9 +234,11 @@ extern "C" int cb_cuda_rmsnorm(cb_cuda_t *self, int n, int dim, const float *x, 
 }
 
 /* One block per row: the row's cos/sin table (head_dim/2 pairs) is built once in shared memory with the
- * angle reduced modulo 2*pi in double, then applied to every head. */
+ * angle reduced modulo 2*pi in double, then applied to every head. The angle of pair j is p * inv_j with
+ * inv_j = base^(-2j/head_dim) * freq_scale / ff[j], each factor applied in double; freq_scale 1 and no
+ * factors multiply by 1 exactly, so plain NORM RoPE keeps the bits it had before scaling existed. */
 __global__ void k_rope(int n_heads, int head_dim, const uint16_t *in, int ld_in, uint16_t *out, int ld_out,
-                       const int32_t *pos, int pos0, float base) {
+                       const int32_t *pos, int pos0, float base, float freq_scale, const float *ff, int neox) {
     extern __shared__ float s_cs[];   /* [head_dim/2][2]: cos, sin */
     int i = blockIdx.x;
     int half = head_dim / 2;
@@ -245,6 +247,8 @@ __global__ void k_rope(int n_heads, int head_dim, const uint16_t *in, int ld_in,
     const double lb = log2((double)base);
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
         double inv = exp2(-2.0 * (double)j / (double)head_dim * lb);
+        inv *= (double)freq_scale;
+        if (ff) inv /= (double)ff[j];
         double a = p * inv;
         a -= rint(a / two_pi) * two_pi;
         float s, c;
@@ -253,29 +257,49 @@ __global__ void k_rope(int n_heads, int head_dim, const uint16_t *in, int ld_in,
         s_cs[2 * j + 1] = s;
     }
     __syncthreads();
-    const uint32_t *src = (const uint32_t *)(in + (size_t)i * ld_in);   /* pairs as 32-bit words */
-    uint32_t *dst = (uint32_t *)(out + (size_t)i * ld_out);
     int n_pairs = n_heads * half;
+    if (!neox) {
+        const uint32_t *src = (const uint32_t *)(in + (size_t)i * ld_in);   /* pairs as 32-bit words */
+        uint32_t *dst = (uint32_t *)(out + (size_t)i * ld_out);
+        for (int q = threadIdx.x; q < n_pairs; q += blockDim.x) {
+            int j = q % half;
+            uint32_t wv = src[q];
+            float x0 = __uint_as_float(wv << 16), x1 = __uint_as_float(wv & 0xffff0000u);
+            float c = s_cs[2 * j], s = s_cs[2 * j + 1];
+            float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+            dst[q] = (uint32_t)cb_f2bf(y0) | ((uint32_t)cb_f2bf(y1) << 16);
+        }
+        return;
+    }
+    /* NEOX: pair j of head h is (x[h*head_dim + j], x[h*head_dim + j + half]); each thread reads both
+     * halves of its pairs before writing them, so in place is safe */
+    const uint16_t *src = in + (size_t)i * ld_in;
+    uint16_t *dst = out + (size_t)i * ld_out;
     for (int q = threadIdx.x; q < n_pairs; q += blockDim.x) {
-        int j = q % half;
-        uint32_t wv = src[q];
-        float x0 = __uint_as_float(wv << 16), x1 = __uint_as_float(wv & 0xffff0000u);
+        int h = q / half, j = q % half;
+        size_t e0 = (size_t)h * head_dim + j, e1 = e0 + half;
+        float x0 = cb_bf2f(src[e0]), x1 = cb_bf2f(src[e1]);
         float c = s_cs[2 * j], s = s_cs[2 * j + 1];
         float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-        dst[q] = (uint32_t)cb_f2bf(y0) | ((uint32_t)cb_f2bf(y1) << 16);
+        dst[e0] = cb_f2bf(y0);
+        dst[e1] = cb_f2bf(y1);
     }
 }
 
 extern "C" int cb_cuda_rope(cb_cuda_t *self, int n, int n_heads, int head_dim, const cb_bf16_t *in, int ld_in,
-                            cb_bf16_t *out, int ld_out, const int32_t *pos, int pos0, float base) {
+                            cb_bf16_t *out, int ld_out, const int32_t *pos, int pos0, const cb_cuda_rope_t *r) {
     if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2 || ld_in < n_heads * head_dim ||
-        ld_out < n_heads * head_dim || ld_in % 2 || ld_out % 2 || ((uintptr_t)in & 3) || ((uintptr_t)out & 3) ||
-        !(base > 0.0f))
+        ld_out < n_heads * head_dim || ld_in % 2 || ld_out % 2 || ((uintptr_t)in & 3) || ((uintptr_t)out & 3))
         return cb_cuda_inval_(self, "rope: n=%d heads=%d head_dim=%d ld %d/%d (even strides, 4-byte aligned rows)", n,
                               n_heads, head_dim, ld_in, ld_out);
+    if (!r || (r->mode != CB_CUDA_ROPE_NORM && r->mode != CB_CUDA_ROPE_NEOX) || !(r->base > 0.0f) ||
+        !(r->freq_scale > 0.0f) || isinf(r->base) || isinf(r->freq_scale))
+        return cb_cuda_inval_(self, "rope: bad rotation (mode %d, base %g, freq_scale %g)", r ? (int)r->mode : -1,
+                              r ? (double)r->base : 0.0, r ? (double)r->freq_scale : 0.0);
     if (!n) return CB_CUDA_OK;
-    k_rope<<<n, 128, (size_t)head_dim * sizeof(float), self->stream>>>(n_heads, head_dim, in, ld_in, out, ld_out,
-                                                                       pos, pos0, base);
+    k_rope<<<n, 128, (size_t)head_dim * sizeof(float), self->stream>>>(
+        n_heads, head_dim, in, ld_in, out, ld_out, pos, pos0, r->base, r->freq_scale, r->freq_factors,
+        r->mode == CB_CUDA_ROPE_NEOX);
     CB_LAUNCHED(self, "rope kernel");
     return CB_CUDA_OK;
 }
@@ -316,7 +340,8 @@ __global__ void k_add(int dim, float *h, int ldh, const void *y, int y_f32, int 
 
 extern "C" int cb_cuda_add(cb_cuda_t *self, int n, int dim, float *h, int ldh, const void *y, cb_cuda_dtype_t y_dtype,
                            int ldy) {
-    if (n < 0 || dim <= 0 || ldh < dim || ldy < dim) return cb_cuda_inval_(self, "add: n=%d dim=%d", n, dim);
+    if (n < 0 || dim <= 0 || ldh < dim || (ldy < dim && ldy != 0))   /* ldy 0: one row broadcast (a bias) */
+        return cb_cuda_inval_(self, "add: n=%d dim=%d ldh=%d ldy=%d", n, dim, ldh, ldy);
     for (int r0 = 0; r0 < n; r0 += 65535) {
         int rows = n - r0 < 65535 ? n - r0 : 65535;
         size_t esz = y_dtype == CB_CUDA_F32 ? 4 : 2;

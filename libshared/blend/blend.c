@@ -617,8 +617,8 @@ static int layer_qkv_rows(cb_blend_t *b, const run_t *R, int l, int n_act, bool 
             }
             *t_sel += cb_now_ms() - ts;
         }
-        cb_engine_rope(b->e, q, n, b->hp->n_head, rows);
-        cb_engine_rope(b->e, b->kb, n, b->hp->n_head_kv, rows);
+        cb_engine_rope(b->e, l, q, n, b->hp->n_head, rows);
+        cb_engine_rope(b->e, l, b->kb, n, b->hp->n_head_kv, rows);
         if (cb_engine_kv_write(b->e, b->seq, l, rows, n, b->kb, b->vb) != CB_ENGINE_OK) return -1;
     }
     return 0;

@@ -70,8 +70,11 @@ typedef struct {
     void (*matmul)(void *ctx, const cb_weight_t *w, const float *x, int n, float *y, int ldy);
     /* y = x / sqrt(mean(x^2) + eps) * w per row:  x, y [n][dim] (may alias), w [dim]. */
     void (*rmsnorm)(void *ctx, const float *x, const float *w, int n, int dim, float eps, float *y);
-    /* NORM RoPE in place:  x [n][n_heads*head_dim], pos [n] (any positions >= 0), base = rope base. */
-    void (*rope)(void *ctx, float *x, int n, int n_heads, int head_dim, const int32_t *pos, float base);
+    /* RoPE in place as r says (pairing, base, scaling; model.h cb_rope_t):  x [n][n_heads*r->n_dims],
+     * pos [n] (any positions >= 0). */
+    void (*rope)(void *ctx, float *x, int n, int n_heads, const int32_t *pos, const cb_rope_t *r);
+    /* x[i][j] += b[j]:  x [n][dim], b [dim] (a projection's bias). */
+    void (*add_bias)(void *ctx, float *x, const float *b, int n, int dim);
     /* out[i] = softmax(q[i] K[0:key_limit[i])ᵀ · scale) V per head, K/V = layer's pool rows of table t:
      * q, out [n][n_head*head_dim]; key_limit [n] in 1..min(max_keys, t->n_pos). */
     void (*attention)(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
@@ -116,10 +119,10 @@ typedef struct {
                     const float *v);
     /* A layer load: n cached rows for positions pos0..pos0+n-1 of table t from host memory k, v
      * [n][kv_dim] in dtype (f32, f16 or bf16, and q8_0 where kv_load_q8_0; a memory-tier entry or a KV
-     * file's mapping), converted to the pool's type, pre-RoPE K rotated to its position with base rope_base
-     * on the way. */
+     * file's mapping), converted to the pool's type, pre-RoPE K rotated to its position by r (the layer's
+     * rotation, as the rope operation does it) on the way. */
     int (*kv_load)(void *ctx, int layer, const cb_kv_table_t *t, int pos0, int n, const void *k, const void *v,
-                   cb_kv_dtype_t dtype, float rope_base);
+                   cb_kv_dtype_t dtype, const cb_rope_t *r);
     /* kv_load and kv_deviation also take CB_KV_Q8_0 rows (kvfile's blocks: kv_dim / 32 blocks of 34 bytes a
      * row), dequantized on the way; false: the caller decodes them first. */
     bool kv_load_q8_0;

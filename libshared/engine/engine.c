@@ -502,14 +502,27 @@ static void layer_qkv(cb_engine_t *self, int layer, const float *x, int n, float
     self->be->ops->rmsnorm(self->be->ctx, x, L->attn_norm, n, self->E, self->hp->rms_eps, self->xb);
     cb_matmul_part_t parts[3] = {{&L->wq, q, self->QD}, {&L->wk, k, self->KVD}, {&L->wv, v, self->KVD}};
     matmul_parts(self, parts, 3, self->xb, n, rowwise);
+    const cb_backend_ops_t *ops = self->be->ops;
+    if (L->bq) { /* qwen2: the projections' biases */
+        ops->add_bias(self->be->ctx, q, L->bq, n, self->QD);
+        ops->add_bias(self->be->ctx, k, L->bk, n, self->KVD);
+        ops->add_bias(self->be->ctx, v, L->bv, n, self->KVD);
+    }
+    if (L->q_norm) { /* qwen3: RMSNorm of every head of Q and K, rows of head_dim */
+        const int hd = self->hp->head_dim;
+        ops->rmsnorm(self->be->ctx, q, L->q_norm, n * self->hp->n_head, hd, self->hp->rms_eps, q);
+        ops->rmsnorm(self->be->ctx, k, L->k_norm, n * self->hp->n_head_kv, hd, self->hp->rms_eps, k);
+    }
 }
 
 void cb_engine_layer_qkv(cb_engine_t *self, int layer, const float *x, int n, float *q, float *k, float *v) {
     layer_qkv(self, layer, x, n, q, k, v, false);
 }
 
-void cb_engine_rope(cb_engine_t *self, float *x, int n, int n_heads, const int32_t *pos) {
-    self->be->ops->rope(self->be->ctx, x, n, n_heads, self->hp->head_dim, pos, self->hp->rope_base);
+void cb_engine_rope(cb_engine_t *self, int layer, float *x, int n, int n_heads, const int32_t *pos) {
+    const cb_layer_weights_t *L = cb_model_layer(self->model, layer);
+    assert(L);
+    self->be->ops->rope(self->be->ctx, x, n, n_heads, pos, &L->rope);
 }
 
 /* K/V rows into positions the sequence already owns exclusively (reserved by the caller). */
@@ -546,7 +559,7 @@ int cb_engine_kv_load(cb_engine_t *self, cb_seq_t *seq, int layer, int pos0, int
         pos0 > cb_seq_capacity(seq) - n)
         return CB_ENGINE_EINVAL; /* never allocates: the caller reserved the rows */
     cb_kv_table_t t = table_of(seq);
-    return self->be->ops->kv_load(self->be->ctx, layer, &t, pos0, n, k, v, dtype, self->hp->rope_base)
+    return self->be->ops->kv_load(self->be->ctx, layer, &t, pos0, n, k, v, dtype, &cb_model_layer(self->model, layer)->rope)
                ? CB_ENGINE_EBACKEND
                : CB_ENGINE_OK;
 }
@@ -666,8 +679,8 @@ static int forward_ubatch(cb_engine_t *e, cb_seq_t *s, const int32_t *tokens, in
             memcpy(cap_k[l] + (size_t)row0 * e->KVD, e->k, sizeof(float) * (size_t)n * e->KVD);
             memcpy(cap_v[l] + (size_t)row0 * e->KVD, e->v, sizeof(float) * (size_t)n * e->KVD);
         }
-        cb_engine_rope(e, e->q, n, hp->n_head, e->pos);
-        cb_engine_rope(e, e->k, n, hp->n_head_kv, e->pos);
+        cb_engine_rope(e, l, e->q, n, hp->n_head, e->pos);
+        cb_engine_rope(e, l, e->k, n, hp->n_head_kv, e->pos);
         int rc = write_reserved(e, s, l, e->pos, n, e->k, e->v);
         if (rc) return rc;
         if (l == hp->n_layer - 1 && !logits) break; /* the last layer's output feeds only the logits */
@@ -738,8 +751,8 @@ int cb_engine_decode_batch(cb_engine_t *self, cb_seq_t *const *seqs, const int32
     cb_engine_embed(self, tokens, n, self->x);
     for (int l = 0; l < hp->n_layer; l++) {
         layer_qkv(self, l, self->x, n, self->q, self->k, self->v, true); /* one product per weight */
-        cb_engine_rope(self, self->q, n, hp->n_head, pos);
-        cb_engine_rope(self, self->k, n, hp->n_head_kv, pos);
+        cb_engine_rope(self, l, self->q, n, hp->n_head, pos);
+        cb_engine_rope(self, l, self->k, n, hp->n_head_kv, pos);
         for (int i = 0; i < n; i++) {
             rc = write_reserved(self, seqs[i], l, &pos[i], 1, self->k + (size_t)i * self->KVD,
                                 self->v + (size_t)i * self->KVD);

@@ -17,8 +17,8 @@
  *     cb_engine_embed(e, tokens, n, x);
  *     for l in 0..n_layer-1:
  *         cb_engine_layer_qkv(e, l, x, n, q, k, v);
- *         cb_engine_rope(e, q, n, n_head, pos);
- *         cb_engine_rope(e, k, n, n_head_kv, pos);
+ *         cb_engine_rope(e, l, q, n, n_head, pos);
+ *         cb_engine_rope(e, l, k, n, n_head_kv, pos);
  *         cb_engine_kv_write(e, seq, l, pos, n, k, v);
  *         cb_engine_layer_attn_mlp(e, seq, l, x, q, n, key_limit);    key_limit[i] = pos[i] + 1
  *     cb_engine_logits(e, x[n-1], logits);
@@ -204,12 +204,14 @@ void cb_engine_free(cb_engine_t *self, void *p);
 
 /* x [n][n_embd] = embeddings of tokens [n] (each in 0..n_vocab-1). */
 void cb_engine_embed(cb_engine_t *self, const int32_t *tokens, int n, float *x);
-/* Attention RMSNorm of x, then the Q/K/V projections (no RoPE):
+/* Attention RMSNorm of x, then the Q/K/V projections with the architecture's biases (qwen2) and per-head Q/K
+ * norms (qwen3), no RoPE (so k is the pre-RoPE K a KV file stores):
  *   x [n][n_embd] (read only); q [n][n_head*head_dim]; k, v [n][n_head_kv*head_dim]. */
 void cb_engine_layer_qkv(cb_engine_t *self, int layer, const float *x, int n, float *q, float *k, float *v);
-/* The model's RoPE in place: x [n][n_heads*head_dim], row i to position pos [n] (>= 0). Angles are computed
- * in double, so rotating cached pre-RoPE K to any position is exact and matches the engine bit for bit. */
-void cb_engine_rope(cb_engine_t *self, float *x, int n, int n_heads, const int32_t *pos);
+/* Layer l's RoPE in place (its pairing, base and scaling: model.h cb_rope_t): x [n][n_heads*head_dim], row i
+ * to position pos [n] (>= 0). Angles are computed in double, so rotating cached pre-RoPE K to any position is
+ * exact and matches the engine bit for bit. */
+void cb_engine_rope(cb_engine_t *self, int layer, float *x, int n, int n_heads, const int32_t *pos);
 /* Post-RoPE K and V rows k, v [n][n_head_kv*head_dim] into layer l of seq at positions pos [n] (copying a
  * shared block first; allocating blocks up to the largest position). Status. */
 int cb_engine_kv_write(cb_engine_t *self, cb_seq_t *seq, int layer, const int32_t *pos, int n, const float *k,

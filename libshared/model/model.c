@@ -1,4 +1,4 @@
-/* model.c: loads a llama-architecture GGUF into cb_model_t (see model.h).
+/* model.c: loads a GGUF of one of the architectures of model/arch.h into cb_model_t (see model.h).
  *
  * Owns: the GGUF reader (and so the mapping: the engine reads the stored weight rows there), f32 copies of
  * norm vectors that are not stored as F32, the fingerprint, and with CB_ENGINE_WEIGHTS=f32 one
@@ -6,6 +6,8 @@
  * Fails (NULL + message) on anything it does not understand; never asserts on file content.
  */
 #include "model/model.h"
+
+#include <math.h>
 
 #include <sodium.h>
 #include <stdio.h>
@@ -19,6 +21,7 @@
 #include "base/err.h"
 #include "base/log.h"
 #include "format/quant.h"
+#include "model/arch.h"
 
 #define MAX_LAYERS 1024
 #define MAX_DIM    (1 << 20)
@@ -34,7 +37,8 @@ struct cb_model {
     size_t arena_floats;
     uint8_t *x8_arena;           /* interleaved copies (CB_ENGINE_WEIGHTS=native, the default) */
     size_t x8_bytes;
-    float **norm_copies;         /* norm vectors converted from F16/BF16 */
+    const cb_arch_t *arch;       /* the architecture's table entry */
+    float **norm_copies;         /* norm, bias and rope_freqs vectors converted from F16/BF16 (or unaligned) */
     int n_norm_copies;
     uint8_t fingerprint[32];
 };
@@ -100,7 +104,8 @@ static void find_eog(const cb_gguf_t *g, cb_hparams_t *hp) {
     }
 }
 
-static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t errlen) {
+static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, const cb_arch_t **arch_out, char *err,
+                         size_t errlen) {
     memset(hp, 0, sizeof *hp);
     const char *s;
     size_t len;
@@ -108,12 +113,15 @@ static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t
         cb_set_err(err, errlen, "metadata general.architecture is missing");
         return false;
     }
-    if (len != 5 || memcmp(s, "llama", 5) != 0) {
-        cb_set_err(err, errlen, "unsupported architecture '%.*s' (only 'llama' is implemented)",
-                   (int)(len < 64 ? len : 64), s);
+    const cb_arch_t *arch = cb_arch_find(s, len);
+    if (!arch) {
+        cb_set_err(err, errlen, "general.architecture: unsupported architecture '%.*s' (implemented: %s)",
+                   (int)(len < 64 ? len : 64), s, cb_arch_names());
         return false;
     }
-    memcpy(hp->arch, "llama", 6);
+    *arch_out = arch;
+    snprintf(hp->arch, sizeof hp->arch, "%s", arch->name);
+    hp->act = arch->act;
     const char *a = hp->arch;
     if (!need_dim(g, a, "block_count", MAX_LAYERS, &hp->n_layer, err, errlen) ||
         !need_dim(g, a, "embedding_length", MAX_DIM, &hp->n_embd, err, errlen) ||
@@ -166,21 +174,38 @@ static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, char *err, size_t
         cb_set_err(err, errlen, "metadata %s: must be a float > 1", key);
         return false;
     }
+    /* RoPE scaling: none, or linear (positions times 1/factor); YaRN and the rest are refused */
+    hp->rope_freq_scale = 1.0f;
     snprintf(key, sizeof key, "%s.rope.scaling.type", a);
-    if (cb_gguf_get_str(g, key, &s, &len) && !(len == 4 && memcmp(s, "none", 4) == 0)) {
+    if (cb_gguf_has(g, key) && !cb_gguf_get_str(g, key, &s, &len)) {
+        cb_set_err(err, errlen, "metadata %s: must be a string", key);
+        return false;
+    }
+    if (cb_gguf_has(g, key) && !(len == 4 && memcmp(s, "none", 4) == 0)) {
         float factor = 1.0f;
-        snprintf(key, sizeof key, "%s.rope.scaling.factor", a);
-        if (!cb_gguf_get_f32(g, key, &factor) || factor != 1.0f) {
-            cb_set_err(err, errlen, "RoPE scaling '%.*s' is not supported", (int)(len < 32 ? len : 32), s);
+        char fkey[160];
+        snprintf(fkey, sizeof fkey, "%s.rope.scaling.factor", a);
+        const bool linear = len == 6 && memcmp(s, "linear", 6) == 0;
+        const bool have_factor = cb_gguf_get_f32(g, fkey, &factor);
+        if (!(linear && have_factor && factor >= 1.0f && factor <= 1024.0f) && !(have_factor && factor == 1.0f)) {
+            cb_set_err(err, errlen, "metadata %s = '%.*s'%s: not supported (none, or linear with a factor in 1..1024)",
+                       key, (int)(len < 32 ? len : 32), s, have_factor ? "" : " without rope.scaling.factor");
             return false;
         }
+        if (linear) hp->rope_freq_scale = 1.0f / factor;
+    }
+    /* a sliding attention window would change which keys a row sees: refused until windows are implemented */
+    snprintf(key, sizeof key, "%s.attention.sliding_window", a);
+    if (cb_gguf_has(g, key)) {
+        cb_set_err(err, errlen, "metadata %s: sliding-window attention is not implemented for '%s'", key, a);
+        return false;
     }
     snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", a);
     if (!cb_gguf_get_f32(g, key, &hp->rms_eps) || !(hp->rms_eps > 0.0f) || hp->rms_eps > 1.0f) {
         cb_set_err(err, errlen, "metadata %s is missing or not a float in (0, 1]", key);
         return false;
     }
-    hp->rope_type = CB_ROPE_NORM; /* llama GGUF: adjacent pairs (the converter permuted Q and K) */
+    hp->rope_type = arch->rope; /* llama GGUFs: adjacent pairs (the converter permuted Q and K); qwen: NEOX */
 
     cb_gguf_vtype_t et;
     size_t count;
@@ -241,26 +266,33 @@ static const cb_gguf_tensor_t *need_tensor(const cb_gguf_t *g, const char *name,
     return t;
 }
 
-static bool load_norm(cb_model_t *m, const cb_gguf_t *g, const char *name, const float **out, char *err,
-                      size_t errlen) {
-    const cb_gguf_tensor_t *t = need_tensor(g, name, m->hp.n_embd, 0, err, errlen);
+/* A vector tensor (norm weight, bias, rope_freqs) of n elements as f32: the stored data where it is aligned
+ * F32, else a converted copy the model owns. */
+static bool load_vec(cb_model_t *m, const cb_gguf_t *g, const char *name, int n, const float **out, char *err,
+                     size_t errlen) {
+    const cb_gguf_tensor_t *t = need_tensor(g, name, n, 0, err, errlen);
     if (!t) return false;
     if (t->type == CB_TYPE_F32 && ((uintptr_t)t->data % sizeof(float)) == 0) {
         *out = t->data;
         return true;
     }
-    float *c = malloc(sizeof(float) * (size_t)m->hp.n_embd);
+    float *c = malloc(sizeof(float) * (size_t)n);
     if (!c) {
         cb_set_err(err, errlen, "out of memory");
         return false;
     }
     m->norm_copies[m->n_norm_copies++] = c;
-    if (!cb_dequant(t->type, t->data, c, (size_t)m->hp.n_embd)) {
+    if (!cb_dequant(t->type, t->data, c, (size_t)n)) {
         cb_set_err(err, errlen, "tensor %s: cannot convert type %s", name, cb_type_name(t->type));
         return false;
     }
     *out = c;
     return true;
+}
+
+static bool load_norm(cb_model_t *m, const cb_gguf_t *g, const char *name, const float **out, char *err,
+                      size_t errlen) {
+    return load_vec(m, g, name, m->hp.n_embd, out, err, errlen);
 }
 
 static bool set_weight(cb_weight_t *w, const cb_gguf_t *g, const char *name, int rows, int cols, char *err,
@@ -282,27 +314,30 @@ static bool set_weight(cb_weight_t *w, const cb_gguf_t *g, const char *name, int
     return true;
 }
 
-/* Every tensor in the file must be one we use: anything else (biases, rope_freqs, ...) would change the
- * computation in a way this engine does not implement. */
-static bool check_known_tensors(const cb_gguf_t *g, int n_layer, char *err, size_t errlen) {
-    static const char *per_layer[] = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                                      "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"};
+/* Every tensor in the file must be one the architecture has: anything else (a bias it lacks, extra layers)
+ * would change the computation in a way this engine does not implement. */
+static bool check_known_tensors(const cb_gguf_t *g, const cb_arch_t *arch, int n_layer, char *err, size_t errlen) {
+    static const char *block[] = {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                  "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                                  "ffn_down.weight"};
+    static const char *bias[] = {"attn_q.bias", "attn_k.bias", "attn_v.bias"};
+    static const char *qk_norm[] = {"attn_q_norm.weight", "attn_k_norm.weight"};
     for (size_t i = 0; i < cb_gguf_n_tensors(g); i++) {
         const char *name = cb_gguf_tensor(g, i)->name;
         if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output_norm.weight") ||
-            !strcmp(name, "output.weight"))
+            !strcmp(name, "output.weight") || (arch->rope_freqs && !strcmp(name, "rope_freqs.weight")))
             continue;
         int l, off = 0;
         bool ok = false;
         if (sscanf(name, "blk.%d.%n", &l, &off) == 1 && off > 0 && l >= 0 && l < n_layer) {
-            for (size_t k = 0; k < sizeof per_layer / sizeof per_layer[0]; k++) {
-                   size_t n = strlen(per_layer[k]);
-                   if (!strncmp(name + off, per_layer[k], n) && !strcmp(name + off + n, ".weight")) ok = true;
-            }
+            const char *rest = name + off;
+            for (size_t k = 0; k < sizeof block / sizeof block[0]; k++) ok = ok || !strcmp(rest, block[k]);
+            for (size_t k = 0; arch->qkv_bias && k < sizeof bias / sizeof bias[0]; k++) ok = ok || !strcmp(rest, bias[k]);
+            for (size_t k = 0; arch->qk_norm && k < 2; k++) ok = ok || !strcmp(rest, qk_norm[k]);
         }
         if (!ok) {
-            cb_set_err(err, errlen, "unsupported tensor %s (this engine implements the plain llama graph: no biases, "
-                       "no rope_freqs, no extra layers)", name);
+            cb_set_err(err, errlen, "unsupported tensor %s: architecture '%s' has no such tensor in this engine",
+                       name, arch->name);
             return false;
         }
     }
@@ -368,6 +403,7 @@ static int compute_fingerprint(cb_model_t *m) {
     h_f32(&st, hp->rope_base);
     h_f32(&st, hp->rms_eps);
     h_u32(&st, hp->tied_output ? 1u : 0u);
+    if (hp->rope_freq_scale != 1.0f) h_f32(&st, hp->rope_freq_scale); /* only then: older fingerprints stay */
     h_str_key(&st, g, "tokenizer.ggml.model");
     h_str_key(&st, g, "tokenizer.ggml.pre");
     h_str_arr(&st, g, "tokenizer.ggml.tokens");
@@ -475,12 +511,12 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
     }
     const cb_gguf_t *g = m->gguf;
     cb_hparams_t *hp = &m->hp;
-    if (!read_hparams(g, hp, err, errlen)) goto fail;
-    if (!check_known_tensors(g, hp->n_layer, err, errlen)) goto fail;
+    if (!read_hparams(g, hp, &m->arch, err, errlen)) goto fail;
+    if (!check_known_tensors(g, m->arch, hp->n_layer, err, errlen)) goto fail;
 
     const int E = hp->n_embd, QD = hp->n_head * hp->head_dim, KVD = hp->n_head_kv * hp->head_dim, F = hp->n_ff;
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
-    m->norm_copies = calloc((size_t)hp->n_layer * 2 + 1, sizeof *m->norm_copies);
+    m->norm_copies = calloc((size_t)hp->n_layer * 7 + 2, sizeof *m->norm_copies); /* 7 vectors a layer at most */
     if (!m->layers || !m->norm_copies) {
         cb_set_err(err, errlen, "out of memory");
         goto fail;
@@ -492,6 +528,16 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
     } else {
         hp->tied_output = true;
         m->output = m->tok_embd;
+    }
+    cb_rope_t rope = cb_hparams_rope(hp);
+    if (cb_gguf_find_tensor(g, "rope_freqs.weight")) {
+        if (!load_vec(m, g, "rope_freqs.weight", hp->n_rot / 2, &rope.freq_factors, err, errlen)) goto fail;
+        for (int i = 0; i < hp->n_rot / 2; i++)
+            if (!(rope.freq_factors[i] > 0.0f) || !isfinite(rope.freq_factors[i])) {
+                cb_set_err(err, errlen, "tensor rope_freqs.weight: element %d is not a positive number", i);
+                goto fail;
+            }
+        hp->rope_freqs = rope.freq_factors;
     }
     char name[96];
     for (int l = 0; l < hp->n_layer; l++) {
@@ -511,6 +557,20 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
         if (!load_norm(m, g, name, &L->attn_norm, err, errlen)) goto fail;
         snprintf(name, sizeof name, "blk.%d.ffn_norm.weight", l);
         if (!load_norm(m, g, name, &L->ffn_norm, err, errlen)) goto fail;
+#define V(field, suffix, n)                                                                  \
+        snprintf(name, sizeof name, "blk.%d." suffix, l);                                    \
+        if (!load_vec(m, g, name, n, &L->field, err, errlen)) goto fail;
+        if (m->arch->qkv_bias) {
+            V(bq, "attn_q.bias", QD)
+            V(bk, "attn_k.bias", KVD)
+            V(bv, "attn_v.bias", KVD)
+        }
+        if (m->arch->qk_norm) {
+            V(q_norm, "attn_q_norm.weight", hp->head_dim)
+            V(k_norm, "attn_k_norm.weight", hp->head_dim)
+        }
+#undef V
+        L->rope = rope;
     }
 
     /* Weights are read where they are stored; CB_ENGINE_WEIGHTS=f32 keeps f32 copies of the block matrices
@@ -597,6 +657,19 @@ bool cb_model_is_eog(const cb_model_t *self, int32_t id) {
     for (int i = 0; i < self->hp.n_eog; i++)
         if (self->hp.eog_ids[i] == id) return true;
     return false;
+}
+
+bool cb_rope_equal(const cb_rope_t *a, const cb_rope_t *b) {
+    if (a->type != b->type || a->n_dims != b->n_dims || a->base != b->base || a->freq_scale != b->freq_scale ||
+        (!a->freq_factors) != (!b->freq_factors))
+        return false;
+    return !a->freq_factors || a->freq_factors == b->freq_factors ||
+           memcmp(a->freq_factors, b->freq_factors, sizeof(float) * (size_t)(a->n_dims / 2)) == 0;
+}
+
+cb_rope_t cb_hparams_rope(const cb_hparams_t *hp) {
+    float scale = hp->rope_freq_scale > 0.0f ? hp->rope_freq_scale : 1.0f; /* 0: a zeroed hparams */
+    return (cb_rope_t){hp->rope_type, hp->n_rot ? hp->n_rot : hp->head_dim, hp->rope_base, scale, hp->rope_freqs};
 }
 
 void cb_model_fingerprint(const cb_model_t *self, uint8_t out[32]) { memcpy(out, self->fingerprint, 32); }

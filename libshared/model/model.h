@@ -1,4 +1,4 @@
-/* model: a llama-architecture transformer loaded from a GGUF file (REFERENCE.md §4-§9).
+/* model: a decoder-only transformer loaded from a GGUF file (REFERENCE.md §4-§9).
  *
  * cb_model_load opens the file (mmap, via gguf.h), reads every hyperparameter from the metadata (never
  * hard-coded), checks that every tensor the forward pass needs is present with the right type and
@@ -8,8 +8,11 @@
  * (the f32 reference of the tests and benchmarks) the block matrices and the output matrix also get an f32
  * copy, dequantized once at load with cb_dequant, and the CPU kernels then compute in f32 over the copies.
  *
- * Anything we cannot run faithfully is rejected with a clear error instead of being run wrongly:
- * another architecture, NEOX RoPE, partial rotary, RoPE scaling, biases, rope_freqs, unknown tensors.
+ * Which tensors, norms and RoPE an architecture has is one table (model/arch.h): llama (SmolLM2, Llama 3
+ * with rope_freqs, Mistral), qwen2 (Q/K/V biases, NEOX RoPE) and qwen3 (per-head Q/K RMSNorm, NEOX RoPE).
+ * Anything we cannot run faithfully is rejected with a clear error naming the key instead of being run
+ * wrongly: another architecture, partial rotary, RoPE scaling other than none/linear, sliding windows,
+ * tensors the architecture does not have.
  *
  * The model is immutable after load, so one model may be shared (read-only) by several engines and
  * threads. Memory: the mapping (file size) plus 4 bytes per block-weight parameter (plus 8 bytes per
@@ -26,14 +29,31 @@
 
 typedef struct cb_model cb_model_t;
 
-/* RoPE pairing. Only NORM (adjacent pairs (x[2i], x[2i+1]), the llama GGUF convention, REFERENCE §6)
- * is implemented; a model that would need NEOX pairing is rejected at load. */
+/* RoPE pairing: NORM rotates adjacent pairs (x[2i], x[2i+1]) (llama GGUFs: the converter permuted Q and K);
+ * NEOX rotates (x[i], x[i + n_dims/2]) (qwen2, qwen3, gemma3). Pair i turns by the same angle either way. */
 typedef enum { CB_ROPE_NORM = 0, CB_ROPE_NEOX = 2 } cb_rope_type_t;
+
+/* How one layer rotates Q and K. The forward pass and the blend's re-rotation of cached K use the same
+ * descriptor, so a chunk's K is moved with its own layer's pairing, base and scaling. Pair i of a head at
+ * position p turns by theta_i = p * freq_scale * base^(-2i / n_dims) / freq_factors[i]. */
+typedef struct {
+    cb_rope_type_t type;
+    int n_dims;                 /* rotated dims of a head (= head_dim: partial rotary is rejected at load) */
+    float base;                 /* <arch>.rope.freq_base (default 10000) */
+    float freq_scale;           /* 1 / <arch>.rope.scaling.factor for linear scaling, else 1 */
+    const float *freq_factors;  /* [n_dims / 2] rope_freqs.weight (Llama 3's frequency scaling), or NULL */
+} cb_rope_t;
+
+/* True when a and b rotate identically (same fields; factors compared by value). */
+bool cb_rope_equal(const cb_rope_t *a, const cb_rope_t *b);
+
+/* The feed-forward gate's activation: out = act(gate) * up. */
+typedef enum { CB_ACT_SILU = 0, CB_ACT_GELU_TANH = 1 } cb_act_t;
 
 #define CB_MAX_EOG 8 /* end-of-generation ids kept per model */
 
 typedef struct {
-    char arch[32];           /* general.architecture ("llama") */
+    char arch[32];           /* general.architecture: llama, qwen2 or qwen3 (model/arch.h) */
     int n_layer;             /* <arch>.block_count */
     int n_embd;              /* <arch>.embedding_length */
     int n_head;              /* <arch>.attention.head_count */
@@ -46,6 +66,9 @@ typedef struct {
     float rope_base;         /* <arch>.rope.freq_base (default 10000) */
     float rms_eps;           /* <arch>.attention.layer_norm_rms_epsilon */
     cb_rope_type_t rope_type;
+    float rope_freq_scale;   /* 1 / <arch>.rope.scaling.factor (linear scaling), else 1 */
+    const float *rope_freqs; /* [n_rot / 2] rope_freqs.weight as f32 (borrowed from the model), or NULL */
+    cb_act_t act;            /* the FFN gate's activation (the architecture's) */
     bool tied_output;        /* no output.weight: the LM head is token_embd */
     int32_t bos_id;          /* tokenizer.ggml.bos_token_id, -1 if absent */
     int32_t eos_id;          /* tokenizer.ggml.eos_token_id, -1 if absent */
@@ -73,6 +96,12 @@ typedef struct {
 
 typedef struct {
     const float *attn_norm;  /* [n_embd] */
+    const float *bq;         /* [n_head*head_dim] bias of Q, or NULL (qwen2 has Q, K and V biases) */
+    const float *bk;         /* [n_head_kv*head_dim] or NULL */
+    const float *bv;         /* [n_head_kv*head_dim] or NULL */
+    const float *q_norm;     /* [head_dim] RMSNorm weight of each Q head before RoPE, or NULL (qwen3) */
+    const float *k_norm;     /* [head_dim] the same for K, or NULL */
+    cb_rope_t rope;          /* this layer's rotation */
     cb_weight_t wq;          /* [n_head*head_dim][n_embd]   (rows permuted for NORM RoPE by the converter) */
     cb_weight_t wk;          /* [n_head_kv*head_dim][n_embd] */
     cb_weight_t wv;          /* [n_head_kv*head_dim][n_embd] */
@@ -82,6 +111,9 @@ typedef struct {
     cb_weight_t w_up;        /* [n_ff][n_embd] */
     cb_weight_t w_down;      /* [n_embd][n_ff] */
 } cb_layer_weights_t;
+
+/* The model-wide rotation the hyperparameters describe (every layer's, for the architectures of arch.h). */
+cb_rope_t cb_hparams_rope(const cb_hparams_t *hp);
 
 /* Loads path. Returns NULL on failure with a message in err (errlen bytes) naming the problem
  * (missing key, unsupported architecture or RoPE, missing tensor, wrong type or shape, out of memory).

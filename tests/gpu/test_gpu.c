@@ -1,8 +1,9 @@
 /* test_gpu: every cb_cuda kernel against a straightforward CPU reference on random inputs, plus the blend
  * kernels' semantics (exact causal limit, deterministic top-k and attention mass), out-of-memory handling,
  * the chunk KV pool, copy stream events, graph capture; the backend table op by op, CUDA against the CPU
- * reference backend (dense operations; the device KV pool through shuffled and consecutive block tables:
- * writes, layer loads in f32/f16/bf16, reads, block copies, attention, attention mass; and the host-side
+ * reference backend (dense operations, RoPE with NORM and NEOX pairing, linear scaling and frequency factors,
+ * projection biases; the device KV pool through shuffled and consecutive block tables: writes, layer loads in
+ * f32/f16/bf16 under two rotations, reads, block copies, attention, attention mass; and the host-side
  * deviation, top-k and compaction); whole forwards of a synthetic SmolLM2-shaped model (the device-resident
  * cb_cuda_llama) against the CPU engine; and the cross-backend test of ISSUE 11: the one CacheBlend
  * (libshared/blend) in every mode on a CPU engine and a CUDA engine, comparing selected rows, logits and
@@ -280,14 +281,21 @@ TEST(test_embed_norm_swiglu_add) {
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cb_cuda_free(cu, bufs[i]);
 }
 
-static void rope_ref(const uint16_t *in, double *out, int H, int D, double p, double base) {
+/* RoPE of one row in double: H heads of D values, pair i (adjacent for NORM, (i, i + D/2) for NEOX) at
+ * theta_i = p * fs * base^(-2i/D) / (ff ? ff[i] : 1). in bf16 [H*D], out [H*D]. */
+static void rope_ref_ex(const uint16_t *in, double *out, int H, int D, double p, double base, int neox, double fs,
+                        const float *ff) {
     for (int h = 0; h < H; h++)
         for (int i = 0; i < D / 2; i++) {
-            double th = p * pow(base, -2.0 * i / D);
-            double x0 = fb(in[h * D + 2 * i]), x1 = fb(in[h * D + 2 * i + 1]);
-            out[h * D + 2 * i] = x0 * cos(th) - x1 * sin(th);
-            out[h * D + 2 * i + 1] = x0 * sin(th) + x1 * cos(th);
+            double th = p * fs * pow(base, -2.0 * i / D) / (ff ? ff[i] : 1.0);
+            int e0 = h * D + (neox ? i : 2 * i), e1 = neox ? e0 + D / 2 : e0 + 1;
+            double x0 = fb(in[e0]), x1 = fb(in[e1]);
+            out[e0] = x0 * cos(th) - x1 * sin(th);
+            out[e1] = x0 * sin(th) + x1 * cos(th);
         }
+}
+static void rope_ref(const uint16_t *in, double *out, int H, int D, double p, double base) {
+    rope_ref_ex(in, out, H, D, p, base, 0, 1.0, NULL);
 }
 
 TEST(test_rope) {
@@ -298,7 +306,8 @@ TEST(test_rope) {
     void *dx = dev_dup(x, sizeof x), *dpos = dev_dup(pos, sizeof pos);
     uint16_t *dy = cb_cuda_malloc(cu, sizeof y);
     CHECK(dx && dpos && dy);
-    CHECK(cb_cuda_rope(cu, N, H, D, dx, LD, dy, LD, dpos, 0, 500000.0f) == 0 && get(y, dy, sizeof y) == 0);
+    const cb_cuda_rope_t norm = {CB_CUDA_ROPE_NORM, 500000.0f, 1.0f, NULL};
+    CHECK(cb_cuda_rope(cu, N, H, D, dx, LD, dy, LD, dpos, 0, &norm) == 0 && get(y, dy, sizeof y) == 0);
     double ref[H * D];
     for (int i = 0; i < N; i++) {
         rope_ref(x + i * LD, ref, H, D, pos[i], 500000.0);
@@ -308,7 +317,7 @@ TEST(test_rope) {
     }
     /* pos0 form, in place: rows at 100..105 */
     CHECK(cb_cuda_d2d(cu, CB_CUDA_STREAM_COMPUTE, dy, dx, sizeof x) == 0);
-    CHECK(cb_cuda_rope(cu, N, H, D, dy, LD, dy, LD, NULL, 100, 500000.0f) == 0 && get(z, dy, sizeof z) == 0);
+    CHECK(cb_cuda_rope(cu, N, H, D, dy, LD, dy, LD, NULL, 100, &norm) == 0 && get(z, dy, sizeof z) == 0);
     for (int i = 0; i < N; i++) {
         rope_ref(x + i * LD, ref, H, D, 100 + i, 500000.0);
         for (int j = 0; j < H * D; j++) CHECK(fabs(fb(z[i * LD + j]) - ref[j]) <= 4e-3 * fabs(ref[j]) + 2e-3);
@@ -316,13 +325,42 @@ TEST(test_rope) {
     /* re-rotation composes: rope(rope(x, 100+i), delta) ~ rope(x, 100+i+delta) */
     int32_t delta[N] = {5, -5, 1000, 0, 30000, -100};
     void *dd = dev_dup(delta, sizeof delta);
-    CHECK(dd && cb_cuda_rope(cu, N, H, D, dy, LD, dy, LD, dd, 0, 500000.0f) == 0 && get(z, dy, sizeof z) == 0);
+    CHECK(dd && cb_cuda_rope(cu, N, H, D, dy, LD, dy, LD, dd, 0, &norm) == 0 && get(z, dy, sizeof z) == 0);
     for (int i = 0; i < N; i++) {
         rope_ref(x + i * LD, ref, H, D, 100 + i + delta[i], 500000.0);
         for (int j = 0; j < H * D; j++) CHECK(fabs(fb(z[i * LD + j]) - ref[j]) <= 8e-3 * fabs(ref[j]) + 4e-3);
     }
-    CHECK(cb_cuda_rope(cu, N, H, 63, dx, LD, dy, LD, NULL, 0, 1e4f) == CB_CUDA_EINVAL);
+    /* factors of 1 and freq_scale 1 multiply and divide by 1 exactly: the bits of plain NORM RoPE */
+    float ones[D / 2], ff[D / 2];
+    for (int i = 0; i < D / 2; i++) ones[i] = 1.0f, ff[i] = 1.0f + 31.0f * (float)i / (D / 2 - 1);  /* 1..32 */
+    float *dones = dev_dup(ones, sizeof ones), *dff = dev_dup(ff, sizeof ff);
+    CHECK(dones && dff);
+    const cb_cuda_rope_t norm1 = {CB_CUDA_ROPE_NORM, 500000.0f, 1.0f, dones};
+    CHECK(cb_cuda_rope(cu, N, H, D, dx, LD, dy, LD, dpos, 0, &norm1) == 0 && get(z, dy, sizeof z) == 0);
+    for (int i = 0; i < N; i++) CHECK(!memcmp(z + i * LD, y + i * LD, sizeof(uint16_t) * H * D));
+    /* NEOX pairing, linear scaling and frequency factors, each and together, in place */
+    const cb_cuda_rope_t vars[3] = {{CB_CUDA_ROPE_NEOX, 1e6f, 1.0f, NULL},
+                                    {CB_CUDA_ROPE_NORM, 500000.0f, 0.5f, dff},
+                                    {CB_CUDA_ROPE_NEOX, 1e6f, 0.25f, dff}};
+    for (int v = 0; v < 3; v++) {
+        CHECK(cb_cuda_d2d(cu, CB_CUDA_STREAM_COMPUTE, dy, dx, sizeof x) == 0);
+        CHECK(cb_cuda_rope(cu, N, H, D, dy, LD, dy, LD, dpos, 0, &vars[v]) == 0 && get(z, dy, sizeof z) == 0);
+        for (int i = 0; i < N; i++) {
+            rope_ref_ex(x + i * LD, ref, H, D, pos[i], vars[v].base, vars[v].mode == CB_CUDA_ROPE_NEOX,
+                        vars[v].freq_scale, vars[v].freq_factors ? ff : NULL);
+            for (int j = 0; j < H * D; j++)
+                CHECK_MSG(fabs(fb(z[i * LD + j]) - ref[j]) <= 4e-3 * fabs(ref[j]) + 2e-3,
+                          "rope variant %d pos %d [%d]: %g vs %g", v, pos[i], j, fb(z[i * LD + j]), ref[j]);
+        }
+    }
+    const cb_cuda_rope_t bad_mode = {(cb_cuda_rope_mode_t)1, 1e4f, 1.0f, NULL};
+    const cb_cuda_rope_t bad_scale = {CB_CUDA_ROPE_NEOX, 1e4f, 0.0f, NULL};
+    CHECK(cb_cuda_rope(cu, N, H, 63, dx, LD, dy, LD, NULL, 0, &norm) == CB_CUDA_EINVAL);
+    CHECK(cb_cuda_rope(cu, N, H, D, dx, LD, dy, LD, NULL, 0, NULL) == CB_CUDA_EINVAL);
+    CHECK(cb_cuda_rope(cu, N, H, D, dx, LD, dy, LD, NULL, 0, &bad_mode) == CB_CUDA_EINVAL);
+    CHECK(cb_cuda_rope(cu, N, H, D, dx, LD, dy, LD, NULL, 0, &bad_scale) == CB_CUDA_EINVAL);
     cb_cuda_free(cu, dx), cb_cuda_free(cu, dpos), cb_cuda_free(cu, dy), cb_cuda_free(cu, dd);
+    cb_cuda_free(cu, dones), cb_cuda_free(cu, dff);
 }
 
 TEST(test_copy_rows_deviation) {
@@ -918,14 +956,39 @@ TEST(test_backend_ops) {
     cpu->ops->rmsnorm(cpu->ctx, x, nw, N, E, 1e-5f, y1);
     gpu->ops->rmsnorm(gpu->ctx, y2, nw, N, E, 1e-5f, y2);
     CHECK(close_enough("rmsnorm", y2, y1, N * E, NULL, 4e-3, 1e-6));
-    /* rope */
+    /* rope: the model's rotation (NORM), then NEOX pairing, frequency factors (Llama 3's rope_freqs, two
+     * tensors: the CUDA backend caches each by address), linear scaling 0.5, and all of them together */
     int32_t pos[N];
     for (int i = 0; i < N; i++) pos[i] = i * 37 + (i == 5 ? 1000 : 0);
+    float ffa[16], ffb[16];
+    for (int i = 0; i < 16; i++) ffa[i] = 1.0f + 7.0f * (float)i / 15.0f, ffb[i] = i < 8 ? 1.0f : 8.0f;
+    const cb_rope_t r0 = cb_hparams_rope(&hp);
+    CHECK(r0.type == CB_ROPE_NORM && r0.n_dims == hp.head_dim && r0.freq_scale == 1.0f && !r0.freq_factors);
+    cb_rope_t ropes[6] = {r0, r0, r0, r0, r0, r0};
+    ropes[1].type = CB_ROPE_NEOX;
+    ropes[2].freq_factors = ffa;
+    ropes[3].freq_scale = 0.5f;
+    ropes[4].type = CB_ROPE_NEOX, ropes[4].base = 1e6f, ropes[4].freq_scale = 0.5f, ropes[4].freq_factors = ffb;
+    ropes[5].freq_factors = ffa;   /* the cached copy of ffa again */
+    const char *rope_names[6] = {"rope norm", "rope neox", "rope freq_factors", "rope freq_scale 0.5",
+                                 "rope neox + factors + scale", "rope factors (cached)"};
+    for (int v = 0; v < 6; v++) {
+        memcpy(y1, x, sizeof(float) * N * QD);
+        memcpy(y2, x, sizeof(float) * N * QD);
+        cpu->ops->rope(cpu->ctx, y1, N, hp.n_head, pos, &ropes[v]);
+        gpu->ops->rope(gpu->ctx, y2, N, hp.n_head, pos, &ropes[v]);
+        CHECK_MSG(close_enough(rope_names[v], y2, y1, N * QD, NULL, 8e-3, 8e-3), "%s", rope_names[v]);
+    }
+    /* add_bias: f32 on both backends, so the same bits (a bias of Q: [n_head*head_dim]) */
+    float bias[QD];
+    for (int i = 0; i < QD; i++) bias[i] = frand(0.5f);
     memcpy(y1, x, sizeof(float) * N * QD);
     memcpy(y2, x, sizeof(float) * N * QD);
-    cpu->ops->rope(cpu->ctx, y1, N, hp.n_head, hp.head_dim, pos, hp.rope_base);
-    gpu->ops->rope(gpu->ctx, y2, N, hp.n_head, hp.head_dim, pos, hp.rope_base);
-    CHECK(close_enough("rope", y2, y1, N * QD, NULL, 8e-3, 8e-3));
+    cpu->ops->add_bias(cpu->ctx, y1, bias, N, QD);
+    CHECK(gpu->ops->add_bias != NULL);
+    gpu->ops->add_bias(gpu->ctx, y2, bias, N, QD);
+    CHECK(close_enough("add_bias", y2, y1, N * QD, NULL, 0.0, 0.0));
+    for (int i = 0; i < QD; i++) CHECK(y2[(N - 1) * QD + i] == x[(N - 1) * QD + i] + bias[i]);
     /* swiglu, add, embed */
     cpu->ops->swiglu(cpu->ctx, x, x + N * E / 2, N * E / 2, y1);
     gpu->ops->swiglu(gpu->ctx, x, x + N * E / 2, N * E / 2, y2);
@@ -1085,8 +1148,13 @@ TEST(test_backend_pool) {
     ok = ok && gpu->ops->kv_pool_init(gpu->ctx, KV_NL, KVD, BT, KV_NB, CB_KV_F16, err, sizeof err) == -1;
     ok = ok && gpu->ops->kv_write(gpu->ctx, 0, &f.ts, &bad_pos, 1, f.kw, f.vw) == -1;        /* outside the table */
     ok = ok && gpu->ops->kv_write(gpu->ctx, KV_NL, &f.ts, &bad_pos, 0, f.kw, f.vw) == -1;    /* no such layer */
-    ok = ok && gpu->ops->kv_load(gpu->ctx, 1, &f.tc, 10 * BT - 5, 6, f.kw, f.vw, CB_KV_F32, 1e4f) == -1;
-    ok = ok && gpu->ops->kv_load(gpu->ctx, 1, &f.tc, 0, 1, f.kw, f.vw, (cb_kv_dtype_t)7, 1e4f) == -1;
+    const cb_rope_t rope = cb_hparams_rope(&f.hp);
+    cb_rope_t rope_bad = rope;
+    rope_bad.n_dims = f.hp.head_dim / 2;   /* partial rotary: not taken */
+    ok = ok && gpu->ops->kv_load(gpu->ctx, 1, &f.tc, 10 * BT - 5, 6, f.kw, f.vw, CB_KV_F32, &rope) == -1;
+    ok = ok && gpu->ops->kv_load(gpu->ctx, 1, &f.tc, 0, 1, f.kw, f.vw, (cb_kv_dtype_t)7, &rope) == -1;
+    ok = ok && gpu->ops->kv_load(gpu->ctx, 1, &f.tc, 0, 1, f.kw, f.vw, CB_KV_F32, NULL) == -1;
+    ok = ok && gpu->ops->kv_load(gpu->ctx, 1, &f.tc, 0, 1, f.kw, f.vw, CB_KV_F32, &rope_bad) == -1;
     ok = ok && gpu->ops->kv_copy_block(gpu->ctx, KV_NB, 0) == -1 && !cb_backend_cuda_failed(gpu);
     if (!ok) goto out;
     /* kv_read: CPU exact, CUDA one bf16 rounding */
@@ -1101,10 +1169,19 @@ TEST(test_backend_pool) {
     }
     ok = ok && gpu->ops->kv_read(gpu->ctx, 0, &f.ts, 5, 7, NULL, v2) == 0;   /* one half only */
     if (!ok) goto out;
-    /* kv_load of pre-RoPE rows at positions 20..89 of layer 1, in each dtype; read back and compared */
+    /* kv_load of pre-RoPE rows at positions 20..89 of layer 1, in each dtype, rotated by the model's RoPE and
+     * by a NEOX one with linear scaling and frequency factors (qwen2-like pairing, Llama 3-like factors); read
+     * back and compared */
     enum { P0 = 20, NLD = 70 };
     const cb_kv_dtype_t dts[3] = {CB_KV_F32, CB_KV_F16, CB_KV_BF16};
-    for (int di = 0; di < 3 && ok; di++) {
+    float kv_ff[16];   /* [head_dim / 2] (be_hp: head_dim 32) */
+    for (int i = 0; i < 16; i++) kv_ff[i] = 1.0f + (float)(i % 5);
+    cb_rope_t kv_ropes[2] = {rope, rope};
+    kv_ropes[1].type = CB_ROPE_NEOX, kv_ropes[1].freq_scale = 0.5f, kv_ropes[1].freq_factors = kv_ff;
+    ok = ok && f.hp.head_dim == 32;
+    for (int case_i = 0; case_i < 2 * 3 && ok; case_i++) {
+        const int ri = case_i / 3, di = case_i % 3;   /* rope, dtype */
+        const cb_rope_t *rr = &kv_ropes[ri];
         const void *sk = f.kw, *sv = f.vw;
         if (dts[di] != CB_KV_F32) {
             for (int i = 0; i < NLD * KVD; i++) {
@@ -1113,14 +1190,18 @@ TEST(test_backend_pool) {
             }
             sk = h16, sv = h16 + NLD * KVD;
         }
-        ok = cpu->ops->kv_load(cpu->ctx, 1, &f.tc, P0, NLD, sk, sv, dts[di], f.hp.rope_base) == 0 &&
-             gpu->ops->kv_load(gpu->ctx, 1, &f.tc, P0, NLD, sk, sv, dts[di], f.hp.rope_base) == 0 &&
+        ok = cpu->ops->kv_load(cpu->ctx, 1, &f.tc, P0, NLD, sk, sv, dts[di], rr) == 0 &&
+             gpu->ops->kv_load(gpu->ctx, 1, &f.tc, P0, NLD, sk, sv, dts[di], rr) == 0 &&
              cpu->ops->kv_read(cpu->ctx, 1, &f.tc, P0, NLD, k1, v1) == 0 &&
              gpu->ops->kv_read(gpu->ctx, 1, &f.tc, P0, NLD, k2, v2) == 0;
-        for (int i = 0; i < NLD * KVD; i++) sc[i] = fabs(k1[i]) + fabs(k1[i ^ 1]);   /* the rotation pair */
+        const int hd = f.hp.head_dim, half = hd / 2;
+        for (int i = 0; i < NLD * KVD; i++) {   /* the rotation pair: adjacent (NORM) or half a head away (NEOX) */
+            const int partner = rr->type == CB_ROPE_NEOX ? i - i % hd + (i % hd + half) % hd : i ^ 1;
+            sc[i] = fabs(k1[i]) + fabs(k1[partner]);
+        }
         ok = ok && close_enough("kv_load K", k2, k1, NLD * KVD, sc, 8e-3, 1e-6) &&
              close_enough("kv_load V", v2, v1, NLD * KVD, NULL, 4e-3, 1e-7);
-        if (!ok) fprintf(stderr, "  kv_load of dtype %d\n", (int)dts[di]);
+        if (!ok) fprintf(stderr, "  kv_load of dtype %d, rope %s\n", (int)dts[di], ri ? "neox+scaled" : "model");
     }
     /* kv_copy_block: block 5 -> 12 (unused by both tables), every layer; the tables with 12 in 5's place
      * read the same rows, bit for bit on each backend */

@@ -697,7 +697,7 @@ TEST(test_repositioning) {
     for (int l = 0; l < L; l++) {
         memcpy(k, cb_kvmem_entry_k(ent, l), sizeof(float) * n * KVD);
         for (int i = 0; i < n; i++) pos[i] = g_np + i;
-        cb_engine_rope(g_eng, k, n, HKV, pos);
+        cb_engine_rope(g_eng, l, k, n, HKV, pos);
         CHECK(cb_engine_kv_read(g_eng, f.seq, l, g_np, n, ek, ev) == CB_ENGINE_OK);
         double d = max_diff(k, ek, n * KVD);
         if (d > worst) worst = d;
@@ -713,7 +713,7 @@ TEST(test_repositioning) {
     CHECK(cb_engine_prefill(g_eng, f.seq, g_chunks[0], n, 100, NULL) == CB_ENGINE_OK);
     memcpy(k, cb_kvmem_entry_k(ent, 0), sizeof(float) * n * KVD);
     for (int i = 0; i < n; i++) pos[i] = 100 + i;
-    cb_engine_rope(g_eng, k, n, HKV, pos);
+    cb_engine_rope(g_eng, 0, k, n, HKV, pos);
     CHECK(cb_engine_kv_read(g_eng, f.seq, 0, 100, n, ek, NULL) == CB_ENGINE_OK);
     double d = max_diff(k, ek, n * KVD);
     fprintf(stderr, "  layer 0: K at p rotated to q vs K computed at q: %.3g\n", d);
@@ -723,11 +723,11 @@ TEST(test_repositioning) {
     memcpy(k, cb_kvmem_entry_k(ent, L > 5 ? 5 : L - 1), sizeof(float) * n * KVD);
     memcpy(k2, k, sizeof(float) * n * KVD);
     for (int i = 0; i < n; i++) pos[i] = 37 + i;
-    cb_engine_rope(g_eng, k, n, HKV, pos);
+    cb_engine_rope(g_eng, L > 5 ? 5 : L - 1, k, n, HKV, pos);
     for (int i = 0; i < n; i++) pos[i] = 200;
-    cb_engine_rope(g_eng, k, n, HKV, pos);
+    cb_engine_rope(g_eng, L > 5 ? 5 : L - 1, k, n, HKV, pos);
     for (int i = 0; i < n; i++) pos[i] = 237 + i;
-    cb_engine_rope(g_eng, k2, n, HKV, pos);
+    cb_engine_rope(g_eng, L > 5 ? 5 : L - 1, k2, n, HKV, pos);
     d = max_diff(k, k2, n * KVD);
     fprintf(stderr, "  rotation composition: %.3g\n", d);
     CHECK(d < 1e-3);

@@ -101,20 +101,28 @@ TEST(test_swiglu) {
     }
 }
 
-/* RoPE rotates adjacent pairs (x[2i], x[2i+1]) by pos * base^(-2i/d): NORM, not NEOX pairing. */
+/* NORM RoPE rotates adjacent pairs (x[2i], x[2i+1]), NEOX the pairs (x[i], x[i + d/2]), both by
+ * pos * freq_scale * base^(-2i/d) / freq_factors[i]. */
 TEST(test_rope_pairing) {
     enum { HD = 64, NH = 2 };
     const float base = 100000.0f;
-    for (int i = 0; i < HD / 2; i++) {
-        float x[NH * HD] = {0};
-        x[HD + 2 * i] = 1.0f; /* head 1, first of pair i */
-        int32_t pos = 37;
-        cb_cpu_rope(x, 1, NH, HD, &pos, base);
-        double th = 37.0 * pow(base, -2.0 * i / HD);
-        CHECK_NEAR(x[HD + 2 * i], cos(th), 1e-6);
-        CHECK_NEAR(x[HD + 2 * i + 1], sin(th), 1e-6);
-        for (int j = 0; j < NH * HD; j++)
-            if (j != HD + 2 * i && j != HD + 2 * i + 1) CHECK(x[j] == 0.0f); /* NEOX would touch j + HD/2 */
+    float ff[HD / 2];
+    for (int i = 0; i < HD / 2; i++) ff[i] = 1.0f + (float)(i % 5);
+    for (int variant = 0; variant < 4; variant++) {
+        const bool neox = variant & 1, scaled = variant & 2;
+        const cb_rope_t r = {neox ? CB_ROPE_NEOX : CB_ROPE_NORM, HD, base, scaled ? 0.25f : 1.0f, scaled ? ff : NULL};
+        for (int i = 0; i < HD / 2; i++) {
+            float x[NH * HD] = {0};
+            const int a = HD + (neox ? i : 2 * i), b = HD + (neox ? i + HD / 2 : 2 * i + 1); /* head 1, pair i */
+            x[a] = 1.0f;
+            int32_t pos = 37;
+            cb_cpu_rope(x, 1, NH, &pos, &r);
+            double th = 37.0 * pow(base, -2.0 * i / HD) * (scaled ? 0.25 / ff[i] : 1.0);
+            CHECK_NEAR(x[a], cos(th), 1e-6);
+            CHECK_NEAR(x[b], sin(th), 1e-6);
+            for (int j = 0; j < NH * HD; j++)
+                if (j != a && j != b) CHECK(x[j] == 0.0f);
+        }
     }
 }
 
@@ -122,28 +130,36 @@ TEST(test_rope_pairing) {
 TEST(test_rope_composition) {
     enum { HD = 64, NH = 3, N = 6 };
     const float base = 100000.0f;
+    float ff[HD / 2];
+    for (int i = 0; i < HD / 2; i++) ff[i] = 1.0f + 0.25f * (float)i;
+    for (int variant = 0; variant < 3; variant++) {
+    /* the model's NORM rotation; NEOX; NEOX with frequency factors and linear scaling */
+    const cb_rope_t r = {variant ? CB_ROPE_NEOX : CB_ROPE_NORM, HD, base, variant == 2 ? 0.5f : 1.0f,
+                         variant == 2 ? ff : NULL};
     int32_t p[N] = {0, 5, 100, 4000, 8191, 12}, q[N] = {7, 5, 3, 8000, 1, 2000}, d[N];
     float a[N * NH * HD], b[N * NH * HD];
     fill(a, N * NH * HD, 1.0f);
     memcpy(b, a, sizeof a);
     for (int i = 0; i < N; i++) d[i] = q[i] - p[i];
-    cb_cpu_rope(a, N, NH, HD, q, base);
-    cb_cpu_rope(b, N, NH, HD, p, base);
-    cb_cpu_rope(b, N, NH, HD, d, base);
+    cb_cpu_rope(a, N, NH, q, &r);
+    cb_cpu_rope(b, N, NH, p, &r);
+    cb_cpu_rope(b, N, NH, d, &r);
     CHECK_MSG(maxdiff(a, b, N * NH * HD) < 2e-5, "max diff %g", maxdiff(a, b, N * NH * HD));
 
     cb_hparams_t hp = {.n_embd = NH * HD, .n_head = NH, .n_head_kv = NH, .head_dim = HD, .n_ff = 64,
-                       .rope_base = base};
+                       .rope_base = base, .rope_type = r.type, .rope_freq_scale = r.freq_scale,
+                       .rope_freqs = r.freq_factors};
     char err[128];
     cb_backend_t *be = cb_backend_cpu_new(&hp, 16, 9000, 2, err, sizeof err);
     CHECK_MSG(be, "%s", err);
     fill(a, N * NH * HD, 1.0f);
     memcpy(b, a, sizeof a);
-    be->ops->rope(be->ctx, a, N, NH, HD, p, base);
-    cb_cpu_rope(b, N, NH, HD, p, base);
+    be->ops->rope(be->ctx, a, N, NH, p, &r); /* the backend's table */
+    cb_cpu_rope(b, N, NH, p, &r);
     CHECK(memcmp(a, b, sizeof a) == 0);
     cb_backend_destroy(&be);
     CHECK(be == NULL);
+    }
 }
 
 /* Naive attention in double: row i, head h over keys [0, lim). */
@@ -667,8 +683,12 @@ static int load_fails_with(const tiny_opts_t *o, const char *needle) {
 
 TEST(test_loader_rejects) {
     tiny_opts_t o;
-    o = (tiny_opts_t){.arch = "qwen2"};
-    CHECK(load_fails_with(&o, "unsupported architecture 'qwen2'"));
+    o = (tiny_opts_t){.arch = "falcon"};
+    CHECK(load_fails_with(&o, "unsupported architecture 'falcon'"));
+    o = (tiny_opts_t){.arch = "qwen2"}; /* a qwen2 file without the biases the architecture has */
+    CHECK(load_fails_with(&o, "tensor blk.0.attn_q.bias is missing"));
+    o = (tiny_opts_t){.arch = "qwen3"};
+    CHECK(load_fails_with(&o, "tensor blk.0.attn_q_norm.weight is missing"));
     o = (tiny_opts_t){.drop_tensor = "blk.1.ffn_up.weight"};
     CHECK(load_fails_with(&o, "blk.1.ffn_up.weight is missing"));
     o = (tiny_opts_t){.bad_shape = "blk.0.attn_k.weight"};
@@ -842,8 +862,8 @@ static int engine_properties_dt(const cb_model_t *m, const int32_t *tok, int n, 
         cb_engine_embed(e4, tok, n, x);
         for (int l = 0; l < hp->n_layer; l++) {
             cb_engine_layer_qkv(e4, l, x, n, q, k, v);
-            cb_engine_rope(e4, q, n, hp->n_head, pos);
-            cb_engine_rope(e4, k, n, hp->n_head_kv, pos);
+            cb_engine_rope(e4, l, q, n, hp->n_head, pos);
+            cb_engine_rope(e4, l, k, n, hp->n_head_kv, pos);
             if (cb_engine_kv_write(e4, s4, l, pos, n, k, v) != CB_ENGINE_OK) rc = -1;
             cb_engine_layer_attn_mlp(e4, s4, l, x, q, n, lim);
         }
@@ -1218,7 +1238,7 @@ TEST(test_capture_and_load) {
     for (int l = 0; l < TINY_L; l++) {
         CHECK(cb_engine_kv_load(e, u, l, 0, N, ck[l], cv[l], CB_KV_F32) == CB_ENGINE_OK);
         CHECK(cb_engine_kv_read(e, s, l, 0, N, kr, vr) == CB_ENGINE_OK);
-        cb_engine_rope(e, ck[l], N, TINY_HKV, pos);
+        cb_engine_rope(e, l, ck[l], N, TINY_HKV, pos);
         if (cb_engine_kv_dtype(e) == CB_ENGINE_KV_F16) /* the pool holds the captured values rounded once */
             for (int i = 0; i < N * KVD; i++)
                 cv[l][i] = cb_f16_to_f32(cb_f32_to_f16(cv[l][i])), ck[l][i] = cb_f16_to_f32(cb_f32_to_f16(ck[l][i]));

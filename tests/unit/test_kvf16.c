@@ -293,9 +293,10 @@ TEST(test_f16_backend_rows) {
             }
             const int pos0 = variant ? 30 : 18; /* 30..39: past the table (and the positions' blocks wrap) */
             const cb_kv_table_t tl = {ROW_BLOCKS, NB * BT};
-            const float base = variant ? 5000.0f : hp->rope_base;
-            CHECK(b16->ops->kv_load(b16->ctx, 0, &tl, pos0, N, ks, vs, dts[di], base) == 0);
-            CHECK(b32->ops->kv_load(b32->ctx, 0, &tl, pos0, N, ks, vs, dts[di], base) == 0);
+            cb_rope_t rope = cb_hparams_rope(hp);
+            if (variant) rope.base = 5000.0f;
+            CHECK(b16->ops->kv_load(b16->ctx, 0, &tl, pos0, N, ks, vs, dts[di], &rope) == 0);
+            CHECK(b32->ops->kv_load(b32->ctx, 0, &tl, pos0, N, ks, vs, dts[di], &rope) == 0);
             CHECK(b16->ops->kv_read(b16->ctx, 0, &tl, pos0, N, kr, vr) == 0);
             CHECK(b32->ops->kv_read(b32->ctx, 0, &tl, pos0, N, k32, v32) == 0);
             for (int e = 0; e < N * kvd; e++) ok = ok && kr[e] == r16(k32[e]) && vr[e] == r16(v32[e]);
@@ -355,10 +356,11 @@ TEST(test_q8_0_backend_rows) {
         CHECK(b->ops->kv_pool_init(b->ctx, nl, kvd, BT, NB, pools[pi], err, sizeof err) == 0);
         for (int variant = 0; variant < 2; variant++) {
             const int pos0 = variant ? 30 : 18; /* 30..39: past the RoPE table */
-            const float base = variant ? 5000.0f : hp->rope_base;
-            CHECK(b->ops->kv_load(b->ctx, 0, &t, pos0, N, qk, qv, CB_KV_Q8_0, base) == 0);
+            cb_rope_t rope = cb_hparams_rope(hp);
+            if (variant) rope.base = 5000.0f;
+            CHECK(b->ops->kv_load(b->ctx, 0, &t, pos0, N, qk, qv, CB_KV_Q8_0, &rope) == 0);
             CHECK(b->ops->kv_read(b->ctx, 0, &t, pos0, N, kq, vq) == 0);
-            CHECK(b->ops->kv_load(b->ctx, 1, &t, pos0, N, kd, vd, CB_KV_F32, base) == 0);
+            CHECK(b->ops->kv_load(b->ctx, 1, &t, pos0, N, kd, vd, CB_KV_F32, &rope) == 0);
             CHECK(b->ops->kv_read(b->ctx, 1, &t, pos0, N, kf, vf) == 0);
             CHECK_MSG(!memcmp(kq, kf, sizeof(float) * nv) && !memcmp(vq, vf, sizeof(float) * nv),
                       "kv_load of Q8_0 rows (%s pool, variant %d) is not the load of their f32 decoding",
