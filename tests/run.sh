@@ -41,6 +41,13 @@ for t in build/tests/test_blend build/asan/tests/test_blend; do
   label="synth-$(basename "$t")"; [[ "$t" == build/asan/* ]] && label="synth-asan-$(basename "$t")"
   CB_TEST_SYNTH=1 run_unit "$t" "$label"
 done
+# and on the other architectures' synthetic layers (biases, NEOX RoPE, Q/K norms, rope_freqs), normal build only
+for arch in llama3 qwen2 qwen3; do
+  t=build/tests/test_blend
+  [ -x "$t" ] || continue
+  [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue
+  CB_TEST_SYNTH=1 CB_TEST_ARCH=$arch run_unit "$t" "synth-$arch-test_blend"
+done
 for t in tests/integration/*.sh; do
   [ -f "$t" ] || continue
   [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue

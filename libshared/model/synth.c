@@ -85,6 +85,16 @@ bool cb_synth_shape_check(const cb_synth_shape_t *s, cb_synth_dtype_t dtype, cha
     return true;
 }
 
+bool cb_synth_arch_parse(const char *name, cb_synth_arch_t *out) {
+    static const char *names[] = {"llama", "llama3", "qwen2", "qwen3"};
+    for (size_t i = 0; name && i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(name, names[i])) {
+            *out = (cb_synth_arch_t)i;
+            return true;
+        }
+    return false;
+}
+
 bool cb_synth_dtype_parse(const char *name, cb_synth_dtype_t *out) {
     if (!name) return false;
     if (!strcmp(name, "bf16")) *out = CB_SYNTH_BF16;
@@ -112,11 +122,21 @@ float cb_synth_u(uint64_t seed, uint32_t tensor_id, uint64_t i) {
 
 uint32_t cb_synth_tensor_id(int layer, cb_synth_kind_t kind) {
     if (kind <= CB_SYNTH_OUTPUT) return (uint32_t)kind;
+    if (kind == CB_SYNTH_ROPE_FREQS) return 3u;
+    if (kind >= CB_SYNTH_ATTN_Q_BIAS) return (1u << 24) + 16u * (uint32_t)layer + (uint32_t)(kind - CB_SYNTH_ATTN_Q_BIAS);
     return 16u + 16u * (uint32_t)layer + (uint32_t)kind;
 }
 
+/* Norm weights: 1 + 0.1u. */
 static bool syn_is_norm(cb_synth_kind_t k) {
-    return k == CB_SYNTH_OUTPUT_NORM || k == CB_SYNTH_ATTN_NORM || k == CB_SYNTH_FFN_NORM;
+    return k == CB_SYNTH_OUTPUT_NORM || k == CB_SYNTH_ATTN_NORM || k == CB_SYNTH_FFN_NORM || k == CB_SYNTH_ATTN_Q_NORM ||
+           k == CB_SYNTH_ATTN_K_NORM;
+}
+
+/* One-dimensional tensors (always stored F32). */
+static bool syn_is_vec(cb_synth_kind_t k) {
+    return syn_is_norm(k) || k == CB_SYNTH_ATTN_Q_BIAS || k == CB_SYNTH_ATTN_K_BIAS || k == CB_SYNTH_ATTN_V_BIAS ||
+           k == CB_SYNTH_ROPE_FREQS;
 }
 
 float cb_synth_scale(const cb_synth_shape_t *s, cb_synth_kind_t kind) {
@@ -140,6 +160,10 @@ void cb_synth_dims(const cb_synth_shape_t *s, cb_synth_kind_t kind, int *rows, i
     case CB_SYNTH_ATTN_K: case CB_SYNTH_ATTN_V: r = KVD; break;
     case CB_SYNTH_FFN_GATE: case CB_SYNTH_FFN_UP: r = F; break;
     case CB_SYNTH_FFN_DOWN: r = E, c = F; break;
+    case CB_SYNTH_ATTN_Q_BIAS: c = E; break;
+    case CB_SYNTH_ATTN_K_BIAS: case CB_SYNTH_ATTN_V_BIAS: c = KVD; break;
+    case CB_SYNTH_ATTN_Q_NORM: case CB_SYNTH_ATTN_K_NORM: c = hd; break;
+    case CB_SYNTH_ROPE_FREQS: c = hd / 2; break;
     default: break; /* norms: 1 x E */
     }
     *rows = r;
@@ -154,6 +178,14 @@ void cb_synth_fill(const cb_synth_shape_t *s, uint64_t seed, int layer, cb_synth
             float t = 0.1f * cb_synth_u(seed, id, first + j);
             out[j] = 1.0f + t;
         }
+        return;
+    }
+    if (kind == CB_SYNTH_ROPE_FREQS) {
+        for (size_t j = 0; j < n; j++) out[j] = 1.0f + 3.5f * (cb_synth_u(seed, id, first + j) + 1.0f);
+        return;
+    }
+    if (kind >= CB_SYNTH_ATTN_Q_BIAS && kind <= CB_SYNTH_ATTN_V_BIAS) {
+        for (size_t j = 0; j < n; j++) out[j] = 0.5f * cb_synth_u(seed, id, first + j);
         return;
     }
     const float sc = cb_synth_scale(s, kind);
@@ -368,7 +400,7 @@ typedef struct {
 } syn_tensor_t;
 
 static uint32_t syn_type(cb_synth_dtype_t dt, cb_synth_kind_t kind) {
-    if (syn_is_norm(kind) || dt == CB_SYNTH_F32) return 0;       /* F32 */
+    if (syn_is_vec(kind) || dt == CB_SYNTH_F32) return 0;        /* F32 */
     if (dt == CB_SYNTH_BF16) return 30;                          /* BF16 */
     return (kind == CB_SYNTH_TOKEN_EMBD || kind == CB_SYNTH_OUTPUT) ? 8 : 3;  /* Q8_0 : Q4_1 */
 }
@@ -390,15 +422,30 @@ static int syn_list(const cb_synth_shape_t *s, cb_synth_dtype_t dt, syn_tensor_t
     };
     int n = 0;
 #define ADD(nm, ly, kd) do { snprintf(t[n].name, sizeof t[n].name, "%s", nm); t[n].layer = ly; t[n].kind = kd; n++; } while (0)
+    static const struct { cb_synth_kind_t k; const char *n; } qwen2[] = {
+        {CB_SYNTH_ATTN_Q_BIAS, "attn_q.bias"}, {CB_SYNTH_ATTN_K_BIAS, "attn_k.bias"}, {CB_SYNTH_ATTN_V_BIAS, "attn_v.bias"},
+    }, qwen3[] = {
+        {CB_SYNTH_ATTN_Q_NORM, "attn_q_norm.weight"}, {CB_SYNTH_ATTN_K_NORM, "attn_k_norm.weight"},
+    };
     ADD("token_embd.weight", -1, CB_SYNTH_TOKEN_EMBD);
     ADD("output_norm.weight", -1, CB_SYNTH_OUTPUT_NORM);
     if (!s->tied) ADD("output.weight", -1, CB_SYNTH_OUTPUT);
-    for (int l = 0; l < s->n_layer; l++)
+    if (s->arch == CB_SYNTH_LLAMA3) ADD("rope_freqs.weight", -1, CB_SYNTH_ROPE_FREQS);
+    for (int l = 0; l < s->n_layer; l++) {
+        char nm[64];
         for (size_t k = 0; k < sizeof per_layer / sizeof per_layer[0]; k++) {
-            char nm[64];
             snprintf(nm, sizeof nm, "blk.%d.%s.weight", l, per_layer[k].n);
             ADD(nm, l, per_layer[k].k);
         }
+        for (size_t k = 0; s->arch == CB_SYNTH_QWEN2 && k < 3; k++) {
+            snprintf(nm, sizeof nm, "blk.%d.%s", l, qwen2[k].n);
+            ADD(nm, l, qwen2[k].k);
+        }
+        for (size_t k = 0; s->arch == CB_SYNTH_QWEN3 && k < 2; k++) {
+            snprintf(nm, sizeof nm, "blk.%d.%s", l, qwen3[k].n);
+            ADD(nm, l, qwen3[k].k);
+        }
+    }
 #undef ADD
     uint64_t off = 0;
     for (int i = 0; i < n; i++) {
@@ -460,7 +507,7 @@ static bool syn_write_data(syn_w_t *w, const cb_synth_shape_t *s, uint64_t seed,
 
 static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt, uint64_t seed, char *err,
                      size_t errlen) {
-    int max_t = 3 + 9 * s->n_layer;
+    int max_t = 4 + 12 * s->n_layer;
     syn_tensor_t *t = calloc((size_t)max_t, sizeof *t);
     if (!t) {
         cb_set_err(err, errlen, "synth: out of memory");
@@ -477,21 +524,24 @@ static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt,
     /* metadata (n_kv entries) */
     char name[64];
     snprintf(name, sizeof name, "synthetic-%s", s->name[0] ? s->name : "custom");
-    kv_str(w, "general.architecture", "llama");                                          /* 1 */
+    const char *A = s->arch == CB_SYNTH_QWEN2 ? "qwen2" : s->arch == CB_SYNTH_QWEN3 ? "qwen3" : "llama";
+    char kbuf[96];
+#define K(suffix) (snprintf(kbuf, sizeof kbuf, "%s." suffix, A), kbuf)
+    kv_str(w, "general.architecture", A);                                                  /* 1 */
     kv_str(w, "general.name", name);                                                     /* 2 */
     kv_u32(w, "general.alignment", SYN_ALIGN);                                           /* 3 */
     kv_u32(w, "general.file_type", dt == CB_SYNTH_F32 ? 0u : dt == CB_SYNTH_BF16 ? 32u : 3u); /* 4 */
     kv_u32(w, "general.quantization_version", 2);                                        /* 5 */
-    kv_u32(w, "llama.context_length", (uint32_t)s->n_ctx);                               /* 6 */
-    kv_u32(w, "llama.embedding_length", (uint32_t)s->n_embd);                            /* 7 */
-    kv_u32(w, "llama.block_count", (uint32_t)s->n_layer);                                /* 8 */
-    kv_u32(w, "llama.feed_forward_length", (uint32_t)s->n_ff);                           /* 9 */
-    kv_u32(w, "llama.attention.head_count", (uint32_t)s->n_head);                        /* 10 */
-    kv_u32(w, "llama.attention.head_count_kv", (uint32_t)s->n_head_kv);                  /* 11 */
-    kv_f32(w, "llama.attention.layer_norm_rms_epsilon", s->rms_eps);                     /* 12 */
-    kv_f32(w, "llama.rope.freq_base", s->rope_base);                                     /* 13 */
-    kv_u32(w, "llama.rope.dimension_count", (uint32_t)hd);                               /* 14 */
-    kv_u32(w, "llama.vocab_size", (uint32_t)s->n_vocab);                                 /* 15 */
+    kv_u32(w, K("context_length"), (uint32_t)s->n_ctx);                               /* 6 */
+    kv_u32(w, K("embedding_length"), (uint32_t)s->n_embd);                            /* 7 */
+    kv_u32(w, K("block_count"), (uint32_t)s->n_layer);                                /* 8 */
+    kv_u32(w, K("feed_forward_length"), (uint32_t)s->n_ff);                           /* 9 */
+    kv_u32(w, K("attention.head_count"), (uint32_t)s->n_head);                        /* 10 */
+    kv_u32(w, K("attention.head_count_kv"), (uint32_t)s->n_head_kv);                  /* 11 */
+    kv_f32(w, K("attention.layer_norm_rms_epsilon"), s->rms_eps);                     /* 12 */
+    kv_f32(w, K("rope.freq_base"), s->rope_base);                                     /* 13 */
+    kv_u32(w, K("rope.dimension_count"), (uint32_t)hd);                               /* 14 */
+    kv_u32(w, K("vocab_size"), (uint32_t)s->n_vocab);                                 /* 15 */
     kv_str(w, "tokenizer.ggml.model", "gpt2");                                           /* 16 */
     kv_str(w, "tokenizer.ggml.pre", "smollm");                                           /* 17 */
     syn_write_vocab(w, s);                                                               /* 18, 19, 20 */
@@ -501,10 +551,11 @@ static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt,
     kv_bool(w, "tokenizer.ggml.add_bos_token", false);                                   /* 24 */
     kv_str(w, "tokenizer.chat_template", SYN_TEMPLATE);                                  /* 25 */
     /* (n_kv counts the entries above: keep it in sync when adding keys) */
+#undef K
     /* tensor infos */
     for (int i = 0; i < nt; i++) {
         w_str(w, t[i].name, strlen(t[i].name));
-        bool mat = !syn_is_norm(t[i].kind);
+        bool mat = !syn_is_vec(t[i].kind);
         w_u32(w, mat ? 2 : 1);
         w_u64(w, (uint64_t)t[i].cols);
         if (mat) w_u64(w, (uint64_t)t[i].rows);

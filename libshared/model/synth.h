@@ -1,4 +1,5 @@
-/* synth: deterministic synthetic llama models, written as GGUF v3 (to a file or to memory).
+/* synth: deterministic synthetic models of every architecture the engine runs (model/arch.h), written as
+ * GGUF v3 (to a file or to memory).
  *
  * Weights come from a counter-based generator: element i of tensor t under seed s is
  *     u(s, t, i) in [-1, 1)     (a 64-bit mix of (s, t, i); the top 24 bits, exact in f32)
@@ -32,8 +33,17 @@
 
 typedef enum { CB_SYNTH_BF16 = 0, CB_SYNTH_Q4_1 = 1, CB_SYNTH_F32 = 2 } cb_synth_dtype_t;
 
+/* Architectures: the GGUF's general.architecture and the tensors it adds to the llama block. */
+typedef enum {
+    CB_SYNTH_LLAMA = 0,      /* "llama" */
+    CB_SYNTH_LLAMA3,         /* "llama" with rope_freqs.weight (Llama 3.1's frequency factors) */
+    CB_SYNTH_QWEN2,          /* "qwen2": biases of Q, K and V */
+    CB_SYNTH_QWEN3           /* "qwen3": RMSNorm weights of the Q and K heads */
+} cb_synth_arch_t;
+
 typedef struct {
     char name[32];           /* shape name, written to general.name as "synthetic-<name>" */
+    cb_synth_arch_t arch;    /* default (0) llama */
     int n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, n_ctx;
     float rope_base, rms_eps;
     bool tied;               /* no output.weight: the LM head is token_embd (SmolLM2) */
@@ -43,8 +53,14 @@ typedef struct {
 typedef enum {
     CB_SYNTH_TOKEN_EMBD = 0, CB_SYNTH_OUTPUT_NORM, CB_SYNTH_OUTPUT,
     CB_SYNTH_ATTN_NORM, CB_SYNTH_ATTN_Q, CB_SYNTH_ATTN_K, CB_SYNTH_ATTN_V, CB_SYNTH_ATTN_OUTPUT,
-    CB_SYNTH_FFN_NORM, CB_SYNTH_FFN_GATE, CB_SYNTH_FFN_UP, CB_SYNTH_FFN_DOWN
+    CB_SYNTH_FFN_NORM, CB_SYNTH_FFN_GATE, CB_SYNTH_FFN_UP, CB_SYNTH_FFN_DOWN,
+    CB_SYNTH_ATTN_Q_BIAS, CB_SYNTH_ATTN_K_BIAS, CB_SYNTH_ATTN_V_BIAS,   /* qwen2: 0.5u */
+    CB_SYNTH_ATTN_Q_NORM, CB_SYNTH_ATTN_K_NORM,                        /* qwen3: [head_dim], 1 + 0.1u */
+    CB_SYNTH_ROPE_FREQS                                                /* llama3, global: [head_dim/2], 1 + 3.5(u+1) */
 } cb_synth_kind_t;
+
+/* "llama" | "llama3" | "qwen2" | "qwen3" -> *out; false for anything else. */
+bool cb_synth_arch_parse(const char *name, cb_synth_arch_t *out);
 
 /* Named shapes: "smollm2-135m" (30 x 576, 9/3 heads, ffn 1536, vocab 49152, tied, base 1e5),
  * "llama3-8b" (32 x 4096, 32/8 heads, ffn 14336, vocab 128256, base 5e5), "mistral-7b" (32 x 4096,
@@ -53,8 +69,9 @@ bool cb_synth_shape_named(const char *name, cb_synth_shape_t *out);
 /* Checks a shape for dtype (divisibility, ranges). False with a message in err. */
 bool cb_synth_shape_check(const cb_synth_shape_t *s, cb_synth_dtype_t dtype, char *err, size_t errlen);
 
-/* The generator's tensor id of (layer, kind): 0..2 for the global tensors, 16 + 16*layer + kind for
- * per-layer ones. */
+/* The generator's tensor id of (layer, kind): 0..2 for the global tensors (3 for rope_freqs), 16 + 16*layer +
+ * kind for the llama block's, 2^24 + 16*layer + (kind - ATTN_Q_BIAS) for the other architectures' (so the llama
+ * tensors of every architecture have the same values). */
 uint32_t cb_synth_tensor_id(int layer, cb_synth_kind_t kind);
 /* The matrix scale of a kind (0 for norm kinds, whose values are 1 + 0.1u). */
 float cb_synth_scale(const cb_synth_shape_t *s, cb_synth_kind_t kind);
@@ -64,7 +81,7 @@ float cb_synth_u(uint64_t seed, uint32_t tensor_id, uint64_t i);
  * row-major [rows = out][cols = in] as GGUF stores it. */
 void cb_synth_fill(const cb_synth_shape_t *s, uint64_t seed, int layer, cb_synth_kind_t kind, uint64_t first,
                    size_t n, float *out);
-/* Rows and columns of a tensor kind (norms: 1 x n_embd). */
+/* Rows and columns of a tensor kind (vectors: 1 x their length). */
 void cb_synth_dims(const cb_synth_shape_t *s, cb_synth_kind_t kind, int *rows, int *cols);
 
 /* Writes a GGUF v3 file (via a temporary name, then rename). Returns 0, or -1 with a message. */

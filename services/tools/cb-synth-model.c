@@ -1,6 +1,8 @@
-/* cb-synth-model: writes a llama-architecture GGUF v3 with deterministic random weights (libshared/synth).
+/* cb-synth-model: writes a GGUF v3 with deterministic random weights (libshared/synth) of one of the engine's
+ * architectures (--arch llama|llama3|qwen2|qwen3, default llama; llama3 adds rope_freqs, qwen2 Q/K/V biases
+ * and NEOX RoPE, qwen3 per-head Q/K norms and NEOX RoPE).
  *
- *   cb-synth-model --shape smollm2-135m|llama3-8b|mistral-7b [--dtype bf16|q4_1|f32] [--seed S] --out FILE
+ *   cb-synth-model --shape smollm2-135m|llama3-8b|mistral-7b [--arch A] [--dtype bf16|q4_1|f32] [--seed S] --out FILE
  *   cb-synth-model --layers N --dim D --heads H --kv-heads K --ffn F --vocab V [--ctx C] [--rope-base B]
  *                  [--tied] [--dtype ...] [--seed S] --out FILE
  * Options given after --shape override that shape's fields. Defaults: dtype bf16, seed 1, ctx 4096,
@@ -16,7 +18,8 @@
 
 static int usage(void) {
     fprintf(stderr,
-            "usage: cb-synth-model --shape smollm2-135m|llama3-8b|mistral-7b [--dtype bf16|q4_1|f32] [--seed S] --out FILE\n"
+            "usage: cb-synth-model --shape smollm2-135m|llama3-8b|mistral-7b [--arch llama|llama3|qwen2|qwen3]\n"
+            "                      [--dtype bf16|q4_1|f32] [--seed S] --out FILE\n"
             "       cb-synth-model --layers N --dim D --heads H --kv-heads K --ffn F --vocab V [--ctx C]\n"
             "                      [--rope-base B] [--tied] [--dtype ...] [--seed S] --out FILE\n");
     return 2;
@@ -54,6 +57,11 @@ int main(int argc, char **argv) {
                 return usage();
             }
             have_shape = true;
+        } else if (!strcmp(a, "--arch")) {
+            if (!cb_synth_arch_parse(v, &s.arch)) {
+                fprintf(stderr, "cb-synth-model: unknown arch '%s'\n", v);
+                return usage();
+            }
         } else if (!strcmp(a, "--dtype")) {
             if (!cb_synth_dtype_parse(v, &dtype)) {
                 fprintf(stderr, "cb-synth-model: unknown dtype '%s'\n", v);
