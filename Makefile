@@ -64,7 +64,7 @@ endif
 # How each program gets the CUDA backend (default CUDA_DL).
 CUDA_LINK_cb-bench-gpu = $(CUDA_STATIC)
 
-.PHONY: all test test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve bench-redis cuda fuzz clean model eval check-layers
+.PHONY: all test test-models test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve bench-redis cuda fuzz clean model eval check-layers
 all: build/lib/libshared.a $(CUDA_LIB) $(CUDA_SO) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
@@ -149,6 +149,12 @@ check-layers:
 .PHONY: test-compose
 test-compose:
 	@CB_TEST_COMPOSE=1 tests/integration/test_compose_run.sh; rc=$$?; [ $$rc -eq 77 ] || exit $$rc
+
+# The real models against llama.cpp (scripts/compare-llamacpp: mean KL <= 0.01 and top-1 agreement >= 97 % over
+# 2,048 tokens), each model that scripts/fetch-model.sh has fetched into models/; needs llama-cpp-python.
+# Not part of `make test` (minutes per model on two cores); a model that is absent is skipped.
+test-models: all model
+	@tests/run-models.sh
 
 test-gpu: all gpu-tests
 	@tests/run-gpu.sh

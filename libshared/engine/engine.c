@@ -664,9 +664,10 @@ void cb_engine_logits(cb_engine_t *self, const float *x_row, float *logits) {
 /* ---------------------------------------------------------------- prefill / decode */
 
 /* One ubatch of n <= max_rows rows at positions pos0.. (validated, blocks reserved and owned); capture:
- * the rows' pre-RoPE K and V of each layer into cap_k[l], cap_v[l] + row0 (NULL: none). */
+ * the rows' pre-RoPE K and V of each layer into cap_k[l], cap_v[l] + row0 (NULL: none). logits: the last row's
+ * [n_vocab], or with all every row's [n][n_vocab]. */
 static int forward_ubatch(cb_engine_t *e, cb_seq_t *s, const int32_t *tokens, int n, int pos0, float *const *cap_k,
-                          float *const *cap_v, int row0, float *logits) {
+                          float *const *cap_v, int row0, float *logits, bool all) {
     const cb_hparams_t *hp = e->hp;
     for (int i = 0; i < n; i++) {
         e->pos[i] = pos0 + i;
@@ -686,12 +687,15 @@ static int forward_ubatch(cb_engine_t *e, cb_seq_t *s, const int32_t *tokens, in
         if (l == hp->n_layer - 1 && !logits) break; /* the last layer's output feeds only the logits */
         cb_engine_layer_attn_mlp(e, s, l, e->x, e->q, n, e->limit);
     }
-    if (logits) cb_engine_logits(e, e->x + (size_t)(n - 1) * e->E, logits);
+    if (logits && all)
+        for (int i = 0; i < n; i++) cb_engine_logits(e, e->x + (size_t)i * e->E, logits + (size_t)i * hp->n_vocab);
+    else if (logits)
+        cb_engine_logits(e, e->x + (size_t)(n - 1) * e->E, logits);
     return CB_ENGINE_OK;
 }
 
-int cb_engine_prefill_capture(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0,
-                              float *const *cap_k, float *const *cap_v, float *logits) {
+static int prefill(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0, float *const *cap_k,
+                   float *const *cap_v, float *logits, bool all) {
     if (!self || !seq || seq->e != self || !tokens || n < 1 || pos0 < 0 || pos0 > self->max_ctx - n ||
         (!cap_k) != (!cap_v))
         return CB_ENGINE_EINVAL;
@@ -701,10 +705,22 @@ int cb_engine_prefill_capture(cb_engine_t *self, cb_seq_t *seq, const int32_t *t
     if (rc) return rc;
     for (int i = 0; i < n; i += self->max_rows) {
         int k = n - i < self->max_rows ? n - i : self->max_rows;
-        rc = forward_ubatch(self, seq, tokens + i, k, pos0 + i, cap_k, cap_v, i, i + k == n ? logits : NULL);
+        float *lg = all ? logits + (size_t)i * self->hp->n_vocab : i + k == n ? logits : NULL;
+        rc = forward_ubatch(self, seq, tokens + i, k, pos0 + i, cap_k, cap_v, i, lg, all);
         if (rc) return rc;
     }
     return CB_ENGINE_OK;
+}
+
+int cb_engine_prefill_capture(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0,
+                              float *const *cap_k, float *const *cap_v, float *logits) {
+    return prefill(self, seq, tokens, n, pos0, cap_k, cap_v, logits, false);
+}
+
+int cb_engine_prefill_all(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0,
+                          float *logits_all) {
+    if (!logits_all) return CB_ENGINE_EINVAL;
+    return prefill(self, seq, tokens, n, pos0, NULL, NULL, logits_all, true);
 }
 
 int cb_engine_prefill(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0, float *logits) {

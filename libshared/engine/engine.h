@@ -185,6 +185,11 @@ int cb_engine_prefill(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, i
  * n_layer host pointers) each [n][n_head_kv*head_dim] f32 (chunk precompute). */
 int cb_engine_prefill_capture(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0,
                               float *const *cap_k, float *const *cap_v, float *logits);
+/* The same as cb_engine_prefill, with every row's logits: logits_all [n][n_vocab], row i the logits after
+ * tokens[i] (each row's LM head as cb_engine_logits computes the last row's: scoring a text, comparing with
+ * another engine position by position). */
+int cb_engine_prefill_all(cb_engine_t *self, cb_seq_t *seq, const int32_t *tokens, int n, int pos0,
+                          float *logits_all);
 /* One token at pos; logits [n_vocab] (may be NULL). Same as prefill with n = 1. */
 int cb_engine_decode(cb_engine_t *self, cb_seq_t *seq, int32_t token, int pos, float *logits);
 /* One decode step of n sequences at once (1..max_rows, all distinct): token tokens[i] at position pos[i] of
