@@ -28,6 +28,8 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "kv/kvmem.h"
+#include "kv/kvstore.h"
 #include "engine/sampler.h"
 #include "model/model.h"
 #include "model/synth.h"
@@ -168,7 +170,67 @@ TEST(test_arch_llamacpp) {
     CHECK(n_lines > 0);
 }
 
+/* Two models' chunks never mix: a llama and a qwen2 synthetic model of the same shape and seed (the same
+ * llama tensors, the same vocabulary) share one kv_dir and one memory tier; each computes the chunk once and
+ * then finds its own copy, under its own key (the model fingerprint is part of every chunk key). */
+TEST(test_models_never_mix) {
+    char dir[64], err[256] = "";
+    snprintf(dir, sizeof dir, "/tmp/test_arch_kv.XXXXXX");
+    CHECK(mkdtemp(dir));
+    cb_kvmem_t *mem = cb_kvmem_new(16 << 20);
+    cb_model_t *m[2] = {NULL, NULL};
+    cb_engine_t *e[2] = {NULL, NULL};
+    cb_kvstore_t *st[2] = {NULL, NULL};
+    for (int i = 0; i < 2; i++) {
+        cb_synth_shape_t s;
+        memset(&s, 0, sizeof s);
+        snprintf(s.name, sizeof s.name, "mix");
+        s.arch = i ? CB_SYNTH_QWEN2 : CB_SYNTH_LLAMA;
+        s.n_layer = 2, s.n_embd = 64, s.n_head = 2, s.n_head_kv = 1, s.n_ff = 96, s.n_vocab = 300, s.n_ctx = 256;
+        s.rope_base = 10000.0f, s.rms_eps = 1e-5f;
+        char path[96];
+        snprintf(path, sizeof path, "%s/m%d.gguf", dir, i);
+        CHECK_MSG(cb_synth_write(path, &s, CB_SYNTH_F32, 5, err, sizeof err) == 0, "%s", err);
+        m[i] = cb_model_load(path, err, sizeof err);
+        unlink(path);
+        CHECK_MSG(m[i], "%s", err);
+        e[i] = cb_engine_new(m[i], 256, err, sizeof err);
+        CHECK_MSG(e[i], "%s", err);
+        st[i] = cb_kvstore_new(e[i], dir, mem, CB_KV_F16, err, sizeof err);
+        CHECK_MSG(st[i], "%s", err);
+    }
+    const int32_t ctx[3] = {1, 40, 41}, chunk[6] = {100, 101, 102, 103, 104, 105};
+    uint8_t k0[32], k1[32];
+    cb_kvstore_src_t src;
+    for (int i = 0; i < 2; i++) { /* each model computes it: the other's file and entry are not its own */
+        CHECK(cb_kvstore_set_context(st[i], ctx, 3, err, sizeof err) == 0);
+        CHECK(cb_kvstore_ensure(st[i], ctx, 3, chunk, 6, &src, NULL, err, sizeof err) == 0);
+        CHECK_MSG(src == CB_KVSTORE_COMPUTED, "model %d found the chunk in %s", i, cb_kvstore_src_str(src));
+    }
+    for (int i = 0; i < 2; i++) { /* then each finds its own */
+        CHECK(cb_kvstore_ensure(st[i], ctx, 3, chunk, 6, &src, NULL, err, sizeof err) == 0);
+        CHECK(src != CB_KVSTORE_COMPUTED);
+    }
+    cb_kvstore_chunk_key(st[0], ctx, 3, chunk, 6, k0);
+    cb_kvstore_chunk_key(st[1], ctx, 3, chunk, 6, k1);
+    CHECK(memcmp(k0, k1, 32) != 0);
+    for (int i = 0; i < 2; i++) {
+        char path[512];
+        CHECK(cb_kvstore_path(st[i], i ? k1 : k0, path, sizeof path) == 0);
+        CHECK(access(path, F_OK) == 0);
+        unlink(path);
+        cb_kvstore_destroy(&st[i]);
+        cb_engine_destroy(&e[i]);
+        cb_model_destroy(&m[i]);
+    }
+    cb_kvmem_destroy(&mem);
+    char cmd[96];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir); /* the files' fan-out folders */
+    CHECK(system(cmd) == 0);
+}
+
 int main(void) {
     RUN(test_arch_llamacpp);
+    RUN(test_models_never_mix);
     return test_summary();
 }
