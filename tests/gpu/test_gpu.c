@@ -1547,10 +1547,11 @@ static int xb_open(xb_side_t *x, const cb_model_t *m, cb_backend_kind_t kind, ch
     return 0;
 }
 
-static cb_model_t *xb_model(char *err, size_t errlen) {
+static cb_model_t *xb_model(cb_synth_arch_t arch, char *err, size_t errlen) {
     cb_synth_shape_t s;
     memset(&s, 0, sizeof s);
     snprintf(s.name, sizeof s.name, "test-gpu-blend");
+    s.arch = arch;
     s.n_layer = 6, s.n_embd = 384, s.n_head = 6, s.n_head_kv = 2, s.n_ff = 1024, s.n_vocab = 4096;
     s.n_ctx = 2048, s.rope_base = 10000.0f, s.rms_eps = 1e-5f, s.tied = true;
     char path[128];
@@ -1572,9 +1573,12 @@ static int overlap(const int32_t *a, int na, const int32_t *b, int nb) {
     return n;
 }
 
-TEST(test_blend_backends) {
+/* Every blend mode on the CPU and on CUDA over one synthetic model of architecture arch. */
+static void blend_backends(cb_synth_arch_t arch) {
     char err[256] = "";
-    cb_model_t *m = xb_model(err, sizeof err);
+    static const char *arch_names[] = {"llama", "llama3", "qwen2", "qwen3"};
+    fprintf(stderr, "  %s:\n", arch_names[arch]);
+    cb_model_t *m = xb_model(arch, err, sizeof err);
     CHECK_MSG(m != NULL, "model: %s", err);
     xb_side_t cpu, gpu;
     memset(&gpu, 0, sizeof gpu);
@@ -1680,6 +1684,12 @@ TEST(test_blend_backends) {
     xb_close(&cpu);
     cb_model_destroy(&m);
     CHECK(!failed);
+}
+
+/* ... for every architecture the engine runs (biases, NEOX RoPE, Q/K norms, rope_freqs on the GPU). */
+TEST(test_blend_backends) {
+    const cb_synth_arch_t archs[] = {CB_SYNTH_LLAMA, CB_SYNTH_LLAMA3, CB_SYNTH_QWEN2, CB_SYNTH_QWEN3};
+    for (size_t i = 0; i < sizeof archs / sizeof archs[0] && !test_failed_; i++) blend_backends(archs[i]);
 }
 
 /* Decode captured as a graph replays exactly what the direct calls compute. */
