@@ -1,25 +1,47 @@
-/* tokenizer: GPT-2 byte-level BPE as llama.cpp runs it for the SmolLM2 GGUF (pre-tokenizer "smollm").
+/* tokenizer: the GGUF vocabularies llama.cpp tokenizes, token for token, for the model families we serve.
  *
- * Built once from a GGUF's tokenizer.ggml.* metadata (REFERENCE.md §5, §9, §10); after that the object
- * is immutable and every function here may be called from any number of threads at once.
+ * Built once from a GGUF's tokenizer.ggml.* metadata (REFERENCE.md §5, §9, §10, §17); after that the
+ * object is immutable and every function here may be called from any number of threads at once.
+ *
+ * Supported (anything else is refused at construction with a message naming the key and its value):
+ *   tokenizer.ggml.model "gpt2" (byte-level BPE) with tokenizer.ggml.pre
+ *     "smollm"     SmolLM/SmolLM2: every \p{N} split off, then the GPT-2 pattern
+ *                  's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+ *     "qwen2"      Qwen2/2.5: (?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+
+ *                  |\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ *     "llama-bpe"  Llama 3 (also "llama3", "llama-v3"): as qwen2 but digits in runs of up to three,
+ *                  \p{N}{1,3}, and a word that is itself a vocabulary token is emitted without merging
+ *                  (llama.cpp's ignore_merges);
+ *   tokenizer.ggml.model "llama" (SentencePiece-style: Mistral, Gemma 3, Llama 2): spaces become U+2581,
+ *     a space is put before a fragment's text when tokenizer.ggml.add_space_prefix is true (llama.cpp's
+ *     default for this model: true; Gemma 3's GGUFs say false), the whole fragment is merged by token
+ *     score (highest first, leftmost on ties) and a character left without a token falls back to its
+ *     <0xNN> byte tokens.
  *
  * Encoding, as llama.cpp's llama_tokenize(add_special = false) does it:
- *   1. special tokens are cut out of the raw bytes first: control and unknown tokens only when
- *      parse_special is true, user-defined tokens always (llama.cpp's rule; this vocabulary has none).
- *      Untrusted text must be encoded with parse_special = false so it can never produce <|im_start|>;
- *   2. each remaining piece is decoded as UTF-8 leniently, as llama.cpp does: every byte that does not
- *      start a well-formed sequence becomes U+FFFD, so invalid input never fails (it is lossy there);
- *   3. pre-tokenization with PCRE2: every \p{N} code point is split off, then the GPT-2 pattern
- *      's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+ runs on each piece;
- *   4. each word's bytes go through GPT-2's byte-to-unicode table and are merged by merge rank.
- * Bytes whose byte-level symbol is missing from the vocabulary (here 0x04, 0x06, 0x13, 0x14, 0x16, 0x1D,
- * 0xC0, 0xC1, 0xF1, 0xF2, 0xF5..0xFF) are dropped when no merge covers them, exactly as llama.cpp drops them.
+ *   1. special tokens are cut out of the raw bytes first (longest first, leftmost): control and unknown
+ *      tokens only when parse_special is true, user-defined tokens always (llama.cpp's rule: Qwen's
+ *      <tool_call>, Gemma's "\n", "  " and HTML tags are user-defined). Untrusted text must be encoded with
+ *      parse_special = false so it can never produce a control token (<|im_start|>, <start_of_turn>, BOS,
+ *      EOS, ...); where llama.cpp's SentencePiece merging would build a control token out of plain text
+ *      this tokenizer does not (the one deliberate difference, see tokenizer.c);
+ *   2. BPE: each remaining fragment is decoded as UTF-8 leniently, as llama.cpp does (a byte that does not
+ *      start a well-formed sequence becomes U+FFFD, lossy there), split by the pre-tokenizer's pattern
+ *      (PCRE2), mapped through GPT-2's byte-to-unicode table and merged by merge rank; a byte whose symbol
+ *      is missing from the vocabulary is dropped, as llama.cpp drops it (SmolLM2: 0x04, 0x06, 0x13, ...);
+ *      SentencePiece: the fragment's raw bytes are merged as above; invalid UTF-8 ends up as byte tokens.
+ * "Fragment" matters for SentencePiece with a space prefix: every call of the encoder starts a fragment,
+ * so encode("a") + encode("b") is "▁a▁b", not encode("ab"); prompts built from pieces (chat.h, RAG) are
+ * defined as such concatenations.
  *
- * Decoding reverses the byte-level map, so decode(encode(x)) == x for valid UTF-8 x that avoids those
- * bytes and contains no special-token text (or was encoded with parse_special = false).
+ * Decoding reverses the byte-level map (BPE) or U+2581 and <0xNN> (SentencePiece), so decode(encode(x)) ==
+ * x for valid UTF-8 x encoded with parse_special = false, except: the BPE bytes the vocabulary lacks; and,
+ * with a space prefix, the one space each fragment gained (cb_tokenizer_decode drops the first token's
+ * leading space, as llama_detokenize does, so a single encode round-trips; user-defined tokens split a
+ * text into several fragments).
  *
- * Ownership: cb_tokenizer_new_from_gguf copies everything it needs; the cb_gguf_t may be destroyed
- * afterwards. Returned const pointers live as long as the tokenizer.
+ * Ownership: the constructors copy everything they need; the cb_gguf_t may be destroyed afterwards.
+ * Returned const pointers live as long as the tokenizer.
  */
 #ifndef CB_TOKENIZER_H
 #define CB_TOKENIZER_H
@@ -43,10 +65,18 @@ typedef enum {
 #define CB_TOKENIZER_EINVAL   INT_MIN        /* NULL tokenizer/text, or text longer than INT_MAX/4 bytes */
 #define CB_TOKENIZER_EINTERNAL (INT_MIN + 1) /* regex engine failure or out of memory */
 
-/* Builds the tokenizer from tokenizer.ggml.{model,pre,tokens,token_type,merges,*_token_id}.
- * Requires model "gpt2" and pre "smollm"; anything else is refused with a message in err.
- * Returns NULL on failure. */
+/* Builds the tokenizer from tokenizer.ggml.{model,pre,tokens,token_type,merges,scores,add_space_prefix,
+ * add_bos_token,*_token_id} and remembers the chat template recognised in tokenizer.chat_template
+ * (chat.h). An absent or unrecognised template does NOT fail construction (a tool that only tokenizes
+ * needs the vocabulary alone); the chat encoders then fail, and cb_tokenizer_chat_template_name() is NULL
+ * with the reason in cb_tokenizer_chat_template_error(). Returns NULL (message in err) on an unsupported
+ * model/pre-tokenizer or malformed metadata. */
 cb_tokenizer_t *cb_tokenizer_new_from_gguf(const cb_gguf_t *g, char *err, size_t errlen);
+/* Same; chat_template names the chat template to use instead of detecting it from the GGUF ("smollm2",
+ * "chatml", "qwen2.5", "llama3", "mistral", "gemma", "completion"; chat.h), NULL or "" = detect. An
+ * unknown name fails construction. */
+cb_tokenizer_t *cb_tokenizer_new_from_gguf_opts(const cb_gguf_t *g, const char *chat_template, char *err,
+                                                size_t errlen);
 void cb_tokenizer_destroy(cb_tokenizer_t **self_p);
 
 /* Encodes text[0..len) (any bytes; no NUL terminator needed) into out[max_out].
@@ -68,7 +98,8 @@ const char *cb_tokenizer_token_bytes(const cb_tokenizer_t *self, int32_t id, boo
 
 /* Decodes ids[n] into out (snprintf semantics): writes at most cap-1 bytes plus a NUL when cap > 0 and
  * returns the full decoded length (so a result >= cap means truncated). Returns -1 for an invalid id
- * or NULL arguments. The text may contain NUL bytes; use the returned length. */
+ * or NULL arguments. The text may contain NUL bytes; use the returned length. With a SentencePiece space
+ * prefix, the first token's leading space is dropped (llama_detokenize's rule). */
 int64_t cb_tokenizer_decode(const cb_tokenizer_t *self, const int32_t *ids, size_t n, bool special,
                             char *out, size_t cap);
 /* Same into a new NUL-terminated buffer the caller frees; *len (may be NULL) gets the length. */
@@ -76,9 +107,18 @@ char *cb_tokenizer_decode_alloc(const cb_tokenizer_t *self, const int32_t *ids, 
                                 size_t *len);
 
 int cb_tokenizer_n_vocab(const cb_tokenizer_t *self);
-/* The vocabulary text of a token as stored in the GGUF (byte-level alphabet, e.g. "Ġthe"). */
+/* The vocabulary text of a token as stored in the GGUF (byte-level alphabet, e.g. "Ġthe", or
+ * SentencePiece's, e.g. "▁the"). */
 const char *cb_tokenizer_token_text(const cb_tokenizer_t *self, int32_t id, size_t *len);
+/* The type stored in tokenizer.ggml.token_type (NORMAL when the GGUF has none). */
 cb_token_type_t cb_tokenizer_token_type(const cb_tokenizer_t *self, int32_t id);
+/* True when id is cut out of text as a whole token when parse_special is true: control, unknown and
+ * user-defined tokens, and tokens llama.cpp promotes to control because of their text (<|im_end|>,
+ * <end_of_turn>, FIM markers, ...). */
+bool cb_tokenizer_is_special(const cb_tokenizer_t *self, int32_t id);
+/* True when untrusted text (parse_special = false) can never produce id: the special tokens above minus
+ * the user-defined ones. */
+bool cb_tokenizer_is_control(const cb_tokenizer_t *self, int32_t id);
 /* Id of the token whose vocabulary text is exactly text[0..len); -1 if none. */
 int32_t cb_tokenizer_find(const cb_tokenizer_t *self, const char *text, size_t len);
 
@@ -88,9 +128,28 @@ int32_t cb_tokenizer_bos(const cb_tokenizer_t *self);
 int32_t cb_tokenizer_eos(const cb_tokenizer_t *self);
 int32_t cb_tokenizer_eot(const cb_tokenizer_t *self);
 int32_t cb_tokenizer_pad(const cb_tokenizer_t *self);
-/* tokenizer.ggml.add_bos_token (false when absent, as llama.cpp defaults for BPE). */
+/* Whether a prompt starts with BOS for this vocabulary: tokenizer.ggml.add_bos_token, else llama.cpp's
+ * default (true for SentencePiece and llama-bpe, false for the other BPE pre-tokenizers). */
 bool cb_tokenizer_add_bos(const cb_tokenizer_t *self);
-/* End of generation, as llama_vocab_is_eog: eos, eot, and control tokens whose text llama.cpp lists as
- * EOG (<|im_end|>, <|endoftext|>, FIM repo/pad/separator, ...). For SmolLM2-Instruct: ids 0, 2 and 4. */
+/* End of generation, as llama_vocab_is_eog: eos, eot, eom, the FIM pad/repo/separator tokens and every
+ * token whose text llama.cpp lists as EOG (<|im_end|>, <|endoftext|>, <|eot_id|>, <end_of_turn>, </s>,
+ * ...), whatever its type. For SmolLM2-Instruct: ids 0, 2 and 4. */
 bool cb_tokenizer_is_eog(const cb_tokenizer_t *self, int32_t id);
+/* The end-of-generation ids in increasing order into out[max_out]; returns how many there are (may be
+ * more than max_out: then only max_out were written). */
+int cb_tokenizer_eog_ids(const cb_tokenizer_t *self, int32_t *out, int max_out);
+
+/* "gpt2" or "llama" (tokenizer.ggml.model), and the pre-tokenizer: "smollm", "qwen2", "llama-bpe"
+ * (for all its aliases), or "default" for SentencePiece. */
+const char *cb_tokenizer_model_name(const cb_tokenizer_t *self);
+const char *cb_tokenizer_pre_name(const cb_tokenizer_t *self);
+/* SentencePiece: whether each fragment gets a leading space (false for BPE). */
+bool cb_tokenizer_add_space_prefix(const cb_tokenizer_t *self);
+
+/* The chat template this tokenizer renders (chat.h names), or NULL when none was recognised or named;
+ * then cb_tokenizer_chat_template_error() says why (a one-line message, "" otherwise). */
+const char *cb_tokenizer_chat_template_name(const cb_tokenizer_t *self);
+const char *cb_tokenizer_chat_template_error(const cb_tokenizer_t *self);
+/* The template as a cb_chat_kind_t (chat.h) value, 0 when none; for chat.c. */
+int cb_tokenizer_chat_template(const cb_tokenizer_t *self);
 #endif

@@ -34,18 +34,24 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
     cb_ragprompt_t *r = calloc(1, sizeof *r);
     if (!r) goto oom;
     r->tok = tok;
-    int nc = cb_chat_encode_prefix(tok, system, NULL, 0);
-    if (nc >= 0 || nc == CB_TOKENIZER_EINVAL || nc == CB_TOKENIZER_EINTERNAL) {
-        cb_set_err(err, errlen, "ragprompt: cannot encode the chat prefix (a vocabulary without ChatML markers?)");
+    char why[256];
+    if (!cb_chat_check(tok, why, sizeof why)) {
+        cb_set_err(err, errlen, "ragprompt: %s", why);
         cb_ragprompt_destroy(&r);
         return NULL;
     }
-    nc = -nc;
+    int nc = cb_chat_encode_prefix(tok, system, NULL, 0);
+    if (nc == CB_TOKENIZER_EINVAL || nc == CB_TOKENIZER_EINTERNAL) {
+        cb_set_err(err, errlen, "ragprompt: cannot encode the chat prefix");
+        cb_ragprompt_destroy(&r);
+        return NULL;
+    }
+    nc = nc < 0 ? -nc : 0;
     const char *qp = cb_qa_prefix();
     int nq = 0;
     int32_t *q = encode_text(tok, qp, strlen(qp), &nq);
     if (!q) goto oom;
-    r->prefix = malloc(((size_t)nc + (size_t)nq) * sizeof(int32_t));
+    r->prefix = malloc(((size_t)nc + (size_t)nq + 1) * sizeof(int32_t));
     if (!r->prefix) {
         free(q);
         goto oom;
@@ -60,13 +66,13 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
     free(q);
     r->n_prefix = nc + nq;
     int nt = cb_chat_encode_suffix(tok, NULL, 0);
-    if (nt >= 0 || nt == CB_TOKENIZER_EINVAL || nt == CB_TOKENIZER_EINTERNAL) {
+    if (nt == CB_TOKENIZER_EINVAL || nt == CB_TOKENIZER_EINTERNAL) {
         cb_set_err(err, errlen, "ragprompt: cannot encode the chat suffix");
         cb_ragprompt_destroy(&r);
         return NULL;
     }
-    nt = -nt;
-    r->tail = malloc((size_t)nt * sizeof(int32_t));
+    nt = nt < 0 ? -nt : 0; /* 0: a template without a suffix ("completion") */
+    r->tail = malloc(((size_t)nt + 1) * sizeof(int32_t));
     if (!r->tail) goto oom;
     if (cb_chat_encode_suffix(tok, r->tail, nt) != nt) {
         cb_set_err(err, errlen, "ragprompt: cannot encode the chat suffix");

@@ -1,14 +1,15 @@
 /* ragprompt: the one place that builds the RAG prompt's token arrays (the MuSiQue-style prompt of the
- * CacheBlend anchors, qa.h, in SmolLM2's chat template, chat.h). cb-precompute, cb-blend, cb-rag and the
+ * CacheBlend anchors, qa.h, in the tokenizer's chat template, chat.h). cb-precompute, cb-blend, cb-rag and the
  * evaluation all use it, so that a chunk precomputed at ingest has exactly the tokens (hence the key) that
  * a query uses.
  *
  * The prompt is the concatenation of independently tokenized pieces (REFERENCE.md §10):
- *   prefix P = cb_chat_encode_prefix(system)            "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
+ *   prefix P = cb_chat_encode_prefix(system)            e.g. ChatML "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
  *            + encode(cb_qa_prefix())                    "You will be asked a question ... \nPassages:\n"
  *   chunk  C = encode(text + "\n\n")                     one per passage / context / chunk text
  *   suffix S = encode(cb_qa_suffix(question))            "\n\nAnswer the question directly ... \nQuestion:{q}\nAnswer:"
- *            + cb_chat_encode_suffix()                   "<|im_end|>\n<|im_start|>assistant\n"
+ *            + cb_chat_encode_suffix()                   e.g. ChatML "<|im_end|>\n<|im_start|>assistant\n" (empty for
+ *                                                        the "completion" template, whose prompt ends at "Answer:")
  * All text is encoded with special-token parsing OFF (documents and questions cannot forge control tokens).
  * P is the precompute context: a chunk's KV is computed after P (blend.h). For a MuSiQue passage the chunk
  * text is cb_ragprompt_passage(title, text) = "{title}\n\n{text}", so C = encode(cb_qa_chunk_text(title, text))
@@ -29,7 +30,8 @@
 typedef struct cb_ragprompt cb_ragprompt_t;
 
 /* The prompt pieces for tok and a system prompt (NULL or "" = the chat template's default line).
- * NULL + err on failure (tokenizer without chat markers, out of memory). Caller owns (cb_ragprompt_destroy). */
+ * NULL + err on failure (the tokenizer has no usable chat template: err says why, see cb_chat_check; out
+ * of memory). Caller owns (cb_ragprompt_destroy). */
 cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, char *err, size_t errlen);
 void cb_ragprompt_destroy(cb_ragprompt_t **self_p);
 
