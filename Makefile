@@ -135,6 +135,7 @@ build/asan/obj/%.o: ALL_CFLAGS := $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS))
 
 model:
 	@scripts/fetch-model.sh
+	@scripts/fetch-model.sh --vocab-only all
 
 test: all $(TESTS) $(ASAN_TESTS) model
 	@tests/run.sh
