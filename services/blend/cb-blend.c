@@ -592,7 +592,7 @@ int main(int argc, char **argv) {
     static blendsvc_t b;
     static gen_args_t ga;
     int rc = 1;
-    const char *mode, *metric, *model, *sys, *backend, *kv_dtype_s = "f16";
+    const char *mode, *metric, *model, *sys, *backend, *kv_dtype_s = "f16", *chat_tmpl = "";
     int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch, fault_delay, resident;
     bool store;
     if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
@@ -634,6 +634,7 @@ int main(int argc, char **argv) {
         !cb_config_bool(cfg, SECTION, "store_misses", true, &store, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "system_prompt", "", &sys, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
+        !cb_config_str(cfg, "engine", "chat_template", "", &chat_tmpl, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "retriever_timeout_ms", 1, 3600000, 5000, &rt, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "cacheindex_timeout_ms", 1, 3600000, 2000, &ct, err, sizeof err) ||
         !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", ga.kv_dir, sizeof ga.kv_dir, err, sizeof err) ||
@@ -676,6 +677,7 @@ int main(int argc, char **argv) {
     }
     ga.cfg = cfg;
     snprintf(ga.model_path, sizeof ga.model_path, "%s", model);
+    snprintf(ga.chat_template, sizeof ga.chat_template, "%s", chat_tmpl);
     b.model_path = model;
     snprintf(ga.system_prompt, sizeof ga.system_prompt, "%s", sys);
     ga.ctx_size = (int)ctx;

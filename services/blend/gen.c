@@ -225,7 +225,7 @@ static int start_notifier(gen_t *g, char *err, size_t errlen) {
 static int gen_init(gen_t *g, char *err, size_t errlen) {
     const gen_args_t *a = g->a;
     if (!(g->model = cb_model_load(a->model_path, err, errlen))) return -1;
-    if (!(g->tok = cb_tokenizer_new_from_gguf(cb_model_gguf(g->model), err, errlen))) return -1;
+    if (!(g->tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(g->model), a->chat_template, err, errlen))) return -1;
     if (!(g->rp = cb_ragprompt_new(g->tok, a->system_prompt, err, errlen))) return -1;
     g->prefix = cb_ragprompt_prefix(g->rp, &g->n_prefix);
     const cb_hparams_t *hp = cb_model_hparams(g->model);

@@ -116,6 +116,7 @@ typedef struct {
 typedef struct {
     const cb_config_t *cfg;      /* borrowed; read-only lookups */
     char model_path[4096];
+    char chat_template[32];    /* engine.chat_template: a template name, or "" = the GGUF's */
     char kv_dir[4096];           /* must exist */
     cb_kv_dtype_t kv_dtype;      /* payload of the KV files it writes for misses (kv_dtype) */
     char system_prompt[2048];

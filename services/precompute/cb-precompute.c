@@ -539,7 +539,7 @@ int main(int argc, char **argv) {
     wa.stats = &wst;
     int rc = 1;
     int64_t chunk_tokens, threads, rt, ct, vt, fault_delay, lease_ms, max_leases, max_lease_text;
-    const char *model, *sys, *backend, *pull_ep = NULL, *pull_bind = NULL, *kv_dtype_s = "f16", *worker_name = "";
+    const char *model, *sys, *backend, *chat_tmpl = "", *pull_ep = NULL, *pull_bind = NULL, *kv_dtype_s = "f16", *worker_name = "";
     wa.cfg = cfg;
     if (!cb_config_int(cfg, SECTION, "chunk_tokens", 16, 8192, 512, &chunk_tokens, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_doc_bytes", 1, (int64_t)1 << 30, 4 << 20, &p.max_doc_bytes, err, sizeof err) ||
@@ -554,6 +554,7 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "stuck_ms", 100, 86400000, 120000, &p.stuck_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "fault_chunk_delay_ms", 0, 3600000, 0, &fault_delay, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
+        !cb_config_str(cfg, "engine", "chat_template", "", &chat_tmpl, err, sizeof err) ||
         !cb_config_str(cfg, "blend", "system_prompt", "", &sys, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
         !cb_config_endpoint(cfg, SECTION, "pull_endpoint", NULL, &pull_ep, err, sizeof err) ||
@@ -601,6 +602,7 @@ int main(int argc, char **argv) {
     va.cfg = cfg;
     va.timeout_ms = (int)vt;
     snprintf(wa.model_path, sizeof wa.model_path, "%s", model);
+    snprintf(wa.chat_template, sizeof wa.chat_template, "%s", chat_tmpl);
     snprintf(wa.system_prompt, sizeof wa.system_prompt, "%s", sys);
     cb_config_log(cfg, SECTION);
     wa.local_lease_ms = p.stuck_ms; /* a local turn that long is stuck: its job may go to a remote worker */

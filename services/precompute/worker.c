@@ -244,7 +244,7 @@ static void free_item(void **item) {
 static int worker_init(worker_t *w, char *err, size_t errlen) {
     const pc_worker_args_t *a = w->a;
     if (!(w->model = cb_model_load(a->model_path, err, errlen))) return -1;
-    if (!(w->tok = cb_tokenizer_new_from_gguf(cb_model_gguf(w->model), err, errlen))) return -1;
+    if (!(w->tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(w->model), a->chat_template, err, errlen))) return -1;
     if (!(w->rp = cb_ragprompt_new(w->tok, a->system_prompt, err, errlen))) return -1;
     w->prefix = cb_ragprompt_prefix(w->rp, &w->n_prefix);
     const cb_hparams_t *hp = cb_model_hparams(w->model);

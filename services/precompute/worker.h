@@ -91,6 +91,7 @@ typedef struct {
 typedef struct {
     const cb_config_t *cfg;      /* borrowed (read-only lookups are thread-safe); outlives the actor */
     char model_path[4096];
+    char chat_template[32];    /* engine.chat_template: a template name, or "" = the GGUF's */
     char kv_dir[4096];           /* must exist */
     cb_kv_dtype_t kv_dtype;      /* the KV files' payload (kv_dtype: f16, bf16, f32 or q8_0) */
     cb_engine_kv_dtype_t engine_kv_dtype; /* the engine's KV pool (engine.kv_dtype: f16 or f32) */

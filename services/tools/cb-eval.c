@@ -1,6 +1,6 @@
 /* cb-eval: quality and speed of the four reuse modes (full, prefix, reuse, blend) on MuSiQue (docs/eval.md).
  *
- *   cb-eval [--model PATH] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R|auto] [--metric k|v|a]
+ *   cb-eval [--model PATH] [--chat-template NAME] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R|auto] [--metric k|v|a]
  *           [--check-layer L] [--gradual R1:L] [--lead N] [--probe-layers N] [--probe-suffix N] [--no-overlap]
  *           [--kv-dir DIR] [--kv-dtype f16|f32|bf16] [--mem-mb N] [--out DIR] [--threads N] [--max-new N]
  *           [--ref RESULTS.jsonl]
@@ -34,7 +34,8 @@
  * --ref takes the full-prefill answers, first tokens and TTFTs of an earlier run's results.jsonl instead of
  * running full again (when full is not among the modes): a "full" row is then filled from that file, and
  * agree_f1 / first_token_match / ttft_ratio are against it (TTFTs of two runs: a rougher ratio).
- * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf.
+ * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf. Chat template: the GGUF's (recognised), or
+ * --chat-template NAME (smollm2, chatml, qwen2.5, llama3, mistral, gemma, completion).
  * Exit: 0 ok, 1 runtime error, 2 bad arguments.
  */
 #include <errno.h>
@@ -80,7 +81,7 @@ typedef struct {
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-eval: %s\n", why);
     fprintf(stderr,
-            "usage: cb-eval [--model PATH] --data FILE.jsonl [options]\n"
+            "usage: cb-eval [--model PATH] [--chat-template NAME] --data FILE.jsonl [options]\n"
             "  --limit N          first N examples (after --skip; default all)\n"
             "  --skip N           skip the first N examples\n"
             "  --modes LIST       comma list (default full,prefix,reuse,blend); a token may carry overrides,\n"
@@ -470,6 +471,7 @@ static int summarize(const char *out, const cb_blend_opts_t *base, const char *o
 int main(int argc, char **argv) {
     cb_log_set_component("cb-eval");
     const char *model_path = getenv("CB_MODEL");
+    const char *chat_tmpl = NULL; /* --chat-template NAME; NULL = the GGUF's */
     if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     const char *data = NULL, *modes_arg = "full,prefix,reuse,blend", *kv_dir = "var/kv", *out = "results/eval";
     long limit = -1, skip = 0, threads = 0, mem_mb = 0, max_new = 32;
@@ -494,6 +496,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else if (!v) return usage("missing value after an option");
         else if (!strcmp(a, "--model")) model_path = v;
+        else if (!strcmp(a, "--chat-template")) chat_tmpl = v;
         else if (!strcmp(a, "--data")) data = v;
         else if (!strcmp(a, "--limit")) { if (!parse_long(v, 0, INT_MAX, &limit)) return usage("bad --limit"); }
         else if (!strcmp(a, "--skip")) { if (!parse_long(v, 0, INT_MAX, &skip)) return usage("bad --skip"); }
@@ -648,7 +651,7 @@ int main(int argc, char **argv) {
         goto done;
     }
     const cb_hparams_t *hp = cb_model_hparams(model);
-    if (!(tok = cb_tokenizer_new_from_gguf(cb_model_gguf(model), err, sizeof err))) {
+    if (!(tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(model), chat_tmpl, err, sizeof err))) {
         fprintf(stderr, "cb-eval: tokenizer: %s\n", err);
         goto done;
     }

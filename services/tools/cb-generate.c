@@ -1,6 +1,6 @@
 /* cb-generate: one prompt in, a completion out, on the CPU engine (model + engine + sampler).
  *
- *   cb-generate [--model PATH] (--prompt TEXT | --ids "ID ID ...") [--chat] [--system TEXT] [-n N]
+ *   cb-generate [--model PATH] [--chat-template NAME] (--prompt TEXT | --ids "ID ID ...") [--chat] [--system TEXT] [-n N]
  *               [--temp T] [--top-p P] [--top-k K] [--seed S] [--threads N] [--ctx N] [--json]
  *               [--dump-logits K]
  *
@@ -15,7 +15,8 @@
  * --dump-logits K (debugging / golden tests) prints the K largest logits of the last prompt position
  * as "id logit" lines on stdout before the completion (in --json: "top_logits": [[id, logit], ...]).
  * The prompt and its completion are one engine sequence (engine.h) in the default KV pool.
- * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf.
+ * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf. Chat template: the GGUF's (recognised), or
+ * --chat-template NAME (smollm2, chatml, qwen2.5, llama3, mistral, gemma, completion).
  * Exit: 0 ok, 1 runtime error (model, prompt too long), 2 bad arguments (usage on stderr).
  */
 #include <errno.h>
@@ -41,7 +42,7 @@
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-generate: %s\n", why);
     fprintf(stderr,
-            "usage: cb-generate [--model PATH] (--prompt TEXT | --ids \"ID ID ...\") [options]\n"
+            "usage: cb-generate [--model PATH] [--chat-template NAME] (--prompt TEXT | --ids \"ID ID ...\") [options]\n"
             "  --chat            wrap the prompt as a ChatML user turn (SmolLM2 template)\n"
             "  --system TEXT     system prompt for --chat (default: the model's default line)\n"
             "  -n N              maximum new tokens (default 128)\n"
@@ -108,6 +109,7 @@ static void top_logits(const float *l, int n, int k, top_t *top) {
 int main(int argc, char **argv) {
     cb_log_set_component("cb-generate");
     const char *model_path = getenv("CB_MODEL");
+    const char *chat_tmpl = NULL; /* --chat-template NAME; NULL = the GGUF's */
     if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     const char *prompt = NULL, *ids_arg = NULL, *system = NULL;
     bool chat = false, json = false;
@@ -122,6 +124,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else if (!v) return usage("missing value after an option");
         else if (!strcmp(a, "--model")) model_path = v;
+        else if (!strcmp(a, "--chat-template")) chat_tmpl = v;
         else if (!strcmp(a, "--prompt")) prompt = v;
         else if (!strcmp(a, "--ids")) ids_arg = v;
         else if (!strcmp(a, "--system")) system = v;
@@ -163,7 +166,7 @@ int main(int argc, char **argv) {
         goto done;
     }
     const cb_hparams_t *hp = cb_model_hparams(model);
-    tok = cb_tokenizer_new_from_gguf(cb_model_gguf(model), err, sizeof err);
+    tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(model), chat_tmpl, err, sizeof err);
     if (!tok && prompt) {
         fprintf(stderr, "cb-generate: tokenizer: %s\n", err);
         goto done;

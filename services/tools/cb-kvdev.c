@@ -1,7 +1,7 @@
 /* cb-kvdev: where the reused KV deviates, and which rows each selection metric recomputes. The
  * diagnostic behind the choice of blend's default metric (docs/eval.md, "Why metric a").
  *
- *   cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--lead N] [--kv-dir DIR]
+ *   cb-kvdev [--model PATH] [--chat-template NAME] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--lead N] [--kv-dir DIR]
  *
  * For each MuSiQue example (prompt as cb-eval and cb-blend build it, ragprompt.h): a full prefill gives
  * the exact K/V of every row and layer (read back from its engine sequence, cb_engine_kv_read); each
@@ -36,7 +36,7 @@ static const char METRICS[] = "va";
 
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-kvdev: %s\n", why);
-    fprintf(stderr, "usage: cb-kvdev [--model PATH] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--lead N] [--kv-dir DIR]\n");
+    fprintf(stderr, "usage: cb-kvdev [--model PATH] [--chat-template NAME] --data FILE.jsonl [--skip N] [--limit N] [--ratio R] [--lead N] [--kv-dir DIR]\n");
     return 2;
 }
 
@@ -57,6 +57,7 @@ static int cmp_desc(const void *a, const void *b) {
 int main(int argc, char **argv) {
     cb_log_set_component("cb-kvdev");
     const char *model_path = getenv("CB_MODEL"), *data = NULL, *kv_dir = "var/kv";
+    const char *chat_tmpl = NULL; /* --chat-template NAME; NULL = the GGUF's */
     if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     long skip = 0, limit = 5, lead = CB_BLEND_DEFAULT_LEAD;
     float ratio = CB_BLEND_DEFAULT_RATIO;
@@ -65,6 +66,7 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         if (!v) return usage("missing value");
         if (!strcmp(a, "--model")) model_path = v;
+        else if (!strcmp(a, "--chat-template")) chat_tmpl = v;
         else if (!strcmp(a, "--data")) data = v;
         else if (!strcmp(a, "--kv-dir")) kv_dir = v;
         else if (!strcmp(a, "--skip")) {
@@ -100,7 +102,7 @@ int main(int argc, char **argv) {
     int n_done = 0;
 
     if (!(set = cb_qa_set_load(data, err, sizeof err)) || !(model = cb_model_load(model_path, err, sizeof err)) ||
-        !(tok = cb_tokenizer_new_from_gguf(cb_model_gguf(model), err, sizeof err))) {
+        !(tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(model), chat_tmpl, err, sizeof err))) {
         fprintf(stderr, "cb-kvdev: %s\n", err);
         goto done;
     }

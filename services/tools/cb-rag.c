@@ -82,7 +82,7 @@ int main(int argc, char **argv) {
     }
     if (!question || !*question) return usage("no QUESTION");
 
-    const char *mode_s, *metric, *model_path, *sys;
+    const char *mode_s, *metric, *model_path, *sys, *chat_tmpl = "";
     double ratio = CB_BLEND_DEFAULT_RATIO, temp, top_p, freq_pen, pres_pen, auto_t, auto_f, auto_c, auto_k, sparse;
     const char *ratio_raw = cb_config_raw(cfg, "blend", "ratio", NULL, NULL); /* a number, or "auto" */
     bool ratio_auto = ratio_raw && !strcmp(ratio_raw, "auto");
@@ -111,7 +111,8 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, "blend", "kv_pool_bytes", 0, INT64_MAX, 0, &pool_bytes, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "threads", 1, 1024, 2, &threads, err, sizeof err) ||
         !cb_config_str(cfg, "blend", "system_prompt", "", &sys, err, sizeof err) ||
-        !cb_config_str(cfg, "blend", "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model_path, err, sizeof err)) {
+        !cb_config_str(cfg, "blend", "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model_path, err, sizeof err) ||
+        !cb_config_str(cfg, "engine", "chat_template", "", &chat_tmpl, err, sizeof err)) {
         fprintf(stderr, "cb-rag: %s\n", err);
         cb_config_destroy(&cfg);
         return 2;
@@ -135,7 +136,7 @@ int main(int argc, char **argv) {
     char *text = NULL;
     json_t *ttfts = json_array(), *prefills = json_array();
     if (!(model = cb_model_load(model_path, err, sizeof err)) ||
-        !(tok = cb_tokenizer_new_from_gguf(cb_model_gguf(model), err, sizeof err)) ||
+        !(tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(model), chat_tmpl, err, sizeof err)) ||
         !(rp = cb_ragprompt_new(tok, sys, err, sizeof err))) {
         fprintf(stderr, "cb-rag: %s\n", err);
         goto out;
