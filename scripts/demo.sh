@@ -8,16 +8,29 @@
 #      first question once more with --frequency-penalty (its greedy blend answer repeats itself), and over
 #      HTTP through cb-gateway (the OpenAI chat-completions API)
 #   5. scripts/stack.sh stop (also on failure or Ctrl-C)
+# MODEL=NAME (make demo MODEL=qwen2.5-coder-1.5b) serves another model that scripts/fetch-model.sh knows;
+# its KV files and state then live in var/demo-NAME.
 # The services use the usual endpoints (config/cacheblend.cfg or CB_* overrides); if a stack already answers
 # there, the demo refuses to start a second one.
 set -eu
 cd "$(dirname "$0")/.."
-export CB_DATA_DIR=${CB_DATA_DIR:-var/demo}
+MODEL=${MODEL:-}
+if [ -n "$MODEL" ]; then
+  export CB_DATA_DIR=${CB_DATA_DIR:-var/demo-$MODEL}
+else
+  export CB_DATA_DIR=${CB_DATA_DIR:-var/demo}
+fi
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 say "1/5 packages, model, build"
 scripts/bootstrap.sh
-scripts/fetch-model.sh
+if [ -n "$MODEL" ]; then
+  scripts/fetch-model.sh "$MODEL"
+  CB_COMMON_MODEL=$(scripts/fetch-model.sh --path "$MODEL"); export CB_COMMON_MODEL
+  echo "model: $CB_COMMON_MODEL"
+else
+  scripts/fetch-model.sh
+fi
 make -j"$(nproc)" >/dev/null
 echo "build/bin: $(ls build/bin | tr '\n' ' ')"
 

@@ -26,6 +26,7 @@
 #                              tokenizer Mistral 7B uses too), both taken from the llama-cpp-python==0.3.36
 #                              source package on PyPI (76 MB; vendor/llama.cpp/models/)
 #   scripts/fetch-model.sh --vocab-only all         the six vocabularies above
+#   scripts/fetch-model.sh --path NAME              prints where NAME's model file goes (fetches nothing)
 #
 # Every output is checked against a sha256 recorded here (whole models: the model file's; vocabularies:
 # the metadata file's, which is a deterministic function of the first part's bytes) and only then moved
@@ -232,10 +233,11 @@ vocab() { # NAME
 }
 
 # ---------------------------------------------------------------------------------------------------
-vocab_only=0 name=
+vocab_only=0 name= path_only=0
 while [ $# -gt 0 ]; do
   case $1 in
     --vocab-only) vocab_only=1 ;;
+    --path) path_only=1 ;;
     -h|--help) usage 0 ;;
     -*) say "unknown option $1"; usage 2 ;;
     *) [ -z "$name" ] || usage 2; name=$1 ;;
@@ -243,6 +245,15 @@ while [ $# -gt 0 ]; do
   shift
 done
 name=${name:-smollm2}
+if [ $path_only = 1 ]; then
+  case $name in
+    smollm2|smollm2-135m) echo "${CB_MODEL:-models/$SMOL_FILE}" ;;
+    qwen2.5-coder-1.5b) echo "$QWEN_DEST" ;;
+    gemma3-270m) echo "models/$GEMMA_FILE" ;;
+    *) say "unknown model '$name' (smollm2, qwen2.5-coder-1.5b, gemma3-270m)"; exit 2 ;;
+  esac
+  exit 0
+fi
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/fetch-model.XXXXXX"); trap 'rm -rf "$tmp"' EXIT
 if [ $vocab_only = 1 ]; then
