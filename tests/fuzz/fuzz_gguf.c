@@ -1,12 +1,33 @@
-/* fuzz_gguf: libFuzzer target for the GGUF reader. Opens the input with cb_gguf_open_mem and walks
- * every metadata value (all getters, every string-array element) and every tensor, touching the first
- * and last byte of each tensor's data so an out-of-bounds pointer shows up under ASan.
- * Seeds: tests/fuzz/corpus_gguf/ (small valid files). */
+/* fuzz_gguf: libFuzzer target for the GGUF reader and the model loader. Opens the input with
+ * cb_gguf_open_mem and walks every metadata value (all getters, every string-array element) and every
+ * tensor, touching the first and last byte of each tensor's data so an out-of-bounds pointer shows up under
+ * ASan; then loads the same bytes as a model (an in-memory file, /proc/self/fd), which runs the
+ * architecture table, the hyperparameter, RoPE-scaling and window keys and every tensor check
+ * (model/model.c, model/arch.h) on hostile metadata.
+ * Seeds: tests/fuzz/corpus_gguf/ (small valid files of every synthetic architecture). */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "format/gguf.h"
+#include "model/model.h"
+
+/* cb_model_load over the input's bytes, through an anonymous in-memory file. */
+static void load_as_model(const uint8_t *data, size_t size) {
+    int fd = memfd_create("fuzz_gguf", 0);
+    if (fd < 0) return;
+    if (write(fd, data, size) == (ssize_t)size) {
+        char path[64], err[256];
+        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+        cb_model_t *m = cb_model_load(path, err, sizeof err);
+        if (!m && !memchr(err, 0, sizeof err)) __builtin_trap(); /* the message must be a terminated string */
+        cb_model_destroy(&m);
+    }
+    close(fd);
+}
 
 static volatile uint64_t sink;
 
@@ -57,5 +78,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         sink += cb_gguf_tensor_offset(g, i);
     }
     cb_gguf_destroy(&g);
+    load_as_model(data, size);
     return 0;
 }

@@ -242,11 +242,16 @@ static int gen_gguf(void) {
         int L, E, H, HKV, F, V;
         cb_synth_dtype_t dt;
         bool tied;
+        cb_synth_arch_t arch;
     } shapes[] = {
-        {"synth_f32_tiny.seed", 1, 8, 2, 1, 16, 300, CB_SYNTH_F32, true},
-        {"synth_f32_untied.seed", 1, 8, 2, 2, 16, 300, CB_SYNTH_F32, false},
-        {"synth_bf16_tiny.seed", 2, 8, 2, 1, 16, 300, CB_SYNTH_BF16, true},
-        {"synth_q4_1_tiny.seed", 1, 32, 2, 1, 32, 300, CB_SYNTH_Q4_1, true},
+        {"synth_f32_tiny.seed", 1, 8, 2, 1, 16, 300, CB_SYNTH_F32, true, CB_SYNTH_LLAMA},
+        {"synth_f32_untied.seed", 1, 8, 2, 2, 16, 300, CB_SYNTH_F32, false, CB_SYNTH_LLAMA},
+        {"synth_bf16_tiny.seed", 2, 8, 2, 1, 16, 300, CB_SYNTH_BF16, true, CB_SYNTH_LLAMA},
+        {"synth_q4_1_tiny.seed", 1, 32, 2, 1, 32, 300, CB_SYNTH_Q4_1, true, CB_SYNTH_LLAMA},
+        /* the other architectures' tensors and keys (biases, Q/K norms, rope_freqs, qwen2.* / qwen3.*) */
+        {"synth_llama3_tiny.seed", 1, 8, 2, 1, 16, 300, CB_SYNTH_F32, false, CB_SYNTH_LLAMA3},
+        {"synth_qwen2_tiny.seed", 1, 8, 2, 1, 16, 300, CB_SYNTH_F32, true, CB_SYNTH_QWEN2},
+        {"synth_qwen3_tiny.seed", 1, 8, 2, 1, 16, 300, CB_SYNTH_F32, true, CB_SYNTH_QWEN3},
     };
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
         cb_synth_shape_t s;
@@ -255,6 +260,7 @@ static int gen_gguf(void) {
         s.n_layer = shapes[i].L, s.n_embd = shapes[i].E, s.n_head = shapes[i].H, s.n_head_kv = shapes[i].HKV;
         s.n_ff = shapes[i].F, s.n_vocab = shapes[i].V, s.n_ctx = 64, s.rope_base = 10000.0f, s.rms_eps = 1e-5f;
         s.tied = shapes[i].tied;
+        s.arch = shapes[i].arch;
         char err[512];
         if (!cb_synth_shape_check(&s, shapes[i].dt, err, sizeof err)) {
             fprintf(stderr, "gen_corpora: %s: %s\n", shapes[i].name, err);
