@@ -402,11 +402,12 @@ static void matvec_f32(const cb_weight_t *w, const float *x, int n, float *y, in
 /* Integer kernels for every quantized weight that has one, unless the model kept an f32 copy. */
 static bool use_qdot(const cb_weight_t *w) { return !w->f32 && cb_cpu_qdot_supported(w); }
 
-/* The call's activations, quantized once by the calling thread: s->xq [n][cb_cpu_q8_row_bytes(cols)]. */
-static const uint8_t *quantize_rows(const cb_cpu_mm_scratch_t *s, const float *x, int n, int cols) {
+/* The call's activations, quantized once by the calling thread in the activation formats fmt (a mask of
+ * CB_CPU_Q8_*): s->xq [n][cb_cpu_q8_row_bytes(cols)]. */
+static const uint8_t *quantize_rows(const cb_cpu_mm_scratch_t *s, const float *x, int n, int cols, unsigned fmt) {
     assert(n <= s->max_rows && cols <= s->max_cols);
     const size_t rb = cb_cpu_q8_row_bytes(cols);
-    for (int r = 0; r < n; r++) cb_cpu_q8_quantize(x + (size_t)r * cols, cols, s->xq + (size_t)r * rb);
+    for (int r = 0; r < n; r++) cb_cpu_q8_quantize(x + (size_t)r * cols, cols, fmt, s->xq + (size_t)r * rb);
     return s->xq;
 }
 
@@ -439,7 +440,7 @@ static void matvec_task(void *arg, int task, int thread) {
 void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ldy, const cb_cpu_mm_scratch_t *s,
                    cb_pool_t *pool) {
     assert(n >= 1);
-    const uint8_t *xq = use_qdot(w) ? quantize_rows(s, x, n, w->cols) : NULL;
+    const uint8_t *xq = use_qdot(w) ? quantize_rows(s, x, n, w->cols, cb_cpu_qdot_format(w)) : NULL;
     /* ~8 tasks per thread (dynamic claiming balances them), in multiples of 16 rows */
     int nt = cb_pool_size(pool);
     int chunk = (w->rows / (8 * nt) + 15) / 16 * 16;
@@ -512,7 +513,7 @@ void cb_cpu_gemm(const cb_weight_t *w, const float *x, int n, float *y, int ldy,
      * single-threaded sgemm (or one per tile), claimed dynamically. */
     int nt = cb_pool_size(pool), n_slices = nt > 1 ? 2 * nt : 1;
     int slice = ((w->rows + n_slices - 1) / n_slices + 31) / 32 * 32;
-    const uint8_t *xq = use_v16_gemm(w) ? quantize_rows(s, x, n, w->cols) : NULL;
+    const uint8_t *xq = use_v16_gemm(w) ? quantize_rows(s, x, n, w->cols, cb_cpu_qdot_format(w)) : NULL;
     gemm_job_t j = {w, x, xq, n, ldy, slice, y, s};
     cb_pool_run(pool, (w->rows + slice - 1) / slice, gemm_task, &j);
 }
@@ -556,11 +557,15 @@ void cb_cpu_matmul_multi(const cb_matmul_part_t *parts, int n_parts, const float
     j.n_tasks = 0;
     j.xq = NULL;
     int nt = cb_pool_size(pool), total = 0;
+    unsigned done = 0; /* activation formats quantized: each once, whichever parts read it (Q4_K and Q6_K) */
     for (int p = 0; p < n_parts; p++) {
         assert(parts[p].w->cols == parts[0].w->cols); /* one x for every part */
         total += parts[p].w->rows;
-        if (!j.xq && (gemm ? use_v16_gemm(parts[p].w) : use_qdot(parts[p].w)))
-            j.xq = quantize_rows(s, x, n, parts[p].w->cols);
+        if (gemm ? use_v16_gemm(parts[p].w) : use_qdot(parts[p].w)) {
+            const unsigned f = cb_cpu_qdot_format(parts[p].w);
+            if (!(done & f)) j.xq = quantize_rows(s, x, n, parts[p].w->cols, f);
+            done |= f;
+        }
     }
     /* GEMM: ~2 slices per thread over all parts (multiples of 32 rows); matvec: ~8 per thread (16) */
     int align = gemm ? 32 : 16, per = gemm ? 2 : 8;

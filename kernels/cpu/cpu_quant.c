@@ -7,10 +7,15 @@
  * w = d sc nibble - dmin mn, chunk c of 32 bytes holds sub-block 2c in its low and 2c+1 in its high
  * nibbles; Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: 16 scales of 16 elements, w = d sc (q - 32).
  *
- * A product of one weight block and one activation block is an exact integer sum (|sum| < 2^23), scaled by
- * d_w * d_x in f32 and accumulated in f32. The AVX2 kernels on stored rows keep 8 lanes of partial sums per
- * row and add them at the end; the x8 and v16 kernels keep one lane per weight row (8 or 16 rows per
- * vector) and add block by block, as the scalar kernels do.
+ * Q4_0, Q4_1, Q8_0 read the B32 activations: a product of one weight block and one activation block is an
+ * exact integer sum (|sum| < 2^23), scaled by d_w * d_x in f32 and accumulated in f32. Q4_K and Q6_K read
+ * the K activations: per super-block, the integer sum of sc_k * dot_k over its sub-blocks (Q4_K:
+ * |sum| <= 8 * 63 * 32 * 15 * 127 < 2^25; Q6_K, whose unsigned q = w / (d sc) + 32 is multiplied as is and
+ * 32 * sum_g sc_g * bsum_g taken off: |sum| <= 16 * 128 * 16 * 32 * 127 < 2^28) and, for Q4_K,
+ * sum_k mn_k * bsum32_k, each converted to f32 once and scaled by d_x d (d_x dmin). The K kernels also
+ * prefetch the weight rows ahead (K_PREFETCH). The AVX2 kernels on stored rows keep 8 lanes of partial sums per row
+ * and add them at the end; the x8 and v16 kernels keep one lane per weight row (8 or 16 rows per vector)
+ * and add block by block, as the scalar kernels do.
  */
 #include "cpu/cpu_quant.h"
 
@@ -27,20 +32,27 @@
 
 /* One quantized activation row (views into the cb_cpu_q8_quantize layout). */
 typedef struct {
-    const int8_t *q;  /* [cols] */
-    const float *d;   /* [cols/32] block scales */
-    const float *ds;  /* [cols/32] d * sum of the block's q */
+    const int8_t *q;    /* B32: [cols] */
+    const float *d;     /* [cols/32] block scales */
+    const float *ds;    /* [cols/32] d * sum of the block's q */
+    const int8_t *kq;   /* K: [cols] */
+    const float *kd;    /* [cols/256] super-block scales */
+    const int16_t *kbs; /* [cols/16] sums of q per 16 */
+    const int16_t *kbs32; /* [cols/32] sums of q per 32 */
 } xrow_t;
 
-size_t cb_cpu_q8_row_bytes(int cols) {
-    size_t b = (size_t)cols + 8 * (size_t)(cols / 32);
-    return (b + 63) / 64 * 64;
+static size_t b32_bytes(int cols) { return ((size_t)cols + 8 * (size_t)(cols / 32) + 63) / 64 * 64; }
+static size_t k_bytes(int cols) {
+    return ((size_t)cols + 4 * (size_t)(cols / 256) + 2 * (size_t)(cols / 16) + 2 * (size_t)(cols / 32) + 63) / 64 * 64;
 }
 
+size_t cb_cpu_q8_row_bytes(int cols) { return b32_bytes(cols) + k_bytes(cols); }
+
 static xrow_t xrow(const void *base, int cols, int r) {
-    const uint8_t *p = (const uint8_t *)base + (size_t)r * cb_cpu_q8_row_bytes(cols);
-    const float *d = (const float *)(p + cols);
-    return (xrow_t){(const int8_t *)p, d, d + cols / 32};
+    const uint8_t *p = (const uint8_t *)base + (size_t)r * cb_cpu_q8_row_bytes(cols), *k = p + b32_bytes(cols);
+    const float *d = (const float *)(p + cols), *kd = (const float *)(k + cols);
+    const int16_t *kbs = (const int16_t *)(kd + cols / 256);
+    return (xrow_t){(const int8_t *)p, d, d + cols / 32, (const int8_t *)k, kd, kbs, kbs + cols / 16};
 }
 
 /* Scalar in every kernel set, so that the quantized activations are the same bits everywhere:
@@ -67,13 +79,41 @@ static void s_q8_quantize(const float *x, int cols, void *dst) {
     }
 }
 
-static void (*g_quantize)(const float *x, int cols, void *dst);
+/* The K format into dst (the row's K part): the rule above with one d per 256, and the exact sums of q per
+ * 16 and per 32 (|sum| <= 32 * 127). */
+static void s_q8k_quantize(const float *x, int cols, void *dst) {
+    int8_t *q = dst;
+    float *d = (float *)((uint8_t *)dst + cols);
+    int16_t *bs = (int16_t *)(d + cols / 256), *bs32 = bs + cols / 16;
+    for (int i = 0; i < cols / 256; i++) {
+        const float *xb = x + 256 * i;
+        float amax = 0.0f;
+        for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int j = 16 * g; j < 16 * g + 16; j++) {
+                int v = (int)nearbyintf(xb[j] * id);
+                v = v > 127 ? 127 : v < -127 ? -127 : v;
+                q[256 * i + j] = (int8_t)v;
+                sum += v;
+            }
+            bs[16 * i + g] = (int16_t)sum;
+        }
+        for (int k = 0; k < 8; k++) bs32[8 * i + k] = (int16_t)(bs[16 * i + 2 * k] + bs[16 * i + 2 * k + 1]);
+        d[i] = db;
+    }
+}
+
+static void (*g_quantize)(const float *x, int cols, void *dst);   /* B32 */
+static void (*g_quantize_k)(const float *x, int cols, void *dst); /* K, into the row's K part */
 static pthread_once_t g_quantize_once = PTHREAD_ONCE_INIT;
 static void quantize_init(void);
 
-void cb_cpu_q8_quantize(const float *x, int cols, void *dst) {
+void cb_cpu_q8_quantize(const float *x, int cols, unsigned fmt, void *dst) {
     pthread_once(&g_quantize_once, quantize_init);
-    g_quantize(x, cols, dst);
+    if (fmt & CB_CPU_Q8_B32) g_quantize(x, cols, dst);
+    if ((fmt & CB_CPU_Q8_K) && cols % 256 == 0) g_quantize_k(x, cols, (uint8_t *)dst + b32_bytes(cols));
 }
 
 static inline float f16_at(const uint8_t *p) {
@@ -160,44 +200,53 @@ static void s_q8_0_row(const uint8_t *w, int cols, const xrow_t *x, int R, float
     }
 }
 
+/* Q4_K on the K activations: per super-block sumi = sum_k sc_k dot_k and summ = sum_k mn_k bsum32_k in
+ * int32; y = sum_i d_x d sumi - sum_i d_x dmin summ. */
 static void s_q4_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
     for (int r = 0; r < R; r++) {
-        float acc = 0.0f;
+        float acc = 0.0f, accm = 0.0f;
         for (int i = 0; i < cols / 256; i++) {
             const uint8_t *blk = w + 144 * i, *qs = blk + 16;
-            const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            const int16_t *bs = x[r].kbs32 + 8 * i;
+            int sumi = 0, summ = 0;
             for (int k = 0; k < 8; k++) {
                 const uint8_t *q = qs + 32 * (k / 2);
-                const int8_t *xq = x[r].q + 256 * i + 32 * k;
-                const int bi = 8 * i + k, shift = 4 * (k & 1);
+                const int8_t *xq = x[r].kq + 256 * i + 32 * k;
+                const int shift = 4 * (k & 1);
                 int sc, mn, s = 0;
                 q4k_scale_min(k, blk + 4, &sc, &mn);
                 for (int l = 0; l < 32; l++) s += ((q[l] >> shift) & 0xF) * xq[l];
-                acc += d * (float)sc * x[r].d[bi] * (float)s - dmin * (float)mn * x[r].ds[bi];
+                sumi += sc * s;
+                summ += mn * bs[k];
             }
+            acc += x[r].kd[i] * f16_at(blk) * (float)sumi;
+            accm += x[r].kd[i] * f16_at(blk + 2) * (float)summ;
         }
-        out[r] = acc;
+        out[r] = acc - accm;
     }
 }
 
+/* Q6_K on the K activations: per super-block sumi = sum_g sc_g (dot_g(q) - 32 bsum_g) over its 16 groups
+ * of 16 (q the unsigned 6-bit value) in int32; y = sum_i d_x d sumi. */
 static void s_q6_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
     for (int r = 0; r < R; r++) {
         float acc = 0.0f;
         for (int i = 0; i < cols / 256; i++) {
             const uint8_t *blk = w + 210 * i;
             const int8_t *sc = (const int8_t *)(blk + 192);
-            const float d = f16_at(blk + 208);
+            const int16_t *bs = x[r].kbs + 16 * i;
+            int sumi = 0;
             for (int k = 0; k < 8; k++) {
                 uint8_t q[32];
                 q6k_unpack(blk, k, q);
-                const int8_t *xq = x[r].q + 256 * i + 32 * k;
+                const int8_t *xq = x[r].kq + 256 * i + 32 * k;
                 int sa = 0, sb = 0;
-                for (int l = 0; l < 16; l++) sa += ((int)q[l] - 32) * xq[l];
-                for (int l = 16; l < 32; l++) sb += ((int)q[l] - 32) * xq[l];
-                /* scales of elements 0..15 and 16..31 of sub-block k = 4h + t: sc[8h + 2t], sc[8h + 2t + 1] */
-                const int s0 = sc[2 * k], s1 = sc[2 * k + 1];
-                acc += d * x[r].d[8 * i + k] * (float)(s0 * sa + s1 * sb);
+                for (int l = 0; l < 16; l++) sa += q[l] * xq[l];
+                for (int l = 16; l < 32; l++) sb += q[l] * xq[l];
+                /* groups 2k, 2k+1: elements 0..15 and 16..31 of sub-block k */
+                sumi += sc[2 * k] * (sa - 32 * bs[2 * k]) + sc[2 * k + 1] * (sb - 32 * bs[2 * k + 1]);
             }
+            acc += x[r].kd[i] * f16_at(blk + 208) * (float)sumi;
         }
         out[r] = acc;
     }
@@ -500,69 +549,186 @@ static inline __attribute__((always_inline)) void v_q8_0_r(const uint8_t *w, int
 }
 V_ROWS_SWITCH(v_q8_0)
 
+/* The 12 packed scale bytes of a Q4_K super-block (at s; 16 bytes are read) as 16 bytes in each 128-bit
+ * lane: the 8 six-bit scales, then the 8 mins (q4k_scale_min). Sub-blocks 0..3 take the low 6 bits of
+ * bytes 0..3 (scales) and 4..7 (mins); 4..7 a nibble of bytes 8..11 and, as bits 4..5, the top 2 bits of
+ * bytes 0..3 / 4..7. */
+static inline __m256i v_q4k_scales(const uint8_t *s) {
+#define V_LANES2(v) _mm256_set_m128i(v, v)
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)s));
+    const __m256i a = _mm256_shuffle_epi8(raw, V_LANES2(_mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11)));
+    const __m256i b = _mm256_shuffle_epi8(raw, V_LANES2(_mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7)));
+    const __m256i lo = _mm256_and_si256(a, V_LANES2(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(a, 4),
+                                        V_LANES2(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(b, 2), _mm256_set1_epi8(0x30)); /* (byte >> 6) << 4 */
+    return _mm256_or_si256(_mm256_or_si256(lo, hi), top);
+#undef V_LANES2
+}
+
+/* The K kernels prefetch the weight bytes this far ahead of the super-block they read (rows are contiguous,
+ * so this runs into the next rows). A decode streams every weight from DRAM once per token: with the
+ * hardware prefetchers alone one thread read Q4_K / Q6_K rows at ~12 GB/s, with this ~17 (2-8 KiB ahead
+ * all alike, 1 KiB ~13; a plain read loop gets ~19 here). */
+#define K_PREFETCH 4096
+
+/* Prefetches n cache lines from K_PREFETCH bytes past p (a hint: no fault, whatever the address; formed as
+ * an integer since it may lie past the weight's end). */
+static inline void v_prefetch_ahead(const uint8_t *p, int n) {
+    const uintptr_t a = (uintptr_t)p + K_PREFETCH;
+    for (int k = 0; k < n; k++) _mm_prefetch((const char *)(a + 64 * (uintptr_t)k), _MM_HINT_T0);
+}
+
+/* pshufb pattern broadcasting int16 lane l (0..7) of a 128-bit lane. */
+#define V_LANE16(l) ((short)(((2 * (l) + 1) << 8) | (2 * (l))))
+
+/* Q4_K: per super-block, the 4 chunks of 32 nibble bytes (sub-blocks 2c low, 2c+1 high) against the
+ * activation's int8 (maddubs: u8 x s8 pairs, |pair| <= 2 * 15 * 127), then madd with the sub-block's scale
+ * as int16, so each row's 8 int32 lanes sum sc_k dot_k exactly (per lane < 2^22); one conversion and one
+ * FMA by d_x d per super-block. The mins: one madd of the 8 mins with the activation's 8 sums per 32
+ * (4 lanes), one conversion and FMA by d_x dmin. */
 static inline __attribute__((always_inline)) void v_q4_k_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
                                                             float *out) {
     __m256 acc[QROWS];
-    float accm[QROWS];
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
+    __m128 accm[QROWS];
+    const __m256i m4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
     for (int i = 0; i < cols / 256; i++) {
         const uint8_t *blk = w + 144 * i;
-        const float d = v_f16(blk), dmin = v_f16(blk + 2);
+        v_prefetch_ahead(blk, 3);
+        uint32_t dpair;
+        memcpy(&dpair, blk, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dpair)); /* d, dmin */
+        const __m256i sm = v_q4k_scales(blk + 4);
+        const __m256i sc = _mm256_unpacklo_epi8(sm, zero);                         /* 8 scales, int16, per lane */
+        const __m128i mn = _mm256_castsi256_si128(_mm256_unpackhi_epi8(sm, zero)); /* 8 mins */
+        __m256i sumi[QROWS];
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
             const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            int sc0, mn0, sc1, mn1;
-            q4k_scale_min(2 * c, blk + 4, &sc0, &mn0);
-            q4k_scale_min(2 * c + 1, blk + 4, &sc1, &mn1);
-            const float d0 = d * (float)sc0, d1 = d * (float)sc1, m0 = dmin * (float)mn0, m1 = dmin * (float)mn1;
-            const int b0 = 8 * i + 2 * c;
+            const __m256i sl = _mm256_shuffle_epi8(sc, _mm256_set1_epi16(V_LANE16(2 * c)));
+            const __m256i sh = _mm256_shuffle_epi8(sc, _mm256_set1_epi16(V_LANE16(2 * c + 1)));
+            #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                const int8_t *xq = x[r].q + 32 * b0;
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[r].d[b0]), v_dot_us(lo, v_load(xq)), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[r].d[b0 + 1]), v_dot_us(hi, v_load(xq + 32)), acc[r]);
-                accm[r] += m0 * x[r].ds[b0] + m1 * x[r].ds[b0 + 1];
+                const int8_t *xq = x[r].kq + 256 * i + 64 * c;
+                const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, v_load(xq)), sl);
+                const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, v_load(xq + 32)), sh);
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
             }
         }
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m128 f = _mm_mul_ps(dm, _mm_set1_ps(x[r].kd[i])); /* d_x d, d_x dmin */
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            const __m128i pm = _mm_madd_epi16(mn, _mm_loadu_si128((const __m128i *)(x[r].kbs32 + 8 * i)));
+            accm[r] = _mm_fmadd_ps(_mm_permute_ps(f, 0x55), _mm_cvtepi32_ps(pm), accm[r]);
+        }
     }
-    for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]) - accm[r];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        __m128 m = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[r] = v_hsum(acc[r]) - _mm_cvtss_f32(m);
+    }
 }
 V_ROWS_SWITCH(v_q4_k)
 
+/* Q6_K: per super-block, the 8 sub-blocks of 32 unsigned 6-bit q (ql nibble | 2 qh bits << 4) against the
+ * activation's int8 (maddubs, |pair| <= 2 * 63 * 127), then madd with the two groups' scales (lanes 0..7:
+ * group 2k, 8..15: 2k+1, from the 16 scales as int16 by one shuffle); the offset 32 sum_g sc_g bsum_g is one
+ * madd of the 16 scales with the 16 sums. One conversion and one FMA by d_x d per super-block. */
 static inline __attribute__((always_inline)) void v_q6_k_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
                                                             float *out) {
     __m256 acc[QROWS];
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int i = 0; i < cols / 256; i++) {
         const uint8_t *blk = w + 210 * i;
-        const int8_t *sc = (const int8_t *)(blk + 192);
+        v_prefetch_ahead(blk, 4);
         const float d = v_f16(blk + 208);
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m256i sa = _mm256_permute4x64_epi64(s16, 0x44), sb = _mm256_permute4x64_epi64(s16, 0xEE);
+        __m256i sumi[QROWS];
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
+        #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const __m256i qla = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             const __m256i qlb = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {
                 const __m256i ql = t & 1 ? qlb : qla;
                 const __m256i lo = t < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-                const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m2);
-                /* q - 32 in -32..31 (hb << 4 stays inside each byte: hb <= 3) */
-                const __m256i wq = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)), off);
-                const int k = 4 * h + t;
-                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
-                const __m256i aw = _mm256_sign_epi8(wq, wq);
+                /* bits 2t, 2t+1 of qh to bits 4, 5 (masked first: nothing crosses a byte) */
+                const __m256i hm = _mm256_and_si256(qh, _mm256_set1_epi8((char)(3 << (2 * t))));
+                const __m256i hb = t == 0 ? _mm256_slli_epi16(hm, 4) : t == 1 ? _mm256_slli_epi16(hm, 2)
+                                 : t == 2 ? hm : _mm256_srli_epi16(hm, 2);
+                const __m256i q = _mm256_or_si256(lo, hb);
+                /* scales of groups 2k, 2k+1 (k = 4h + t): int16 lanes 2t, 2t+1 of half h of the 16 */
+                const __m256i scv = _mm256_shuffle_epi8(
+                    h ? sb : sa, _mm256_set_m128i(_mm_set1_epi16(V_LANE16(2 * t + 1)), _mm_set1_epi16(V_LANE16(2 * t))));
+                #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
-                    const __m256i xq = v_load(x[r].q + 256 * i + 32 * k);
-                    /* pairs of |w| * (x with w's sign), then times each half's scale: exact int32 */
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xq, wq)), scv);
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[8 * i + k]), _mm256_cvtepi32_ps(p), acc[r]);
+                    const __m256i xq = v_load(x[r].kq + 256 * i + 32 * (4 * h + t));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), scv));
                 }
             }
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x[r].kbs + 16 * i));
+            const __m256i s = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(s16, bs), 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].kd[i] * d), _mm256_cvtepi32_ps(s), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]);
 }
 V_ROWS_SWITCH(v_q6_k)
+
+/* s_q8k_quantize with 8 lanes, the same bits (as v_q8_quantize); the sums per 16 and 32 are exact. */
+static void v_q8k_quantize(const float *x, int cols, void *dst) {
+    int8_t *q = dst;
+    float *d = (float *)((uint8_t *)dst + cols);
+    int16_t *bs = (int16_t *)(d + cols / 256), *bs32 = bs + cols / 16;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    for (int i = 0; i < cols / 256; i++) {
+        const float *xb = x + 256 * i;
+        __m256 am = _mm256_setzero_ps();
+        for (int k = 0; k < 32; k++) am = _mm256_max_ps(am, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+        const __m256 idv = _mm256_set1_ps(id);
+        for (int b = 0; b < 8; b++) { /* 32 elements: two groups of 16 */
+            __m256i iv[4];
+            for (int k = 0; k < 4; k++) {
+                const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 32 * b + 8 * k), idv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                iv[k] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(r), lim), nlim);
+            }
+            const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+            _mm256_storeu_si256((__m256i *)(q + 256 * i + 32 * b),
+                                _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            /* lanes 0 and 1 of the last sum: elements 0..15 and 16..31 */
+            __m256i h = _mm256_hadd_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+            h = _mm256_hadd_epi32(h, h);
+            const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            bs[16 * i + 2 * b] = (int16_t)_mm_cvtsi128_si32(s);
+            bs[16 * i + 2 * b + 1] = (int16_t)_mm_extract_epi32(s, 1);
+            bs32[8 * i + b] = (int16_t)(bs[16 * i + 2 * b] + bs[16 * i + 2 * b + 1]);
+        }
+        d[i] = db;
+    }
+}
+
 /* s_q8_quantize with 8 lanes, the same bits: max|x| is exact in any order, d and 1/d are the same scalar
  * divisions, round-to-nearest-even is nearbyintf in the default mode, and the clamp and the integer sum
  * are exact. */
@@ -835,9 +1001,12 @@ static bool have_avx2(void) {
 static void quantize_init(void) {
 #ifdef CB_HAVE_X86
     const char *e = getenv("CB_CPU_ISA");
-    g_quantize = have_avx2() && !(e && !strcmp(e, "scalar")) ? v_q8_quantize : s_q8_quantize;
+    const bool v = have_avx2() && !(e && !strcmp(e, "scalar"));
+    g_quantize = v ? v_q8_quantize : s_q8_quantize;
+    g_quantize_k = v ? v_q8k_quantize : s_q8k_quantize;
 #else
     g_quantize = s_q8_quantize;
+    g_quantize_k = s_q8k_quantize;
 #endif
 }
 
@@ -892,6 +1061,10 @@ static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
     case CB_TYPE_Q6_K: return k->q6_k;
     default: return NULL;
     }
+}
+
+unsigned cb_cpu_qdot_format(const cb_weight_t *w) {
+    return w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K ? CB_CPU_Q8_K : CB_CPU_Q8_B32;
 }
 
 bool cb_cpu_qdot_supported(const cb_weight_t *w) {

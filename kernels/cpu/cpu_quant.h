@@ -1,21 +1,31 @@
 /* cpu_quant: integer dot products on the stored (quantized) weight rows, for the matvecs of decode and of
  * small calls (cpu_ops.c); no f32 copy of a weight is read or made.
  *
- * An activation row is quantized once per call to int8 in blocks of 32 with one f32 scale per block (as
- * ggml's Q8_0 / Q8_1, whose scales are f16): q = round(x / d), d = max|x| / 127 over the block. A weight block times an activation block is an
- * exact integer sum, scaled once by the two block scales in f32; Q4_1 and Q4_K min terms use the block's
- * d * sum(q). Supported weight types: Q4_0, Q4_1, Q8_0 (blocks of 32 along a row), Q4_K and Q6_K
- * (super-blocks of 256; cols must be a multiple of 256).
+ * An activation row is quantized once per call, in the format(s) its weights read, to int8 with f32
+ * scales: q = round(x / d), d = max|x| / 127 over the scale's block, |q| <= 127.
+ *   B32 (Q4_0, Q4_1, Q8_0; as ggml's Q8_0 / Q8_1, whose scales are f16): one d per block of 32, and
+ *       ds = d * sum(q) per block. A weight block times an activation block is an exact integer sum, scaled
+ *       once by the two block scales in f32; the Q4_1 min term uses ds.
+ *   K (Q4_K, Q6_K; as ggml's Q8_K): one d per super-block of 256 and the integer sum of q per 16. A weight
+ *       super-block times an activation super-block is one exact integer sum: the sub-block dots times the
+ *       weight's 6- or 8-bit sub-block scales, less the Q4_K mins times the activation's sums per 32 (and
+ *       the Q6_K offset 32 times its sums per 16), scaled once by d_w * d_x in f32.
+ * Supported weight types: Q4_0, Q4_1, Q8_0 (blocks of 32 along a row), Q4_K and Q6_K (super-blocks of
+ * 256; cols must be a multiple of 256).
  *
  * Error against the exact f32 product: the activation rounding only (the weight's own values are used
- * exactly): per element |x - d q| <= d / 2 = max|x_b| / 254, so |y - y_exact| <= sum_b max|x_b| / 254 *
- * sum_j |w_j| over the block, plus f32 rounding (tests/unit/test_qdot.c checks this bound on random and
- * real tensors).
+ * exactly): per element |x - d q| <= d / 2 = max|x_b| / 254 over the element's scale block b (32 elements
+ * in B32, 256 in K), so |y - y_exact| <= sum_b max|x_b| / 254 * sum_{j in b} |w_j|, plus f32 rounding
+ * (tests/unit/test_qdot.c checks this bound on random and real tensors). The K bound is coarser: a block
+ * of 256 takes the scale of its largest element (ggml's choice for these types too). Measured on
+ * Qwen2.5-Coder-1.5B Q4_K_M: decode logits within 0.39 of the f32 prefill's (test_engine, 25 tokens; 0.14
+ * with B32 activations), KL to llama.cpp over 2,048 tokens 0.0032 (0.0031).
  *
  * ISA: the AVX2 kernels (maddubs / madd integer dots, F16C scales) are compiled with target attributes and
  * chosen at run time when the CPU has AVX2, FMA and F16C; the portable scalar kernels otherwise, or when
- * CB_CPU_ISA=scalar. The two give the same integer block sums and differ only in the order of the f32
- * accumulation (|difference| ~1e-6 relative). The quantization of activations is bit-identical in both.
+ * CB_CPU_ISA=scalar. The two give the same integer block (super-block) sums and differ only in how they
+ * are converted to and accumulated in f32 (|difference| ~1e-7 of sum |w x|: a K super-block's integer sum
+ * can pass f32's 24 bits). The quantization of activations is bit-identical in both.
  * An activation row's result depends only on that row: not on how many rows share the call.
  */
 #ifndef CB_CPU_QUANT_H
@@ -27,18 +37,28 @@
 
 #include "model/model.h"
 
-/* Bytes of one quantized activation row of cols elements (cols % 32 == 0), a multiple of 64:
- * int8 q [cols], then f32 d [cols/32] (block scales), then f32 ds [cols/32] (d * sum of the block's q). */
+/* Activation formats (bit masks): blocks of 32, super-blocks of 256. */
+#define CB_CPU_Q8_B32 1u
+#define CB_CPU_Q8_K 2u
+
+/* Bytes of one quantized activation row of cols elements (cols % 32 == 0), a multiple of 64 and
+ * non-decreasing in cols: room for both formats. B32 at offset 0: int8 q [cols], then f32 d [cols/32]
+ * (block scales), then f32 ds [cols/32] (d * sum of the block's q). K (cols % 256 == 0) at the next
+ * multiple of 64: int8 q [cols], then f32 d [cols/256], then int16 bsum [cols/16] and int16 bsum32 [cols/32]
+ * (sums of q per 16 and per 32). */
 size_t cb_cpu_q8_row_bytes(int cols);
-/* Quantizes x [cols] into dst (cb_cpu_q8_row_bytes(cols) bytes, 32-byte aligned). */
-void cb_cpu_q8_quantize(const float *x, int cols, void *dst);
+/* Quantizes x [cols] into dst (cb_cpu_q8_row_bytes(cols) bytes, 32-byte aligned) in the formats of fmt (a
+ * mask of CB_CPU_Q8_*; K only when cols % 256 == 0); the other format's bytes are left as they are. */
+void cb_cpu_q8_quantize(const float *x, int cols, unsigned fmt, void *dst);
 
 /* True when w's type and shape have an integer kernel (the types above, cols a multiple of the block). */
 bool cb_cpu_qdot_supported(const cb_weight_t *w);
+/* The activation format w's kernels read (CB_CPU_Q8_B32 or CB_CPU_Q8_K); w must be supported. */
+unsigned cb_cpu_qdot_format(const cb_weight_t *w);
 
 /* y[r * ldy + o] = w[o] · x[r] for o in [o0, o1) and r < n: xq holds n rows quantized by
- * cb_cpu_q8_quantize, row_bytes = cb_cpu_q8_row_bytes(w->cols) apart. w must be supported. Rows of x go
- * four at a time over each weight block (unpacked once for the four). */
+ * cb_cpu_q8_quantize in (at least) cb_cpu_qdot_format(w), row_bytes = cb_cpu_q8_row_bytes(w->cols) apart.
+ * w must be supported. Rows of x go four at a time over each weight block (unpacked once for the four). */
 void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int n, float *y, int ldy);
 
 /* Interleaved rows ("x8"), the layout the matvecs read fastest: Q4_1 and Q8_0 weights with rows % 8 == 0

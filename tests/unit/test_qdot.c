@@ -1,17 +1,21 @@
 /* test_qdot: the integer matvec kernels (kernels/cpu/cpu_quant.h) against the f32 reference (each weight
  * row dequantized exactly by cb_dequant, products summed in double), for every supported type, on random
- * blocks and on the real model's tensors, in every kernel set this CPU can run (scalar, AVX2).
+ * blocks and on the real models' tensors (the default SmolLM2 Q4_1 / Q8_0 model, and Qwen2.5-Coder-1.5B
+ * Q4_K_M's Q4_K / Q6_K ones when present), in every kernel set this CPU can run (scalar, AVX2).
  *
- * Tolerance, per output: the activation rounding bound of cpu_quant.h, sum over blocks of
- * max|x_b| / 254 * sum_j |w_j| (q = round(x / d) is off by d/2 at most), plus 1e-5 of sum |w||x| for the
- * f32 accumulation. The measured worst ratio of error to
- * bound is printed: ~0.1-0.3 (the bound is a worst case over independent roundings).
+ * Tolerance, per output: the activation rounding bound of cpu_quant.h, sum over the activation's scale
+ * blocks b (32 elements for Q4_0 / Q4_1 / Q8_0, 256 for Q4_K / Q6_K) of max|x_b| / 254 * sum_j |w_j|
+ * (q = round(x / d) is off by d/2 at most), plus 1e-5 of sum |w||x| for the f32 accumulation. The
+ * measured worst ratio of error to bound is printed: ~0.1-0.3 (the bound is a worst case over independent
+ * roundings).
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/cpu_ops.h"
+#include "cpu/cpu_pool.h"
 #include "cpu/cpu_quant.h"
 #include "format/gguf.h"
 #include "format/quant.h"
@@ -66,15 +70,16 @@ static void random_x(float *x, int n) {
  * a value > 1 on failure. */
 static double check_against_ref(const cb_weight_t *w, const float *x, int n, int o0, int o1, const float *y, int ldy) {
     float *row = malloc(sizeof(float) * (size_t)w->cols);
+    const int bl = cb_cpu_qdot_format(w) == CB_CPU_Q8_K ? 256 : 32; /* the activation's scale block */
     double worst = 0;
     for (int o = o0; o < o1; o++) {
         if (!cb_dequant(w->type, (const uint8_t *)w->q + (size_t)o * w->row_bytes, row, (size_t)w->cols)) return 1e9;
         for (int r = 0; r < n; r++) {
             const float *xr = x + (size_t)r * w->cols;
             double ref = 0, bound = 0, mag = 0;
-            for (int b = 0; b < w->cols / 32; b++) {
+            for (int b = 0; b < w->cols / bl; b++) {
                 double amax = 0, wsum = 0;
-                for (int j = 32 * b; j < 32 * b + 32; j++) {
+                for (int j = bl * b; j < bl * b + bl; j++) {
                     ref += (double)row[j] * xr[j];
                     mag += fabs((double)row[j] * xr[j]);
                     amax = fmax(amax, fabs(xr[j]));
@@ -97,10 +102,25 @@ static double check_against_ref(const cb_weight_t *w, const float *x, int n, int
     return worst;
 }
 
+/* mag [n][rows]: sum_j |w_oj x_rj| of each output, the scale of its f32 rounding. */
+static void out_mags(const cb_weight_t *w, const float *x, int n, double *mag) {
+    float *row = malloc(sizeof(float) * (size_t)w->cols);
+    for (int o = 0; o < w->rows; o++) {
+        cb_dequant(w->type, (const uint8_t *)w->q + (size_t)o * w->row_bytes, row, (size_t)w->cols);
+        for (int r = 0; r < n; r++) {
+            double m = 0;
+            for (int j = 0; j < w->cols; j++) m += fabs((double)row[j] * x[(size_t)r * w->cols + j]);
+            mag[(size_t)r * w->rows + o] = m;
+        }
+    }
+    free(row);
+}
+
 /* y [n][rows] = w · x for n rows of x, by the kernels. xq: scratch of n quantized rows. */
 static void qmatvec(const cb_weight_t *w, const float *x, int n, float *y, uint8_t *xq) {
     const size_t rb = cb_cpu_q8_row_bytes(w->cols);
-    for (int r = 0; r < n; r++) cb_cpu_q8_quantize(x + (size_t)r * w->cols, w->cols, xq + (size_t)r * rb);
+    for (int r = 0; r < n; r++)
+        cb_cpu_q8_quantize(x + (size_t)r * w->cols, w->cols, cb_cpu_qdot_format(w), xq + (size_t)r * rb);
     cb_cpu_qdot_rows(w, 0, w->rows, xq, n, y, w->rows);
 }
 
@@ -114,7 +134,7 @@ TEST(test_quantize_row) {
     x[5] = 1e-30f; /* tiny values and exact ties (x / d = k + 0.5 rounds to even) */
     for (int j = 64; j < 96; j++) x[j] = (float)(j - 80) * 0.5f; /* amax 8: d = 8/127, x/d = ±127 at the ends */
     uint8_t *q = aligned_alloc(64, cb_cpu_q8_row_bytes(C));
-    cb_cpu_q8_quantize(x, C, q);
+    cb_cpu_q8_quantize(x, C, CB_CPU_Q8_B32, q);
     const int8_t *qs = (const int8_t *)q;
     const float *d = (const float *)(q + C), *ds = d + C / 32;
     for (int b = 0; b < C / 32; b++) {
@@ -137,18 +157,74 @@ TEST(test_quantize_row) {
     free(q);
 }
 
+/* The K format (one scale per 256, sums per 16 and 32), the row layout of cpu_quant.h, and a format
+ * quantized alone leaving the other's bytes as they were. */
+TEST(test_quantize_row_k) {
+    enum { C = 2048 };
+    float x[C];
+    random_x(x, C);
+    for (int j = 256; j < 512; j++) x[j] = 0.0f;                   /* a zero super-block: d = 0, q = 0 */
+    for (int j = 512; j < 768; j++) x[j] = (float)(j - 640) * 0.25f; /* a ramp from -32 = -amax: q = -127 */
+    const size_t rb = cb_cpu_q8_row_bytes(C), kofs = (C + 8 * (C / 32) + 63) / 64 * 64;
+    CHECK(rb % 64 == 0 && rb >= kofs + C + 4 * (C / 256) + 2 * (C / 16) + 2 * (C / 32));
+    uint8_t *q = aligned_alloc(64, rb), *q2 = aligned_alloc(64, rb);
+    cb_cpu_q8_quantize(x, C, CB_CPU_Q8_B32 | CB_CPU_Q8_K, q);
+    const int8_t *qs = (const int8_t *)(q + kofs);
+    const float *d = (const float *)(q + kofs + C);
+    const int16_t *bs = (const int16_t *)(d + C / 256), *bs32 = bs + C / 16;
+    for (int i = 0; i < C / 256; i++) {
+        float amax = 0;
+        for (int j = 256 * i; j < 256 * i + 256; j++) amax = fmaxf(amax, fabsf(x[j]));
+        CHECK(d[i] == amax / 127.0f);
+        const float id = amax > 0 ? 1.0f / (amax / 127.0f) : 0.0f;
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int j = 256 * i + 16 * g; j < 256 * i + 16 * g + 16; j++) {
+                const float v = nearbyintf(x[j] * id);
+                CHECK(qs[j] == (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v));
+                CHECK(fabsf(x[j] - d[i] * qs[j]) <= amax / 254.0f * 1.0001f + 1e-30f);
+                sum += qs[j];
+            }
+            CHECK(bs[16 * i + g] == sum);
+        }
+        for (int k = 0; k < 8; k++) CHECK(bs32[8 * i + k] == bs[16 * i + 2 * k] + bs[16 * i + 2 * k + 1]);
+    }
+    /* each format alone: its bytes as above, the rest untouched */
+    const unsigned fmts[2] = {CB_CPU_Q8_B32, CB_CPU_Q8_K};
+    for (int f = 0; f < 2; f++) {
+        memset(q2, 0xA5, rb);
+        cb_cpu_q8_quantize(x, C, fmts[f], q2);
+        const size_t a = f ? kofs : 0;
+        const size_t used = f ? kofs + C + 4 * (C / 256) + 2 * (C / 16) + 2 * (C / 32) : (size_t)C + 8 * (C / 32);
+        CHECK(memcmp(q2 + a, q + a, used - a) == 0);
+        for (size_t k = 0; k < rb; k++)
+            if (k < a || k >= used) CHECK(q2[k] == 0xA5);
+    }
+    /* cols without the K format: nothing written there */
+    memset(q2, 0xA5, rb);
+    cb_cpu_q8_quantize(x, 288, CB_CPU_Q8_K, q2);
+    for (size_t k = 0; k < cb_cpu_q8_row_bytes(288); k++) CHECK(q2[k] == 0xA5);
+    /* the row size never shrinks as cols grow (scratch sized for the widest call covers every call) */
+    for (int c = 64; c <= 20480; c += 32) CHECK(cb_cpu_q8_row_bytes(c) >= cb_cpu_q8_row_bytes(c - 32));
+    free(q);
+    free(q2);
+}
+
 TEST(test_qdot_random) {
     const uint32_t types[] = {CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q6_K};
-    enum { R = 37, C = 512, N = 7 };
+    enum { R = 37, C = 768, N = 7 };
     float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *ys = malloc(sizeof(float) * N * R);
     float *y1 = malloc(sizeof(float) * R);
+    double *mag = malloc(sizeof(double) * N * R);
     uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
     random_x(x, N * C);
+    for (int j = 256; j < 512; j++) x[2 * C + j] = 0.0f; /* a zero super-block (K scale 0) */
     int n_isa = 0;
     for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
         uint8_t *buf;
         cb_weight_t w = random_weight(types[t], R, C, &buf);
         CHECK(cb_cpu_qdot_supported(&w));
+        out_mags(&w, x, N, mag);
         for (size_t i = 0; i < N_ISAS; i++) {
             if (cb_cpu_qdot_use(ISAS[i]) != 0) continue; /* this CPU cannot run it */
             n_isa += t == 0;
@@ -169,8 +245,9 @@ TEST(test_qdot_random) {
                 for (int o = 0; o < R; o++)
                     CHECK(sub[r * R + o] == (o >= 5 && o < 9 ? y[r * R + o] : -7.0f));
             if (i == 0) memcpy(ys, y, sizeof(float) * N * R);
-            else /* the same integer sums, f32 accumulation in another order */
-                for (int k = 0; k < N * R; k++) CHECK(fabsf(y[k] - ys[k]) <= 1e-5f * (1.0f + fabsf(ys[k])));
+            else /* the same integer sums, converted and accumulated in f32 in another order: a few roundings
+                  * of terms up to sum |w x| (a K super-block's sum reaches 2^28, past f32's 24 bits) */
+                for (int k = 0; k < N * R; k++) CHECK(fabs((double)y[k] - ys[k]) <= 1e-6 * mag[k] + 1e-6);
         }
         free(buf);
     }
@@ -185,7 +262,7 @@ TEST(test_qdot_random) {
     odd.cols = 256;
     CHECK(!cb_cpu_qdot_supported(&odd));
     CHECK(cb_cpu_qdot_use("no-such-isa") == -1);
-    free(x); free(y); free(ys); free(y1); free(xq);
+    free(x); free(y); free(ys); free(y1); free(xq); free(mag);
 }
 
 /* The interleaved copies (x8): the same results as the stored rows (bit for bit in the scalar set, within
@@ -322,27 +399,73 @@ TEST(test_qdot_v16) {
     free(x); free(y); free(ys); free(y1); free(row); free(ref); free(xq);
 }
 
-/* The real model's matrices: a Q4_1 FFN matrix, the Q4_1 attention output and the Q8_0 embedding (tied
- * output) rows, with activations of the real scale (rms-normalised: |x| ~ 1, outliers included). */
-TEST(test_qdot_real_model) {
-    const char *p = test_model_path();
-    if (!p) SKIP("model not present");
-    char err[256];
-    cb_model_t *m = cb_model_load(p, err, sizeof err);
-    CHECK_MSG(m, "%s", err);
-    const cb_layer_weights_t *L0 = cb_model_layer(m, 0), *L9 = cb_model_layer(m, 9);
-    const cb_weight_t *ws[] = {&L0->w_gate, &L9->w_down, &L9->wo, cb_model_output(m)};
-    for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) {
+/* cb_cpu_matmul_multi over parts that read different activation formats (Q4_K, Q6_K: K; Q8_0, Q4_1: B32)
+ * in one call, in either order: each part gets the bits cb_cpu_matvec gives it alone (each format
+ * quantized once per call into the shared scratch), for n = 1 (decode) and n = 6 (row groups of 4 and 2:
+ * with test_qdot_random's 4 and 3 every kernel width runs), on 1 and 2 threads. */
+TEST(test_qdot_multi_formats) {
+    enum { C = 512, N = 6, P = 4 };
+    const uint32_t types[P] = {CB_TYPE_Q4_K, CB_TYPE_Q8_0, CB_TYPE_Q6_K, CB_TYPE_Q4_1};
+    const int rows[P] = {48, 32, 40, 64};
+    uint8_t *buf[P];
+    cb_weight_t w[P];
+    float *x = malloc(sizeof(float) * N * C), *y[P], *ref[P];
+    random_x(x, N * C);
+    for (int p = 0; p < P; p++) {
+        w[p] = random_weight(types[p], rows[p], C, &buf[p]);
+        if (types[p] == CB_TYPE_Q8_0) /* -128: the x8 pack refuses it; keep the weight ordinary */
+            for (int o = 0; o < rows[p]; o++)
+                for (int b = 0; b < C / 32; b++)
+                    for (int j = 0; j < 32; j++) {
+                        int8_t *q = (int8_t *)(buf[p] + (size_t)o * w[p].row_bytes + 34 * b + 2 + j);
+                        if (*q == -128) *q = -127;
+                    }
+        y[p] = malloc(sizeof(float) * N * rows[p]);
+        ref[p] = malloc(sizeof(float) * N * rows[p]);
+    }
+    cb_cpu_mm_scratch_t s = {.max_rows = N, .max_cols = C, .tile_floats = C};
+    s.rows = malloc(sizeof(float) * 2 * C);
+    s.xq = malloc(cb_cpu_q8_row_bytes(C) * N);
+    s.tiles = malloc(sizeof(float) * 2 * C);
+    for (int nt = 1; nt <= 2; nt++) {
+        cb_pool_t *pool = cb_pool_new(nt);
+        CHECK(pool);
+        for (int n = 1; n <= N; n += N - 1)
+            for (int order = 0; order < 2; order++) {
+                cb_matmul_part_t parts[P];
+                for (int k = 0; k < P; k++) {
+                    const int p = order ? P - 1 - k : k;
+                    parts[k] = (cb_matmul_part_t){&w[p], y[p], rows[p]};
+                    cb_cpu_matvec(&w[p], x, n, ref[p], rows[p], &s, pool);
+                }
+                cb_cpu_matmul_multi(parts, P, x, n, false, &s, pool);
+                for (int p = 0; p < P; p++) CHECK(memcmp(y[p], ref[p], sizeof(float) * (size_t)n * rows[p]) == 0);
+                for (int p = 0; p < P; p++) CHECK(check_against_ref(&w[p], x, n, 0, rows[p], y[p], rows[p]) <= 1.0);
+            }
+        cb_pool_destroy(&pool);
+    }
+    for (int p = 0; p < P; p++) {
+        free(buf[p]);
+        free(y[p]);
+        free(ref[p]);
+    }
+    free(s.rows); free(s.xq); free(s.tiles); free(x);
+}
+
+/* Checks weights of a real model against the reference with random activations of the real scale
+ * (rms-normalised: |x| ~ 1, outliers included), on at most max_rows rows of each, in each form the load
+ * gave it (x8 / v16, then the stored rows) and every kernel set. */
+static void check_real_weights(const cb_weight_t *const *ws, int n_ws, int max_rows) {
+    for (int k = 0; k < n_ws; k++) {
         cb_weight_t w = *ws[k];
         CHECK(cb_cpu_qdot_supported(&w));
-        if (w.rows > 2048) w.rows = 2048; /* a slice of the 49152 output rows */
+        if (w.rows > max_rows) w.rows = max_rows; /* a slice of a large output matrix */
         enum { N = 3 };
         float *x = malloc(sizeof(float) * N * w.cols), *y = malloc(sizeof(float) * N * w.rows);
         uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(w.cols) * N);
         random_x(x, N * w.cols);
-        /* the default load interleaves Q4_1 (v16 where the VNNI kernel runs, else x8) and Q8_0 (x8) */
-        CHECK(w.type == CB_TYPE_Q4_1 && cb_cpu_v16_preferred() ? w.v16 && !w.x8 : w.x8 && !w.v16);
-        for (int form = 0; form < 2; form++) { /* interleaved, then the stored rows */
+        double worst_all = 0;
+        for (int form = w.x8 || w.v16 ? 0 : 1; form < 2; form++) { /* interleaved, then the stored rows */
             if (form == 1) w.x8 = w.v16 = NULL;
             for (size_t i = 0; i < N_ISAS; i++) {
                 if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
@@ -350,20 +473,65 @@ TEST(test_qdot_real_model) {
                 double worst = check_against_ref(&w, x, N, 0, w.rows, y, w.rows);
                 fprintf(stderr, "  %-24s %-5s %-6s %-6s worst error / bound %.3f\n", w.name, cb_type_name(w.type),
                         form ? "stored" : ws[k]->v16 ? "v16" : "x8", ISAS[i], worst);
-                CHECK(worst <= 1.0);
+                worst_all = fmax(worst_all, worst);
             }
         }
         free(x); free(y); free(xq);
+        CHECK(worst_all <= 1.0);
     }
     cb_cpu_qdot_use(NULL);
+}
+
+/* The default model's matrices (SmolLM2 Q4_1: a Q4_1 FFN matrix, the Q4_1 attention output and the Q8_0
+ * embedding = tied output rows), as loaded (interleaved) and stored. */
+TEST(test_qdot_real_model) {
+    const char *p = test_model_path();
+    if (!p) SKIP("model not present");
+    char err[256];
+    cb_model_t *m = cb_model_load(p, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    const int nl = cb_model_hparams(m)->n_layer;
+    const cb_layer_weights_t *L0 = cb_model_layer(m, 0), *Lm = cb_model_layer(m, nl / 3);
+    const cb_weight_t *ws[] = {&L0->w_gate, &Lm->w_down, &Lm->wo, cb_model_output(m)};
+    for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) /* the default load interleaves Q4_1 and Q8_0 */
+        if (ws[k]->type == CB_TYPE_Q4_1 || ws[k]->type == CB_TYPE_Q8_0)
+            CHECK(ws[k]->type == CB_TYPE_Q4_1 && cb_cpu_v16_preferred() ? ws[k]->v16 && !ws[k]->x8
+                                                                         : ws[k]->x8 && !ws[k]->v16);
+    check_real_weights(ws, (int)(sizeof ws / sizeof ws[0]), 2048);
+    cb_model_destroy(&m);
+}
+
+/* Qwen2.5-Coder-1.5B-Instruct Q4_K_M (models/, when fetched; CB_QWEN_MODEL overrides): its Q4_K (gate, up,
+ * q, k, o) and Q6_K (down, v, output) matrices, the K-format kernels against the reference. */
+TEST(test_qdot_real_kquant) {
+    const char *p = getenv("CB_QWEN_MODEL");
+    if (!p || !*p) p = "models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf";
+    FILE *f = fopen(p, "rb");
+    if (!f) SKIP("Qwen2.5-Coder Q4_K_M not present");
+    fclose(f);
+    char err[256];
+    cb_model_t *m = cb_model_load(p, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    const int nl = cb_model_hparams(m)->n_layer;
+    const cb_layer_weights_t *L0 = cb_model_layer(m, 0), *Lm = cb_model_layer(m, nl / 2);
+    const cb_weight_t *ws[] = {&L0->w_gate, &L0->w_down, &L0->wv, &Lm->w_up, &Lm->wq, &Lm->wk,
+                               &Lm->wo, &Lm->w_down, cb_model_output(m)};
+    int n_k = 0;
+    for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++)
+        n_k += ws[k]->type == CB_TYPE_Q4_K || ws[k]->type == CB_TYPE_Q6_K;
+    CHECK(n_k >= 6);
+    check_real_weights(ws, (int)(sizeof ws / sizeof ws[0]), TEST_SANITIZED ? 256 : 2048);
     cb_model_destroy(&m);
 }
 
 int main(void) {
     RUN(test_quantize_row);
+    RUN(test_quantize_row_k);
     RUN(test_qdot_random);
     RUN(test_qdot_x8);
     RUN(test_qdot_v16);
+    RUN(test_qdot_multi_formats);
     RUN(test_qdot_real_model);
+    RUN(test_qdot_real_kquant);
     return test_summary();
 }
