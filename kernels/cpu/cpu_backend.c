@@ -26,8 +26,8 @@ typedef struct {
     cb_pool_t *pool;        /* nt - 1 workers + the caller */
     int max_rows, max_keys;
     int rope_hd;            /* head_dim the table was built for */
-    cb_rope_t rope;         /* the rotation the table holds (the model's; freq_factors -> rope_ff) */
-    float *rope_ff;         /* [rope_hd / 2] a copy of the model's rope_freqs, or NULL */
+    cb_rope_t rope;         /* the rotation the table holds: the model's (freq_factors borrowed from the model,
+                               which outlives the backend, so the layers' ropes match it by pointer) */
     float *rope_cs;         /* [max_keys][rope_hd] (cos, sin) pairs per position */
     float *rope_rows;       /* [max_rows][rope_hd] coefficients of the rows of one call */
     cb_cpu_mm_scratch_t mm; /* matvec row buffers, quantized activations, GEMM weight tiles */
@@ -411,7 +411,6 @@ static void cpu_destroy(void *ctx) {
     if (!c) return;
     cb_pool_destroy(&c->pool);
     free(c->rope_cs);
-    free(c->rope_ff);
     free(c->rope_rows);
     free(c->mm.rows);
     free(c->mm.xq);
@@ -482,12 +481,6 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
         cpu_destroy(c);
         free(be);
         return NULL;
-    }
-    if (c->rope.freq_factors) {
-        c->rope_ff = malloc(sizeof(float) * (size_t)(hp->head_dim / 2));
-        if (!c->rope_ff) goto oom;
-        memcpy(c->rope_ff, c->rope.freq_factors, sizeof(float) * (size_t)(hp->head_dim / 2));
-        c->rope.freq_factors = c->rope_ff;
     }
     c->max_cols = hp->n_ff > hp->n_embd ? hp->n_ff : hp->n_embd;
     if (hp->n_head * hp->head_dim > c->max_cols) c->max_cols = hp->n_head * hp->head_dim;

@@ -9,7 +9,8 @@
 #include "engine/backend.h"
 
 /* CPU backend for model geometry hp: calls of up to max_rows rows, attention over up to max_keys keys,
- * n_threads threads (<= 0: one per online CPU). Returns NULL with a message on failure.
+ * n_threads threads (<= 0: one per online CPU). Returns NULL with a message on failure. hp->rope_freqs (the
+ * model's, or NULL) is borrowed: it must outlive the backend, as the model outlives its engines.
  * Caller owns the result (cb_backend_destroy). */
 cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_keys, int n_threads, char *err,
                                  size_t errlen);
