@@ -4,7 +4,7 @@
 set -u
 cd "$(dirname "$0")/.."
 pass=0; fail=0; skip=0
-models=(models/SmolLM2-135M-Instruct.Q4_1.gguf models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf)
+models=(models/SmolLM2-135M-Instruct.Q4_1.gguf models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf models/gemma-3-270m-q4_k_m.gguf)
 if ! python3 -c "import llama_cpp, numpy" 2>/dev/null; then
   echo "skip test-models: llama-cpp-python is not installed (pip install llama-cpp-python)"
   echo "0 passed, 0 failed (${#models[@]} skipped)"

@@ -41,8 +41,9 @@ for t in build/tests/test_blend build/asan/tests/test_blend; do
   label="synth-$(basename "$t")"; [[ "$t" == build/asan/* ]] && label="synth-asan-$(basename "$t")"
   CB_TEST_SYNTH=1 run_unit "$t" "$label"
 done
-# and on the other architectures' synthetic layers (biases, NEOX RoPE, Q/K norms, rope_freqs), normal build only
-for arch in llama3 qwen2 qwen3; do
+# and on the other architectures' synthetic layers (biases, NEOX RoPE, Q/K norms, rope_freqs, a SentencePiece
+# vocabulary, gemma3's post-norms, GELU and sliding windows), normal build only
+for arch in llama3 qwen2 qwen3 mistral gemma3; do
   t=build/tests/test_blend
   [ -x "$t" ] || continue
   [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue

@@ -365,23 +365,36 @@ typedef struct {
     const float *gate, *up;
     float *out;
     size_t n, chunk;
-} swiglu_job_t;
+    bool gelu;
+} glu_job_t;
 
-static void swiglu_task(void *arg, int t, int thread) {
+static void glu_task(void *arg, int t, int thread) {
     (void)thread;
-    const swiglu_job_t *j = arg;
+    const glu_job_t *j = arg;
     size_t a = (size_t)t * j->chunk, b = a + j->chunk < j->n ? a + j->chunk : j->n;
-    cb_cpu_swiglu(j->gate + a, j->up + a, b - a, j->out + a);
+    (j->gelu ? cb_cpu_geglu : cb_cpu_swiglu)(j->gate + a, j->up + a, b - a, j->out + a);
+}
+
+static void cpu_glu(cpu_ctx_t *c, const float *gate, const float *up, size_t n, float *out, bool gelu) {
+    if (n < 32768 || c->nt == 1) {
+        (gelu ? cb_cpu_geglu : cb_cpu_swiglu)(gate, up, n, out);
+        return;
+    }
+    glu_job_t j = {gate, up, out, n, (n / (size_t)(4 * c->nt) + 15) / 16 * 16, gelu};
+    cb_pool_run(c->pool, (int)((n + j.chunk - 1) / j.chunk), glu_task, &j);
 }
 
 static void cpu_swiglu(void *ctx, const float *gate, const float *up, size_t n, float *out) {
-    cpu_ctx_t *c = ctx;
-    if (n < 32768 || c->nt == 1) {
-        cb_cpu_swiglu(gate, up, n, out);
-        return;
-    }
-    swiglu_job_t j = {gate, up, out, n, (n / (size_t)(4 * c->nt) + 15) / 16 * 16};
-    cb_pool_run(c->pool, (int)((n + j.chunk - 1) / j.chunk), swiglu_task, &j);
+    cpu_glu(ctx, gate, up, n, out, false);
+}
+
+static void cpu_geglu(void *ctx, const float *gate, const float *up, size_t n, float *out) {
+    cpu_glu(ctx, gate, up, n, out, true);
+}
+
+static void cpu_scale(void *ctx, float *x, size_t n, float a) {
+    (void)ctx;
+    cb_cpu_scale(x, n, a);
 }
 
 static void cpu_add(void *ctx, float *x, const float *y, size_t n) {
@@ -432,6 +445,8 @@ static const cb_backend_ops_t CPU_OPS = {
     .attention = cpu_attention,
     .attention_rows = cpu_attention_rows,
     .swiglu = cpu_swiglu,
+    .geglu = cpu_geglu,
+    .scale = cpu_scale,
     .matmul_multi = cpu_matmul_multi,
     .matmul_rowwise = cpu_matmul_rowwise,
     .add = cpu_add,
@@ -484,7 +499,7 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     }
     c->max_cols = hp->n_ff > hp->n_embd ? hp->n_ff : hp->n_embd;
     if (hp->n_head * hp->head_dim > c->max_cols) c->max_cols = hp->n_head * hp->head_dim;
-    c->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 0.0f, CB_ATTN_F32};
+    c->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 0.0f, CB_ATTN_F32, 0};
     c->rope_cs = cb_cpu_alloc_huge(sizeof(float) * (size_t)max_keys * hp->head_dim, true);
     c->rope_rows = malloc(sizeof(float) * (size_t)max_rows * hp->head_dim);
     c->mm = (cb_cpu_mm_scratch_t){.max_rows = max_rows, .max_cols = c->max_cols, .tile_floats = CB_CPU_TILE_FLOATS};

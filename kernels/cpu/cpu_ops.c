@@ -6,6 +6,7 @@
 
 #include <assert.h>
 #include <cblas.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -292,29 +293,40 @@ void cb_cpu_add_bias(float *x, const float *b, int n, int dim) {
     }
 }
 
-void cb_cpu_swiglu(const float *gate, const float *up, size_t n, float *out) {
+/* out = gate * sigmoid(z) * up with z = gate (SiLU) or z = 2 sqrt(2/pi) (gate + 0.044715 gate^3) (GELU's tanh
+ * form: 0.5 g (1 + tanh(u)) = g sigmoid(2u)). */
+static void glu(const float *gate, const float *up, size_t n, float *out, bool gelu) {
+    const float c1 = gelu ? 1.5957691216057308f : 1.0f, c3 = gelu ? 0.0713548162726009f : 0.0f; /* 2 sqrt(2/pi) (1, 0.044715) */
     size_t i = 0;
 #if CB_AVX512
-    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 one = _mm512_set1_ps(1.0f), v1 = _mm512_set1_ps(c1), v3 = _mm512_set1_ps(c3);
     for (; i + 16 <= n; i += 16) {
         __m512 g = _mm512_loadu_ps(gate + i);
-        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        __m512 z = gelu ? _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), v3, v1)) : g;
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
         _mm512_storeu_ps(out + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
     }
 #elif CB_AVX2
-    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 one = _mm256_set1_ps(1.0f), v1 = _mm256_set1_ps(c1), v3 = _mm256_set1_ps(c3);
     for (; i + 8 <= n; i += 8) {
         __m256 g = _mm256_loadu_ps(gate + i);
-        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        __m256 z = gelu ? _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), v3, v1)) : g;
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
     }
 #endif
     for (; i < n; i++) {
-        float e;
-        float mg = -gate[i];
-        cb_cpu_exp(&mg, &e, 1);
-        out[i] = gate[i] / (1.0f + e) * up[i];
+        float e, g = gate[i], mz = gelu ? -g * (g * g * c3 + c1) : -g;
+        cb_cpu_exp(&mz, &e, 1);
+        out[i] = g / (1.0f + e) * up[i];
     }
+}
+
+void cb_cpu_swiglu(const float *gate, const float *up, size_t n, float *out) { glu(gate, up, n, out, false); }
+void cb_cpu_geglu(const float *gate, const float *up, size_t n, float *out) { glu(gate, up, n, out, true); }
+
+void cb_cpu_scale(float *x, size_t n, float a) {
+    for (size_t i = 0; i < n; i++) x[i] *= a;
 }
 
 void cb_cpu_add(float *x, const float *y, size_t n) {
@@ -831,9 +843,10 @@ static void mass_task(void *arg, int kvh, int thread) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, L, hd, g->scale, Q, hd, K, ld, 0.0f, S, L);
         for (int r = 0; r < M; r++) {
             float *s = S + (size_t)r * L;
-            int lim = j->key_limit[i0 + r % nr];
-            float inv = softmax_row(s, lim, L); /* zeros in [lim, L) */
-            for (int k = 0; k < lim; k++) {
+            const int lim = j->key_limit[i0 + r % nr], lo = cb_attn_key_lo(g, lim);
+            memset(s, 0, sizeof(float) * (size_t)lo); /* keys before the window: probability 0 */
+            float inv = softmax_row(s + lo, lim - lo, L - lo); /* zeros in [lim, L) */
+            for (int k = lo; k < lim; k++) {
                 s[k] *= inv; /* the probabilities, for P·V too */
                 mass[k] += s[k];
             }
@@ -877,17 +890,17 @@ static inline const float *head_f32(const cb_cpu_kv_t *kv, const void *base, int
     return cvt;
 }
 
-/* One query row, one head (kv head kvh): out[hd] = softmax(q·K[0:lim)ᵀ·scale) · V. s: [lim] scratch;
- * cvt: [hd] (f16 pools). */
+/* One query row, one head (kv head kvh): out[hd] = softmax(q·K[lo:lim)ᵀ·scale) · V, lo the window's first key.
+ * s: [lim] scratch; cvt: [hd] (f16 pools). */
 static void attend_row(const cb_attn_geom_t *g, const float *q, const cb_cpu_kv_t *kv, int kvh, int kvd, int lim,
                        float *s, float *cvt, float *out) {
-    const int hd = g->head_dim;
-    for (int j = 0; j < lim; j++) s[j] = dot_f32(q, head_f32(kv, kv->k, j, kvh, kvd, hd, cvt), hd) * g->scale;
-    float inv = softmax_row(s, lim, lim);
+    const int hd = g->head_dim, lo = cb_attn_key_lo(g, lim);
+    for (int j = lo; j < lim; j++) s[j - lo] = dot_f32(q, head_f32(kv, kv->k, j, kvh, kvd, hd, cvt), hd) * g->scale;
+    float inv = softmax_row(s, lim - lo, lim - lo);
     memset(out, 0, sizeof(float) * (size_t)hd);
-    for (int j = 0; j < lim; j++) {
+    for (int j = lo; j < lim; j++) {
         const float *v = head_f32(kv, kv->v, j, kvh, kvd, hd, cvt);
-        float p = s[j];
+        float p = s[j - lo];
         for (int d = 0; d < hd; d++) out[d] += p * v[d];
     }
     scale_row(out, hd, inv);
@@ -1028,8 +1041,12 @@ static void attn_block_task(void *arg, int t, int thread) {
     const int H = g->n_head, HKV = g->n_head_kv, hd = g->head_dim, G = H / HKV, qd = H * hd, kvd = HKV * hd;
     const int rb = j->rb, blk = t / HKV, kvh = t % HKV;
     int i0 = blk * rb, nr = i0 + rb <= j->n ? rb : j->n - i0, M = G * nr;
-    int L = 0;
-    for (int i = 0; i < nr; i++) L = j->key_limit[i0 + i] > L ? j->key_limit[i0 + i] : L;
+    int L = 0, Lo = INT_MAX; /* keys [Lo, L): every row's window */
+    for (int i = 0; i < nr; i++) {
+        const int lim = j->key_limit[i0 + i], lo = cb_attn_key_lo(g, lim);
+        L = lim > L ? lim : L;
+        Lo = lo < Lo ? lo : Lo;
+    }
     float *Q = j->scratch + (size_t)thread * j->per_thread; /* [G*rb][hd] */
     float *O = Q + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][hd] */
     float *S = O + (size_t)G * ATT_BLOCK_ROWS * hd;          /* [G*rb][ATT_KEY_CHUNK] */
@@ -1042,16 +1059,23 @@ static void attn_block_task(void *arg, int t, int thread) {
                    sizeof(float) * (size_t)hd);
     for (int r = 0; r < M; r++) m[r] = -INFINITY, l[r] = 0.0f;
     const cb_cpu_kv_t *kv = j->kv;
-    for (int c0 = 0; c0 < L; c0 += ATT_KEY_CHUNK) {
+    for (int c0 = Lo; c0 < L; c0 += ATT_KEY_CHUNK) {
         int w = L - c0 < ATT_KEY_CHUNK ? L - c0 : ATT_KEY_CHUNK, ld;
         const float *K, *V;
         chunk_kv(kv, kvh, kvd, hd, c0, w, GK, GV, &K, &V, &ld);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, w, hd, g->scale, Q, hd, K, ld, 0.0f, S, w);
         for (int r = 0; r < M; r++) {
-            float alpha = online_softmax(S + (size_t)r * w, j->key_limit[i0 + r % nr] - c0, w, &m[r], &l[r]);
-            if (c0 > 0 && alpha != 1.0f) scale_row(O + (size_t)r * hd, hd, alpha);
+            const int lim = j->key_limit[i0 + r % nr] - c0, lo = cb_attn_key_lo(g, lim + c0) - c0;
+            float *sr = S + (size_t)r * w, alpha = 1.0f;
+            if (lo <= 0) {
+                alpha = online_softmax(sr, lim, w, &m[r], &l[r]);
+            } else { /* keys before the row's window: weight 0 */
+                memset(sr, 0, sizeof(float) * (size_t)(lo < w ? lo : w));
+                if (lo < w) alpha = online_softmax(sr + lo, lim - lo, w - lo, &m[r], &l[r]);
+            }
+            if (c0 > Lo && alpha != 1.0f) scale_row(O + (size_t)r * hd, hd, alpha);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, w, 1.0f, S, w, V, ld, c0 > 0 ? 1.0f : 0.0f, O,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, hd, w, 1.0f, S, w, V, ld, c0 > Lo ? 1.0f : 0.0f, O,
                     hd);
     }
     for (int hh = 0; hh < G; hh++)
@@ -1884,7 +1908,8 @@ static void attn_split_task(void *arg, int t, int thread) {
     const cb_attn_geom_t *g = j->g;
     const int H = g->n_head, HKV = g->n_head_kv, hd = g->head_dim, G = H / HKV, qd = H * hd, kvd = HKV * hd;
     const int c = t % j->n_chunks, kvh = (t / j->n_chunks) % HKV, i = t / j->n_chunks / HKV;
-    const int lim = j->key_limit[i], c0 = c * j->chunk, c1 = c0 + j->chunk < lim ? c0 + j->chunk : lim;
+    const int lim = j->key_limit[i], c0 = cb_attn_key_lo(g, lim) + c * j->chunk;
+    const int c1 = c0 + j->chunk < lim ? c0 + j->chunk : lim;
     float *s = j->scratch + j->partial_floats + (size_t)thread * j->per_thread;
     if (j->kv->dtype == CB_KV_F16) {
         attn_split_f16(j, i, kvh, c, c0, c1, s);
@@ -1943,10 +1968,12 @@ static void attn_split_merge(const attn_job_t *j) {
 void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *out, float *scratch, int max_keys, cb_pool_t *pool) {
     const int H = g->n_head, HKV = g->n_head_kv, nt = cb_pool_size(pool);
-    int max_lim = 0;
+    int max_lim = 0, max_span = 0; /* span: keys a row sees (its window) */
     for (int i = 0; i < n; i++) {
         assert(key_limit[i] >= 1 && key_limit[i] <= max_keys);
+        const int span = key_limit[i] - cb_attn_key_lo(g, key_limit[i]);
         max_lim = key_limit[i] > max_lim ? key_limit[i] : max_lim;
+        max_span = span > max_span ? span : max_span;
     }
     attn_job_t j = {g, q, kv, key_limit, out, scratch, att_thread_floats(g, max_keys),
                     att_partial_floats(g, max_keys), att_cvt_offset(g, max_keys), att_bf16_offset(g, max_keys),
@@ -1958,8 +1985,8 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
         return;
     }
     if (n <= ATT_SPLIT_ROWS) { /* decode: split the keys so that every thread has work */
-        j.chunk = split_chunk(max_lim, n, HKV, nt);
-        j.n_chunks = (max_lim + j.chunk - 1) / j.chunk;
+        j.chunk = split_chunk(max_span, n, HKV, nt);
+        j.n_chunks = (max_span + j.chunk - 1) / j.chunk;
         cb_pool_run(pool, n * HKV * j.n_chunks, attn_split_task, &j);
         attn_split_merge(&j);
         return;
@@ -1967,7 +1994,8 @@ void cb_cpu_attention(const cb_attn_geom_t *g, const float *q, int n, const cb_c
     j.scratch = thread_scratch;
     while (j.rb > 8 && ((n + j.rb - 1) / j.rb) * HKV < 4 * nt) j.rb /= 2;
 #if CB_AVX512
-    const cb_attn_math_t math = cb_cpu_attn_math(g->math);
+    /* the reduced-precision blocks have no window: a windowed call takes the f32 blocks */
+    const cb_attn_math_t math = max_span < max_lim ? CB_ATTN_F32 : cb_cpu_attn_math(g->math);
     if (math == CB_ATTN_I16 && g->head_dim % 64 == 0 && g->head_dim <= 256) {
         j.pack = (uint16_t *)(void *)scratch;
         j.max_lim = max_lim;
@@ -2018,7 +2046,8 @@ static void attn_rows_task(void *arg, int t, int thread) {
     const int H = g->n_head, hd = g->head_dim, G = H / g->n_head_kv, kvd = g->n_head_kv * hd;
     int i = 0;
     while (t >= j->task0[i + 1]) i++;
-    const int cs = j->chunk[i], c0 = (t - j->task0[i]) * cs, lim = j->key_limit[i], c1 = c0 + cs < lim ? c0 + cs : lim;
+    const int cs = j->chunk[i], lim = j->key_limit[i], c0 = cb_attn_key_lo(g, lim) + (t - j->task0[i]) * cs;
+    const int c1 = c0 + cs < lim ? c0 + cs : lim;
     const cb_cpu_kv_t kv = {j->pool->k, j->pool->v, j->t[i].blocks, j->bt, j->pool->dtype};
     const bool f16 = kv.dtype == CB_KV_F16;
     const size_t esz = f16 ? sizeof(uint16_t) : sizeof(float);
@@ -2077,9 +2106,9 @@ void cb_cpu_attention_rows(const cb_attn_geom_t *g, const float *q, int n, const
         j.nr = 0;
         j.task0[0] = 0;
         while (j.nr < ATT_ROWS_MAX && i0 + j.nr < n) {
-            const int lim = key_limit[i0 + j.nr];
+            const int lim = key_limit[i0 + j.nr], span = lim - cb_attn_key_lo(g, lim);
             assert(lim >= 1 && lim <= max_keys);
-            const int cs = split_chunk(lim, 1, g->n_head_kv, nt), tasks = (lim + cs - 1) / cs;
+            const int cs = split_chunk(span, 1, g->n_head_kv, nt), tasks = (span + cs - 1) / cs;
             if (j.task0[j.nr] + tasks > slots) break;
             j.chunk[j.nr] = cs;
             j.task0[j.nr + 1] = j.task0[j.nr] + tasks;

@@ -51,6 +51,10 @@ void cb_cpu_add_bias(float *x, const float *b, int n, int dim);
 
 /* out[i] = silu(gate[i]) * up[i] over n elements (out may alias gate or up). */
 void cb_cpu_swiglu(const float *gate, const float *up, size_t n, float *out);
+/* out = gelu(gate) * up, GELU's tanh form (backend.h geglu); out may alias either input. */
+void cb_cpu_geglu(const float *gate, const float *up, size_t n, float *out);
+/* x *= a over n. */
+void cb_cpu_scale(float *x, size_t n, float a);
 /* x[i] += y[i] over n elements. */
 void cb_cpu_add(float *x, const float *y, size_t n);
 

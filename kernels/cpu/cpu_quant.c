@@ -2,16 +2,19 @@
  * set (AVX2 plus the v16 kernel), over the stored rows and the interleaved copies (x8, v16).
  *
  * Block layouts (REFERENCE.md §3, format/quant.c): Q4_0 {f16 d; u8 qs[16]} w = (nibble - 8) d; Q4_1 {f16 d,
- * m; u8 qs[16]} w = nibble d + m (low nibbles are elements 0..15, high 16..31); Q8_0 {f16 d; i8 qs[32]};
+ * m; u8 qs[16]} w = nibble d + m (low nibbles are elements 0..15, high 16..31); Q5_0 {f16 d; u8 qh[4];
+ * u8 qs[16]} w = ((nibble | bit j of the little-endian u32 qh << 4) - 16) d; Q8_0 {f16 d; i8 qs[32]};
  * Q4_K {f16 d, dmin; u8 scales[12]; u8 qs[128]}: 8 sub-blocks of 32 with 6-bit scale sc and min mn,
  * w = d sc nibble - dmin mn, chunk c of 32 bytes holds sub-block 2c in its low and 2c+1 in its high
  * nibbles; Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: 16 scales of 16 elements, w = d sc (q - 32).
  *
- * Q4_0, Q4_1, Q8_0 read the B32 activations: a product of one weight block and one activation block is an
- * exact integer sum (|sum| < 2^23), scaled by d_w * d_x in f32 and accumulated in f32. Q4_K and Q6_K read
- * the K activations: per super-block, the integer sum of sc_k * dot_k over its sub-blocks (Q4_K:
- * |sum| <= 8 * 63 * 32 * 15 * 127 < 2^25; Q6_K, whose unsigned q = w / (d sc) + 32 is multiplied as is and
- * 32 * sum_g sc_g * bsum_g taken off: |sum| <= 16 * 128 * 16 * 32 * 127 < 2^28) and, for Q4_K,
+ * Q4_0, Q4_1, Q5_0, Q8_0 read the B32 activations: a product of one weight block and one activation block is
+ * an exact integer sum (|sum| < 2^23; Q5_0's signed 5-bit codes -16..15: |sum| <= 32 * 16 * 127 < 2^16),
+ * scaled by d_w * d_x in f32 and accumulated in f32 (Q5_0 has no interleaved form, and no AVX-512 kernel:
+ * the avx512vnni set runs its AVX2 kernel). Q4_K and Q6_K read the K activations: per super-block, the
+ * integer sum of sc_k * dot_k over its sub-blocks (Q4_K: |sum| <= 8 * 63 * 32 * 15 * 127 < 2^25; Q6_K,
+ * whose unsigned q = w / (d sc) + 32 is multiplied as is and 32 * sum_g sc_g * bsum_g taken off:
+ * |sum| <= 16 * 128 * 16 * 32 * 127 < 2^28) and, for Q4_K,
  * sum_k mn_k * bsum32_k, each converted to f32 once and scaled by d_x d (d_x dmin). The K kernels also
  * prefetch the weight rows ahead (K_PREFETCH). The AVX2 kernels on stored rows keep 8 lanes of partial sums per row
  * and add them at the end; the x8 and v16 kernels keep one lane per weight row (8 or 16 rows per vector)
@@ -122,6 +125,11 @@ static inline float f16_at(const uint8_t *p) {
     return cb_f16_to_f32(h);
 }
 
+/* The 32 fifth bits of a Q5_0 block (bit j = element j), from the 4 little-endian qh bytes at p. */
+static inline uint32_t q5_hbits(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
 /* 6-bit scale and min of Q4_K sub-block k (0..7) from the 12 packed bytes. */
 static inline void q4k_scale_min(int k, const uint8_t *s, int *sc, int *mn) {
     if (k < 4) {
@@ -181,6 +189,26 @@ static void s_q4_1_row(const uint8_t *w, int cols, const xrow_t *x, int R, float
             int s = 0;
             for (int j = 0; j < 16; j++) s += (blk[4 + j] & 0xF) * xq[j] + (blk[4 + j] >> 4) * xq[j + 16];
             acc += f16_at(blk) * x[r].d[b] * (float)s + f16_at(blk + 2) * x[r].ds[b];
+        }
+        out[r] = acc;
+    }
+}
+
+/* Q5_0: the signed codes q - 16 (q = nibble | fifth bit << 4) against the activation's int8, as Q4_0. */
+static void s_q5_0_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+    for (int r = 0; r < R; r++) {
+        float acc = 0.0f;
+        for (int b = 0; b < cols / 32; b++) {
+            const uint8_t *blk = w + 22 * b, *qs = blk + 6;
+            const uint32_t qh = q5_hbits(blk + 2);
+            const int8_t *xq = x[r].q + 32 * b;
+            int s = 0;
+            for (int j = 0; j < 16; j++) {
+                const int lo = (qs[j] & 0xF) | (int)((qh >> j) & 1u) << 4;        /* element j */
+                const int hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4;  /* element j + 16 */
+                s += (lo - 16) * xq[j] + (hi - 16) * xq[j + 16];
+            }
+            acc += f16_at(blk) * x[r].d[b] * (float)s;
         }
         out[r] = acc;
     }
@@ -254,6 +282,7 @@ static void s_q6_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float
 
 ROWS_LOOP(s_q4_0)
 ROWS_LOOP(s_q4_1)
+ROWS_LOOP(s_q5_0)
 ROWS_LOOP(s_q8_0)
 ROWS_LOOP(s_q4_k)
 ROWS_LOOP(s_q6_k)
@@ -498,6 +527,34 @@ static inline __attribute__((always_inline)) void v_q4_0_r(const uint8_t *w, int
     for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]);
 }
 V_ROWS_SWITCH(v_q4_0)
+
+/* The 32 fifth bits of a Q5_0 block as bytes: 0x10 where bit j of the little-endian u32 at qh is set, else 0
+ * (byte j of a broadcast of qh's byte j / 8, tested against its bit j % 8). */
+static inline __m256i v_q5_hbits(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i idx = _mm256_setr_epi64x(0, 0x0101010101010101ll, 0x0202020202020202ll, 0x0303030303030303ll);
+    const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), idx); /* in-lane: each lane holds h */
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* Q5_0: the 32 codes q - 16 (-16..15) as int8, then v_q4_0_r's signed dot. */
+static inline __attribute__((always_inline)) void v_q5_0_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
+                                                            float *out) {
+    __m256 acc[QROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < cols / 32; b++) {
+        const uint8_t *blk = w + 22 * b;
+        const __m256i u = _mm256_or_si256(v_nibbles(blk + 6), v_q5_hbits(blk + 2)); /* codes 0..31 */
+        const __m256i wq = _mm256_sub_epi8(u, _mm256_set1_epi8(16));
+        const float d = v_f16(blk);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), v_dot_ss(wq, v_load(x[r].q + 32 * b)), acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = v_hsum(acc[r]);
+}
+V_ROWS_SWITCH(v_q5_0)
 
 /* Q4_1 and Q8_0 (the default model's types) take two blocks per step into two accumulators per row, so
  * consecutive blocks' multiply-adds do not wait on each other (indexing the accumulators by block parity
@@ -958,7 +1015,7 @@ static void w_q4_1v16(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
 
 typedef struct {
     const char *name;
-    qdot_fn q4_0, q4_1, q8_0, q4_k, q6_k;
+    qdot_fn q4_0, q4_1, q5_0, q8_0, q4_k, q6_k;
     qdot_fn q4_1x8, q8_0x8; /* interleaved weights (w->x8) */
     int x8_rows;            /* activation rows per call of an x8 kernel */
     void (*x8_dequant)(const cb_weight_t *w, int row, float *dst);
@@ -966,13 +1023,13 @@ typedef struct {
     int v16_rows;
 } qdot_set_t;
 
-static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS, s_x8_dequant_row,
+static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q5_0, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS, s_x8_dequant_row,
                                    s_q4_1v16, QROWS};
 #ifdef CB_HAVE_X86
-static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, v_x8_dequant_row,
+static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, v_x8_dequant_row,
                                  s_q4_1v16, QROWS};
 /* AVX2 and, for the v16 layout, AVX-512 VNNI */
-static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS,
+static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS,
                                 v_x8_dequant_row, w_q4_1v16, V16_MR};
 #endif
 
@@ -1056,6 +1113,7 @@ static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
     switch (type) {
     case CB_TYPE_Q4_0: return k->q4_0;
     case CB_TYPE_Q4_1: return k->q4_1;
+    case CB_TYPE_Q5_0: return k->q5_0;
     case CB_TYPE_Q8_0: return k->q8_0;
     case CB_TYPE_Q4_K: return k->q4_k;
     case CB_TYPE_Q6_K: return k->q6_k;

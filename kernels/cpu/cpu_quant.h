@@ -3,15 +3,16 @@
  *
  * An activation row is quantized once per call, in the format(s) its weights read, to int8 with f32
  * scales: q = round(x / d), d = max|x| / 127 over the scale's block, |q| <= 127.
- *   B32 (Q4_0, Q4_1, Q8_0; as ggml's Q8_0 / Q8_1, whose scales are f16): one d per block of 32, and
+ *   B32 (Q4_0, Q4_1, Q5_0, Q8_0; as ggml's Q8_0 / Q8_1, whose scales are f16): one d per block of 32, and
  *       ds = d * sum(q) per block. A weight block times an activation block is an exact integer sum, scaled
  *       once by the two block scales in f32; the Q4_1 min term uses ds.
  *   K (Q4_K, Q6_K; as ggml's Q8_K): one d per super-block of 256 and the integer sum of q per 16. A weight
  *       super-block times an activation super-block is one exact integer sum: the sub-block dots times the
  *       weight's 6- or 8-bit sub-block scales, less the Q4_K mins times the activation's sums per 32 (and
  *       the Q6_K offset 32 times its sums per 16), scaled once by d_w * d_x in f32.
- * Supported weight types: Q4_0, Q4_1, Q8_0 (blocks of 32 along a row), Q4_K and Q6_K (super-blocks of
- * 256; cols must be a multiple of 256).
+ * Supported weight types: Q4_0, Q4_1, Q5_0, Q8_0 (blocks of 32 along a row), Q4_K and Q6_K (super-blocks
+ * of 256; cols must be a multiple of 256). Q5_0's codes are signed 5-bit (-16..15) and its block dot is the
+ * exact integer sum of (q - 16) * q_x, as Q4_0's.
  *
  * Error against the exact f32 product: the activation rounding only (the weight's own values are used
  * exactly): per element |x - d q| <= d / 2 = max|x_b| / 254 over the element's scale block b (32 elements

@@ -125,7 +125,7 @@ void cb_cuda_graph_destroy(cb_cuda_graph_t **g_p);
 
 /* ---------------------------------------------------------------- weights */
 
-/* Dequantizes n elements of a GGUF tensor (type = ggml type id: F32, F16, BF16, Q4_0, Q4_1, Q8_0,
+/* Dequantizes n elements of a GGUF tensor (type = ggml type id: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0,
  * Q4_K, Q6_K) from host memory (e.g. the mmapped file) into device dst as bf16 or f32. n must be a
  * multiple of the type's block size. Synchronous (load time): returns when dst is written. */
 int cb_cuda_upload_weights(cb_cuda_t *self, uint32_t gguf_type, const void *host_src, size_t n,
@@ -186,6 +186,14 @@ int cb_cuda_rope(cb_cuda_t *self, int n, int n_heads, int head_dim, const cb_bf1
 int cb_cuda_swiglu(cb_cuda_t *self, int n, int ffn, const cb_bf16_t *gate, const cb_bf16_t *up, int ld_in,
                    cb_bf16_t *out, int ldo);
 
+/* out[i][j] = bf16(gelu(gate[i][j]) * up[i][j]), GELU's tanh form 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+ * (gemma3's FFN); operands as cb_cuda_swiglu. */
+int cb_cuda_geglu(cb_cuda_t *self, int n, int ffn, const cb_bf16_t *gate, const cb_bf16_t *up, int ld_in,
+                  cb_bf16_t *out, int ldo);
+
+/* x[i] *= a over n f32 values (one f32 rounding each: the CPU's bits). */
+int cb_cuda_scale(cb_cuda_t *self, float *x, size_t n, float a);
+
 /* h[i][j] += y[i][j]; h f32 [n][ldh], y f32 or bf16 [n][ldy]. ldy = 0 adds y's one row [dim] to every row
  * of h (a projection's bias). */
 int cb_cuda_add(cb_cuda_t *self, int n, int dim, float *h, int ldh, const void *y, cb_cuda_dtype_t y_dtype,
@@ -212,10 +220,13 @@ typedef enum {
 } cb_cuda_attn_algo_t;
 
 /* Exact causal attention of an arbitrary subset of query rows against the full fused KV.
- * Query row r (0 <= r < n_q) sees keys [0, limit[r] + limit_add) (clamped to [0, n_kv]); for a
- * token at fused position p the exact causal rule is limit = p + 1 (ALGORITHM.md §1.8). A row whose
- * limit is <= 0 gets zeros. GQA: query head h reads kv head h / (n_heads / n_kv_heads).
- * Contract: K/V rows [0, max limit) are initialized; rows beyond may hold anything (never read). */
+ * Query row r (0 <= r < n_q) sees keys [lo_r, L_r): L_r = limit[r] + limit_add clamped to [0, n_kv], and
+ * lo_r = L_r - window when window > 0 and L_r > window, else 0 (a sliding window: the last `window` keys
+ * below the limit; backend.h's cb_attn_key_lo of L_r). For a token at fused position p the exact causal
+ * rule is limit = p + 1 (ALGORITHM.md §1.8). A row whose limit is <= 0 gets zeros. GQA: query head h reads
+ * kv head h / (n_heads / n_kv_heads).
+ * Contract: K/V rows [min lo_r, max L_r) (over the rows with L_r > 0) are initialized (finite); rows outside
+ * may hold anything (never read, or read as zeros). */
 typedef struct {
     const cb_bf16_t *q; int ldq;       /* device [n_q][ldq]; head h at columns h*head_dim (post-RoPE) */
     const cb_bf16_t *k; const cb_bf16_t *v; int ldkv;  /* device [n_kv][ldkv]; kv head g at g*head_dim */
@@ -226,16 +237,18 @@ typedef struct {
     int max_limit;                     /* host upper bound of the effective limits (<= n_kv); 0 = n_kv.
                                           Sizes split-K; a graph-captured decode passes its capacity. */
     float scale;                       /* 0 = 1/sqrt(head_dim) */
+    int window;                        /* sliding window (keys a row sees below its limit); <= 0: none */
 } cb_cuda_attn_t;
 
 int cb_cuda_attention(cb_cuda_t *self, const cb_cuda_attn_t *a, cb_cuda_attn_algo_t algo);
 
 /* Attention mass (the blend's query-aware selection, metric 'a'): for every query row r and head h, the
- * softmax probabilities p_rh(j) of q_rh over keys [0, limit[r] + limit_add) (scores as attention computes
- * them: bf16 q and K, f32 dot products, times scale) summed over rows and heads:
+ * softmax probabilities p_rh(j) of q_rh over keys [lo_r, L_r) (as cb_cuda_attention: the limit, and the
+ * window when a->window > 0; scores as attention computes them: bf16 q and K, f32 dot products, times
+ * scale) summed over rows and heads (a key no row sees gets 0):
  *     mass[j] = sum_h sum_r p_rh(j)   for j < n_keys = (max_limit ? max_limit : n_kv);
  * mass device f32 [n_keys] (written, not accumulated). Uses q, ldq, k, ldkv, limit, limit_add, n_q, n_kv,
- * n_heads, n_kv_heads, head_dim, max_limit and scale of a (v and out are not read). Deterministic: one
+ * n_heads, n_kv_heads, head_dim, max_limit, scale and window of a (v and out are not read). Deterministic: one
  * pass takes each (row, head)'s max and sum with a fixed per-thread order and a fixed merge, a second
  * gives one thread per key that sums heads then rows in order; no atomics. head_dim even <= 256, GQA
  * group <= 16; scratch: 8 * n_q * n_heads bytes of the context's workspace. */

@@ -1,19 +1,23 @@
-/* cb_cuda_attn.cu: attention with an exact per-row causal limit (ALGORITHM.md §1.8).
+/* cb_cuda_attn.cu: attention with an exact per-row causal limit (ALGORITHM.md §1.8) and an optional sliding
+ * window: row r sees keys [lo_r, L_r), L_r its clamped limit, lo_r = L_r - window when window > 0 and
+ * L_r > window, else 0 (cb_row_lo; every path applies the same rule).
  *
  *  flash   FlashAttention-2 style prefill: a block owns 64 query rows of one head (4 warps x 16 rows);
  *          K/V tiles of 64 keys are double-buffered in shared memory with cp.async; S = Q K^T and
  *          O += P V run on tensor cores (mma.sync m16n8k16 bf16, f32 accumulate); online softmax in
- *          the log2 domain. Row r sees keys [0, limit[r]); tiles past a warp's largest limit are
- *          skipped, keys past the block's largest limit are never read (zero-filled). Blocks are
- *          launched heaviest first (reverse row order) for load balance under a causal mask.
- *  splitk  decode: the key range is split into chunks; a block handles one (row, kv head, chunk)
- *          for all query heads of the GQA group (K/V read once per group), writes a partial
- *          (max, sum, unnormalized O) to the scratch area; a second kernel merges the chunks.
+ *          the log2 domain. Scores outside [lo_r, L_r) are masked to -inf; the block loads only the tiles
+ *          between its rows' lowest first key and largest limit (keys outside that range are zero-filled,
+ *          never read), and a warp skips tiles outside its own rows' range. Blocks are launched heaviest
+ *          first (reverse row order) for load balance under a causal mask.
+ *  splitk  decode: the row's key range [lo_r, L_r) is split into chunks from lo_r; a block handles one
+ *          (row, kv head, chunk) for all query heads of the GQA group (K/V read once per group), writes a
+ *          partial (max, sum, unnormalized O) to the scratch area; a second kernel merges the chunks.
  *  simple  one warp per (row, head) on CUDA cores; any head_dim <= 256; the fallback.
  *  mass    the blend's attention mass (metric 'a'): per (row, kv head) the softmax max and sum of every
  *          head of the group (one read of K), then one thread per key summing the probabilities over
  *          heads and rows in a fixed order (deterministic, no atomics).
  */
+#include <limits.h>
 #include <math.h>
 #include <string.h>
 
@@ -61,6 +65,7 @@ struct cb_attn_p {
     const int32_t *limit;
     int ldq, ldkv, ldo, limit_add;
     int n_q, n_kv, n_heads, group;   /* group = n_heads / n_kv_heads */
+    int window;                      /* sliding window, <= 0: none */
     float scale_log2;                /* softmax scale * log2(e) */
 };
 
@@ -68,6 +73,11 @@ __device__ __forceinline__ int cb_row_limit(const cb_attn_p &p, int row) {
     if (row >= p.n_q) return 0;
     long long l = (long long)p.limit[row] + p.limit_add;
     return l < 0 ? 0 : (l > p.n_kv ? p.n_kv : (int)l);
+}
+
+/* The first key a row of (clamped) limit lim sees: lim - window under a window it exceeds, else 0. */
+__device__ __forceinline__ int cb_row_lo(const cb_attn_p &p, int lim) {
+    return p.window > 0 && lim > p.window ? lim - p.window : 0;
 }
 
 /* ------------------------------------------------------------------ flash (prefill) */
@@ -86,26 +96,37 @@ __global__ void __launch_bounds__(FA_THREADS) k_flash(cb_attn_p p) {
     extern __shared__ __align__(16) uint16_t fa_smem[];
     uint16_t *Ks = fa_smem;                     /* [2][FA_BC][LDS] */
     uint16_t *Vs = fa_smem + 2 * FA_BC * LDS;   /* [2][FA_BC][LDS] */
-    __shared__ int s_lim[FA_BR];
-    __shared__ int s_wmax[4];
+    __shared__ int s_lim[FA_BR], s_lo[FA_BR];
+    __shared__ int s_wmax[4], s_wmin[4];   /* per warp: largest limit, lowest first key of its rows that see any */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, kvh = h / p.group;
     const int r0 = (gridDim.x - 1 - blockIdx.x) * FA_BR;   /* heaviest (last) rows first */
 
-    if (tid < FA_BR) s_lim[tid] = cb_row_limit(p, r0 + tid);
+    if (tid < FA_BR) {
+        const int lim = cb_row_limit(p, r0 + tid);
+        s_lim[tid] = lim;
+        s_lo[tid] = cb_row_lo(p, lim);
+    }
     __syncthreads();
     if (lane == 0) {
-        int m = 0;
-        for (int i = 0; i < 16; i++) m = max(m, s_lim[warp * 16 + i]);
+        int m = 0, lo = INT_MAX;   /* INT_MAX: no row of the warp sees a key */
+        for (int i = 0; i < 16; i++) {
+            const int lim = s_lim[warp * 16 + i];
+            m = max(m, lim);
+            if (lim > 0) lo = min(lo, s_lo[warp * 16 + i]);
+        }
         s_wmax[warp] = m;
+        s_wmin[warp] = lo;
     }
     __syncthreads();
     const int kmax = max(max(s_wmax[0], s_wmax[1]), max(s_wmax[2], s_wmax[3]));
-    const int wmax = s_wmax[warp];
+    const int kmin = min(min(s_wmin[0], s_wmin[1]), min(s_wmin[2], s_wmin[3]));   /* < kmax when kmax > 0 */
+    const int wmax = s_wmax[warp], wmin = s_wmin[warp];
     const int row_a = r0 + warp * 16 + g, row_b = row_a + 8;
     const int lim_a = s_lim[warp * 16 + g], lim_b = s_lim[warp * 16 + g + 8];
+    const int lo_a = s_lo[warp * 16 + g], lo_b = s_lo[warp * 16 + g + 8];
 
     /* Q fragments, straight from global memory (read once). */
     uint32_t qa[KSTEPS][4];
@@ -128,14 +149,15 @@ __global__ void __launch_bounds__(FA_THREADS) k_flash(cb_attn_p p) {
     for (int i = 0; i < NDT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
 
-    const int n_tiles = (kmax + FA_BC - 1) / FA_BC;
+    /* tiles [kt0, n_tiles) hold every key a row of the block sees (none when kmax is 0) */
+    const int n_tiles = (kmax + FA_BC - 1) / FA_BC, kt0 = kmax > 0 ? kmin / FA_BC : 0;
     const uint16_t *kbase = p.k + kvh * D, *vbase = p.v + kvh * D;
     auto load_tile = [&](int kt, int buf) {
         constexpr int CHUNKS = D / 8;   /* 16-byte pieces per row */
         for (int idx = tid; idx < FA_BC * CHUNKS; idx += FA_THREADS) {
             int r = idx / CHUNKS, c = idx % CHUNKS;
             int key = kt * FA_BC + r;
-            bool ok = key < kmax;
+            bool ok = key >= kmin && key < kmax;   /* keys no row of the block sees: zeros, not read */
             size_t off = ok ? (size_t)key * p.ldkv + c * 8 : 0;
             cb_cp_async16(Ks + (buf * FA_BC + r) * LDS + c * 8, kbase + off, ok);
             cb_cp_async16(Vs + (buf * FA_BC + r) * LDS + c * 8, vbase + off, ok);
@@ -143,9 +165,9 @@ __global__ void __launch_bounds__(FA_THREADS) k_flash(cb_attn_p p) {
         cb_cp_commit();
     };
 
-    if (n_tiles > 0) load_tile(0, 0);
-    for (int kt = 0; kt < n_tiles; kt++) {
-        const int buf = kt & 1;
+    if (kt0 < n_tiles) load_tile(kt0, 0);
+    for (int kt = kt0; kt < n_tiles; kt++) {
+        const int buf = (kt - kt0) & 1;
         if (kt + 1 < n_tiles) {
             load_tile(kt + 1, buf ^ 1);
             cb_cp_wait<1>();
@@ -153,7 +175,7 @@ __global__ void __launch_bounds__(FA_THREADS) k_flash(cb_attn_p p) {
             cb_cp_wait<0>();
         }
         __syncthreads();
-        if (kt * FA_BC < wmax) {
+        if (kt * FA_BC < wmax && (kt + 1) * FA_BC > wmin) {   /* the tile meets the warp's key range */
             const uint16_t *Kt = Ks + buf * FA_BC * LDS, *Vt = Vs + buf * FA_BC * LDS;
             /* S = Q K^T: 16 rows x 64 keys per warp, 8 n-tiles of 8 keys. */
             float s[8][4];
@@ -170,15 +192,16 @@ __global__ void __launch_bounds__(FA_THREADS) k_flash(cb_attn_p p) {
                     cb_mma(s[2 * jp + 1], qa[kk], b2, b3);
                 }
             }
-            /* mask (exact causal limit per row), scale, row max */
+            /* mask (each row's keys [lo, limit): exact causal limit and window), scale, row max. A row with no
+             * key in this tile has max -inf; the exponent base below is then 0, so exp2 gives 0, never NaN. */
             float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 int key = kt * FA_BC + 8 * j + 2 * t;
-                s[j][0] = key < lim_a ? s[j][0] * p.scale_log2 : -INFINITY;
-                s[j][1] = key + 1 < lim_a ? s[j][1] * p.scale_log2 : -INFINITY;
-                s[j][2] = key < lim_b ? s[j][2] * p.scale_log2 : -INFINITY;
-                s[j][3] = key + 1 < lim_b ? s[j][3] * p.scale_log2 : -INFINITY;
+                s[j][0] = key >= lo_a && key < lim_a ? s[j][0] * p.scale_log2 : -INFINITY;
+                s[j][1] = key + 1 >= lo_a && key + 1 < lim_a ? s[j][1] * p.scale_log2 : -INFINITY;
+                s[j][2] = key >= lo_b && key < lim_b ? s[j][2] * p.scale_log2 : -INFINITY;
+                s[j][3] = key + 1 >= lo_b && key + 1 < lim_b ? s[j][3] * p.scale_log2 : -INFINITY;
                 mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
                 mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
             }
@@ -280,7 +303,7 @@ __global__ void __launch_bounds__(SK_THREADS) k_splitk(cb_attn_p p, int D, int c
     const int kvh = blockIdx.x, split = blockIdx.y, row = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int lim = cb_row_limit(p, row);
-    const int start = split * chunk, end = min(start + chunk, lim);
+    const int start = cb_row_lo(p, lim) + split * chunk, end = min(start + chunk, lim);   /* chunks from lo */
     const size_t rec = (size_t)D + 2;
     float *wrow = ws + ((size_t)row * p.n_heads + (size_t)kvh * G) * n_splits * rec;   /* head kvh*G + g */
     if (start >= end) {
@@ -360,7 +383,7 @@ __global__ void __launch_bounds__(SK_THREADS) k_splitk2(cb_attn_p p, int chunk, 
     const int kvh = blockIdx.x, split = blockIdx.y, row = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int lim = cb_row_limit(p, row);
-    const int start = split * chunk, end = min(start + chunk, lim);
+    const int start = cb_row_lo(p, lim) + split * chunk, end = min(start + chunk, lim);   /* chunks from lo */
     const size_t rec = (size_t)D + 2;
     float *wrow = ws + ((size_t)row * p.n_heads + (size_t)kvh * G) * n_splits * rec;
     if (start >= end) {
@@ -491,6 +514,7 @@ __global__ void k_splitk_reduce(cb_attn_p p, int D, int n_splits, const float *w
 
 static int cb_splitk_plan(cb_cuda_t *self, const cb_cuda_attn_t *a, int *chunk, int *n_splits) {
     int maxlim = a->max_limit > 0 && a->max_limit < a->n_kv ? a->max_limit : a->n_kv;
+    if (a->window > 0 && a->window < maxlim) maxlim = a->window;   /* a row's keys: L - lo <= min(L, window) */
     if (maxlim < 1) maxlim = 1;
     long long want = (4LL * self->sm_count + (long long)a->n_kv_heads * a->n_q - 1) / ((long long)a->n_kv_heads * a->n_q);
     if (want < 1) want = 1;
@@ -542,7 +566,7 @@ static int cb_splitk_launch(cb_cuda_t *self, const cb_cuda_attn_t *a, const cb_a
 __global__ void k_attn_simple(cb_attn_p p, int D) {
     const int row = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
     const int kvh = h / p.group;
-    const int lim = cb_row_limit(p, row);
+    const int lim = cb_row_limit(p, row), lo = cb_row_lo(p, lim);
     constexpr int PER = SIMPLE_MAX_D / 32;
     float qv[PER], ov[PER];
 #pragma unroll
@@ -552,7 +576,7 @@ __global__ void k_attn_simple(cb_attn_p p, int D) {
         ov[i] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    for (int j = 0; j < lim; j++) {
+    for (int j = lo; j < lim; j++) {
         const uint16_t *kr = p.k + (size_t)j * p.ldkv + (size_t)kvh * D;
         float dot = 0.0f;
 #pragma unroll
@@ -605,6 +629,7 @@ extern "C" int cb_cuda_attention(cb_cuda_t *self, const cb_cuda_attn_t *a, cb_cu
     p.n_kv = a->n_kv;
     p.n_heads = a->n_heads;
     p.group = a->n_heads / a->n_kv_heads;
+    p.window = a->window;
     p.scale_log2 = (a->scale > 0.0f ? a->scale : 1.0f / sqrtf((float)a->head_dim)) * CB_LOG2E;
 
     /* flash needs 16-byte aligned K/V rows (cp.async) and 4-byte aligned Q/O pairs */
@@ -656,7 +681,8 @@ __device__ __forceinline__ float cb_am_score(const float *q, const uint16_t *k, 
 }
 
 /* One block per (row, kv head): every head of the group, each thread an online (max, sum) over its keys
- * (j = tid, tid + 128, ...), merged in thread order: stats[(row * n_heads + h) * 2] = (max, sum). */
+ * (j = lo + tid, lo + tid + 128, ... below the limit), merged in thread order:
+ * stats[(row * n_heads + h) * 2] = (max, sum). */
 __global__ void __launch_bounds__(AM_THREADS) k_mass_stats(cb_attn_p p, int D, float *stats) {
     extern __shared__ float am_smem[];
     const int G = p.group;
@@ -664,7 +690,7 @@ __global__ void __launch_bounds__(AM_THREADS) k_mass_stats(cb_attn_p p, int D, f
     float *sm = am_smem + G * D;                  /* [G][AM_THREADS] per-thread max */
     float *sl = sm + G * AM_THREADS;              /* [G][AM_THREADS] per-thread sum */
     const int row = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
-    const int lim = cb_row_limit(p, row);
+    const int lim = cb_row_limit(p, row), lo = cb_row_lo(p, lim);
     for (int i = tid; i < G * D; i += AM_THREADS) {
         int g = i / D, d = i % D;
         qs[i] = cb_bf2f(p.q[(size_t)row * p.ldq + (size_t)(kvh * G + g) * D + d]);
@@ -674,7 +700,7 @@ __global__ void __launch_bounds__(AM_THREADS) k_mass_stats(cb_attn_p p, int D, f
 #pragma unroll
     for (int g = 0; g < AM_MAX_G; g++) m[g] = -INFINITY, l[g] = 0.0f;
     const uint16_t *kb = p.k + (size_t)kvh * D;
-    for (int j = tid; j < lim; j += AM_THREADS) {
+    for (int j = lo + tid; j < lim; j += AM_THREADS) {
         const uint16_t *kr = kb + (size_t)j * p.ldkv;
 #pragma unroll
         for (int g = 0; g < AM_MAX_G; g++) {
@@ -708,11 +734,12 @@ __global__ void __launch_bounds__(AM_THREADS) k_mass_stats(cb_attn_p p, int D, f
     }
 }
 
-/* One thread per key j: mass[j] = sum over heads h, then rows r (both ascending) of exp2(s - max) / sum. */
+/* One thread per key j: mass[j] = sum over heads h, then rows r (both ascending) of exp2(s - max) / sum, over
+ * the rows that see key j. */
 __global__ void __launch_bounds__(AM_THREADS) k_mass_sum(cb_attn_p p, int D, int n_keys, const float *stats,
                                                          float *mass) {
     __shared__ float qs[AM_ROWS][AM_MAX_D];
-    __shared__ int lims[AM_ROWS];
+    __shared__ int lims[AM_ROWS], los[AM_ROWS];
     __shared__ float st[AM_ROWS][2];
     const int tid = threadIdx.x, j = blockIdx.x * AM_THREADS + tid;
     float acc = 0.0f;
@@ -728,13 +755,14 @@ __global__ void __launch_bounds__(AM_THREADS) k_mass_sum(cb_attn_p p, int D, int
             if (tid < nr) {
                 const float *s2 = stats + ((size_t)(r0 + tid) * p.n_heads + h) * 2;
                 lims[tid] = cb_row_limit(p, r0 + tid);
+                los[tid] = cb_row_lo(p, lims[tid]);
                 st[tid][0] = s2[0];
                 st[tid][1] = s2[1];
             }
             __syncthreads();
             if (j < n_keys)
                 for (int rr = 0; rr < nr; rr++)
-                    if (j < lims[rr] && st[rr][1] > 0.0f) {
+                    if (j >= los[rr] && j < lims[rr] && st[rr][1] > 0.0f) {
                         float s = cb_am_score(qs[rr], kr, D, p.scale_log2);
                         acc += __fdiv_rn(exp2f(__fsub_rn(s, st[rr][0])), st[rr][1]);
                     }
@@ -772,6 +800,7 @@ extern "C" int cb_cuda_attn_mass(cb_cuda_t *self, const cb_cuda_attn_t *a, float
     p.n_kv = a->n_kv;
     p.n_heads = a->n_heads;
     p.group = a->n_heads / a->n_kv_heads;
+    p.window = a->window;
     p.scale_log2 = (a->scale > 0.0f ? a->scale : 1.0f / sqrtf((float)a->head_dim)) * CB_LOG2E;
     float *stats = (float *)self->ws;
     const size_t smem = ((size_t)p.group * a->head_dim + 2 * (size_t)p.group * AM_THREADS) * sizeof(float);

@@ -1,14 +1,16 @@
 /* cb_cuda_backend.cu: the CUDA instance of backend.h's table (see cb_cuda_backend.h).
  *
  * Dense operations copy their host inputs to device scratch, convert f32 -> bf16, run the cb_cuda kernel
- * and copy the result back as f32 (add and add_bias stay f32). RoPE takes the layer's cb_rope_t (pairing,
- * base, linear scaling, frequency factors, the last uploaded once per tensor); kv_load's re-rotation of
- * pre-RoPE K runs the same kernel with the same descriptor. The KV pool lives on the device (bf16,
- * [n_layer][n_blocks][bt][kv_dim] for K and the same for V): writes and layer loads scatter into it,
+ * and copy the result back as f32 (add, add_bias and scale stay f32). RoPE takes the layer's cb_rope_t
+ * (pairing, base, linear scaling, frequency factors, the last uploaded once per tensor); kv_load's
+ * re-rotation of pre-RoPE K runs the same kernel with the same descriptor. The KV pool lives on the device
+ * (bf16, [n_layer][n_blocks][bt][kv_dim] for K and the same for V): writes and layer loads scatter into it,
  * attention and attention mass read it in place (consecutive blocks) or through one device-to-device
- * gather of the table's blocks. Everything runs on the context's compute stream and every operation ends
- * synchronized (its outputs, or its inputs read, before it returns), under one mutex (the blend's loader
- * thread calls kv_load). */
+ * gather of the table's blocks. Under a sliding window (cb_attn_geom_t.window) they read only the blocks
+ * from the one holding the call's lowest first key (cb_attn_key_lo) up to its largest limit, and the
+ * kernels mask each row to its own keys [lo, limit). Everything runs on the context's compute stream and
+ * every operation ends synchronized (its outputs, or its inputs read, before it returns), under one mutex
+ * (the blend's loader thread calls kv_load). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -263,6 +265,32 @@ bad:
     nan_fill(out, n);
 }
 
+void be_geglu(void *ctx, const float *gate, const float *up, size_t n, float *out) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    if (n < 1 || n > c->cap_in || n > c->cap_out || n > 0x7fffffff) { c->failed = true; goto bad; }
+    TRYB(up_bf16(c, gate, n, c->d_in, c->b_in));
+    TRYB(up_bf16(c, up, n, c->d_in2, c->b_in2));
+    TRYB(cb_cuda_geglu(c->cu, 1, (int)n, c->b_in, c->b_in2, (int)n, c->b_out, (int)n));
+    TRYB(down_f32(c, c->b_out, n, c->d_out, out));
+    return;
+bad:
+    nan_fill(out, n);
+}
+
+/* In f32 (as add): one rounding of each product, the CPU's bits. */
+void be_scale(void *ctx, float *x, size_t n, float a) {
+    be_ctx *c = BE(ctx);
+    be_lock lk(c);
+    if (n < 1 || n > c->cap_in) { c->failed = true; goto bad; }
+    TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_in, x, n * 4));
+    TRYB(cb_cuda_scale(c->cu, c->d_in, n, a));
+    TRYB(cb_cuda_d2h(c->cu, x, c->d_in, n * 4));
+    return;
+bad:
+    nan_fill(x, n);
+}
+
 void be_add(void *ctx, float *x, const float *y, size_t n) {
     be_ctx *c = BE(ctx);
     be_lock lk(c);
@@ -393,28 +421,30 @@ bool table_rows(be_ctx *c, const cb_kv_table_t *t, const int32_t *pos, int pos0,
     return true;
 }
 
-/* Device K and V rows of positions [0, n_keys) of a layer in position order, [n_keys][kvd]: the pool
- * itself when the table's blocks there are consecutive ids, else a gather of whole blocks into g_k/g_v
- * (device to device; the K/V never cross the host). n_keys in 1..min(max_keys, t->n_pos). */
-int kv_view(be_ctx *c, int layer, const cb_kv_table_t *t, int n_keys, const cb_bf16_t **k, const cb_bf16_t **v) {
-    const int nb = (n_keys + c->bt - 1) / c->bt;
-    if (!t || !t->blocks || n_keys < 1 || n_keys > t->n_pos || nb > c->g_blocks) return -1;
+/* Device K and V rows of positions [b0 * bt, n_keys) of a layer in position order, [n_keys - b0 * bt][kvd]
+ * (row 0 = position b0 * bt): the pool itself when the table's blocks there are consecutive ids, else a
+ * gather of whole blocks into g_k/g_v (device to device; the K/V never cross the host). n_keys in
+ * 1..min(max_keys, t->n_pos), b0 a block below n_keys (0, or the block of a window's lowest first key). */
+int kv_view(be_ctx *c, int layer, const cb_kv_table_t *t, int b0, int n_keys, const cb_bf16_t **k,
+            const cb_bf16_t **v) {
+    const int nb = (n_keys + c->bt - 1) / c->bt;   /* blocks b0..nb-1 */
+    if (!t || !t->blocks || n_keys < 1 || n_keys > t->n_pos || nb > c->g_blocks || b0 < 0 || b0 >= nb) return -1;
     bool consecutive = true;
-    for (int j = 0; j < nb; j++) {
+    for (int j = b0; j < nb; j++) {
         const int32_t b = t->blocks[j];
         if (b < 0 || b >= c->n_blocks) return -1;
-        consecutive = consecutive && b == t->blocks[0] + j;
-        c->h_idx[j] = b;
+        consecutive = consecutive && b == t->blocks[b0] + (j - b0);
+        c->h_idx[j - b0] = b;
     }
-    const size_t off = (size_t)t->blocks[0] * c->bt * c->kvd, blk = (size_t)c->bt * c->kvd * 2;
+    const size_t off = (size_t)t->blocks[b0] * c->bt * c->kvd, blk = (size_t)c->bt * c->kvd * 2;
     if (consecutive) {
         *k = plane_k(c, layer) + off;
         *v = plane_v(c, layer) + off;
         return 0;
     }
-    TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_idx, c->h_idx, (size_t)nb * 4));
-    TRYI(cb_cuda_copy_rows(c->cu, nb, blk, c->g_k, blk, NULL, plane_k(c, layer), blk, c->d_idx));
-    TRYI(cb_cuda_copy_rows(c->cu, nb, blk, c->g_v, blk, NULL, plane_v(c, layer), blk, c->d_idx));
+    TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_idx, c->h_idx, (size_t)(nb - b0) * 4));
+    TRYI(cb_cuda_copy_rows(c->cu, nb - b0, blk, c->g_k, blk, NULL, plane_k(c, layer), blk, c->d_idx));
+    TRYI(cb_cuda_copy_rows(c->cu, nb - b0, blk, c->g_v, blk, NULL, plane_v(c, layer), blk, c->d_idx));
     *k = c->g_k;
     *v = c->g_v;
     return 0;
@@ -532,6 +562,27 @@ int max_limit(const be_ctx *c, const cb_kv_table_t *t, const int32_t *key_limit,
     return m;
 }
 
+/* The first position of the call's key view: the start of the block holding the lowest first key of its
+ * rows (cb_attn_key_lo; 0 without a window). Keys below it are seen by no row and never read. */
+int view_first(const be_ctx *c, const cb_attn_geom_t *g, const int32_t *key_limit, int n) {
+    int lo = 0x7fffffff;
+    for (int i = 0; i < n; i++) lo = std::min(lo, cb_attn_key_lo(g, key_limit[i]));
+    return n > 0 ? lo / c->bt * c->bt : 0;
+}
+
+/* The kernels' arguments for n rows of the layer's view [first, maxlim) (kv_view): limits shifted by -first,
+ * so row i sees view rows [lo_i - first, key_limit[i] - first), the window rule giving the same lo there
+ * (first <= every lo_i). */
+void attn_args(const be_ctx *c, const cb_attn_geom_t *g, const cb_bf16_t *dk, const cb_bf16_t *dv, int n, int first,
+               int maxlim, cb_bf16_t *out, cb_cuda_attn_t *a) {
+    const int qd = c->n_head * c->head_dim;
+    memset(a, 0, sizeof *a);
+    a->q = c->b_in, a->ldq = qd, a->k = dk, a->v = dv, a->ldkv = c->kvd, a->out = out, a->ldo = qd;
+    a->limit = c->d_i, a->limit_add = -first, a->n_q = n, a->n_kv = maxlim - first, a->n_heads = g->n_head;
+    a->n_kv_heads = g->n_head_kv, a->head_dim = g->head_dim, a->max_limit = maxlim - first, a->scale = g->scale;
+    a->window = g->window > 0 ? g->window : 0;
+}
+
 void be_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
                   const int32_t *key_limit, float *out) {
     be_ctx *c = BE(ctx);
@@ -540,6 +591,7 @@ void be_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int
     const size_t nq = (size_t)(n > 0 ? n : 0) * qd;
     const int maxlim = n > 0 ? max_limit(c, t, key_limit, n) : -1;
     const cb_bf16_t *dk = NULL, *dv = NULL;
+    int first = 0;
     if (n < 1 || n > c->max_rows || nq > c->cap_in || nq > c->cap_out || maxlim < 1 || !geom_ok(c, g) || !c->pool_k ||
         layer < 0 || layer >= c->n_layer) {
         if (!c->failed)
@@ -548,15 +600,13 @@ void be_attention(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int
         c->failed = true;
         goto bad;
     }
-    TRYB(kv_view(c, layer, t, maxlim, &dk, &dv));
+    first = view_first(c, g, key_limit, n);
+    TRYB(kv_view(c, layer, t, first / c->bt, maxlim, &dk, &dv));
     TRYB(up_bf16(c, q, nq, c->d_in, c->b_in));
     TRYB(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_i, key_limit, (size_t)n * 4));
     {
         cb_cuda_attn_t a;
-        memset(&a, 0, sizeof a);
-        a.q = c->b_in, a.ldq = qd, a.k = dk, a.v = dv, a.ldkv = c->kvd, a.out = c->b_out, a.ldo = qd;
-        a.limit = c->d_i, a.limit_add = 0, a.n_q = n, a.n_kv = maxlim, a.n_heads = g->n_head;
-        a.n_kv_heads = g->n_head_kv, a.head_dim = g->head_dim, a.max_limit = maxlim, a.scale = g->scale;
+        attn_args(c, g, dk, dv, n, first, maxlim, c->b_out, &a);
         TRYB(cb_cuda_attention(c->cu, &a, CB_CUDA_ATTN_AUTO));
     }
     TRYB(down_f32(c, c->b_out, nq, c->d_out, out));
@@ -579,17 +629,15 @@ int be_attn_mass(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int 
         layer < 0 || layer >= c->n_layer || !mass)
         return -1;
     const cb_bf16_t *dk = NULL, *dv = NULL;
-    if (kv_view(c, layer, t, maxlim, &dk, &dv) != 0) return -1;
+    const int first = view_first(c, g, key_limit, n);   /* keys below it get no mass */
+    if (kv_view(c, layer, t, first / c->bt, maxlim, &dk, &dv) != 0) return -1;
     TRYI(up_bf16(c, q, nq, c->d_in, c->b_in));
     TRYI(cb_cuda_h2d(c->cu, CB_CUDA_STREAM_COMPUTE, c->d_i, key_limit, (size_t)n * 4));
     cb_cuda_attn_t a;
-    memset(&a, 0, sizeof a);
-    a.q = c->b_in, a.ldq = qd, a.k = dk, a.v = dv, a.ldkv = c->kvd, a.out = NULL, a.ldo = qd;
-    a.limit = c->d_i, a.limit_add = 0, a.n_q = n, a.n_kv = maxlim, a.n_heads = g->n_head;
-    a.n_kv_heads = g->n_head_kv, a.head_dim = g->head_dim, a.max_limit = maxlim, a.scale = g->scale;
+    attn_args(c, g, dk, dv, n, first, maxlim, NULL, &a);
     TRYI(cb_cuda_attn_mass(c->cu, &a, c->d_mass));
-    TRYI(cb_cuda_d2h(c->cu, c->h_mass, c->d_mass, (size_t)maxlim * 4));
-    for (int j = 0; j < maxlim; j++) mass[j] += c->h_mass[j];   /* accumulated, as the table says */
+    TRYI(cb_cuda_d2h(c->cu, c->h_mass, c->d_mass, (size_t)(maxlim - first) * 4));
+    for (int j = first; j < maxlim; j++) mass[j] += c->h_mass[j - first];   /* accumulated, as the table says */
     return 0;
 }
 
@@ -654,6 +702,8 @@ cb_backend_ops_t make_ops() {
     o.add_bias = be_add_bias;
     o.attention = be_attention;
     o.swiglu = be_swiglu;
+    o.geglu = be_geglu;
+    o.scale = be_scale;
     o.add = be_add;
     o.embed = be_embed;
     o.matmul_multi = be_matmul_multi;

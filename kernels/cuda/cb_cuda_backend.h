@@ -7,12 +7,14 @@
  * kv_pool_init, a gather area of max_keys rows). K/V never cross the host on the hot path: kv_write and
  * kv_load scatter rows into the pool (kv_load converts f32/f16/bf16 and rotates pre-RoPE K on the device),
  * attention and attn_mass read a layer's rows in place when the table's blocks are consecutive and
- * otherwise through one device-to-device gather of its blocks; kv_copy_block is device to device.
+ * otherwise through one device-to-device gather of its blocks (under a sliding window, only the blocks from
+ * the one holding the call's lowest first key on); kv_copy_block is device to device.
  *
  * What still round-trips: activations. The table's contract keeps them in host buffers (host_alloc gives
- * pinned memory), so every dense operation (matmul, rmsnorm, rope, attention's q and output, swiglu, add,
- * add_bias, embed) copies its inputs in and its outputs out, computing in bf16 operands with f32 accumulation
- * (the CUDA backend's precision, DESIGN.md §5; add and add_bias are f32 throughout). rope and kv_load's
+ * pinned memory), so every dense operation (matmul, rmsnorm, rope, attention's q and output, swiglu, geglu,
+ * scale, add, add_bias, embed) copies its inputs in and its outputs out, computing in bf16 operands with f32
+ * accumulation (the CUDA backend's precision, DESIGN.md §5; add, add_bias and scale are f32 throughout).
+ * Weights of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K are dequantized to bf16. rope and kv_load's
  * re-rotation take the layer's cb_rope_t (NORM or NEOX pairing, base, linear scaling, Llama 3 frequency
  * factors); the factors, a host tensor of the model, are copied to the device once per tensor address, so,
  * like the weights, they must outlive the backend. kv_deviation, topk and compact_rows run on the host: their

@@ -397,6 +397,7 @@ static bool cb_type_traits_(uint32_t type, size_t *blk_elems, size_t *blk_bytes)
     case 30: *blk_elems = 1; *blk_bytes = 2; return true;     /* BF16 */
     case 2: *blk_elems = 32; *blk_bytes = 18; return true;    /* Q4_0 */
     case 3: *blk_elems = 32; *blk_bytes = 20; return true;    /* Q4_1 */
+    case 6: *blk_elems = 32; *blk_bytes = 22; return true;    /* Q5_0 */
     case 8: *blk_elems = 32; *blk_bytes = 34; return true;    /* Q8_0 */
     case 12: *blk_elems = 256; *blk_bytes = 144; return true; /* Q4_K */
     case 14: *blk_elems = 256; *blk_bytes = 210; return true; /* Q6_K */

@@ -1,5 +1,6 @@
 /* cb_cuda_ops.cu: element-wise and row kernels of cb_cuda.h — dequantization (GGUF blocks -> bf16/f32),
- * synthetic weights, embedding, RMSNorm, RoPE (adjacent pairs), SwiGLU, residual add, row gather/scatter,
+ * synthetic weights, embedding, RMSNorm, RoPE (adjacent pairs), SwiGLU, GeGLU, scaling, residual add, row
+ * gather/scatter,
  * the bandwidth-bound GEMV of decode, the blend's KV deviation and top-k selection, argmax and top-p
  * sampling. All launches go to the compute stream; every launch is checked. */
 #include <math.h>
@@ -29,7 +30,7 @@ __global__ void k_dequant_scalar(uint32_t type, const uint8_t *src, size_t n, T 
     }
 }
 
-/* One thread per 32-element block (Q4_0, Q4_1, Q8_0): REFERENCE.md §3; nibble j / j+16 order. */
+/* One thread per 32-element block (Q4_0, Q4_1, Q5_0, Q8_0): REFERENCE.md §3; nibble j / j+16 order. */
 template <typename T>
 __global__ void k_dequant_q32(uint32_t type, const uint8_t *src, size_t n_blocks, T *dst) {
     for (size_t b = blockIdx.x * (size_t)blockDim.x + threadIdx.x; b < n_blocks; b += (size_t)gridDim.x * blockDim.x) {
@@ -49,6 +50,19 @@ __global__ void k_dequant_q32(uint32_t type, const uint8_t *src, size_t n_blocks
             for (int j = 0; j < 16; j++) {
                 cb_store<T>(y, j, __fadd_rn(__fmul_rn((float)(qs[j] & 0xF), d), m));
                 cb_store<T>(y, j + 16, __fadd_rn(__fmul_rn((float)(qs[j] >> 4), d), m));
+            }
+        } else if (type == 6) {     /* Q5_0: d, qh[4] (bit j of the LE u32: 5th bit of element j), qs[16];
+                                       ((nibble | hbit << 4) - 16) * d */
+            const uint8_t *p = src + b * 22;
+            float d = cb_h2f(p);
+            const uint32_t qh =
+                (uint32_t)p[2] | ((uint32_t)p[3] << 8) | ((uint32_t)p[4] << 16) | ((uint32_t)p[5] << 24);
+            const uint8_t *qs = p + 6;
+            for (int j = 0; j < 16; j++) {
+                const int x0 = (int)((qs[j] & 0xF) | (((qh >> j) & 1u) << 4)) - 16;
+                const int x1 = (int)((qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16;
+                cb_store<T>(y, j, (float)x0 * d);
+                cb_store<T>(y, j + 16, (float)x1 * d);
             }
         } else {                    /* Q8_0: d, qs[32] int8 */
             const uint8_t *p = src + b * 34;
@@ -116,7 +130,7 @@ static int cb_dequant_t(cb_cuda_t *self, uint32_t type, const void *src, size_t 
     case 0: case 1: case 30:
         k_dequant_scalar<T><<<cb_blocks(n, 256) > 65535 ? 65535 : cb_blocks(n, 256), 256, 0, self->stream>>>(type, s, n, dst);
         break;
-    case 2: case 3: case 8:
+    case 2: case 3: case 6: case 8:   /* Q4_0, Q4_1, Q5_0, Q8_0 */
         if (n % 32) return cb_cuda_inval_(self, "dequant: n %% 32 != 0");
         k_dequant_q32<T><<<cb_blocks(n / 32, 128) > 65535 ? 65535 : cb_blocks(n / 32, 128), 128, 0, self->stream>>>(
             type, s, n / 32, dst);
@@ -326,6 +340,45 @@ extern "C" int cb_cuda_swiglu(cb_cuda_t *self, int n, int ffn, const cb_bf16_t *
                                                  out + (size_t)r0 * ldo, ldo);
         CB_LAUNCHED(self, "swiglu kernel");
     }
+    return CB_CUDA_OK;
+}
+
+/* GELU, tanh form (gemma3's gelu_pytorch_tanh), in f32. */
+__device__ __forceinline__ float cb_gelu_tanh(float g) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+__global__ void k_geglu(int ffn, const uint16_t *gate, const uint16_t *up, int ld_in, uint16_t *out, int ldo) {
+    int i = blockIdx.y;
+    const uint16_t *g = gate + (size_t)i * ld_in, *u = up + (size_t)i * ld_in;
+    uint16_t *o = out + (size_t)i * ldo;
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < ffn; j += gridDim.x * blockDim.x)
+        o[j] = cb_f2bf(cb_gelu_tanh(cb_bf2f(g[j])) * cb_bf2f(u[j]));
+}
+
+extern "C" int cb_cuda_geglu(cb_cuda_t *self, int n, int ffn, const cb_bf16_t *gate, const cb_bf16_t *up, int ld_in,
+                             cb_bf16_t *out, int ldo) {
+    if (n < 0 || ffn <= 0 || ldo < ffn || n > 65535 * 1024) return cb_cuda_inval_(self, "geglu: n=%d ffn=%d", n, ffn);
+    for (int r0 = 0; r0 < n; r0 += 65535) {   /* blockIdx.y indexes rows (max 65535) */
+        int rows = n - r0 < 65535 ? n - r0 : 65535;
+        dim3 grid(cb_blocks(ffn, 256) > 64 ? 64 : cb_blocks(ffn, 256), rows);
+        k_geglu<<<grid, 256, 0, self->stream>>>(ffn, gate + (size_t)r0 * ld_in, up + (size_t)r0 * ld_in, ld_in,
+                                                out + (size_t)r0 * ldo, ldo);
+        CB_LAUNCHED(self, "geglu kernel");
+    }
+    return CB_CUDA_OK;
+}
+
+__global__ void k_scale(float *x, size_t n, float a) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        x[i] = __fmul_rn(x[i], a);
+}
+
+extern "C" int cb_cuda_scale(cb_cuda_t *self, float *x, size_t n, float a) {
+    if (!n) return CB_CUDA_OK;
+    unsigned g = cb_blocks(n, 256);
+    k_scale<<<g > 65535 ? 65535 : g, 256, 0, self->stream>>>(x, n, a);
+    CB_LAUNCHED(self, "scale kernel");
     return CB_CUDA_OK;
 }
 

@@ -653,14 +653,17 @@ static const int32_t *dense_limits(cb_blend_t *b, const run_t *R, int l, int i0,
 }
 
 /* Attention (exact causal limits) + MLP of active rows [a0, n_act) of layer l: runs of dense rows in
- * ubatches over every earlier key; runs of one chunk's sparse rows over their gathered blocks. */
+ * ubatches over every earlier key; runs of one chunk's sparse rows over their gathered blocks. On a layer
+ * with a sliding window every row is dense: it sees only the keys of its window, which a gathered table
+ * (whose key indices are not positions) could not bound. */
 static void layer_attn_rows(cb_blend_t *b, const run_t *R, int l, int a0, int n_act) {
     const int MR = b->max_rows;
+    const bool windowed = cb_model_layer(cb_engine_model(b->e), l)->window > 0;
     int i0 = a0;
     while (i0 < n_act) {
-        const int c0 = attn_group(b, b->act[i0]);
+        const int c0 = windowed ? -1 : attn_group(b, b->act[i0]);
         int n = 1;
-        while (n < MR && i0 + n < n_act && attn_group(b, b->act[i0 + n]) == c0) n++;
+        while (n < MR && i0 + n < n_act && (windowed ? -1 : attn_group(b, b->act[i0 + n])) == c0) n++;
         if (c0 >= 0) {
             attn_sparse(b, R, l, i0, n, c0);
         } else {

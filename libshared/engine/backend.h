@@ -55,7 +55,14 @@ typedef struct {
     int n_head, n_head_kv, head_dim;
     float scale;            /* usually 1/sqrt(head_dim) */
     cb_attn_math_t math;    /* prefill blocks' products */
+    int window;             /* sliding window (a windowed layer, model.h): a row with key limit lim sees keys
+                               [lim - window, lim) only (those >= 0); 0: every key below its limit */
 } cb_attn_geom_t;
+
+/* The first key a row of key limit lim sees under g's window (0 without one). */
+static inline int cb_attn_key_lo(const cb_attn_geom_t *g, int lim) {
+    return g->window > 0 && lim > g->window ? lim - g->window : 0;
+}
 
 /* One output of matmul_multi. */
 typedef struct {
@@ -75,17 +82,23 @@ typedef struct {
     void (*rope)(void *ctx, float *x, int n, int n_heads, const int32_t *pos, const cb_rope_t *r);
     /* x[i][j] += b[j]:  x [n][dim], b [dim] (a projection's bias). */
     void (*add_bias)(void *ctx, float *x, const float *b, int n, int dim);
-    /* out[i] = softmax(q[i] K[0:key_limit[i])ᵀ · scale) V per head, K/V = layer's pool rows of table t:
-     * q, out [n][n_head*head_dim]; key_limit [n] in 1..min(max_keys, t->n_pos). */
+    /* out[i] = softmax(q[i] K[lo_i:key_limit[i])ᵀ · scale) V per head, K/V = layer's pool rows of table t,
+     * lo_i = cb_attn_key_lo(g, key_limit[i]) (0 unless g->window): q, out [n][n_head*head_dim]; key_limit [n]
+     * in 1..min(max_keys, t->n_pos). */
     void (*attention)(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer, const cb_kv_table_t *t,
                       const int32_t *key_limit, float *out);
     /* Optional (NULL: the engine calls attention once per row): rows of different sequences (a decode
-     * batch), row i over keys [0, key_limit[i]) of the layer's rows of its own table t[i]:
+     * batch), row i over keys [lo_i, key_limit[i]) (as attention) of the layer's rows of its own table t[i]:
      * q, out [n][n_head*head_dim]; t, key_limit [n]. Each row gets the bits a one-row attention call gives it. */
     void (*attention_rows)(void *ctx, const cb_attn_geom_t *g, const float *q, int n, int layer,
                            const cb_kv_table_t *t, const int32_t *key_limit, float *out);
     /* out = silu(gate) * up elementwise over n (out may alias either input). */
     void (*swiglu)(void *ctx, const float *gate, const float *up, size_t n, float *out);
+    /* out = gelu(gate) * up elementwise over n, GELU's tanh form 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+     * (gemma3's FFN; out may alias either input). */
+    void (*geglu)(void *ctx, const float *gate, const float *up, size_t n, float *out);
+    /* x *= a elementwise over n (gemma3's embeddings times sqrt(n_embd)). */
+    void (*scale)(void *ctx, float *x, size_t n, float a);
     /* x += y elementwise over n. */
     void (*add)(void *ctx, float *x, const float *y, size_t n);
     /* x[i] = row tokens[i] of table (dequantized):  x [n][table->cols]; tokens already validated. */
@@ -132,7 +145,7 @@ typedef struct {
 
     /* ---- CacheBlend ---- */
     /* Attention mass (metric 'a'): for each row i and head, the softmax probabilities of q[i] over keys
-     * [0, key_limit[i]) of the layer (as attention computes them) are added to mass [key]:
+     * [lo_i, key_limit[i]) of the layer (as attention computes them, window included) are added to mass [key]:
      * q [n][n_head*head_dim] post-RoPE, mass [>= max key_limit] accumulated, not cleared; out NULL, or
      * [n][n_head*head_dim] the rows' attention output as well (the CPU computes it from the same
      * probabilities in f32, whatever engine.attn, so it differs from the attention operation's by that

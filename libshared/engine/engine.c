@@ -200,7 +200,7 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->KVD = hp->n_head_kv * hp->head_dim;
     e->F = hp->n_ff;
     e->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 1.0f / sqrtf((float)hp->head_dim),
-                              cb_engine_attn_math(attn)};
+                              cb_engine_attn_math(attn), 0};
     e->attn = attn;
     e->be = cb_backend_select(cb_backend_default_kind(), hp, e->max_rows, max_ctx, e->nt_max, NULL, berr, sizeof berr);
     if (!e->be) {
@@ -492,6 +492,14 @@ static void matmul_one(cb_engine_t *e, const cb_weight_t *w, const float *x, int
 void cb_engine_embed(cb_engine_t *self, const int32_t *tokens, int n, float *x) {
     assert(n >= 0 && n <= self->max_rows);
     self->be->ops->embed(self->be->ctx, cb_model_tok_embd(self->model), tokens, n, x);
+    if (self->hp->embd_scale != 1.0f) self->be->ops->scale(self->be->ctx, x, (size_t)n * self->E, self->hp->embd_scale);
+}
+
+/* The attention geometry of a layer: the engine's, with the layer's sliding window. */
+static cb_attn_geom_t layer_geom(const cb_engine_t *e, int layer) {
+    cb_attn_geom_t g = e->geom;
+    g.window = cb_model_layer(e->model, layer)->window;
+    return g;
 }
 
 static void layer_qkv(cb_engine_t *self, int layer, const float *x, int n, float *q, float *k, float *v,
@@ -580,13 +588,17 @@ static void layer_post_attn(cb_engine_t *self, int layer, float *x, int n, bool 
     const cb_layer_weights_t *L = cb_model_layer(self->model, layer);
     assert(L);
     const size_t nE = (size_t)n * self->E;
+    const float eps = self->hp->rms_eps;
     matmul_one(self, &L->wo, self->att, n, self->proj, self->E, rowwise);
+    if (L->post_attn_norm) ops->rmsnorm(ctx, self->proj, L->post_attn_norm, n, self->E, eps, self->proj);
     ops->add(ctx, x, self->proj, nE);
-    ops->rmsnorm(ctx, x, L->ffn_norm, n, self->E, self->hp->rms_eps, self->xb);
+    ops->rmsnorm(ctx, x, L->ffn_norm, n, self->E, eps, self->xb);
     cb_matmul_part_t parts[2] = {{&L->w_gate, self->gate, self->F}, {&L->w_up, self->up, self->F}};
     matmul_parts(self, parts, 2, self->xb, n, rowwise);
-    ops->swiglu(ctx, self->gate, self->up, (size_t)n * self->F, self->gate);
+    if (self->hp->act == CB_ACT_GELU_TANH) ops->geglu(ctx, self->gate, self->up, (size_t)n * self->F, self->gate);
+    else ops->swiglu(ctx, self->gate, self->up, (size_t)n * self->F, self->gate);
     matmul_one(self, &L->w_down, self->gate, n, self->proj, self->E, rowwise);
+    if (L->post_ffn_norm) ops->rmsnorm(ctx, self->proj, L->post_ffn_norm, n, self->E, eps, self->proj);
     ops->add(ctx, x, self->proj, nE);
 }
 
@@ -595,7 +607,8 @@ static void attn_mlp_table(cb_engine_t *self, const cb_kv_table_t *t, int layer,
                            const int32_t *key_limit) {
     assert(n >= 1 && n <= self->max_rows);
     for (int i = 0; i < n; i++) assert(key_limit[i] >= 1 && key_limit[i] <= t->n_pos);
-    self->be->ops->attention(self->be->ctx, &self->geom, q, n, layer, t, key_limit, self->att);
+    const cb_attn_geom_t g = layer_geom(self, layer);
+    self->be->ops->attention(self->be->ctx, &g, q, n, layer, t, key_limit, self->att);
     layer_post_attn(self, layer, x, n, false);
 }
 
@@ -609,6 +622,7 @@ void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer,
 void cb_engine_layer_attn_mlp_blocks(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q,
                                      int n, const int32_t *blk, int n_blk, const int32_t *key_limit) {
     assert(seq && seq->e == self && n_blk >= 1 && n_blk <= seq->n_blocks);
+    assert(cb_model_layer(self->model, layer)->window == 0); /* gathered key indices are not positions */
     for (int i = 0; i < n_blk; i++) {
         assert(blk[i] >= 0 && blk[i] < seq->n_blocks);
         self->gather[i] = seq->blocks[blk[i]];
@@ -623,7 +637,8 @@ static int attn_mass_call(cb_engine_t *self, const cb_seq_t *seq, int layer, con
     if (!seq || seq->e != self || layer < 0 || layer >= self->hp->n_layer || (out && (n < 1 || n > self->max_rows)))
         return CB_ENGINE_EINVAL;
     cb_kv_table_t t = table_of(seq);
-    return self->be->ops->attn_mass(self->be->ctx, &self->geom, q, n, layer, &t, key_limit, mass, out)
+    const cb_attn_geom_t g = layer_geom(self, layer);
+    return self->be->ops->attn_mass(self->be->ctx, &g, q, n, layer, &t, key_limit, mass, out)
                ? CB_ENGINE_EBACKEND
                : CB_ENGINE_OK;
 }
@@ -776,11 +791,12 @@ int cb_engine_decode_batch(cb_engine_t *self, cb_seq_t *const *seqs, const int32
         }
         if (l == hp->n_layer - 1 && !logits) break;
         /* each row attends its own sequence: one call for all rows when the backend has attention_rows */
+        const cb_attn_geom_t g = layer_geom(self, l);
         if (ops->attention_rows)
-            ops->attention_rows(self->be->ctx, &self->geom, self->q, n, l, self->tables, self->limit, self->att);
+            ops->attention_rows(self->be->ctx, &g, self->q, n, l, self->tables, self->limit, self->att);
         else
             for (int i = 0; i < n; i++)
-                ops->attention(self->be->ctx, &self->geom, self->q + (size_t)i * self->QD, 1, l, &self->tables[i],
+                ops->attention(self->be->ctx, &g, self->q + (size_t)i * self->QD, 1, l, &self->tables[i],
                                &self->limit[i], self->att + (size_t)i * self->QD);
         layer_post_attn(self, l, self->x, n, true);
     }

@@ -233,14 +233,16 @@ bool cb_engine_kv_load_takes(const cb_engine_t *self, cb_kv_dtype_t dtype);
  * may be NULL). For tests and diagnostics. Status. */
 int cb_engine_kv_read(cb_engine_t *self, const cb_seq_t *seq, int layer, int pos0, int n, float *k, float *v);
 /* Attention of q (post-RoPE) [n][n_head*head_dim] against layer l of seq, row i over positions
- * [0, key_limit[i]) (exact causal = pos+1, never a bottom-right mask; within the sequence's capacity), then
- * o_proj + residual into x, FFN RMSNorm, SwiGLU MLP + residual into x:  x [n][n_embd] in/out. */
+ * [0, key_limit[i]) (exact causal = pos+1, never a bottom-right mask; within the sequence's capacity; on a
+ * layer with a sliding window only the last window of them), then o_proj (post-norm) + residual into x, FFN
+ * RMSNorm, gated MLP (post-norm) + residual into x:  x [n][n_embd] in/out. */
 void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
                               const int32_t *key_limit);
 /* The same over some of seq's blocks: the keys are the positions of blocks blk [n_blk] (indices into seq's
  * block table, each < cb_seq_blocks) laid end to end in that order, block_tokens each; row i attends the
  * first key_limit[i] of them (1..n_blk * block_tokens). K is stored rotated, so the scores are those of the
- * true positions whatever the order. Sparse attention (the blend's sparse_keys). */
+ * true positions whatever the order. Sparse attention (the blend's sparse_keys); layers without a sliding
+ * window only (the key indices here are not positions). */
 void cb_engine_layer_attn_mlp_blocks(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q,
                                      int n, const int32_t *blk, int n_blk, const int32_t *key_limit);
 /* Attention mass of q [n][n_head*head_dim] over layer l of seq (backend.h attn_mass): mass [>= max

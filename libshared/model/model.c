@@ -104,6 +104,56 @@ static void find_eog(const cb_gguf_t *g, cb_hparams_t *hp) {
     }
 }
 
+/* Sliding windows (arch.h cb_swa_t): n_swa, and for a periodic architecture the period (or a per-layer
+ * pattern, read later by layer_windowed) and the windowed layers' RoPE base. */
+static bool read_windows(const cb_gguf_t *g, const cb_arch_t *arch, cb_hparams_t *hp, char *err, size_t errlen) {
+    const char *a = hp->arch;
+    char key[160];
+    snprintf(key, sizeof key, "%s.attention.sliding_window", a);
+    const bool have = cb_gguf_has(g, key);
+    if (arch->swa == CB_SWA_NONE && have) {
+        cb_set_err(err, errlen, "metadata %s: sliding-window attention is not implemented for '%s'", key, a);
+        return false;
+    }
+    if (!have) return true; /* gemma3 without the key: every layer global (as llama.cpp reads it) */
+    if (get_dim(g, a, "attention.sliding_window", 1 << 24, &hp->n_swa, err, errlen) < 0) return false;
+    if (arch->swa != CB_SWA_PERIODIC) return true;
+    hp->swa_period = 6;
+    snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", a);
+    cb_gguf_vtype_t et;
+    size_t count;
+    if (cb_gguf_get_arr(g, key, &et, &count)) {
+        if (et != CB_GGUF_BOOL || count != (size_t)hp->n_layer) {
+            cb_set_err(err, errlen, "metadata %s: expected an integer period or %d booleans (one per layer)", key,
+                       hp->n_layer);
+            return false;
+        }
+        hp->swa_period = 0; /* per layer: layer_windowed reads the array */
+    } else if (cb_gguf_has(g, key) && get_dim(g, a, "attention.sliding_window_pattern", MAX_LAYERS,
+                                              &hp->swa_period, err, errlen) < 0) {
+        return false;
+    }
+    hp->rope_base_swa = 10000.0f;
+    snprintf(key, sizeof key, "%s.rope.freq_base_swa", a);
+    if (cb_gguf_has(g, key) && (!cb_gguf_get_f32(g, key, &hp->rope_base_swa) || !(hp->rope_base_swa > 1.0f))) {
+        cb_set_err(err, errlen, "metadata %s: must be a float > 1", key);
+        return false;
+    }
+    return true;
+}
+
+/* True when layer l attends a sliding window (hp->n_swa > 0): every layer (CB_SWA_ALL), every layer but each
+ * period-th, or as the per-layer pattern says. */
+static bool layer_windowed(const cb_gguf_t *g, const cb_arch_t *arch, const cb_hparams_t *hp, int l) {
+    if (hp->n_swa == 0) return false;
+    if (arch->swa == CB_SWA_ALL) return true;
+    if (hp->swa_period > 0) return l % hp->swa_period < hp->swa_period - 1;
+    char key[160];
+    snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", hp->arch);
+    const uint8_t *b = cb_gguf_arr_data(g, key); /* [n_layer] bools, checked by read_windows */
+    return b && b[l] != 0;
+}
+
 static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, const cb_arch_t **arch_out, char *err,
                          size_t errlen) {
     memset(hp, 0, sizeof *hp);
@@ -194,12 +244,8 @@ static bool read_hparams(const cb_gguf_t *g, cb_hparams_t *hp, const cb_arch_t *
         }
         if (linear) hp->rope_freq_scale = 1.0f / factor;
     }
-    /* a sliding attention window would change which keys a row sees: refused until windows are implemented */
-    snprintf(key, sizeof key, "%s.attention.sliding_window", a);
-    if (cb_gguf_has(g, key)) {
-        cb_set_err(err, errlen, "metadata %s: sliding-window attention is not implemented for '%s'", key, a);
-        return false;
-    }
+    if (!read_windows(g, arch, hp, err, errlen)) return false;
+    hp->embd_scale = arch->embd_scale ? sqrtf((float)hp->n_embd) : 1.0f;
     snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", a);
     if (!cb_gguf_get_f32(g, key, &hp->rms_eps) || !(hp->rms_eps > 0.0f) || hp->rms_eps > 1.0f) {
         cb_set_err(err, errlen, "metadata %s is missing or not a float in (0, 1]", key);
@@ -322,6 +368,7 @@ static bool check_known_tensors(const cb_gguf_t *g, const cb_arch_t *arch, int n
                                   "ffn_down.weight"};
     static const char *bias[] = {"attn_q.bias", "attn_k.bias", "attn_v.bias"};
     static const char *qk_norm[] = {"attn_q_norm.weight", "attn_k_norm.weight"};
+    static const char *post[] = {"post_attention_norm.weight", "post_ffw_norm.weight"};
     for (size_t i = 0; i < cb_gguf_n_tensors(g); i++) {
         const char *name = cb_gguf_tensor(g, i)->name;
         if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output_norm.weight") ||
@@ -334,6 +381,7 @@ static bool check_known_tensors(const cb_gguf_t *g, const cb_arch_t *arch, int n
             for (size_t k = 0; k < sizeof block / sizeof block[0]; k++) ok = ok || !strcmp(rest, block[k]);
             for (size_t k = 0; arch->qkv_bias && k < sizeof bias / sizeof bias[0]; k++) ok = ok || !strcmp(rest, bias[k]);
             for (size_t k = 0; arch->qk_norm && k < 2; k++) ok = ok || !strcmp(rest, qk_norm[k]);
+            for (size_t k = 0; arch->post_norms && k < 2; k++) ok = ok || !strcmp(rest, post[k]);
         }
         if (!ok) {
             cb_set_err(err, errlen, "unsupported tensor %s: architecture '%s' has no such tensor in this engine",
@@ -404,6 +452,15 @@ static int compute_fingerprint(cb_model_t *m) {
     h_f32(&st, hp->rms_eps);
     h_u32(&st, hp->tied_output ? 1u : 0u);
     if (hp->rope_freq_scale != 1.0f) h_f32(&st, hp->rope_freq_scale); /* only then: older fingerprints stay */
+    if (hp->n_swa > 0) { /* windows (and with them gemma3's other hyperparameters), likewise only then */
+        h_u32(&st, (uint32_t)hp->n_swa);
+        for (int l = 0; l < hp->n_layer; l++) {
+            h_u32(&st, (uint32_t)m->layers[l].window);
+            h_f32(&st, m->layers[l].rope.base);
+        }
+        h_f32(&st, hp->embd_scale);
+        h_u32(&st, (uint32_t)hp->act);
+    }
     h_str_key(&st, g, "tokenizer.ggml.model");
     h_str_key(&st, g, "tokenizer.ggml.pre");
     h_str_arr(&st, g, "tokenizer.ggml.tokens");
@@ -425,7 +482,7 @@ static int compute_fingerprint(cb_model_t *m) {
 static bool dequant_supported(uint32_t type) {
     switch (type) {
     case CB_TYPE_F32: case CB_TYPE_F16: case CB_TYPE_BF16: case CB_TYPE_Q4_0: case CB_TYPE_Q4_1:
-    case CB_TYPE_Q8_0: case CB_TYPE_Q4_K: case CB_TYPE_Q6_K: return true;
+    case CB_TYPE_Q8_0: case CB_TYPE_Q5_0: case CB_TYPE_Q4_K: case CB_TYPE_Q6_K: return true;
     default: return false;
     }
 }
@@ -516,7 +573,7 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
 
     const int E = hp->n_embd, QD = hp->n_head * hp->head_dim, KVD = hp->n_head_kv * hp->head_dim, F = hp->n_ff;
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
-    m->norm_copies = calloc((size_t)hp->n_layer * 7 + 2, sizeof *m->norm_copies); /* 7 vectors a layer at most */
+    m->norm_copies = calloc((size_t)hp->n_layer * 9 + 2, sizeof *m->norm_copies); /* 9 vectors a layer at most */
     if (!m->layers || !m->norm_copies) {
         cb_set_err(err, errlen, "out of memory");
         goto fail;
@@ -569,8 +626,19 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
             V(q_norm, "attn_q_norm.weight", hp->head_dim)
             V(k_norm, "attn_k_norm.weight", hp->head_dim)
         }
+        if (m->arch->post_norms) {
+            V(post_attn_norm, "post_attention_norm.weight", E)
+            V(post_ffn_norm, "post_ffw_norm.weight", E)
+        }
 #undef V
         L->rope = rope;
+        if (layer_windowed(g, m->arch, hp, l)) {
+            L->window = hp->n_swa;
+            if (m->arch->swa == CB_SWA_PERIODIC) { /* the local layers' own base, unscaled (llama.cpp's gemma3) */
+                L->rope.base = hp->rope_base_swa;
+                L->rope.freq_scale = 1.0f;
+            }
+        }
     }
 
     /* Weights are read where they are stored; CB_ENGINE_WEIGHTS=f32 keeps f32 copies of the block matrices

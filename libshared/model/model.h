@@ -8,11 +8,12 @@
  * (the f32 reference of the tests and benchmarks) the block matrices and the output matrix also get an f32
  * copy, dequantized once at load with cb_dequant, and the CPU kernels then compute in f32 over the copies.
  *
- * Which tensors, norms and RoPE an architecture has is one table (model/arch.h): llama (SmolLM2, Llama 3
- * with rope_freqs, Mistral), qwen2 (Q/K/V biases, NEOX RoPE) and qwen3 (per-head Q/K RMSNorm, NEOX RoPE).
- * Anything we cannot run faithfully is rejected with a clear error naming the key instead of being run
- * wrongly: another architecture, partial rotary, RoPE scaling other than none/linear, sliding windows,
- * tensors the architecture does not have.
+ * Which tensors, norms, RoPE and windows an architecture has is one table (model/arch.h): llama (SmolLM2,
+ * Llama 3 with rope_freqs, Mistral with its sliding window), qwen2 (Q/K/V biases, NEOX RoPE), qwen3 (per-head
+ * Q/K RMSNorm, NEOX RoPE) and gemma3 (post-norms, GELU, windowed layers with their own RoPE base). Anything we
+ * cannot run faithfully is rejected with a clear error naming the key instead of being run wrongly: another
+ * architecture, partial rotary, RoPE scaling other than none/linear, a window on qwen2/qwen3, tensors the
+ * architecture does not have.
  *
  * The model is immutable after load, so one model may be shared (read-only) by several engines and
  * threads. Memory: the mapping (file size) plus 4 bytes per block-weight parameter (plus 8 bytes per
@@ -53,7 +54,7 @@ typedef enum { CB_ACT_SILU = 0, CB_ACT_GELU_TANH = 1 } cb_act_t;
 #define CB_MAX_EOG 8 /* end-of-generation ids kept per model */
 
 typedef struct {
-    char arch[32];           /* general.architecture: llama, qwen2 or qwen3 (model/arch.h) */
+    char arch[32];           /* general.architecture: llama, qwen2, qwen3 or gemma3 (model/arch.h) */
     int n_layer;             /* <arch>.block_count */
     int n_embd;              /* <arch>.embedding_length */
     int n_head;              /* <arch>.attention.head_count */
@@ -69,6 +70,10 @@ typedef struct {
     float rope_freq_scale;   /* 1 / <arch>.rope.scaling.factor (linear scaling), else 1 */
     const float *rope_freqs; /* [n_rot / 2] rope_freqs.weight as f32 (borrowed from the model), or NULL */
     cb_act_t act;            /* the FFN gate's activation (the architecture's) */
+    float embd_scale;        /* the embeddings are multiplied by it: sqrt(n_embd) for gemma3, else 1 */
+    int n_swa;               /* <arch>.attention.sliding_window: keys a windowed layer sees, 0 = no windows */
+    int swa_period;          /* gemma3: layer l is windowed unless l % swa_period == swa_period - 1 (6) */
+    float rope_base_swa;     /* the windowed layers' RoPE base (gemma3: <arch>.rope.freq_base_swa, 10000) */
     bool tied_output;        /* no output.weight: the LM head is token_embd */
     int32_t bos_id;          /* tokenizer.ggml.bos_token_id, -1 if absent */
     int32_t eos_id;          /* tokenizer.ggml.eos_token_id, -1 if absent */
@@ -106,10 +111,13 @@ typedef struct {
     cb_weight_t wk;          /* [n_head_kv*head_dim][n_embd] */
     cb_weight_t wv;          /* [n_head_kv*head_dim][n_embd] */
     cb_weight_t wo;          /* [n_embd][n_head*head_dim] */
+    const float *post_attn_norm; /* [n_embd] RMSNorm of the attention output before the residual add, or NULL */
+    int window;              /* keys a row of this layer sees (sliding window, backend.h), 0 = all */
     const float *ffn_norm;   /* [n_embd] */
     cb_weight_t w_gate;      /* [n_ff][n_embd] */
     cb_weight_t w_up;        /* [n_ff][n_embd] */
     cb_weight_t w_down;      /* [n_embd][n_ff] */
+    const float *post_ffn_norm; /* [n_embd] RMSNorm of the FFN output before the residual add, or NULL */
 } cb_layer_weights_t;
 
 /* The model-wide rotation the hyperparameters describe (every layer's, for the architectures of arch.h). */
@@ -141,7 +149,8 @@ bool cb_model_is_eog(const cb_model_t *self, int32_t id);
  *   general.architecture;
  *   the hyperparameters that change KV values or logits, each as a little-endian u32 (floats by their
  *   bit pattern): n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_rot, rope_type,
- *   rope_base, rms_eps, tied_output;
+ *   rope_base, rms_eps, tied_output; then rope_freq_scale when not 1; then, when the model has sliding
+ *   windows, n_swa, every layer's window and RoPE base, embd_scale and act;
  *   tokenizer.ggml.model, tokenizer.ggml.pre (empty if absent), then every string of
  *   tokenizer.ggml.tokens and tokenizer.ggml.merges as stored (each prefixed by its u64 length, each
  *   array by its u64 count);

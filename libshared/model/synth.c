@@ -12,6 +12,7 @@
 
 #include "base/err.h"
 #include "base/utf8.h"
+#include "format/gguf.h"
 #include "format/quant.h"
 
 #define SYN_ALIGN 32
@@ -43,6 +44,12 @@ bool cb_synth_shape_named(const char *name, cb_synth_shape_t *out) {
 
 #define SYN_N_SPECIAL 3
 #define SYN_N_BASE (SYN_N_SPECIAL + 256)
+#define SPM_N_SPECIAL 5 /* <unk>, <s>, </s>, <start_of_turn>, <end_of_turn> */
+#define SPM_N_BASE (SPM_N_SPECIAL + 256)
+
+static int syn_head_dim(const cb_synth_shape_t *s) { return s->head_dim ? s->head_dim : s->n_embd / s->n_head; }
+/* SentencePiece vocabularies (tokenizer.ggml.model "llama") for mistral and gemma3, GPT-2 BPE for the rest. */
+static bool syn_spm(const cb_synth_shape_t *s) { return s->arch == CB_SYNTH_MISTRAL || s->arch == CB_SYNTH_GEMMA3; }
 
 bool cb_synth_shape_check(const cb_synth_shape_t *s, cb_synth_dtype_t dtype, char *err, size_t errlen) {
     if (!s) {
@@ -57,28 +64,41 @@ bool cb_synth_shape_check(const cb_synth_shape_t *s, cb_synth_dtype_t dtype, cha
                    s->n_layer, s->n_embd, s->n_head, s->n_head_kv, s->n_ff, s->n_vocab, s->n_ctx);
         return false;
     }
-    if (s->n_vocab < SYN_N_BASE) {
+    if (s->n_vocab < (syn_spm(s) ? SPM_N_BASE : SYN_N_BASE)) {
         cb_set_err(err, errlen, "synth: vocab %d is smaller than the %d special and byte tokens", s->n_vocab,
-                   SYN_N_BASE);
+                   syn_spm(s) ? SPM_N_BASE : SYN_N_BASE);
         return false;
     }
-    if (s->n_embd % s->n_head || (s->n_embd / s->n_head) % 2) {
-        cb_set_err(err, errlen, "synth: dim %d must split into %d heads of an even size", s->n_embd, s->n_head);
+    if (s->head_dim ? s->head_dim < 2 || s->head_dim > 1024 || s->head_dim % 2
+                    : s->n_embd % s->n_head || (s->n_embd / s->n_head) % 2) {
+        cb_set_err(err, errlen, "synth: dim %d (head_dim %d) must split into %d heads of an even size", s->n_embd,
+                   s->head_dim, s->n_head);
+        return false;
+    }
+    if (s->window < 0 || (s->window && s->arch != CB_SYNTH_GEMMA3 && s->arch != CB_SYNTH_MISTRAL)) {
+        cb_set_err(err, errlen, "synth: a window is for the mistral and gemma3 architectures");
         return false;
     }
     if (s->n_head % s->n_head_kv) {
         cb_set_err(err, errlen, "synth: heads %d is not a multiple of kv heads %d", s->n_head, s->n_head_kv);
         return false;
     }
-    if (dtype == CB_SYNTH_Q4_1 && (s->n_embd % 32 || s->n_ff % 32)) {
-        cb_set_err(err, errlen, "synth: q4_1 needs dim and ffn divisible by 32 (dim %d, ffn %d)", s->n_embd, s->n_ff);
+    const int qd = s->n_head * syn_head_dim(s);
+    if (dtype == CB_SYNTH_Q4_1 && (s->n_embd % 32 || s->n_ff % 32 || qd % 32)) {
+        cb_set_err(err, errlen, "synth: q4_1 needs dim, ffn and heads x head_dim divisible by 32 (dim %d, ffn %d)",
+                   s->n_embd, s->n_ff);
+        return false;
+    }
+    if (dtype == CB_SYNTH_QMIX && (s->n_embd % 256 || s->n_ff % 256 || qd % 256)) {
+        cb_set_err(err, errlen, "synth: q4_k_m needs dim, ffn and heads x head_dim divisible by 256 (dim %d, ffn %d)",
+                   s->n_embd, s->n_ff);
         return false;
     }
     if (!(s->rope_base > 1.0f) || !(s->rms_eps > 0.0f) || s->rms_eps > 1.0f) {
         cb_set_err(err, errlen, "synth: rope base must be > 1 and eps in (0, 1]");
         return false;
     }
-    if (dtype != CB_SYNTH_BF16 && dtype != CB_SYNTH_Q4_1 && dtype != CB_SYNTH_F32) {
+    if (dtype != CB_SYNTH_BF16 && dtype != CB_SYNTH_Q4_1 && dtype != CB_SYNTH_F32 && dtype != CB_SYNTH_QMIX) {
         cb_set_err(err, errlen, "synth: unknown dtype %d", (int)dtype);
         return false;
     }
@@ -86,7 +106,7 @@ bool cb_synth_shape_check(const cb_synth_shape_t *s, cb_synth_dtype_t dtype, cha
 }
 
 bool cb_synth_arch_parse(const char *name, cb_synth_arch_t *out) {
-    static const char *names[] = {"llama", "llama3", "qwen2", "qwen3"};
+    static const char *names[] = {"llama", "llama3", "qwen2", "qwen3", "mistral", "gemma3"};
     for (size_t i = 0; name && i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(name, names[i])) {
             *out = (cb_synth_arch_t)i;
@@ -100,6 +120,7 @@ bool cb_synth_dtype_parse(const char *name, cb_synth_dtype_t *out) {
     if (!strcmp(name, "bf16")) *out = CB_SYNTH_BF16;
     else if (!strcmp(name, "q4_1")) *out = CB_SYNTH_Q4_1;
     else if (!strcmp(name, "f32")) *out = CB_SYNTH_F32;
+    else if (!strcmp(name, "q4_k_m")) *out = CB_SYNTH_QMIX;
     else return false;
     return true;
 }
@@ -123,6 +144,7 @@ float cb_synth_u(uint64_t seed, uint32_t tensor_id, uint64_t i) {
 uint32_t cb_synth_tensor_id(int layer, cb_synth_kind_t kind) {
     if (kind <= CB_SYNTH_OUTPUT) return (uint32_t)kind;
     if (kind == CB_SYNTH_ROPE_FREQS) return 3u;
+    if (kind >= CB_SYNTH_POST_ATTN_NORM) return (1u << 24) + 16u * (uint32_t)layer + 5u + (uint32_t)(kind - CB_SYNTH_POST_ATTN_NORM);
     if (kind >= CB_SYNTH_ATTN_Q_BIAS) return (1u << 24) + 16u * (uint32_t)layer + (uint32_t)(kind - CB_SYNTH_ATTN_Q_BIAS);
     return 16u + 16u * (uint32_t)layer + (uint32_t)kind;
 }
@@ -130,7 +152,7 @@ uint32_t cb_synth_tensor_id(int layer, cb_synth_kind_t kind) {
 /* Norm weights: 1 + 0.1u. */
 static bool syn_is_norm(cb_synth_kind_t k) {
     return k == CB_SYNTH_OUTPUT_NORM || k == CB_SYNTH_ATTN_NORM || k == CB_SYNTH_FFN_NORM || k == CB_SYNTH_ATTN_Q_NORM ||
-           k == CB_SYNTH_ATTN_K_NORM;
+           k == CB_SYNTH_ATTN_K_NORM || k == CB_SYNTH_POST_ATTN_NORM || k == CB_SYNTH_POST_FFN_NORM;
 }
 
 /* One-dimensional tensors (always stored F32). */
@@ -140,7 +162,7 @@ static bool syn_is_vec(cb_synth_kind_t k) {
 }
 
 float cb_synth_scale(const cb_synth_shape_t *s, cb_synth_kind_t kind) {
-    const float E = (float)s->n_embd, QD = (float)s->n_embd, F = (float)s->n_ff; /* QD = n_head*head_dim */
+    const float E = (float)s->n_embd, QD = (float)(s->n_head * syn_head_dim(s)), F = (float)s->n_ff;
     switch (kind) {
     case CB_SYNTH_TOKEN_EMBD: case CB_SYNTH_OUTPUT: return 4.0f * sqrtf(3.0f / E);
     case CB_SYNTH_ATTN_Q: case CB_SYNTH_ATTN_K: return 3.0f / sqrtf(E);
@@ -152,15 +174,16 @@ float cb_synth_scale(const cb_synth_shape_t *s, cb_synth_kind_t kind) {
 }
 
 void cb_synth_dims(const cb_synth_shape_t *s, cb_synth_kind_t kind, int *rows, int *cols) {
-    const int E = s->n_embd, hd = s->n_embd / s->n_head, KVD = s->n_head_kv * hd, F = s->n_ff;
+    const int E = s->n_embd, hd = syn_head_dim(s), QD = s->n_head * hd, KVD = s->n_head_kv * hd, F = s->n_ff;
     int r = 1, c = E;
     switch (kind) {
     case CB_SYNTH_TOKEN_EMBD: case CB_SYNTH_OUTPUT: r = s->n_vocab; break;
-    case CB_SYNTH_ATTN_Q: case CB_SYNTH_ATTN_OUTPUT: r = E; break;
+    case CB_SYNTH_ATTN_Q: r = QD; break;
+    case CB_SYNTH_ATTN_OUTPUT: r = E, c = QD; break;
     case CB_SYNTH_ATTN_K: case CB_SYNTH_ATTN_V: r = KVD; break;
     case CB_SYNTH_FFN_GATE: case CB_SYNTH_FFN_UP: r = F; break;
     case CB_SYNTH_FFN_DOWN: r = E, c = F; break;
-    case CB_SYNTH_ATTN_Q_BIAS: c = E; break;
+    case CB_SYNTH_ATTN_Q_BIAS: c = QD; break;
     case CB_SYNTH_ATTN_K_BIAS: case CB_SYNTH_ATTN_V_BIAS: c = KVD; break;
     case CB_SYNTH_ATTN_Q_NORM: case CB_SYNTH_ATTN_K_NORM: c = hd; break;
     case CB_SYNTH_ROPE_FREQS: c = hd / 2; break;
@@ -388,6 +411,56 @@ static void syn_write_vocab(syn_w_t *w, const cb_synth_shape_t *s) {
     }
 }
 
+static const char SYN_TEMPLATE_MISTRAL[] =
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}";
+static const char SYN_TEMPLATE_GEMMA[] =
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' + "
+    "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
+
+/* A SentencePiece vocabulary: the specials, the byte tokens, the merges' pieces with "▁" for the space
+ * (score -rank), fillers (score -1e4). */
+static void syn_write_vocab_spm(syn_w_t *w, const cb_synth_shape_t *s) {
+    int n_piece = (int)SYN_N_MERGES;
+    if (n_piece > s->n_vocab - SPM_N_BASE) n_piece = s->n_vocab - SPM_N_BASE;
+    static const char *const special[SPM_N_SPECIAL] = {"<unk>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>"};
+    char buf[64];
+    w_str(w, "tokenizer.ggml.tokens", strlen("tokenizer.ggml.tokens"));
+    w_u32(w, 9);
+    w_u32(w, 8);
+    w_u64(w, (uint64_t)s->n_vocab);
+    for (int i = 0; i < s->n_vocab; i++) {
+        size_t n = 0;
+        if (i < SPM_N_SPECIAL) {
+            n = (size_t)snprintf(buf, sizeof buf, "%s", special[i]);
+        } else if (i < SPM_N_BASE) {
+            n = (size_t)snprintf(buf, sizeof buf, "<0x%02X>", i - SPM_N_SPECIAL);
+        } else if (i < SPM_N_BASE + n_piece) {
+            for (const char *c = SYN_MERGES[i - SPM_N_BASE]; *c; c++) {
+                if (*c == ' ') continue;
+                if (*c == 'G') n += cb_utf8_encode(0x2581, (unsigned char *)buf + n); /* ▁ */
+                else buf[n++] = *c;
+            }
+        } else {
+            n = (size_t)snprintf(buf, sizeof buf, "<syn%d>", i);
+        }
+        w_str(w, buf, n);
+    }
+    w_str(w, "tokenizer.ggml.scores", strlen("tokenizer.ggml.scores"));
+    w_u32(w, 9);
+    w_u32(w, 6);
+    w_u64(w, (uint64_t)s->n_vocab);
+    for (int i = 0; i < s->n_vocab; i++)
+        w_f32(w, i >= SPM_N_BASE && i < SPM_N_BASE + n_piece ? -(float)(i - SPM_N_BASE) : i < SPM_N_BASE ? 0.0f : -1e4f);
+    w_str(w, "tokenizer.ggml.token_type", strlen("tokenizer.ggml.token_type"));
+    w_u32(w, 9);
+    w_u32(w, 5);
+    w_u64(w, (uint64_t)s->n_vocab);
+    for (int i = 0; i < s->n_vocab; i++) w_u32(w, i == 0 ? 2u : i < SPM_N_SPECIAL ? 3u : i < SPM_N_BASE ? 6u : 1u);
+}
+
 /* ---------------------------------------------------------------- tensors */
 
 typedef struct {
@@ -400,18 +473,19 @@ typedef struct {
 } syn_tensor_t;
 
 static uint32_t syn_type(cb_synth_dtype_t dt, cb_synth_kind_t kind) {
-    if (syn_is_vec(kind) || dt == CB_SYNTH_F32) return 0;        /* F32 */
-    if (dt == CB_SYNTH_BF16) return 30;                          /* BF16 */
-    return (kind == CB_SYNTH_TOKEN_EMBD || kind == CB_SYNTH_OUTPUT) ? 8 : 3;  /* Q8_0 : Q4_1 */
+    if (syn_is_vec(kind) || dt == CB_SYNTH_F32) return CB_TYPE_F32;
+    if (dt == CB_SYNTH_BF16) return CB_TYPE_BF16;
+    if (dt == CB_SYNTH_Q4_1) return (kind == CB_SYNTH_TOKEN_EMBD || kind == CB_SYNTH_OUTPUT) ? CB_TYPE_Q8_0 : CB_TYPE_Q4_1;
+    switch (kind) { /* q4_k_m */
+    case CB_SYNTH_ATTN_Q: case CB_SYNTH_ATTN_K: return CB_TYPE_Q5_0;
+    case CB_SYNTH_ATTN_V: case CB_SYNTH_TOKEN_EMBD: return CB_TYPE_Q8_0;
+    case CB_SYNTH_FFN_DOWN: case CB_SYNTH_OUTPUT: return CB_TYPE_Q6_K;
+    default: return CB_TYPE_Q4_K;
+    }
 }
 
 static uint64_t syn_bytes(uint32_t type, uint64_t n) {
-    switch (type) {
-    case 0: return n * 4;
-    case 30: return n * 2;
-    case 3: return n / 32 * 20;
-    default: return n / 32 * 34;   /* Q8_0 */
-    }
+    return n / cb_type_block_elems(type) * cb_type_block_bytes(type);
 }
 
 static int syn_list(const cb_synth_shape_t *s, cb_synth_dtype_t dt, syn_tensor_t *t) {
@@ -426,7 +500,10 @@ static int syn_list(const cb_synth_shape_t *s, cb_synth_dtype_t dt, syn_tensor_t
         {CB_SYNTH_ATTN_Q_BIAS, "attn_q.bias"}, {CB_SYNTH_ATTN_K_BIAS, "attn_k.bias"}, {CB_SYNTH_ATTN_V_BIAS, "attn_v.bias"},
     }, qwen3[] = {
         {CB_SYNTH_ATTN_Q_NORM, "attn_q_norm.weight"}, {CB_SYNTH_ATTN_K_NORM, "attn_k_norm.weight"},
+    }, gemma3[] = {
+        {CB_SYNTH_POST_ATTN_NORM, "post_attention_norm.weight"}, {CB_SYNTH_POST_FFN_NORM, "post_ffw_norm.weight"},
     };
+    const bool qk_norm = s->arch == CB_SYNTH_QWEN3 || s->arch == CB_SYNTH_GEMMA3;
     ADD("token_embd.weight", -1, CB_SYNTH_TOKEN_EMBD);
     ADD("output_norm.weight", -1, CB_SYNTH_OUTPUT_NORM);
     if (!s->tied) ADD("output.weight", -1, CB_SYNTH_OUTPUT);
@@ -441,9 +518,13 @@ static int syn_list(const cb_synth_shape_t *s, cb_synth_dtype_t dt, syn_tensor_t
             snprintf(nm, sizeof nm, "blk.%d.%s", l, qwen2[k].n);
             ADD(nm, l, qwen2[k].k);
         }
-        for (size_t k = 0; s->arch == CB_SYNTH_QWEN3 && k < 2; k++) {
+        for (size_t k = 0; qk_norm && k < 2; k++) {
             snprintf(nm, sizeof nm, "blk.%d.%s", l, qwen3[k].n);
             ADD(nm, l, qwen3[k].k);
+        }
+        for (size_t k = 0; s->arch == CB_SYNTH_GEMMA3 && k < 2; k++) {
+            snprintf(nm, sizeof nm, "blk.%d.%s", l, gemma3[k].n);
+            ADD(nm, l, gemma3[k].k);
         }
     }
 #undef ADD
@@ -472,7 +553,7 @@ static bool syn_write_data(syn_w_t *w, const cb_synth_shape_t *s, uint64_t seed,
         cb_synth_fill(s, seed, t->layer, t->kind, first, n, x);
         size_t nb = 0;
         switch (t->type) {
-        case 0:
+        case CB_TYPE_F32:
             for (size_t j = 0; j < n; j++) {
                 uint32_t u;
                 memcpy(&u, &x[j], 4);
@@ -481,20 +562,24 @@ static bool syn_write_data(syn_w_t *w, const cb_synth_shape_t *s, uint64_t seed,
             }
             nb = n * 4;
             break;
-        case 30:
+        case CB_TYPE_BF16:
             for (size_t j = 0; j < n; j++) {
                 uint16_t b = cb_f32_to_bf16(x[j]);
                 out[2 * j] = (uint8_t)b, out[2 * j + 1] = (uint8_t)(b >> 8);
             }
             nb = n * 2;
             break;
-        case 3:
+        case CB_TYPE_Q4_1:
             for (size_t j = 0; j < n; j += 32) syn_q4_1(x + j, out + j / 32 * 20);
             nb = n / 32 * 20;
             break;
-        default:
+        case CB_TYPE_Q8_0:
             for (size_t j = 0; j < n; j += 32) syn_q8_0(x + j, out + j / 32 * 34);
             nb = n / 32 * 34;
+            break;
+        default: /* Q5_0, Q4_K, Q6_K: n is a multiple of 256 (a piece, or a whole tensor of such rows) */
+            if (!cb_quant(t->type, x, out, n)) w->failed = true;
+            nb = (size_t)syn_bytes(t->type, n);
             break;
         }
         w_bytes(w, out, nb);
@@ -507,15 +592,17 @@ static bool syn_write_data(syn_w_t *w, const cb_synth_shape_t *s, uint64_t seed,
 
 static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt, uint64_t seed, char *err,
                      size_t errlen) {
-    int max_t = 4 + 12 * s->n_layer;
+    int max_t = 4 + 14 * s->n_layer;
     syn_tensor_t *t = calloc((size_t)max_t, sizeof *t);
     if (!t) {
         cb_set_err(err, errlen, "synth: out of memory");
         return false;
     }
     int nt = syn_list(s, dt, t);
-    const int hd = s->n_embd / s->n_head;
-    const uint32_t n_kv = 25;
+    const int hd = syn_head_dim(s);
+    const bool spm = syn_spm(s);
+    const int window = s->window ? s->window : s->arch == CB_SYNTH_GEMMA3 ? 32 : 0;
+    const uint32_t n_kv = 25 + (s->head_dim ? 2 : 0) + (window ? 1 : 0) + (spm ? 1 : 0);
     /* header */
     w_bytes(w, "GGUF", 4);
     w_u32(w, 3);
@@ -524,13 +611,17 @@ static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt,
     /* metadata (n_kv entries) */
     char name[64];
     snprintf(name, sizeof name, "synthetic-%s", s->name[0] ? s->name : "custom");
-    const char *A = s->arch == CB_SYNTH_QWEN2 ? "qwen2" : s->arch == CB_SYNTH_QWEN3 ? "qwen3" : "llama";
+    const char *A = s->arch == CB_SYNTH_QWEN2    ? "qwen2"
+                    : s->arch == CB_SYNTH_QWEN3  ? "qwen3"
+                    : s->arch == CB_SYNTH_GEMMA3 ? "gemma3"
+                                                 : "llama";
     char kbuf[96];
 #define K(suffix) (snprintf(kbuf, sizeof kbuf, "%s." suffix, A), kbuf)
     kv_str(w, "general.architecture", A);                                                  /* 1 */
     kv_str(w, "general.name", name);                                                     /* 2 */
     kv_u32(w, "general.alignment", SYN_ALIGN);                                           /* 3 */
-    kv_u32(w, "general.file_type", dt == CB_SYNTH_F32 ? 0u : dt == CB_SYNTH_BF16 ? 32u : 3u); /* 4 */
+    kv_u32(w, "general.file_type", dt == CB_SYNTH_F32 ? 0u : dt == CB_SYNTH_BF16 ? 32u : dt == CB_SYNTH_Q4_1 ? 3u : 15u);
+                                                                                         /* 4 */
     kv_u32(w, "general.quantization_version", 2);                                        /* 5 */
     kv_u32(w, K("context_length"), (uint32_t)s->n_ctx);                               /* 6 */
     kv_u32(w, K("embedding_length"), (uint32_t)s->n_embd);                            /* 7 */
@@ -542,14 +633,23 @@ static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt,
     kv_f32(w, K("rope.freq_base"), s->rope_base);                                     /* 13 */
     kv_u32(w, K("rope.dimension_count"), (uint32_t)hd);                               /* 14 */
     kv_u32(w, K("vocab_size"), (uint32_t)s->n_vocab);                                 /* 15 */
-    kv_str(w, "tokenizer.ggml.model", "gpt2");                                           /* 16 */
-    kv_str(w, "tokenizer.ggml.pre", "smollm");                                           /* 17 */
-    syn_write_vocab(w, s);                                                               /* 18, 19, 20 */
+    kv_str(w, "tokenizer.ggml.model", spm ? "llama" : "gpt2");                           /* 16 */
+    kv_str(w, "tokenizer.ggml.pre", spm ? "default" : "smollm");                         /* 17 */
+    if (spm) syn_write_vocab_spm(w, s);                                                  /* 18, 19, 20 */
+    else syn_write_vocab(w, s);
     kv_u32(w, "tokenizer.ggml.bos_token_id", 1);                                         /* 21 */
     kv_u32(w, "tokenizer.ggml.eos_token_id", 2);                                         /* 22 */
-    kv_u32(w, "tokenizer.ggml.padding_token_id", 2);                                     /* 23 */
-    kv_bool(w, "tokenizer.ggml.add_bos_token", false);                                   /* 24 */
-    kv_str(w, "tokenizer.chat_template", SYN_TEMPLATE);                                  /* 25 */
+    kv_u32(w, "tokenizer.ggml.padding_token_id", spm ? 0 : 2);                           /* 23 */
+    kv_bool(w, "tokenizer.ggml.add_bos_token", spm);                                     /* 24 */
+    kv_str(w, "tokenizer.chat_template", s->arch == CB_SYNTH_GEMMA3    ? SYN_TEMPLATE_GEMMA
+                                         : s->arch == CB_SYNTH_MISTRAL ? SYN_TEMPLATE_MISTRAL
+                                                                       : SYN_TEMPLATE); /* 25 */
+    if (spm) kv_u32(w, "tokenizer.ggml.unknown_token_id", 0);
+    if (s->head_dim) {
+        kv_u32(w, K("attention.key_length"), (uint32_t)hd);
+        kv_u32(w, K("attention.value_length"), (uint32_t)hd);
+    }
+    if (window) kv_u32(w, K("attention.sliding_window"), (uint32_t)window);
     /* (n_kv counts the entries above: keep it in sync when adding keys) */
 #undef K
     /* tensor infos */

@@ -17,12 +17,17 @@
  *                    next-token distribution, so greedy decoding is stable across backends).
  *
  * Storage by dtype: bf16 = matrices BF16, norms F32; f32 = everything F32; q4_1 = block matrices Q4_1,
- * token_embd and output Q8_0 (as a real SmolLM2 Q4_1 file has), norms F32.
+ * token_embd and output Q8_0 (as a real SmolLM2 Q4_1 file has), norms F32; q4_k_m = the types a real Q4_K_M
+ * file mixes (llama.cpp's Qwen2.5 and Gemma 3 files): attn_q and attn_k Q5_0, attn_v and token_embd Q8_0,
+ * attn_output, ffn_gate and ffn_up Q4_K, ffn_down and output Q6_K (format/quant.h cb_quant rounding).
  *
  * Tokenizer metadata: a minimal GPT-2 byte-level BPE vocabulary that the tokenizer module accepts
  * (model "gpt2", pre "smollm"): ids 0..2 are <|endoftext|>, <|im_start|> (BOS), <|im_end|> (EOS), then
  * the 256 byte symbols, then a few dozen merges of common English letter pairs, then filler tokens
- * "<synN>" up to n_vocab. A ChatML chat template is included.
+ * "<synN>" up to n_vocab. A ChatML chat template is included. mistral and gemma3 get a SentencePiece
+ * vocabulary instead (model "llama"): <unk>, <s> (BOS), </s> (EOS), <start_of_turn>, <end_of_turn>, the
+ * byte tokens <0x00>..<0xFF>, the same pieces ("▁" for the space) scored by rank, fillers; and their
+ * family's chat template ([INST], Gemma turns).
  */
 #ifndef CB_SYNTH_H
 #define CB_SYNTH_H
@@ -31,20 +36,26 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum { CB_SYNTH_BF16 = 0, CB_SYNTH_Q4_1 = 1, CB_SYNTH_F32 = 2 } cb_synth_dtype_t;
+typedef enum { CB_SYNTH_BF16 = 0, CB_SYNTH_Q4_1 = 1, CB_SYNTH_F32 = 2, CB_SYNTH_QMIX = 3 } cb_synth_dtype_t;
 
 /* Architectures: the GGUF's general.architecture and the tensors it adds to the llama block. */
 typedef enum {
     CB_SYNTH_LLAMA = 0,      /* "llama" */
     CB_SYNTH_LLAMA3,         /* "llama" with rope_freqs.weight (Llama 3.1's frequency factors) */
     CB_SYNTH_QWEN2,          /* "qwen2": biases of Q, K and V */
-    CB_SYNTH_QWEN3           /* "qwen3": RMSNorm weights of the Q and K heads */
+    CB_SYNTH_QWEN3,          /* "qwen3": RMSNorm weights of the Q and K heads */
+    CB_SYNTH_MISTRAL,        /* "llama" with a SentencePiece vocabulary (tokenizer.ggml.model "llama"), as Mistral */
+    CB_SYNTH_GEMMA3          /* "gemma3": Q/K head norms, norms after attention and after the FFN, GELU FFN,
+                                embeddings times sqrt(n_embd), sliding-window layers (window, every sixth
+                                layer global), NEOX RoPE with base 1e4 on windowed layers */
 } cb_synth_arch_t;
 
 typedef struct {
     char name[32];           /* shape name, written to general.name as "synthetic-<name>" */
     cb_synth_arch_t arch;    /* default (0) llama */
     int n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, n_ctx;
+    int head_dim;            /* 0: n_embd / n_head (gemma3 has its own, written as attention.key_length) */
+    int window;              /* gemma3: attention.sliding_window (0: gemma3 gets 32) */
     float rope_base, rms_eps;
     bool tied;               /* no output.weight: the LM head is token_embd (SmolLM2) */
 } cb_synth_shape_t;
@@ -56,10 +67,11 @@ typedef enum {
     CB_SYNTH_FFN_NORM, CB_SYNTH_FFN_GATE, CB_SYNTH_FFN_UP, CB_SYNTH_FFN_DOWN,
     CB_SYNTH_ATTN_Q_BIAS, CB_SYNTH_ATTN_K_BIAS, CB_SYNTH_ATTN_V_BIAS,   /* qwen2: 0.5u */
     CB_SYNTH_ATTN_Q_NORM, CB_SYNTH_ATTN_K_NORM,                        /* qwen3: [head_dim], 1 + 0.1u */
-    CB_SYNTH_ROPE_FREQS                                                /* llama3, global: [head_dim/2], 1 + 3.5(u+1) */
+    CB_SYNTH_ROPE_FREQS,                                               /* llama3, global: [head_dim/2], 1 + 3.5(u+1) */
+    CB_SYNTH_POST_ATTN_NORM, CB_SYNTH_POST_FFN_NORM                    /* gemma3: [n_embd], 1 + 0.1u */
 } cb_synth_kind_t;
 
-/* "llama" | "llama3" | "qwen2" | "qwen3" -> *out; false for anything else. */
+/* "llama" | "llama3" | "qwen2" | "qwen3" | "mistral" | "gemma3" -> *out; false for anything else. */
 bool cb_synth_arch_parse(const char *name, cb_synth_arch_t *out);
 
 /* Named shapes: "smollm2-135m" (30 x 576, 9/3 heads, ffn 1536, vocab 49152, tied, base 1e5),
@@ -91,6 +103,6 @@ int cb_synth_write(const char *path, const cb_synth_shape_t *s, cb_synth_dtype_t
  * cb_gguf_open_mem; NULL with a message on failure (e.g. out of memory). */
 void *cb_synth_build(const cb_synth_shape_t *s, cb_synth_dtype_t dtype, uint64_t seed, size_t *len, char *err,
                      size_t errlen);
-/* Parses "bf16" | "q4_1" | "f32". */
+/* Parses "bf16" | "q4_1" | "f32" | "q4_k_m". */
 bool cb_synth_dtype_parse(const char *name, cb_synth_dtype_t *out);
 #endif

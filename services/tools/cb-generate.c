@@ -5,8 +5,9 @@
  *               [--dump-logits K]
  *
  * --prompt text is tokenized with special-token parsing on (it is the operator's own text, so
- * "<|im_start|>" means the control token); --chat wraps it as one user turn of SmolLM2's ChatML (with
- * the default system prompt, or --system), where the text is tokenized with special parsing off.
+ * "<|im_start|>" means the control token), after a BOS where the vocabulary adds one (Gemma, Llama 3,
+ * SentencePiece models, as llama.cpp does); --chat wraps it as one user turn of the model's chat template
+ * (with its default system prompt, or --system), where the text is tokenized with special parsing off.
  * Sampling defaults to greedy (--temp 0). Generation stops at the model's end-of-generation ids
  * (<|im_end|> and <|endoftext|> for SmolLM2, from the GGUF metadata) or after -n tokens.
  * Output: the completion streamed to stdout, or with --json one object
@@ -193,6 +194,16 @@ int main(int argc, char **argv) {
             }
         } else {
             ids = cb_tokenizer_encode_alloc(tok, prompt, strlen(prompt), true, &n);
+            if (ids && n >= 0 && cb_tokenizer_add_bos(tok) && cb_tokenizer_bos(tok) >= 0) { /* as llama.cpp does */
+                int32_t *b = realloc(ids, sizeof(int32_t) * ((size_t)n + 1));
+                if (b) {
+                    memmove(b + 1, b, sizeof(int32_t) * (size_t)n);
+                    b[0] = cb_tokenizer_bos(tok);
+                    n++;
+                }
+                ids = b ? b : ids;
+                if (!b) n = -1;
+            }
         }
         if (!ids || n < 0) {
             fprintf(stderr, "cb-generate: cannot tokenize the prompt\n");

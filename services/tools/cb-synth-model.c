@@ -1,10 +1,12 @@
 /* cb-synth-model: writes a GGUF v3 with deterministic random weights (libshared/synth) of one of the engine's
- * architectures (--arch llama|llama3|qwen2|qwen3, default llama; llama3 adds rope_freqs, qwen2 Q/K/V biases
- * and NEOX RoPE, qwen3 per-head Q/K norms and NEOX RoPE).
+ * architectures (--arch llama|llama3|qwen2|qwen3|mistral|gemma3, default llama; llama3 adds rope_freqs, qwen2
+ * Q/K/V biases and NEOX RoPE, qwen3 per-head Q/K norms and NEOX RoPE, mistral a SentencePiece vocabulary,
+ * gemma3 its block: synth.h).
  *
- *   cb-synth-model --shape smollm2-135m|llama3-8b|mistral-7b [--arch A] [--dtype bf16|q4_1|f32] [--seed S] --out FILE
+ *   cb-synth-model --shape smollm2-135m|llama3-8b|mistral-7b [--arch A] [--dtype bf16|q4_1|f32|q4_k_m] [--seed S]
+ *                  --out FILE
  *   cb-synth-model --layers N --dim D --heads H --kv-heads K --ffn F --vocab V [--ctx C] [--rope-base B]
- *                  [--tied] [--dtype ...] [--seed S] --out FILE
+ *                  [--head-dim D] [--window W] [--tied] [--dtype ...] [--seed S] --out FILE
  * Options given after --shape override that shape's fields. Defaults: dtype bf16, seed 1, ctx 4096,
  * rope base 10000. The same (shape, dtype, seed) always gives the same bytes; the engine can build the
  * same model in memory with cb_synth_build. Exit: 0 ok, 1 write error, 2 bad arguments.
@@ -18,10 +20,12 @@
 
 static int usage(void) {
     fprintf(stderr,
-            "usage: cb-synth-model --shape smollm2-135m|llama3-8b|mistral-7b [--arch llama|llama3|qwen2|qwen3]\n"
-            "                      [--dtype bf16|q4_1|f32] [--seed S] --out FILE\n"
+            "usage: cb-synth-model --shape smollm2-135m|llama3-8b|mistral-7b\n"
+            "                      [--arch llama|llama3|qwen2|qwen3|mistral|gemma3]\n"
+            "                      [--dtype bf16|q4_1|f32|q4_k_m] [--seed S] --out FILE\n"
             "       cb-synth-model --layers N --dim D --heads H --kv-heads K --ffn F --vocab V [--ctx C]\n"
-            "                      [--rope-base B] [--tied] [--dtype ...] [--seed S] --out FILE\n");
+            "                      [--rope-base B] [--head-dim D] [--window W] [--tied] [--dtype ...] [--seed S]\n"
+            "                      --out FILE\n");
     return 2;
 }
 
@@ -85,6 +89,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--ffn")) field = &s.n_ff;
         else if (!strcmp(a, "--vocab")) field = &s.n_vocab;
         else if (!strcmp(a, "--ctx")) field = &s.n_ctx;
+        else if (!strcmp(a, "--head-dim")) field = &s.head_dim;
+        else if (!strcmp(a, "--window")) field = &s.window;
         else return usage();
         if (field && !parse_int(v, 1, 1 << 24, field)) {
             fprintf(stderr, "cb-synth-model: bad value for %s: '%s'\n", a, v);

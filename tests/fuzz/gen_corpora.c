@@ -252,6 +252,10 @@ static int gen_gguf(void) {
         {"synth_llama3_tiny.seed", 1, 8, 2, 1, 16, 300, CB_SYNTH_F32, false, CB_SYNTH_LLAMA3},
         {"synth_qwen2_tiny.seed", 1, 8, 2, 1, 16, 300, CB_SYNTH_F32, true, CB_SYNTH_QWEN2},
         {"synth_qwen3_tiny.seed", 1, 8, 2, 1, 16, 300, CB_SYNTH_F32, true, CB_SYNTH_QWEN3},
+        /* SentencePiece vocabularies, a window key, gemma3's post-norms; the Q5_0/Q4_K/Q6_K types */
+        {"synth_mistral_tiny.seed", 1, 8, 2, 1, 16, 300, CB_SYNTH_F32, false, CB_SYNTH_MISTRAL},
+        {"synth_gemma3_tiny.seed", 2, 8, 2, 1, 16, 300, CB_SYNTH_F32, true, CB_SYNTH_GEMMA3},
+        {"synth_qmix_tiny.seed", 1, 256, 2, 1, 256, 300, CB_SYNTH_QMIX, true, CB_SYNTH_LLAMA},
     };
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
         cb_synth_shape_t s;

@@ -1,14 +1,16 @@
 /* test_gpu: every cb_cuda kernel against a straightforward CPU reference on random inputs, plus the blend
- * kernels' semantics (exact causal limit, deterministic top-k and attention mass), out-of-memory handling,
- * the chunk KV pool, copy stream events, graph capture; the backend table op by op, CUDA against the CPU
- * reference backend (dense operations, RoPE with NORM and NEOX pairing, linear scaling and frequency factors,
- * projection biases; the device KV pool through shuffled and consecutive block tables: writes, layer loads in
- * f32/f16/bf16 under two rotations, reads, block copies, attention, attention mass; and the host-side
- * deviation, top-k and compaction); whole forwards of a synthetic SmolLM2-shaped model (the device-resident
- * cb_cuda_llama) against the CPU engine; and the cross-backend test of ISSUE 11: the one CacheBlend
- * (libshared/blend) in every mode on a CPU engine and a CUDA engine, comparing selected rows, logits and
- * greedy tokens (test_blend_backends states its rules). Built by tests/run-gpu.sh (mk/cuda.mk); exits 0
- * with a "skip" line when there is no GPU.
+ * kernels' semantics (exact causal limit, sliding windows, deterministic top-k and attention mass),
+ * out-of-memory handling, the chunk KV pool, copy stream events, graph capture; the backend table op by op,
+ * CUDA against the CPU reference backend (dense operations, GeGLU and scale, Q5_0 weights in matmul and embed,
+ * RoPE with NORM and NEOX pairing, linear scaling and frequency factors, projection biases; the device KV pool
+ * through shuffled and consecutive block tables: writes, layer loads in f32/f16/bf16 under two rotations,
+ * reads, block copies, attention, attention_rows and attention mass with and without a sliding window; and the
+ * host-side deviation, top-k and compaction); whole forwards of a synthetic SmolLM2-shaped model (the
+ * device-resident cb_cuda_llama) against the CPU engine; and the cross-backend test of ISSUE 11: the one
+ * CacheBlend (libshared/blend) in every mode on a CPU engine and a CUDA engine, for every synthetic
+ * architecture (gemma3's windowed layers included), comparing selected rows, logits and greedy tokens
+ * (test_blend_backends states its rules). Built by tests/run-gpu.sh (mk/cuda.mk); exits 0 with a "skip"
+ * line when there is no GPU.
  *
  * Tolerances (bf16 keeps 8 significant bits: rounding to bf16 has a relative error <= 2^-9 ~ 2e-3;
  * every accumulation is f32, whose error is negligible next to that):
@@ -16,9 +18,14 @@
  *     (1e-6 relative) and bf16 outputs to one bf16 rounding (2^-8 relative, one unit in the last place);
  *   - GEMM: inputs are exactly bf16 on both sides; f32 output <= 1e-4 * sum|x w| (f32 accumulation of k
  *     terms, any order); bf16 output adds one rounding (4e-3 * |ref|);
- *   - norm, RoPE, SwiGLU: one bf16 rounding of the output (4e-3 relative, 2 ulps) plus f32 noise;
+ *   - norm, RoPE, SwiGLU: one bf16 rounding of the output (4e-3 relative, 2 ulps) plus f32 noise; GeGLU the
+ *     same plus f32 tanh's error where 1 + tanh cancels (a few f32 ulps of 1 times |g u|: 1e-6 * (1 + |g u|));
+ *   - scale: f32 on both sides, one rounding of each product: bit-identical;
  *   - attention: P is rounded to bf16 before P.V (each weight 2^-9 relative), so |error| <= 2^-9 * max|v|
- *     over the keys the row sees, plus the output rounding: tolerance 8e-3 * max|v| + 4e-3 * |ref|;
+ *     over the keys the row sees, plus the output rounding: tolerance 8e-3 * max|v| + 4e-3 * |ref|. With a
+ *     sliding window the same, over the row's keys [lim - window, lim); keys outside every row's range are
+ *     NaN (any read of them would poison an output), and a row's output must not change by one bit when the
+ *     keys outside its own range change;
  *   - top-k and argmax: exact (integer keys, fixed tie rule);
  *   - whole forward (30 layers, bf16 activations vs the f32 CPU engine): the hidden state picks up ~2^-9
  *     relative error at each of ~7 roundings per layer, a random walk of ~sqrt(210) * 2e-3 ~ 3%, so the
@@ -78,6 +85,32 @@ static void *dev_dup(const void *h, size_t bytes) {
 }
 static int get(void *h, const void *d, size_t bytes) { return cb_cuda_d2h(cu, h, d, bytes); }
 
+/* Q5_0 rows for the backend tests, blocks of 32 {f16 d; u8 qh[4]; u8 qs[16]}: element j is
+ * d * ((nibble | (bit j of qh) << 4) - 16), low nibbles of qs for j < 16, high ones for j + 16, qh a little-endian
+ * u32. ggml's rounding: d = the block's value of largest magnitude / -16, q = round(x / d) + 16 clamped to 31.
+ * n a multiple of 32. */
+static void q5_0_quantize(const float *x, size_t n, uint8_t *dst) {
+    for (size_t b = 0; b < n / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f, vmax = 0.0f;
+        for (int j = 0; j < 32; j++)
+            if (fabsf(xb[j]) > amax) amax = fabsf(xb[j]), vmax = xb[j];
+        const float d = vmax / -16.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint8_t *p = dst + b * 22;
+        const uint16_t h = cb_f32_to_f16(d);
+        memcpy(p, &h, 2);
+        uint32_t qh = 0;
+        for (int j = 0; j < 16; j++) {
+            int x0 = (int)(xb[j] * id + 16.5f), x1 = (int)(xb[j + 16] * id + 16.5f);
+            x0 = x0 < 0 ? 0 : x0 > 31 ? 31 : x0;
+            x1 = x1 < 0 ? 0 : x1 > 31 ? 31 : x1;
+            p[6 + j] = (uint8_t)((x0 & 0xF) | (x1 & 0xF) << 4);
+            qh |= (uint32_t)(x0 >> 4) << j | (uint32_t)(x1 >> 4) << (j + 16);
+        }
+        for (int i = 0; i < 4; i++) p[2 + i] = (uint8_t)(qh >> (8 * i));
+    }
+}
+
 /* ---------------------------------------------------------------- dequantization */
 
 static size_t raw_bytes(uint32_t t, size_t n) {
@@ -86,6 +119,7 @@ static size_t raw_bytes(uint32_t t, size_t n) {
     case CB_TYPE_F16: case CB_TYPE_BF16: return n * 2;
     case CB_TYPE_Q4_0: return n / 32 * 18;
     case CB_TYPE_Q4_1: return n / 32 * 20;
+    case CB_TYPE_Q5_0: return n / 32 * 22;
     case CB_TYPE_Q8_0: return n / 32 * 34;
     case CB_TYPE_Q4_K: return n / 256 * 144;
     default: return n / 256 * 210;   /* Q6_K */
@@ -107,7 +141,7 @@ static void raw_fill(uint32_t t, uint8_t *p, size_t n) {
     case CB_TYPE_BF16:
         for (size_t i = 0; i < n; i++) { h = bf(frand(3.0f)); memcpy(p + 2 * i, &h, 2); }
         break;
-    case CB_TYPE_Q4_0: case CB_TYPE_Q8_0:
+    case CB_TYPE_Q4_0: case CB_TYPE_Q5_0: case CB_TYPE_Q8_0:
         for (size_t b = 0; b < n / 32; b++) { h = cb_f32_to_f16(frand(0.1f)); memcpy(p + b * raw_bytes(t, 32), &h, 2); }
         break;
     case CB_TYPE_Q4_1:
@@ -129,8 +163,8 @@ static void raw_fill(uint32_t t, uint8_t *p, size_t n) {
 }
 
 TEST(test_dequant) {
-    const uint32_t types[] = {CB_TYPE_F32, CB_TYPE_F16, CB_TYPE_BF16, CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q8_0,
-                              CB_TYPE_Q4_K, CB_TYPE_Q6_K};
+    const uint32_t types[] = {CB_TYPE_F32, CB_TYPE_F16, CB_TYPE_BF16, CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q5_0,
+                              CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q6_K};
     enum { N = 256 * 40 };
     uint8_t *raw = malloc(N * 4);
     float *ref = malloc(N * 4), *g32 = malloc(N * 4);
@@ -155,6 +189,7 @@ TEST(test_dequant) {
     }
     CHECK(cb_cuda_upload_weights(cu, 99, raw, 32, d32, CB_CUDA_F32) == CB_CUDA_EINVAL);
     CHECK(cb_cuda_upload_weights(cu, CB_TYPE_Q4_1, raw, 33, d32, CB_CUDA_F32) == CB_CUDA_EINVAL);
+    CHECK(cb_cuda_upload_weights(cu, CB_TYPE_Q5_0, raw, 48, d32, CB_CUDA_F32) == CB_CUDA_EINVAL);
     cb_cuda_free(cu, d32);
     cb_cuda_free(cu, d16);
     free(raw), free(ref), free(g32), free(g16);
@@ -267,6 +302,27 @@ TEST(test_embed_norm_swiglu_add) {
             double want = g / (1.0 + exp(-g)) * u;
             CHECK_MSG(fabs(fb(out[i * F + j]) - want) <= 4e-3 * fabs(want) + 1e-6, "swiglu [%d][%d]", i, j);
         }
+    /* GeGLU (GELU's tanh form) over the same buffer, into its own output */
+    uint16_t out_gg[N * F];
+    uint16_t *dout_gg = cb_cuda_malloc(cu, sizeof out_gg);
+    CHECK(dout_gg && cb_cuda_geglu(cu, N, F, dgu, (uint16_t *)dgu + F, 2 * F, dout_gg, F) == 0);
+    CHECK(get(out_gg, dout_gg, sizeof out_gg) == 0);
+    cb_cuda_free(cu, dout_gg);
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < F; j++) {
+            double g = fb(gu[i * 2 * F + j]), u = fb(gu[i * 2 * F + F + j]);
+            double want = 0.5 * g * (1.0 + tanh(sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g))) * u;
+            CHECK_MSG(fabs(fb(out_gg[i * F + j]) - want) <= 4e-3 * fabs(want) + 1e-6 * (1.0 + fabs(g * u)),
+                      "geglu [%d][%d]: %g vs %g", i, j, fb(out_gg[i * F + j]), want);
+        }
+    /* scale: f32, one rounding per value, so exactly what the host's f32 product gives */
+    {
+        float xs[N * E];
+        float *dxs = dev_dup(x, sizeof x);
+        CHECK(dxs && cb_cuda_scale(cu, dxs, N * E, 11.3137085f) == 0 && get(xs, dxs, sizeof xs) == 0);
+        cb_cuda_free(cu, dxs);
+        for (int i = 0; i < N * E; i++) CHECK_MSG(xs[i] == x[i] * 11.3137085f, "scale [%d]", i);
+    }
     CHECK(cb_cuda_add(cu, N, F, de, E, dout, CB_CUDA_BF16, F) == 0 && cb_cuda_add(cu, N, E, de, E, dx, CB_CUDA_F32, E) == 0);
     CHECK(get(ge, de, sizeof ge) == 0);
     float ge2[N * E];
@@ -474,13 +530,18 @@ TEST(test_topk) {
 
 /* ---------------------------------------------------------------- attention */
 
-/* out [nq][H*D] (double) for bf16 q/k/v; returns per-row max |v| over the keys it sees in vmax. */
+/* The first key a row of clamped limit L sees under a sliding window (cb_cuda_attn_t.window; 0: none). */
+static int win_lo(int L, int window) { return window > 0 && L > window ? L - window : 0; }
+
+/* out [nq][H*D] (double) for bf16 q/k/v, row r over keys [win_lo(L), L); returns per-row max |v| over the keys
+ * it sees in vmax. */
 static void attn_ref(const uint16_t *q, int ldq, const uint16_t *k, const uint16_t *v, int ldkv, const int32_t *lim,
-                     int add, int nq, int nkv, int H, int Hkv, int D, double *out, double *vmax) {
+                     int add, int nq, int nkv, int H, int Hkv, int D, int window, double *out, double *vmax) {
     double *s = malloc(sizeof(double) * (size_t)(nkv ? nkv : 1));
     for (int r = 0; r < nq; r++) {
         int L = lim[r] + add;
         L = L < 0 ? 0 : L > nkv ? nkv : L;
+        const int lo = win_lo(L, window);
         vmax[r] = 0;
         for (int h = 0; h < H; h++) {
             int g = h / (H / Hkv);
@@ -488,13 +549,13 @@ static void attn_ref(const uint16_t *q, int ldq, const uint16_t *k, const uint16
             for (int d = 0; d < D; d++) o[d] = 0;
             if (!L) continue;
             double mx = -INFINITY, sum = 0;
-            for (int j = 0; j < L; j++) {
+            for (int j = lo; j < L; j++) {
                 double acc = 0;
                 for (int d = 0; d < D; d++) acc += (double)fb(q[(size_t)r * ldq + h * D + d]) * fb(k[(size_t)j * ldkv + g * D + d]);
                 s[j] = acc / sqrt((double)D);
                 mx = fmax(mx, s[j]);
             }
-            for (int j = 0; j < L; j++) {
+            for (int j = lo; j < L; j++) {
                 double p = exp(s[j] - mx);
                 sum += p;
                 for (int d = 0; d < D; d++) {
@@ -509,8 +570,10 @@ static void attn_ref(const uint16_t *q, int ldq, const uint16_t *k, const uint16
     free(s);
 }
 
-/* lim_mode: 0 causal (row i at position i), 1 sorted random subset, 2 unsorted random limits incl. 0. */
-static int attn_case(int D, int H, int Hkv, int nkv, int nq, int lim_mode, cb_cuda_attn_algo_t algo, int poison) {
+/* lim_mode: 0 causal (row i at position i), 1 sorted random subset, 2 unsorted random limits incl. 0. window:
+ * 0 none, > 0 a sliding window, -1 one equal to the largest limit of the rows drawn. */
+static int attn_case(int D, int H, int Hkv, int nkv, int nq, int lim_mode, cb_cuda_attn_algo_t algo, int poison,
+                     int window) {
     const int ldq = H * D + 8, ldkv = Hkv * D + (D == 64 ? 8 : 0), ldo = H * D;
     uint16_t *q = malloc((size_t)nq * ldq * 2), *k = malloc((size_t)nkv * ldkv * 2), *v = malloc((size_t)nkv * ldkv * 2);
     uint16_t *o = malloc((size_t)nq * ldo * 2);
@@ -527,20 +590,28 @@ static int attn_case(int D, int H, int Hkv, int nkv, int nq, int lim_mode, cb_cu
         int L = lim[r] + 1 > nkv ? nkv : lim[r] + 1;
         maxlim = L > maxlim ? L : maxlim;
     }
+    if (window < 0) window = maxlim;
+    int minlo = nkv;   /* the lowest first key of the rows that see any */
+    for (int r = 0; r < nq; r++) {
+        int L = lim[r] + 1 > nkv ? nkv : lim[r] + 1;
+        if (L > 0 && win_lo(L, window) < minlo) minlo = win_lo(L, window);
+    }
     if (poison) {   /* keys no row may see: NaN, which would poison any output that read them */
         for (int j = maxlim; j < nkv; j++)
+            for (int d = 0; d < ldkv; d++) k[(size_t)j * ldkv + d] = v[(size_t)j * ldkv + d] = 0x7FC0;
+        for (int j = 0; j < minlo && j < maxlim; j++)   /* below every row's window */
             for (int d = 0; d < ldkv; d++) k[(size_t)j * ldkv + d] = v[(size_t)j * ldkv + d] = 0x7FC0;
         /* and a huge value at the largest allowed key: rows with smaller limits must not see it */
         if (maxlim > 0)
             for (int d = 0; d < ldkv; d++) v[(size_t)(maxlim - 1) * ldkv + d] = bf(1000.0f);
     }
-    attn_ref(q, ldq, k, v, ldkv, lim, 1, nq, nkv, H, Hkv, D, ref, vmax);
+    attn_ref(q, ldq, k, v, ldkv, lim, 1, nq, nkv, H, Hkv, D, window, ref, vmax);
     void *dq = dev_dup(q, (size_t)nq * ldq * 2), *dk = dev_dup(k, (size_t)nkv * ldkv * 2);
     void *dv = dev_dup(v, (size_t)nkv * ldkv * 2), *dl = dev_dup(lim, sizeof(int32_t) * (size_t)nq);
     void *dout = cb_cuda_malloc(cu, (size_t)nq * ldo * 2);
     int bad = !dq || !dk || !dv || !dl || !dout;
     if (!bad) {
-        cb_cuda_attn_t a = {dq, ldq, dk, dv, ldkv, dout, ldo, dl, 1, nq, nkv, H, Hkv, D, 0, 0.0f};
+        cb_cuda_attn_t a = {dq, ldq, dk, dv, ldkv, dout, ldo, dl, 1, nq, nkv, H, Hkv, D, 0, 0.0f, window};
         a.max_limit = poison ? maxlim : 0;
         bad = cb_cuda_attention(cu, &a, algo) != 0 || get(o, dout, (size_t)nq * ldo * 2) != 0;
         if (bad) fprintf(stderr, "  attention: %s\n", cb_cuda_error(cu));
@@ -551,8 +622,8 @@ static int attn_case(int D, int H, int Hkv, int nkv, int nq, int lim_mode, cb_cu
             double g = fb(o[(size_t)r * ldo + j]), want = ref[(size_t)r * H * D + j];
             double err = fabs(g - want), tol = 8e-3 * vmax[r] + 4e-3 * fabs(want) + 1e-6;
             if (!(err <= tol)) {
-                fprintf(stderr, "  attention D=%d H=%d/%d nkv=%d nq=%d mode=%d algo=%d: row %d (limit %d) [%d]: %g vs %g\n",
-                        D, H, Hkv, nkv, nq, lim_mode, (int)algo, r, lim[r] + 1, j, g, want);
+                fprintf(stderr, "  attention D=%d H=%d/%d nkv=%d nq=%d mode=%d algo=%d window=%d: row %d (limit %d) "
+                        "[%d]: %g vs %g\n", D, H, Hkv, nkv, nq, lim_mode, (int)algo, window, r, lim[r] + 1, j, g, want);
                 bad = 1;
                 break;
             }
@@ -569,15 +640,27 @@ TEST(test_attention) {
         cb_cuda_attn_algo_t al = algos[ai];
         int nq_small = al == CB_CUDA_ATTN_SPLITK ? 3 : 0;
         /* SmolLM2 geometry (D 64, 9/3 heads) and Llama-3 geometry (D 128, GQA 4) */
-        CHECK(!attn_case(64, 9, 3, 200, nq_small ? nq_small : 200, 0, al, 0));        /* causal prefill */
-        CHECK(!attn_case(64, 9, 3, 700, nq_small ? nq_small : 100, 1, al, 1));        /* blend rows, poison */
-        CHECK(!attn_case(128, 8, 2, 333, nq_small ? nq_small : 150, 2, al, 1));       /* any limits, 0 too */
-        CHECK(!attn_case(128, 8, 2, 1000, nq_small ? nq_small : 64, 1, al, 0));
+        CHECK(!attn_case(64, 9, 3, 200, nq_small ? nq_small : 200, 0, al, 0, 0));        /* causal prefill */
+        CHECK(!attn_case(64, 9, 3, 700, nq_small ? nq_small : 100, 1, al, 1, 0));        /* blend rows, poison */
+        CHECK(!attn_case(128, 8, 2, 333, nq_small ? nq_small : 150, 2, al, 1, 0));       /* any limits, 0 too */
+        CHECK(!attn_case(128, 8, 2, 1000, nq_small ? nq_small : 64, 1, al, 0, 0));
+        /* sliding windows, keys outside every row's range poisoned: smaller than the limits (one key, part of
+         * a 64-key tile, a tile, several tiles), equal to the largest limit, larger than every limit */
+        const int wins[4] = {1, 37, 64, 150};
+        for (int wi = 0; wi < 4; wi++) CHECK(!attn_case(64, 9, 3, 700, nq_small ? nq_small : 100, 1, al, 1, wins[wi]));
+        CHECK(!attn_case(64, 9, 3, 200, nq_small ? nq_small : 200, 0, al, 1, 50));       /* causal prefill, window */
+        CHECK(!attn_case(128, 8, 2, 333, nq_small ? nq_small : 150, 2, al, 1, 100));     /* any limits, 0 too */
+        CHECK(!attn_case(128, 8, 2, 333, nq_small ? nq_small : 150, 1, al, 1, -1));      /* = the largest limit */
+        CHECK(!attn_case(128, 8, 2, 333, nq_small ? nq_small : 150, 2, al, 1, 5000));    /* larger than any */
     }
-    CHECK(!attn_case(128, 32, 8, 4100, 1, 1, CB_CUDA_ATTN_AUTO, 1));                  /* decode, long */
-    CHECK(!attn_case(64, 4, 4, 17, 5, 2, CB_CUDA_ATTN_FLASH, 1));                     /* tiny, MHA */
-    CHECK(!attn_case(32, 4, 2, 300, 3, 2, CB_CUDA_ATTN_SPLITK, 1));                   /* generic split-K kernel */
-    CHECK(!attn_case(32, 4, 2, 300, 40, 1, CB_CUDA_ATTN_AUTO, 0));                    /* head_dim 32: no flash */
+    CHECK(!attn_case(128, 32, 8, 4100, 1, 1, CB_CUDA_ATTN_AUTO, 1, 0));                  /* decode, long */
+    CHECK(!attn_case(128, 32, 8, 4100, 1, 1, CB_CUDA_ATTN_AUTO, 1, 1024));               /* decode, windowed */
+    CHECK(!attn_case(64, 4, 4, 17, 5, 2, CB_CUDA_ATTN_FLASH, 1, 0));                     /* tiny, MHA */
+    CHECK(!attn_case(64, 4, 4, 17, 5, 2, CB_CUDA_ATTN_FLASH, 1, 3));
+    CHECK(!attn_case(32, 4, 2, 300, 3, 2, CB_CUDA_ATTN_SPLITK, 1, 0));                   /* generic split-K kernel */
+    CHECK(!attn_case(32, 4, 2, 300, 3, 2, CB_CUDA_ATTN_SPLITK, 1, 20));
+    CHECK(!attn_case(32, 4, 2, 300, 40, 1, CB_CUDA_ATTN_AUTO, 0, 0));                    /* head_dim 32: no flash */
+    CHECK(!attn_case(32, 4, 2, 300, 40, 1, CB_CUDA_ATTN_AUTO, 1, 33));
 }
 
 /* The exact causal limit, directly: a row with limit L must give the same output whatever follows L. */
@@ -594,7 +677,7 @@ TEST(test_causal_limit) {
     void *dq = dev_dup(q, NQ * H * D * 2), *dk = dev_dup(k, NKV * ld * 2), *dv = dev_dup(v, NKV * ld * 2);
     void *dl = dev_dup(lim, sizeof lim), *dout = cb_cuda_malloc(cu, NQ * H * D * 2);
     CHECK(dq && dk && dv && dl && dout);
-    cb_cuda_attn_t a = {dq, H * D, dk, dv, ld, dout, H * D, dl, 0, NQ, NKV, H, HKV, D, 0, 0.0f};
+    cb_cuda_attn_t a = {dq, H * D, dk, dv, ld, dout, H * D, dl, 0, NQ, NKV, H, HKV, D, 0, 0.0f, 0};
     for (int al = CB_CUDA_ATTN_FLASH; al <= CB_CUDA_ATTN_SIMPLE; al++) {
         CHECK(cb_cuda_attention(cu, &a, (cb_cuda_attn_algo_t)al) == 0 && get(o1, dout, NQ * H * D * 2) == 0);
         /* change every key/value at or after each row's limit, one row's limit at a time */
@@ -618,10 +701,53 @@ TEST(test_causal_limit) {
     free(q), free(k), free(v), free(o1), free(o2);
 }
 
+/* The sliding window, directly: a row with keys [lo, L) must give the same output, bit for bit, whatever
+ * precedes lo or follows L (window 40: rows 0..13 start at key 0, the others inside the block's tiles). */
+TEST(test_window_limit) {
+    enum { D = 128, H = 4, HKV = 2, NKV = 256, NQ = 64, W = 40 };
+    const int ld = HKV * D;
+    uint16_t *q = malloc(NQ * H * D * 2), *k = malloc(NKV * ld * 2), *v = malloc(NKV * ld * 2);
+    uint16_t *k2 = malloc(NKV * ld * 2), *v2 = malloc(NKV * ld * 2);
+    uint16_t *o1 = malloc(NQ * H * D * 2), *o2 = malloc(NQ * H * D * 2);
+    int32_t lim[NQ];
+    CHECK(q && k && v && k2 && v2 && o1 && o2);
+    fill_bf(q, NQ * H * D, 1.0f);
+    fill_bf(k, NKV * ld, 1.0f);
+    fill_bf(v, NKV * ld, 1.0f);
+    for (int r = 0; r < NQ; r++) lim[r] = 3 * r + 1;     /* keys [max(0, 3r+1-40), 3r+1) */
+    void *dq = dev_dup(q, NQ * H * D * 2), *dk = dev_dup(k, NKV * ld * 2), *dv = dev_dup(v, NKV * ld * 2);
+    void *dl = dev_dup(lim, sizeof lim), *dout = cb_cuda_malloc(cu, NQ * H * D * 2);
+    CHECK(dq && dk && dv && dl && dout);
+    cb_cuda_attn_t a = {dq, H * D, dk, dv, ld, dout, H * D, dl, 0, NQ, NKV, H, HKV, D, 0, 0.0f, W};
+    for (int al = CB_CUDA_ATTN_FLASH; al <= CB_CUDA_ATTN_SIMPLE; al++) {
+        CHECK(cb_cuda_attention(cu, &a, (cb_cuda_attn_algo_t)al) == 0 && get(o1, dout, NQ * H * D * 2) == 0);
+        /* change every key/value outside one row's [lo, L) at a time */
+        for (int r = 0; r < NQ; r += 7) {
+            const int lo = win_lo(lim[r], W);
+            memcpy(k2, k, NKV * ld * 2);
+            memcpy(v2, v, NKV * ld * 2);
+            for (int j = 0; j < NKV; j++)
+                if (j < lo || j >= lim[r])
+                    for (int d = 0; d < ld; d++) k2[j * ld + d] = bf(frand(5.0f)), v2[j * ld + d] = bf(frand(50.0f));
+            CHECK(cb_cuda_h2d(cu, CB_CUDA_STREAM_COMPUTE, dk, k2, NKV * ld * 2) == 0);
+            CHECK(cb_cuda_h2d(cu, CB_CUDA_STREAM_COMPUTE, dv, v2, NKV * ld * 2) == 0);
+            CHECK(cb_cuda_attention(cu, &a, (cb_cuda_attn_algo_t)al) == 0 && get(o2, dout, NQ * H * D * 2) == 0);
+            CHECK_MSG(!memcmp(o1 + r * H * D, o2 + r * H * D, H * D * 2),
+                      "algo %d: row %d saw keys outside its window [%d, %d)", al, r, lo, lim[r]);
+        }
+        CHECK(cb_cuda_h2d(cu, CB_CUDA_STREAM_COMPUTE, dk, k, NKV * ld * 2) == 0);
+        CHECK(cb_cuda_h2d(cu, CB_CUDA_STREAM_COMPUTE, dv, v, NKV * ld * 2) == 0);
+    }
+    cb_cuda_free(cu, dq), cb_cuda_free(cu, dk), cb_cuda_free(cu, dv), cb_cuda_free(cu, dl), cb_cuda_free(cu, dout);
+    free(q), free(k), free(v), free(k2), free(v2), free(o1), free(o2);
+}
+
 /* cb_cuda_attn_mass against a double-precision reference on the same bf16 inputs (the scores are f32
  * dot products of 64-128 terms: ~1e-6 relative, so the summed probabilities agree to 1e-4 relative), rows
- * with different limits (1, mid, full), GQA groups 3 and 4; and the same bits on a second run. */
-static int mass_case(int D, int H, int Hkv, int nkv, int nq) {
+ * with different limits (1, mid, full), GQA groups 3 and 4; and the same bits on a second run. With a sliding
+ * window (window > 0, or -1: equal to the largest limit), row r over keys [win_lo(lim), lim): the keys below
+ * every row's first key are NaN and must get exactly 0. */
+static int mass_case(int D, int H, int Hkv, int nkv, int nq, int window) {
     const int ldq = H * D, ldkv = Hkv * D + 2;
     uint16_t *q = malloc((size_t)nq * ldq * 2), *k = malloc((size_t)nkv * ldkv * 2);
     int32_t *lim = malloc(sizeof(int32_t) * (size_t)nq);
@@ -631,38 +757,46 @@ static int mass_case(int D, int H, int Hkv, int nkv, int nq) {
     fill_bf(k, (size_t)nkv * ldkv, 2.0f);
     int maxlim = 0;
     for (int r = 0; r < nq; r++) {
-        lim[r] = r == 0 ? 1 : r == 1 ? nkv : 1 + (int)(urand() * nkv);
+        if (window) /* limits in the upper half: a window below nkv / 2 leaves keys no row sees */
+            lim[r] = r == 1 ? nkv : nkv / 2 + 1 + (int)(urand() * (nkv - nkv / 2));
+        else
+            lim[r] = r == 0 ? 1 : r == 1 ? nkv : 1 + (int)(urand() * nkv);
         maxlim = lim[r] > maxlim ? lim[r] : maxlim;
     }
+    if (window < 0) window = maxlim;
+    int minlo = nkv;
+    for (int r = 0; r < nq; r++) minlo = win_lo(lim[r], window) < minlo ? win_lo(lim[r], window) : minlo;
+    for (int j = 0; j < minlo; j++)
+        for (int d = 0; d < ldkv; d++) k[(size_t)j * ldkv + d] = 0x7FC0;   /* NaN: no row sees these keys */
     const double scale = 1.0 / sqrt((double)D);
     for (int r = 0; r < nq; r++)
         for (int h = 0; h < H; h++) {
-            int g = h / (H / Hkv);
+            int g = h / (H / Hkv), lo = win_lo(lim[r], window);
             double mx = -INFINITY, sum = 0;
-            for (int j = 0; j < lim[r]; j++) {
+            for (int j = lo; j < lim[r]; j++) {
                 double acc = 0;
                 for (int d = 0; d < D; d++) acc += (double)fb(q[(size_t)r * ldq + h * D + d]) * fb(k[(size_t)j * ldkv + g * D + d]);
                 s[j] = acc * scale;
                 mx = fmax(mx, s[j]);
             }
-            for (int j = 0; j < lim[r]; j++) sum += exp(s[j] - mx);
-            for (int j = 0; j < lim[r]; j++) ref[j] += exp(s[j] - mx) / sum;
+            for (int j = lo; j < lim[r]; j++) sum += exp(s[j] - mx);
+            for (int j = lo; j < lim[r]; j++) ref[j] += exp(s[j] - mx) / sum;
         }
     void *dq = dev_dup(q, (size_t)nq * ldq * 2), *dk = dev_dup(k, (size_t)nkv * ldkv * 2);
     void *dl = dev_dup(lim, sizeof(int32_t) * (size_t)nq);
     float *dm = cb_cuda_malloc(cu, sizeof(float) * (size_t)nkv);
     int bad = !dq || !dk || !dl || !dm;
     for (int rep = 0; rep < 2 && !bad; rep++) {
-        cb_cuda_attn_t a = {dq, ldq, dk, dk, ldkv, NULL, ldq, dl, 0, nq, nkv, H, Hkv, D, maxlim, 0.0f};
+        cb_cuda_attn_t a = {dq, ldq, dk, dk, ldkv, NULL, ldq, dl, 0, nq, nkv, H, Hkv, D, maxlim, 0.0f, window};
         bad = cb_cuda_attn_mass(cu, &a, dm) != 0 || get(rep ? got2 : got, dm, sizeof(float) * (size_t)maxlim) != 0;
         if (bad) fprintf(stderr, "  attn_mass: %s\n", cb_cuda_error(cu));
     }
     double total = 0;
     for (int j = 0; j < maxlim && !bad; j++) {
         total += got[j];
-        if (!(fabs(got[j] - ref[j]) <= 1e-4 * ref[j] + 1e-6)) {
-            fprintf(stderr, "  attn_mass D=%d H=%d/%d keys %d rows %d: key %d: %g vs %g\n", D, H, Hkv, nkv, nq, j,
-                    got[j], ref[j]);
+        if (!(fabs(got[j] - ref[j]) <= 1e-4 * ref[j] + 1e-6) || (j < minlo && got[j] != 0.0f)) {
+            fprintf(stderr, "  attn_mass D=%d H=%d/%d keys %d rows %d window %d: key %d: %g vs %g\n", D, H, Hkv, nkv,
+                    nq, window, j, got[j], ref[j]);
             bad = 1;
         }
     }
@@ -680,10 +814,17 @@ static int mass_case(int D, int H, int Hkv, int nkv, int nq) {
 }
 
 TEST(test_attn_mass) {
-    CHECK(!mass_case(64, 9, 3, 700, 16));      /* SmolLM2 geometry, a probe's 16 rows */
-    CHECK(!mass_case(128, 32, 8, 3000, 5));    /* Llama-3 geometry */
-    CHECK(!mass_case(64, 4, 4, 40, 37));       /* more rows than one tile of 16 */
-    cb_cuda_attn_t a = {NULL, 64, NULL, NULL, 64, NULL, 64, NULL, 0, 1, 1, 1, 1, 63, 0, 0.0f};
+    CHECK(!mass_case(64, 9, 3, 700, 16, 0));      /* SmolLM2 geometry, a probe's 16 rows */
+    CHECK(!mass_case(128, 32, 8, 3000, 5, 0));    /* Llama-3 geometry */
+    CHECK(!mass_case(64, 4, 4, 40, 37, 0));       /* more rows than one tile of 16 */
+    /* sliding windows: one key, smaller than most limits, equal to the largest, larger than any */
+    CHECK(!mass_case(64, 9, 3, 700, 16, 1));
+    CHECK(!mass_case(64, 9, 3, 700, 16, 100));
+    CHECK(!mass_case(128, 32, 8, 3000, 5, 512));
+    CHECK(!mass_case(64, 4, 4, 40, 37, 9));
+    CHECK(!mass_case(64, 4, 4, 40, 37, -1));
+    CHECK(!mass_case(64, 4, 4, 40, 37, 1000));
+    cb_cuda_attn_t a = {NULL, 64, NULL, NULL, 64, NULL, 64, NULL, 0, 1, 1, 1, 1, 63, 0, 0.0f, 0};
     float *dm = cb_cuda_malloc(cu, 16);
     CHECK(dm && cb_cuda_attn_mass(cu, &a, dm) == CB_CUDA_EINVAL);   /* odd head_dim, NULL pointers */
     cb_cuda_free(cu, dm);
@@ -911,6 +1052,7 @@ TEST(test_backend_ops) {
     float *x = malloc(sizeof(float) * N * F), *y1 = malloc(sizeof(float) * N * LDY), *y2 = malloc(sizeof(float) * N * LDY);
     float *z1 = malloc(sizeof(float) * N * LDY), *z2 = malloc(sizeof(float) * N * LDY);
     double *sc = malloc(sizeof(double) * N * LDY);
+    void *q5_keep[2] = {NULL, NULL};   /* the Q5_0 weights, freed after the backends */
     CHECK(wd && wd2 && tab && x && y1 && y2 && z1 && z2 && sc);
     for (int i = 0; i < F * E; i++) wd[i] = frand(0.1f), wd2[i] = frand(0.1f);
     for (int i = 0; i < V * E; i++) tab[i] = frand(1.0f);
@@ -1003,6 +1145,63 @@ TEST(test_backend_ops) {
     cpu->ops->embed(cpu->ctx, &t, tk, N, y1);
     gpu->ops->embed(gpu->ctx, &t, tk, N, y2);
     CHECK(close_enough("embed", y2, y1, N * E, NULL, 4e-3, 0.0));
+    /* geglu (as swiglu: bf16 operands and output), scale (f32 on both: the same bits; gemma3's sqrt(n_embd)) */
+    CHECK(cpu->ops->geglu && gpu->ops->geglu && cpu->ops->scale && gpu->ops->scale);
+    cpu->ops->geglu(cpu->ctx, x, x + N * E / 2, N * E / 2, y1);
+    gpu->ops->geglu(gpu->ctx, x, x + N * E / 2, N * E / 2, y2);
+    CHECK(close_enough("geglu", y2, y1, N * E / 2, NULL, 1.2e-2, 1e-5));
+    memcpy(y1, x, sizeof(float) * N * E);
+    memcpy(y2, x, sizeof(float) * N * E);
+    cpu->ops->scale(cpu->ctx, y1, N * E, sqrtf((float)E));
+    gpu->ops->scale(gpu->ctx, y2, N * E, sqrtf((float)E));
+    CHECK(close_enough("scale", y2, y1, N * E, NULL, 0.0, 0.0));
+    /* Q5_0 weights (gemma3's GGUFs), quantized here from wd and tab: matmul (n > 1 and n = 1) and embed. With the
+     * weight's f32 copy the CPU multiplies the exact dequantized values, so matmul is within 6e-3 * sum|x w| as
+     * above; without it the CPU runs its own Q5_0 path, which may round x to 8 bits per block of 32 (the B32
+     * activations of cpu_quant.h: <= amax of the block / 254 per value), so sum_j |w_j| amax_blk(j) / 254 more.
+     * embed: one bf16 rounding of the dequantized value. */
+    {
+        const size_t rb = E / 32 * 22;
+        uint8_t *q5 = malloc((size_t)F * rb), *t5 = malloc((size_t)V * rb);
+        float *w5 = malloc(sizeof(float) * F * E);
+        CHECK(q5 && t5 && w5);
+        q5_0_quantize(wd, (size_t)F * E, q5);
+        CHECK(cb_dequant(CB_TYPE_Q5_0, q5, w5, (size_t)F * E));
+        q5_0_quantize(tab, (size_t)V * E, t5);
+        cb_weight_t wq5 = {"w5", CB_TYPE_Q5_0, q5, rb, F, E, w5, NULL, NULL};
+        const cb_weight_t tq5 = {"tok5", CB_TYPE_Q5_0, t5, rb, V, E, NULL, NULL, NULL};
+        int q5_ok = 1;
+        for (int pass = 0; pass < 2 && q5_ok; pass++) {
+            wq5.f32 = pass ? NULL : w5;
+            for (int n = N; n >= 1 && q5_ok; n -= N - 1) {
+                for (int i = 0; i < N * LDY; i++) y1[i] = y2[i] = 0.0f, sc[i] = 0.0;
+                cpu->ops->matmul(cpu->ctx, &wq5, x, n, y1, LDY);
+                gpu->ops->matmul(gpu->ctx, &wq5, x, n, y2, LDY);
+                for (int i = 0; i < n; i++)
+                    for (int o = 0; o < F; o++)
+                        for (int b = 0; b < E / 32; b++) {
+                            double amax = 0.0, ab = 0.0;
+                            for (int j = 32 * b; j < 32 * b + 32; j++) amax = fmax(amax, fabs(x[i * E + j]));
+                            for (int j = 32 * b; j < 32 * b + 32; j++) {
+                                const double wv = fabs(w5[o * E + j]);
+                                ab += 6e-3 * fabs((double)x[i * E + j]) * wv + (pass ? wv * amax / 254.0 : 0.0);
+                            }
+                            sc[i * LDY + o] += ab;
+                        }
+                q5_ok = close_enough(pass ? "matmul Q5_0 (the CPU's own path)" : "matmul Q5_0 (f32 copy)", y2, y1,
+                                     (size_t)n * LDY, sc, 1.0, 1e-6);
+                if (!q5_ok) fprintf(stderr, "  Q5_0 matmul of %d rows\n", n);
+            }
+        }
+        if (q5_ok) {
+            cpu->ops->embed(cpu->ctx, &tq5, tk, N, y1);
+            gpu->ops->embed(gpu->ctx, &tq5, tk, N, y2);
+            q5_ok = close_enough("embed Q5_0", y2, y1, N * E, NULL, 4e-3, 0.0);
+        }
+        free(w5);
+        q5_keep[0] = q5, q5_keep[1] = t5;   /* freed after the backends: the CUDA weight cache is keyed by address */
+        CHECK(q5_ok);
+    }
     /* host buffers: pinned, zeroed, aligned */
     uint8_t *hb = gpu->ops->host_alloc(gpu->ctx, 100000);
     CHECK(hb != NULL && ((uintptr_t)hb & 63) == 0);
@@ -1014,6 +1213,7 @@ TEST(test_backend_ops) {
     cb_backend_destroy(&gpu);
     cb_backend_destroy(&cpu);
     CHECK(gpu == NULL && cpu == NULL);
+    free(q5_keep[0]), free(q5_keep[1]);
     free(wd), free(wd2), free(tab), free(x), free(y1), free(y2), free(z1), free(z2), free(sc);
 }
 
@@ -1239,6 +1439,78 @@ out:
     CHECK(ok);
 }
 
+/* n rows over tables t[i] of one layer: the backend's attention_rows, or one attention call per row (what the
+ * engine does where a backend has none; CUDA's is NULL). */
+static void rows_attention(cb_backend_t *be, const cb_attn_geom_t *g, const float *q, int n, int layer,
+                           const cb_kv_table_t *t, const int32_t *lim, float *out) {
+    const int qd = g->n_head * g->head_dim;
+    if (be->ops->attention_rows) {
+        be->ops->attention_rows(be->ctx, g, q, n, layer, t, lim, out);
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        be->ops->attention(be->ctx, g, q + (size_t)i * qd, 1, layer, &t[i], &lim[i], out + (size_t)i * qd);
+}
+
+/* Attention, attention_rows and attention mass under a sliding window of w keys (each row over
+ * [cb_attn_key_lo, limit)), CUDA against the CPU with the tolerances of test_backend_attention: the shuffled
+ * table against the consecutive one (the same bits: both views start at the block of the lowest first key),
+ * 3 short rows, rows alternating between two tables of layer 0 (the consecutive table reads layer 0's blocks
+ * 0..9, whatever they hold: zeros where the shuffled writes left none), and the mass (exactly 0 below every
+ * row's first key; each row and head adds 1). */
+static int window_case(kvfix_t *f, const float *q, const int32_t *lim, int w, float *o1, float *o2, float *o3) {
+    enum { N = KV_N, QD = KV_QD, NK = KV_NK };
+    cb_backend_t *cpu = f->cpu, *gpu = f->gpu;
+    cb_attn_geom_t g = {f->hp.n_head, f->hp.n_head_kv, f->hp.head_dim, 1.0f / sqrtf((float)f->hp.head_dim),
+                        CB_ATTN_F32, w};
+    char what[80];
+    cpu->ops->attention(cpu->ctx, &g, q, N, 0, &f->ts, lim, o1);
+    gpu->ops->attention(gpu->ctx, &g, q, N, 0, &f->ts, lim, o2);
+    gpu->ops->attention(gpu->ctx, &g, q, N, 1, &f->tc, lim, o3);
+    snprintf(what, sizeof what, "attention (window %d)", w);
+    if (!close_enough(what, o2, o1, N * QD, NULL, 0.0, 3e-2)) return 0;
+    if (memcmp(o2, o3, sizeof(float) * N * QD)) {
+        fprintf(stderr, "  window %d: attention over the consecutive table differs from the gathered one\n", w);
+        return 0;
+    }
+    const int32_t lim2[3] = {1, 17, 33};
+    cpu->ops->attention(cpu->ctx, &g, q, 3, 0, &f->ts, lim2, o1);
+    gpu->ops->attention(gpu->ctx, &g, q, 3, 0, &f->ts, lim2, o2);
+    snprintf(what, sizeof what, "attention (window %d, 3 rows)", w);
+    if (!close_enough(what, o2, o1, 3 * QD, NULL, 0.0, 3e-2)) return 0;
+    cb_kv_table_t tr[N];
+    int32_t lim3[N];
+    for (int i = 0; i < N; i++) tr[i] = i % 2 ? f->tc : f->ts, lim3[i] = 1 + (i * 37) % NK;
+    rows_attention(cpu, &g, q, N, 0, tr, lim3, o1);
+    rows_attention(gpu, &g, q, N, 0, tr, lim3, o2);
+    snprintf(what, sizeof what, "attention_rows (window %d)", w);
+    if (!close_enough(what, o2, o1, N * QD, NULL, 0.0, 3e-2)) return 0;
+    float m1[NK], m2[NK];
+    double sum2 = 0;
+    int lo_min = NK;
+    for (int i = 0; i < N; i++) lo_min = cb_attn_key_lo(&g, lim[i]) < lo_min ? cb_attn_key_lo(&g, lim[i]) : lo_min;
+    for (int j = 0; j < NK; j++) m1[j] = m2[j] = 0.0f;
+    if (cpu->ops->attn_mass(cpu->ctx, &g, q, N, 0, &f->ts, lim, m1, NULL) != 0 ||
+        gpu->ops->attn_mass(gpu->ctx, &g, q, N, 0, &f->ts, lim, m2, NULL) != 0) {
+        fprintf(stderr, "  window %d: attn_mass failed\n", w);
+        return 0;
+    }
+    snprintf(what, sizeof what, "attn_mass (window %d)", w);
+    if (!close_enough(what, m2, m1, NK, NULL, 3e-2, 2e-4)) return 0;
+    for (int j = 0; j < NK; j++) sum2 += m2[j];
+    for (int j = 0; j < lo_min; j++)
+        if (m1[j] != 0.0f || m2[j] != 0.0f) {
+            fprintf(stderr, "  window %d: attn_mass of key %d below every row's first key %d: cpu %g, cuda %g\n", w, j,
+                    lo_min, m1[j], m2[j]);
+            return 0;
+        }
+    if (!(fabs(sum2 - N * f->hp.n_head) <= 1e-3 * N * f->hp.n_head)) {
+        fprintf(stderr, "  window %d: attn_mass sums to %g, not %d\n", w, sum2, N * f->hp.n_head);
+        return 0;
+    }
+    return !cb_backend_cuda_failed(gpu);
+}
+
 /* Attention and attention mass over the pool: gathered (shuffled table) and in place (consecutive). */
 TEST(test_backend_attention) {
     kvfix_t f;
@@ -1255,7 +1527,8 @@ TEST(test_backend_attention) {
     /* rows at positions 130..149 over the layer's keys (exact causal limits), both layers (the same data) */
     int32_t lim[N];
     for (int i = 0; i < N; i++) lim[i] = NK - N + i + 1;
-    cb_attn_geom_t g = {f.hp.n_head, f.hp.n_head_kv, f.hp.head_dim, 1.0f / sqrtf((float)f.hp.head_dim), CB_ATTN_F32};
+    cb_attn_geom_t g = {f.hp.n_head, f.hp.n_head_kv, f.hp.head_dim, 1.0f / sqrtf((float)f.hp.head_dim), CB_ATTN_F32,
+                        0};
     if (ok) {
         cpu->ops->attention(cpu->ctx, &g, q, N, 0, &f.ts, lim, o1);
         gpu->ops->attention(gpu->ctx, &g, q, N, 0, &f.ts, lim, o2);
@@ -1297,6 +1570,10 @@ TEST(test_backend_attention) {
     ok = ok && !cb_backend_cuda_failed(gpu);
     fprintf(stderr, "  backend attention: attention max |d| %.2e, attn_mass max |d| %.2e (sum %.6f of %d)\n",
             vmax_diff(o1, o2, 3 * QD), vmax_diff(m1, m2, NK), sum2, N * f.hp.n_head);
+    /* sliding windows (limits 131..150): 1 key, inside a block of 16, a block, 40, the largest limit, more
+     * than any limit; and no window again, through the same paths */
+    const int wins[7] = {1, 7, KV_BT, 40, NK, 500, 0};
+    for (int wi = 0; wi < 7 && ok; wi++) ok = window_case(&f, q, lim, wins[wi], o1, o2, o3);
     free(q), free(o1), free(o2), free(o3);
     kvfix_close(&f);
     CHECK(ok);
@@ -1576,7 +1853,7 @@ static int overlap(const int32_t *a, int na, const int32_t *b, int nb) {
 /* Every blend mode on the CPU and on CUDA over one synthetic model of architecture arch. */
 static void blend_backends(cb_synth_arch_t arch) {
     char err[256] = "";
-    static const char *arch_names[] = {"llama", "llama3", "qwen2", "qwen3"};
+    static const char *arch_names[] = {"llama", "llama3", "qwen2", "qwen3", "mistral", "gemma3"};
     fprintf(stderr, "  %s:\n", arch_names[arch]);
     cb_model_t *m = xb_model(arch, err, sizeof err);
     CHECK_MSG(m != NULL, "model: %s", err);
@@ -1686,9 +1963,11 @@ static void blend_backends(cb_synth_arch_t arch) {
     CHECK(!failed);
 }
 
-/* ... for every architecture the engine runs (biases, NEOX RoPE, Q/K norms, rope_freqs on the GPU). */
+/* ... for every architecture the engine runs (biases, NEOX RoPE, Q/K norms, rope_freqs, a SentencePiece
+ * vocabulary, and gemma3's GeGLU, scaled embeddings, extra norms and sliding-window layers on the GPU). */
 TEST(test_blend_backends) {
-    const cb_synth_arch_t archs[] = {CB_SYNTH_LLAMA, CB_SYNTH_LLAMA3, CB_SYNTH_QWEN2, CB_SYNTH_QWEN3};
+    const cb_synth_arch_t archs[] = {CB_SYNTH_LLAMA, CB_SYNTH_LLAMA3, CB_SYNTH_QWEN2, CB_SYNTH_QWEN3,
+                                     CB_SYNTH_MISTRAL, CB_SYNTH_GEMMA3};
     for (size_t i = 0; i < sizeof archs / sizeof archs[0] && !test_failed_; i++) blend_backends(archs[i]);
 }
 
@@ -1745,6 +2024,7 @@ int main(void) {
     RUN(test_topk);
     RUN(test_attention);
     RUN(test_causal_limit);
+    RUN(test_window_limit);
     RUN(test_sampling);
     RUN(test_oom);
     RUN(test_kvpool);

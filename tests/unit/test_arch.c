@@ -5,7 +5,8 @@
  * from its shape and seed (cb_synth_write: the same bytes llama.cpp read), the prompt prefilled, and 16
  * steps compared, each step fed llama.cpp's greedy token (so one near-tie cannot end the comparison):
  *   - our logits at llama.cpp's ten largest within ARCH_LOGIT_TOL[dtype];
- *   - our top-5 and llama.cpp's share at least 4 ids;
+ *   - our top-5 and llama.cpp's share at least 3 ids, and every id of llama.cpp's top-5 missing from ours is
+ *     a near-tie (within the tolerance of llama.cpp's 6th largest logit);
  *   - our argmax is llama.cpp's, except at a near-tie (llama.cpp's top-1/top-2 gap below that tolerance).
  *
  * Why these bounds. Where both engines compute the same function, the difference is rounding: llama.cpp
@@ -13,11 +14,14 @@
  * activations to bf16, ~3 significant digits; q4_1 weights: to Q8_1, int8 per 32) while our prefill computes
  * in f32 over exactly dequantized weights and our decode rounds activations to int8 for quantized weights.
  * llama.cpp's f32 attention also rounds Q to f16 for its products with the f16 K cache. Measured worst
- * differences per architecture over its three prompts x 16 steps (printed below): f32 0.005-0.021, bf16
- * 0.07-0.31, q4_1 0.27-0.73, on logits with a spread of ~4 (the synthetic model's output scale). The bounds
- * are about three times the worst: 0.06, 1.0 and 2.0. Planted bugs move these logits by whole units: NORM
- * pairing on qwen2, no Q/K/V biases, no Q/K norms, rope_freqs ignored (each tried by hand, see the note of
- * the change that added this test).
+ * differences per architecture over its three prompts x 16 steps (printed below): f32 0.002-0.021, bf16
+ * 0.04-0.31, q4_1 0.15-0.73, q4_k_m 0.24-1.40 (llama.cpp rounds the activations of a Q5_0 product to int8 per
+ * 32 and those of Q4_K/Q6_K to int8 per 256; the largest on the llama-style layers, whose attention is the
+ * most peaked: no Q/K norms), on logits with a spread of ~4 (the synthetic model's output scale). The bounds
+ * are two to three times the worst: 0.06, 1.0, 2.0 and 3.0. Planted bugs fail it: NORM pairing on qwen2, no
+ * Q/K/V biases, no Q/K norms, rope_freqs ignored (logits move by 2-3.4), and on gemma3 no window (2.9), SiLU
+ * for GELU (0.30), no post-norms (14), no embedding scale (39), the global RoPE base on the windowed layers
+ * (0.39), each caught by the f32 lines at least (tried by hand).
  * Under ASan only the 8-id prompts run.
  */
 #include <jansson.h>
@@ -37,7 +41,9 @@
 
 #define ARCH_STEPS 16
 
-static double logit_tol(cb_synth_dtype_t dt) { return dt == CB_SYNTH_F32 ? 0.06 : dt == CB_SYNTH_BF16 ? 1.0 : 2.0; }
+static double logit_tol(cb_synth_dtype_t dt) {
+    return dt == CB_SYNTH_F32 ? 0.06 : dt == CB_SYNTH_BF16 ? 1.0 : dt == CB_SYNTH_Q4_1 ? 2.0 : 3.0;
+}
 
 static int geti(json_t *o, const char *k) { return (int)json_integer_value(json_object_get(o, k)); }
 
@@ -56,6 +62,7 @@ static cb_model_t *line_model(json_t *o, cb_synth_dtype_t *dt, char *err, size_t
     s.n_head_kv = geti(sh, "kv_heads"), s.n_ff = geti(sh, "ffn"), s.n_vocab = geti(sh, "vocab");
     s.n_ctx = geti(sh, "ctx"), s.rope_base = (float)json_number_value(json_object_get(sh, "rope_base"));
     s.rms_eps = 1e-5f, s.tied = json_is_true(json_object_get(sh, "tied"));
+    s.head_dim = geti(sh, "head_dim"), s.window = geti(sh, "window"); /* 0 when absent */
     char path[64];
     snprintf(path, sizeof path, "/tmp/test_arch.%d.gguf", (int)getpid());
     cb_model_t *m = NULL;
@@ -138,11 +145,18 @@ TEST(test_arch_llamacpp) {
                 }
             }
             top_k(lg, V, 5, our5);
-            int common = 0;
-            for (int a = 0; a < 5; a++)
-                for (int b = 0; b < 5; b++) common += our5[a] == ref5[b];
-            if (common < 4) {
-                fprintf(stderr, "  %s step %d: top-5 share %d ids\n", key, st, common);
+            const double sixth = json_number_value(json_array_get(json_array_get(t10, 5), 1));
+            int common = 0, missing_clear = 0; /* ids of llama.cpp's top-5 not in ours though clear of its 6th */
+            for (int b = 0; b < 5; b++) {
+                bool in = false;
+                for (int a = 0; a < 5; a++) in = in || our5[a] == ref5[b];
+                common += in;
+                if (!in && json_number_value(json_array_get(json_array_get(t10, (size_t)b), 1)) - sixth >= logit_tol(dt))
+                    missing_clear++;
+            }
+            if (common < 3 || missing_clear) {
+                fprintf(stderr, "  %s step %d: top-5 share %d ids (%d missing clear of the 6th)\n", key, st, common,
+                        missing_clear);
                 ok = false;
             }
             if (cb_argmax(lg, V) != ref) {

@@ -101,6 +101,23 @@ TEST(test_swiglu) {
     }
 }
 
+/* GELU's tanh form (gemma3's gate), in place as the engine calls it, and the scale op. */
+TEST(test_geglu_scale) {
+    enum { N = 1000 };
+    float g[N], u[N], o[N];
+    fill(g, N, 12.0f);
+    fill(u, N, 3.0f);
+    memcpy(o, g, sizeof o);
+    cb_cpu_geglu(o, u, N, o); /* out aliases gate */
+    for (int i = 0; i < N; i++) {
+        const double x = g[i], ref = 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))) * u[i];
+        CHECK_NEAR(o[i], ref, 1e-5 * (1 + fabs(ref)));
+    }
+    cb_cpu_scale(o, N, 0.5f);
+    CHECK_NEAR(o[7], 0.5 * 0.5 * g[7] * (1.0 + tanh(sqrt(2.0 / M_PI) * (g[7] + 0.044715 * g[7] * g[7] * g[7]))) * u[7],
+               1e-5 * (1 + fabs(o[7])));
+}
+
 /* NORM RoPE rotates adjacent pairs (x[2i], x[2i+1]), NEOX the pairs (x[i], x[i + d/2]), both by
  * pos * freq_scale * base^(-2i/d) / freq_factors[i]. */
 TEST(test_rope_pairing) {
@@ -172,16 +189,17 @@ static void attention_ref(const cb_attn_geom_t *g, const float *q, int n, const 
             const float *qq = q + (size_t)i * H * hd + h * hd;
             int kh = h / G;
             double mx = -1e300, sum = 0;
-            for (int j = 0; j < lim[i]; j++) {
+            const int lo = cb_attn_key_lo(g, lim[i]); /* the window's first key */
+            for (int j = lo; j < lim[i]; j++) {
                 double d = 0;
                 for (int t = 0; t < hd; t++) d += (double)qq[t] * kc[(size_t)j * kvd + kh * hd + t];
                 s[j] = d * g->scale;
                 mx = fmax(mx, s[j]);
             }
-            for (int j = 0; j < lim[i]; j++) sum += (s[j] = exp(s[j] - mx));
+            for (int j = lo; j < lim[i]; j++) sum += (s[j] = exp(s[j] - mx));
             for (int t = 0; t < hd; t++) {
                 double o = 0;
-                for (int j = 0; j < lim[i]; j++) o += s[j] / sum * vc[(size_t)j * kvd + kh * hd + t];
+                for (int j = lo; j < lim[i]; j++) o += s[j] / sum * vc[(size_t)j * kvd + kh * hd + t];
                 out[(size_t)i * H * hd + h * hd + t] = (float)o;
             }
         }
@@ -247,8 +265,8 @@ static void attn_inputs(float *q, size_t qn, float *kc, float *vc, size_t kn, in
 
 /* The kernel over a contiguous table (blocks 0, 1, 2, ...) against the double reference, and over a
  * shuffled table in a larger pool ({2, 0, 3, 1}-like) bit for bit against the contiguous one. */
-static int check_attention_bt(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32};
+static int check_attention_win(int H, int HKV, int hd, int n, int keys, int nt, int bt, int window) {
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32, window};
     const int kvd = HKV * hd, nb = (keys + bt - 1) / bt;
     size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
     float *q = malloc(qn * 4), *kc = malloc(kn * 4), *vc = malloc(kn * 4), *o = malloc(qn * 4), *r = malloc(qn * 4);
@@ -266,7 +284,9 @@ static int check_attention_bt(int H, int HKV, int hd, int n, int keys, int nt, i
     attention_ref(&g, q, n, kc, vc, lim, r);
     double d = maxdiff(o, r, qn);
     int same = memcmp(o, o2, qn * 4) == 0;
-    if (d > 2e-5) fprintf(stderr, "  attention H%d/%d hd%d n%d keys%d bt%d: max diff %g\n", H, HKV, hd, n, keys, bt, d);
+    if (d > 2e-5)
+        fprintf(stderr, "  attention H%d/%d hd%d n%d keys%d bt%d window %d: max diff %g\n", H, HKV, hd, n, keys, bt,
+                window, d);
     if (!same)
         fprintf(stderr, "  attention H%d/%d hd%d n%d keys%d bt%d: shuffled blocks differ from contiguous (max %g)\n", H,
                 HKV, hd, n, keys, bt, maxdiff(o, o2, qn));
@@ -274,6 +294,10 @@ static int check_attention_bt(int H, int HKV, int hd, int n, int keys, int nt, i
     kv_pool_free(&ps);
     free(q); free(kc); free(vc); free(o); free(o2); free(r); free(lim); free(scr);
     return d <= 2e-5 && same;
+}
+
+static int check_attention_bt(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
+    return check_attention_win(H, HKV, hd, n, keys, nt, bt, 0);
 }
 
 static int check_attention(int H, int HKV, int hd, int n, int keys, int nt) {
@@ -295,6 +319,19 @@ TEST(test_attention_key_limits) {
     CHECK(check_attention_bt(9, 3, 64, 70, 1300, 2, 48));
     CHECK(check_attention_bt(9, 3, 64, 3, 700, 2, 5));
     CHECK(check_attention_bt(9, 3, 64, 40, 600, 2, 512));
+}
+
+/* A sliding window (backend.h): row i sees keys [lim_i - window, lim_i) only, on every path: one-row decode,
+ * split decode rows with different windows, prefill blocks whose rows' windows start in different key chunks,
+ * a window wider than every limit (= no window), a window of 1; with the one-task-per-head path (G > 8). */
+TEST(test_attention_window) {
+    CHECK(check_attention_win(4, 2, 16, 1, 300, 1, CB_ENGINE_BLOCK_TOKENS, 32));
+    CHECK(check_attention_win(9, 3, 64, 4, 700, 3, CB_ENGINE_BLOCK_TOKENS, 100));
+    CHECK(check_attention_win(9, 3, 64, 70, 1300, 2, CB_ENGINE_BLOCK_TOKENS, 512));
+    CHECK(check_attention_win(9, 3, 64, 130, 1300, 2, 48, 37));
+    CHECK(check_attention_win(4, 1, 32, 40, 600, 2, 7, 600)); /* wider than every limit */
+    CHECK(check_attention_win(4, 1, 32, 20, 200, 2, 16, 1));
+    CHECK(check_attention_win(18, 1, 16, 30, 300, 2, 16, 50)); /* 18 query heads a KV head: a task per head */
 }
 
 /* The reduced-precision blocks against the double reference, each with its bound on max |out - ref|; shuffled
@@ -331,7 +368,7 @@ static double reduced_attention_bound(cb_attn_math_t math, const cb_attn_geom_t 
 }
 
 static int check_attention_reduced(cb_attn_math_t math, int H, int HKV, int hd, int n, int keys, int nt, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), math}, gf = g;
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), math, 0}, gf = g;
     gf.math = CB_ATTN_F32;
     const char *name = math == CB_ATTN_BF16 ? "bf16" : "int16";
     const bool unit = math == CB_ATTN_BF16 ? cb_cpu_attn_bf16_supported() : cb_cpu_attn_i16_supported();
@@ -389,8 +426,8 @@ TEST(test_attention_i16) {
 /* A decode batch's attention (cb_cpu_attention_rows): n rows of different sequences, each with its own KV
  * on its own blocks of one pool (a shuffled permutation: the tables have breaks), limits from 1 to several
  * split chunks; every row bit for bit what a one-row cb_cpu_attention gives it. */
-static int check_attention_rows(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32};
+static int check_attention_rows_win(int H, int HKV, int hd, int n, int keys, int nt, int bt, int window) {
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32, window};
     const int kvd = HKV * hd, nb = (keys + bt - 1) / bt, n_pool = n * nb + 5;
     const size_t qn = (size_t)n * H * hd, rows = (size_t)n_pool * bt;
     float *q = malloc(qn * 4), *o = malloc(qn * 4), *o1 = malloc((size_t)H * hd * 4);
@@ -410,7 +447,7 @@ static int check_attention_rows(int H, int HKV, int hd, int n, int keys, int nt,
     for (int i = 0; i < n; i++) {
         t[i] = (cb_kv_table_t){perm + (size_t)i * nb, nb * bt};
         lim[i] = i == 0 ? 1 : i % 4 == 1 ? keys : 1 + (int)((frand() + 1) * 0.5f * (keys - 1));
-        for (int p = 0; p < lim[i]; p++) { /* the rows the sequence has; the rest stays NaN */
+        for (int p = cb_attn_key_lo(&g, lim[i]); p < lim[i]; p++) { /* the rows it sees; the rest stays NaN */
             size_t r = (size_t)t[i].blocks[p / bt] * bt + p % bt;
             fill(k + r * kvd, kvd, 2.0f);
             fill(v + r * kvd, kvd, 1.0f);
@@ -433,7 +470,14 @@ static int check_attention_rows(int H, int HKV, int hd, int n, int keys, int nt,
     return same;
 }
 
+static int check_attention_rows(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
+    return check_attention_rows_win(H, HKV, hd, n, keys, nt, bt, 0);
+}
+
 TEST(test_attention_rows) {
+    /* with a window the keys before it stay NaN: a row that read one would show */
+    CHECK(check_attention_rows_win(9, 3, 64, 16, 1300, 2, CB_ENGINE_BLOCK_TOKENS, 300));
+    CHECK(check_attention_rows_win(4, 1, 32, 6, 600, 2, 7, 33));
     CHECK(check_attention_rows(9, 3, 64, 16, 1300, 2, CB_ENGINE_BLOCK_TOKENS)); /* SmolLM2: 1..6 chunks a row */
     CHECK(check_attention_rows(9, 3, 64, 21, 700, 2, 5));  /* more rows than one run takes */
     CHECK(check_attention_rows(9, 3, 64, 5, 2100, 1, 16)); /* one thread: larger chunks */
@@ -449,7 +493,7 @@ TEST(test_attention_rows) {
  * (1e-5 of the output scale: sums over <= 1300 keys of probabilities times values of magnitude <= 1), and
  * the same mass bits as without it; a pool of 3 threads gives the same bits as the calling thread. */
 static int check_attn_mass_bt(int H, int HKV, int hd, int n, int keys, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32};
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32, 0};
     const int G = H / HKV, kvd = HKV * hd, nb = (keys + bt - 1) / bt;
     size_t qn = (size_t)n * H * hd, kn = (size_t)keys * kvd;
     float *q = malloc(qn * 4), *kc = malloc(kn * 4), *vc = malloc(kn * 4), *mass = calloc((size_t)keys, 4),
@@ -1586,9 +1630,11 @@ int main(void) {
     RUN(test_exp);
     RUN(test_rmsnorm);
     RUN(test_swiglu);
+    RUN(test_geglu_scale);
     RUN(test_rope_pairing);
     RUN(test_rope_composition);
     RUN(test_attention_key_limits);
+    RUN(test_attention_window);
     RUN(test_attention_bf16);
     RUN(test_attention_i16);
     RUN(test_attention_rows);

@@ -232,7 +232,7 @@ TEST(test_type_traits) {
     CHECK(cb_type_block_elems(CB_TYPE_Q8_0) == 32 && cb_type_block_bytes(CB_TYPE_Q8_0) == 34);
     CHECK(cb_type_block_elems(CB_TYPE_Q4_K) == 256 && cb_type_block_bytes(CB_TYPE_Q4_K) == 144);
     CHECK(cb_type_block_elems(CB_TYPE_Q6_K) == 256 && cb_type_block_bytes(CB_TYPE_Q6_K) == 210);
-    CHECK(cb_type_block_elems(6) == 0 && cb_type_block_bytes(13) == 0 && cb_type_block_elems(1000) == 0);
+    CHECK(cb_type_block_elems(7) == 0 && cb_type_block_bytes(6) == 22 && cb_type_block_bytes(13) == 0 && cb_type_block_elems(1000) == 0);
     CHECK(strcmp(cb_type_name(CB_TYPE_Q4_1), "Q4_1") == 0 && strcmp(cb_type_name(6), "Q5_0") == 0);
     CHECK(strcmp(cb_type_name(31), "unknown") == 0 && strcmp(cb_type_name(1u << 31), "unknown") == 0);
 }
@@ -366,8 +366,8 @@ TEST(test_bad_bool) {
 TEST(test_unknown_tensor_type) {
     wb_t w = {0};
     layout_t L = build(&w, 3, 0);
-    patch32(&w, L.t_type[1], 6); /* Q5_0: a ggml type we do not support */
-    EXPECT_FAIL(&w, "tensor 1 'w.b': unsupported tensor type id 6 (Q5_0)");
+    patch32(&w, L.t_type[1], 7); /* Q5_1: a ggml type we do not support */
+    EXPECT_FAIL(&w, "tensor 1 'w.b': unsupported tensor type id 7 (Q5_1)");
     patch32(&w, L.t_type[1], 4242);
     EXPECT_FAIL(&w, "type id 4242");
     free(w.p);

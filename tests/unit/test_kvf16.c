@@ -137,7 +137,7 @@ static void pools_free(pools_t *p) {
 /* cb_cpu_attention and cb_cpu_attn_mass on the f16 pool == on the f32 pool of the same values, on a
  * contiguous and on a shuffled table (so also: f16 results do not depend on placement). */
 static int check_kernels(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32};
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32, 0};
     const int kvd = HKV * hd, nb = (keys + bt - 1) / bt;
     const size_t qn = (size_t)n * H * hd;
     float *q = malloc(qn * 4), *o32 = malloc(qn * 4), *o16 = malloc(qn * 4), *o16s = malloc(qn * 4);
@@ -196,7 +196,7 @@ TEST(test_f16_attention_kernels) {
 
 /* cb_cpu_attention_rows on f16: each row bit for bit its one-row f16 call and its f32-pool call. */
 static int check_rows(int H, int HKV, int hd, int n, int keys, int nt, int bt) {
-    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32};
+    cb_attn_geom_t g = {H, HKV, hd, 1.0f / sqrtf((float)hd), CB_ATTN_F32, 0};
     const int kvd = HKV * hd, nb = (keys + bt - 1) / bt, n_pool = n * nb + 5;
     const size_t qn = (size_t)n * H * hd;
     float *q = malloc(qn * 4), *o16 = malloc(qn * 4), *o32 = malloc(qn * 4), *o1 = malloc((size_t)H * hd * 4);

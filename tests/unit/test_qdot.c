@@ -1,10 +1,11 @@
 /* test_qdot: the integer matvec kernels (kernels/cpu/cpu_quant.h) against the f32 reference (each weight
- * row dequantized exactly by cb_dequant, products summed in double), for every supported type, on random
- * blocks and on the real models' tensors (the default SmolLM2 Q4_1 / Q8_0 model, and Qwen2.5-Coder-1.5B
- * Q4_K_M's Q4_K / Q6_K ones when present), in every kernel set this CPU can run (scalar, AVX2).
+ * row dequantized exactly by cb_dequant, products summed in double), for every supported type (Q4_0, Q4_1,
+ * Q5_0, Q8_0, Q4_K, Q6_K), on random blocks, on Q5_0 blocks of extreme codes, and on the real models'
+ * tensors (the default SmolLM2 Q4_1 / Q8_0 model, and Qwen2.5-Coder-1.5B Q4_K_M's Q4_K / Q6_K ones when
+ * present), in every kernel set this CPU can run (scalar, AVX2).
  *
  * Tolerance, per output: the activation rounding bound of cpu_quant.h, sum over the activation's scale
- * blocks b (32 elements for Q4_0 / Q4_1 / Q8_0, 256 for Q4_K / Q6_K) of max|x_b| / 254 * sum_j |w_j|
+ * blocks b (32 elements for Q4_0 / Q4_1 / Q5_0 / Q8_0, 256 for Q4_K / Q6_K) of max|x_b| / 254 * sum_j |w_j|
  * (q = round(x / d) is off by d/2 at most), plus 1e-5 of sum |w||x| for the f32 accumulation. The
  * measured worst ratio of error to bound is printed: ~0.1-0.3 (the bound is a worst case over independent
  * roundings).
@@ -46,6 +47,7 @@ static cb_weight_t random_weight(uint32_t t, int rows, int cols, uint8_t **buf) 
         float d = 0.002f + 0.02f * fabsf(frand());
         switch (t) {
         case CB_TYPE_Q4_0: put_f16(blk, d); break;
+        case CB_TYPE_Q5_0: put_f16(blk, d / 2); break; /* random qh: every fifth-bit pattern */
         case CB_TYPE_Q4_1: put_f16(blk, d); put_f16(blk + 2, -0.1f * fabsf(frand())); break;
         case CB_TYPE_Q8_0: put_f16(blk, d / 8); break;
         case CB_TYPE_Q4_K: put_f16(blk, d / 16); put_f16(blk + 2, d / 32); break;
@@ -211,7 +213,7 @@ TEST(test_quantize_row_k) {
 }
 
 TEST(test_qdot_random) {
-    const uint32_t types[] = {CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q6_K};
+    const uint32_t types[] = {CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q5_0, CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q6_K};
     enum { R = 37, C = 768, N = 7 };
     float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *ys = malloc(sizeof(float) * N * R);
     float *y1 = malloc(sizeof(float) * R);
@@ -263,6 +265,52 @@ TEST(test_qdot_random) {
     CHECK(!cb_cpu_qdot_supported(&odd));
     CHECK(cb_cpu_qdot_use("no-such-isa") == -1);
     free(x); free(y); free(ys); free(y1); free(xq); free(mag);
+}
+
+/* Q5_0 at the ends of its codes: all -16 (every fifth bit clear, nibbles 0), all 15 (every fifth bit set,
+ * nibbles 15), alternating, and d < 0, against activations at +-127 (the largest integer block sums,
+ * 32 * 16 * 127), in every kernel set: the same integer sums as the reference, so the results agree within
+ * f32 rounding of sum |w x|; the weight has no x8 form. */
+TEST(test_qdot_q5_0_extremes) {
+    enum { R = 8, C = 128, N = 5 };
+    uint8_t *buf = malloc((size_t)R * (C / 32) * 22);
+    for (int o = 0; o < R; o++)
+        for (int b = 0; b < C / 32; b++) {
+            uint8_t *blk = buf + ((size_t)o * (C / 32) + b) * 22;
+            put_f16(blk, o & 1 ? -0.03125f : 0.0625f);
+            const int kind = (o / 2 + b) % 4; /* codes: 0 (-16), 31 (15), alternating 0 / 31, 16 / 15 */
+            const uint8_t qh = kind == 1 ? 0xFF : kind == 2 ? 0xAA : kind == 3 ? 0x55 : 0x00;
+            const uint8_t qs = kind == 1 ? 0xFF : kind == 2 ? 0xF0 : kind == 3 ? 0xF0 : 0x00;
+            memset(blk + 2, qh, 4);
+            memset(blk + 6, qs, 16);
+        }
+    cb_weight_t w = {.name = "q5", .type = CB_TYPE_Q5_0, .q = buf, .row_bytes = (size_t)(C / 32) * 22, .rows = R,
+                     .cols = C};
+    CHECK(cb_cpu_qdot_supported(&w) && cb_cpu_qdot_format(&w) == CB_CPU_Q8_B32 && cb_cpu_x8_bytes(&w) == 0);
+    float x[N * C], y[N * R];
+    for (int r = 0; r < N; r++)
+        for (int j = 0; j < C; j++) /* rows 0..2 +-1: every q is +-127, exactly x * 127 */
+            x[r * C + j] = r == 0 ? 1.0f : r == 1 ? -1.0f : r == 2 ? (j & 1 ? 1.0f : -1.0f)
+                         : r == 3 ? (j < 64 ? 2.0f : -3.0f) : (float)((j * 7) % 5) - 2.0f;
+    uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
+    for (size_t i = 0; i < N_ISAS; i++) {
+        if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
+        qmatvec(&w, x, N, y, xq);
+        CHECK(check_against_ref(&w, x, N, 0, R, y, R) <= 1.0);
+        float row[C];
+        for (int o = 0; o < R; o++) { /* x = +-1 is quantized exactly: the result is the exact dot */
+            CHECK(cb_dequant(CB_TYPE_Q5_0, buf + (size_t)o * w.row_bytes, row, C));
+            for (int r = 0; r < 3; r++) {
+                double ref = 0;
+                for (int j = 0; j < C; j++) ref += (double)row[j] * x[r * C + j];
+                CHECK_MSG(fabs(y[r * R + o] - ref) <= 1e-6 * fabs(ref) + 1e-6, "%s row %d x %d: %g vs %g", ISAS[i], o,
+                          r, (double)y[r * R + o], ref);
+            }
+        }
+    }
+    cb_cpu_qdot_use(NULL);
+    free(xq);
+    free(buf);
 }
 
 /* The interleaved copies (x8): the same results as the stored rows (bit for bit in the scalar set, within
@@ -399,14 +447,14 @@ TEST(test_qdot_v16) {
     free(x); free(y); free(ys); free(y1); free(row); free(ref); free(xq);
 }
 
-/* cb_cpu_matmul_multi over parts that read different activation formats (Q4_K, Q6_K: K; Q8_0, Q4_1: B32)
+/* cb_cpu_matmul_multi over parts that read different activation formats (Q4_K, Q6_K: K; Q8_0, Q4_1, Q5_0: B32)
  * in one call, in either order: each part gets the bits cb_cpu_matvec gives it alone (each format
  * quantized once per call into the shared scratch), for n = 1 (decode) and n = 6 (row groups of 4 and 2:
  * with test_qdot_random's 4 and 3 every kernel width runs), on 1 and 2 threads. */
 TEST(test_qdot_multi_formats) {
-    enum { C = 512, N = 6, P = 4 };
-    const uint32_t types[P] = {CB_TYPE_Q4_K, CB_TYPE_Q8_0, CB_TYPE_Q6_K, CB_TYPE_Q4_1};
-    const int rows[P] = {48, 32, 40, 64};
+    enum { C = 512, N = 6, P = 5 };
+    const uint32_t types[P] = {CB_TYPE_Q4_K, CB_TYPE_Q8_0, CB_TYPE_Q6_K, CB_TYPE_Q4_1, CB_TYPE_Q5_0};
+    const int rows[P] = {48, 32, 40, 64, 24};
     uint8_t *buf[P];
     cb_weight_t w[P];
     float *x = malloc(sizeof(float) * N * C), *y[P], *ref[P];
@@ -528,6 +576,7 @@ int main(void) {
     RUN(test_quantize_row);
     RUN(test_quantize_row_k);
     RUN(test_qdot_random);
+    RUN(test_qdot_q5_0_extremes);
     RUN(test_qdot_x8);
     RUN(test_qdot_v16);
     RUN(test_qdot_multi_formats);
