@@ -28,6 +28,8 @@ if [ -n "$MODEL" ]; then
   scripts/fetch-model.sh "$MODEL"
   CB_COMMON_MODEL=$(scripts/fetch-model.sh --path "$MODEL"); export CB_COMMON_MODEL
   echo "model: $CB_COMMON_MODEL"
+  # a base model's GGUF has no chat template: its prompts are plain text
+  case "$MODEL" in gemma3-270m) export CB_ENGINE_CHAT_TEMPLATE=${CB_ENGINE_CHAT_TEMPLATE:-completion} ;; esac
 else
   scripts/fetch-model.sh
 fi

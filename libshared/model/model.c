@@ -85,7 +85,9 @@ static void find_eog(const cb_gguf_t *g, cb_hparams_t *hp) {
     add_eog(hp, hp->eos_id);
     add_eog(hp, hp->eot_id);
     static const char *names[] = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>",
-                                  "<|end|>", "<end_of_turn>", "</s>"};
+                                  "<|end|>", "<end_of_turn>", "</s>",
+                                  /* the FIM pad, repo and file-separator tokens (Qwen2.5-Coder), as llama.cpp */
+                                  "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"};
     cb_gguf_vtype_t et;
     size_t count;
     const int32_t *types = NULL;
