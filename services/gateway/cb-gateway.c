@@ -20,8 +20,10 @@ static void usage(FILE *f) {
     fprintf(f, "usage: cb-gateway [--config PATH] [--gateway.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves HTTP on gateway.listen (default 127.0.0.1:8000): POST /v1/chat/completions, GET /v1/models,\n"
                "  POST /v1/documents, GET /v1/documents/jobs/ID, GET /health, GET /metrics, GET / (docs/gateway.md).\n"
-               "  Keys: listen, api_key, max_body_bytes, max_connections, max_headers, header_bytes, idle_timeout_s,\n"
-               "  first_timeout_ms, query_timeout_ms, health_timeout_ms, and common.* (request_timeout_ms, ...).\n"
+               "  Keys: listen, api_key, max_body_bytes, max_connections, max_connections_per_ip, max_requests,\n"
+               "  http_threads, max_headers, header_bytes, idle_timeout_s, request_timeout_s, auth_fail_limit,\n"
+               "  auth_fail_window_s, auth_lockout_s, first_timeout_ms, query_timeout_ms, health_timeout_ms, and\n"
+               "  common.* (request_timeout_ms, ...).\n"
                "  The services are reached at retriever/cacheindex/precompute/blend.endpoint.\n"
                "  Environment CB_GATEWAY_<KEY> overrides the file.\n");
 }
@@ -33,17 +35,25 @@ int main(int argc, char **argv) {
     if (!cfg) return exit_code;
     char err[1024];
     gw_server_opts_t o = {0};
-    int64_t body, conns, headers, hbytes, idle, first, total, health;
+    int64_t body, conns, per_ip, reqs, threads, headers, hbytes, idle, req_s, fails, window, lockout, first, total,
+        health;
     static const char *const defaults[4] = {"tcp://127.0.0.1:5551", "tcp://127.0.0.1:5552", "tcp://127.0.0.1:5553",
                                             "tcp://127.0.0.1:5555"};
     static const char *const sections[4] = {"retriever", "cacheindex", "precompute", "blend"};
     bool ok = cb_config_str(cfg, SECTION, "listen", "127.0.0.1:8000", &o.listen, err, sizeof err) &&
               cb_config_str(cfg, SECTION, "api_key", "", &o.api_key, err, sizeof err) &&
               cb_config_int(cfg, SECTION, "max_body_bytes", 1024, 1LL << 30, 8 << 20, &body, err, sizeof err) &&
-              cb_config_int(cfg, SECTION, "max_connections", 1, 65536, 256, &conns, err, sizeof err) &&
+              cb_config_int(cfg, SECTION, "max_connections", 1, 1 << 20, 4096, &conns, err, sizeof err) &&
+              cb_config_int(cfg, SECTION, "max_connections_per_ip", 0, 1 << 20, 64, &per_ip, err, sizeof err) &&
+              cb_config_int(cfg, SECTION, "max_requests", 1, 1024, 256, &reqs, err, sizeof err) &&
+              cb_config_int(cfg, SECTION, "http_threads", 1, 64, 2, &threads, err, sizeof err) &&
               cb_config_int(cfg, SECTION, "max_headers", 1, 10000, 100, &headers, err, sizeof err) &&
               cb_config_int(cfg, SECTION, "header_bytes", 4096, 1 << 24, 64 << 10, &hbytes, err, sizeof err) &&
               cb_config_int(cfg, SECTION, "idle_timeout_s", 1, 86400, 60, &idle, err, sizeof err) &&
+              cb_config_int(cfg, SECTION, "request_timeout_s", 1, 3600, 30, &req_s, err, sizeof err) &&
+              cb_config_int(cfg, SECTION, "auth_fail_limit", 0, 1000, 10, &fails, err, sizeof err) &&
+              cb_config_int(cfg, SECTION, "auth_fail_window_s", 1, 86400, 60, &window, err, sizeof err) &&
+              cb_config_int(cfg, SECTION, "auth_lockout_s", 1, 86400, 60, &lockout, err, sizeof err) &&
               cb_config_int(cfg, SECTION, "first_timeout_ms", 100, 3600000, 10000, &first, err, sizeof err) &&
               cb_config_int(cfg, SECTION, "query_timeout_ms", 100, 86400000, 300000, &total, err, sizeof err) &&
               cb_config_int(cfg, SECTION, "health_timeout_ms", 10, 600000, 1000, &health, err, sizeof err) &&
@@ -58,6 +68,13 @@ int main(int argc, char **argv) {
     }
     o.max_body_bytes = (size_t)body;
     o.max_connections = (unsigned)conns;
+    o.max_connections_per_ip = (unsigned)per_ip;
+    o.max_requests = (unsigned)reqs;
+    o.http_threads = (unsigned)threads;
+    o.request_timeout_s = (unsigned)req_s;
+    o.auth_fail_limit = (unsigned)fails;
+    o.auth_fail_window_s = (unsigned)window;
+    o.auth_lockout_s = (unsigned)lockout;
     o.max_headers = (unsigned)headers;
     o.header_bytes = (size_t)hbytes;
     o.idle_timeout_s = (unsigned)idle;

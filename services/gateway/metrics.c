@@ -23,7 +23,7 @@ typedef struct {
 /* HTTP responses by handler and status class. */
 static const char *const HANDLERS[] = {"chat", "models", "documents", "jobs", "health", "metrics", "page", "other"};
 #define N_HANDLERS (sizeof HANDLERS / sizeof HANDLERS[0])
-static const int STATUSES[] = {200, 400, 401, 404, 405, 413, 431, 500, 503, 504};
+static const int STATUSES[] = {200, 400, 401, 404, 405, 408, 413, 429, 431, 500, 503, 504};
 #define N_STATUSES (sizeof STATUSES / sizeof STATUSES[0])
 
 typedef struct {
@@ -31,7 +31,8 @@ typedef struct {
     uint64_t requests[GW_N_MODES][GW_N_OUTCOMES];
     uint64_t prompt_tokens, generation_tokens, tokens_reused, tokens_recomputed, chunk_hits, chunk_misses;
     uint64_t http[N_HANDLERS][N_STATUSES + 1]; /* the last column: any other status */
-    int64_t connections;
+    int64_t connections, active;
+    uint64_t refused[GW_N_REFUSED];
 } counts_t;
 
 struct gw_metrics {
@@ -116,6 +117,22 @@ void gw_metrics_http(gw_metrics_t *self, const char *handler, int status) {
 void gw_metrics_connection(gw_metrics_t *self, int delta) {
     pthread_mutex_lock(&self->mu);
     self->c.connections += delta;
+    pthread_mutex_unlock(&self->mu);
+}
+
+static const char *const REFUSAL_NAMES[GW_N_REFUSED] = {"connection_limit", "per_ip_limit", "bad_request_line",
+                                                        "request_deadline", "api_key_lockout", "request_limit"};
+
+void gw_metrics_refused(gw_metrics_t *self, gw_refusal_t reason) {
+    if (reason >= GW_N_REFUSED) return;
+    pthread_mutex_lock(&self->mu);
+    self->c.refused[reason]++;
+    pthread_mutex_unlock(&self->mu);
+}
+
+void gw_metrics_active(gw_metrics_t *self, int delta) {
+    pthread_mutex_lock(&self->mu);
+    self->c.active += delta;
     pthread_mutex_unlock(&self->mu);
 }
 
@@ -337,6 +354,13 @@ char *gw_metrics_render(gw_metrics_t *self, const char *const *names, const cb_b
         }
     family(f, "gateway_connections", "gauge", "HTTP connections open at the gateway.");
     fprintf(f, "cacheblend_gateway_connections %lld\n", (long long)c.connections);
+    family(f, "gateway_requests_active", "gauge", "HTTP requests the gateway is answering now (one thread each).");
+    fprintf(f, "cacheblend_gateway_requests_active %lld\n", (long long)c.active);
+    family(f, "gateway_refused_total", "counter",
+           "Connections or requests refused or cut before an answer, by reason (docs/gateway.md, Limits).");
+    for (int r = 0; r < GW_N_REFUSED; r++)
+        fprintf(f, "cacheblend_gateway_refused_total{reason=\"%s\"} %llu\n", REFUSAL_NAMES[r],
+                (unsigned long long)c.refused[r]);
     render_services(f, names, services, n);
     if (fclose(f) != 0) {
         free(buf);

@@ -6,7 +6,7 @@
  * and outcome, prompt/generation/reused/recomputed token counters (from the gateway's queries), and from
  * the services: running and waiting queries, the KV pool, the KV cache tiers, ingest jobs by state.
  *
- * Thread-safe: every HTTP connection thread records into one gw_metrics_t (one mutex, held for a few
+ * Thread-safe: every thread of the gateway records into one gw_metrics_t (one mutex, held for a few
  * additions); rendering copies under the same mutex.
  */
 #ifndef GW_METRICS_H
@@ -52,6 +52,20 @@ void gw_metrics_query(gw_metrics_t *self, gw_mode_t mode, gw_outcome_t outcome, 
 void gw_metrics_http(gw_metrics_t *self, const char *handler, int status);
 /* Connections open now (+1 on accept, -1 on close). */
 void gw_metrics_connection(gw_metrics_t *self, int delta);
+
+/* Why the gateway refused or cut a connection or request before answering it (the label `reason`). */
+typedef enum {
+    GW_REFUSED_LIMIT,        /* "connection_limit": gateway.max_connections (503, closed) */
+    GW_REFUSED_PER_IP,       /* "per_ip_limit": gateway.max_connections_per_ip (429, closed) */
+    GW_REFUSED_BAD_LINE,     /* "bad_request_line": the first request line is not HTTP/1.x (400, closed) */
+    GW_REFUSED_DEADLINE,     /* "request_deadline": gateway.request_timeout_s passed (408, closed) */
+    GW_REFUSED_API_KEY,      /* "api_key_lockout": too many wrong API keys from the address (429) */
+    GW_REFUSED_BUSY,         /* "request_limit": gateway.max_requests being answered (503) */
+    GW_N_REFUSED
+} gw_refusal_t;
+void gw_metrics_refused(gw_metrics_t *self, gw_refusal_t reason);
+/* Requests being answered now (one thread each; +1 when one starts, -1 when it ends). */
+void gw_metrics_active(gw_metrics_t *self, int delta);
 
 /* The exposition: the gateway's metrics, then each service's from its stats reply (services[i] named
  * names[i]; a result without a reply gives cacheblend_service_up{service} 0 and nothing else). Returns

@@ -53,7 +53,7 @@ gw_stream_t *gw_stream_start(const gw_stream_opts_t *o, const void *data, size_t
     self->t0 = self->last_ms = cb_now_ms();
     self->deadline = self->t0 + o->total_ms;
     self->silence_ms = o->first_ms < o->total_ms ? o->first_ms : o->total_ms;
-    self->watch_fd = o->client_fd >= 0;
+    self->watch_fd = true;
     return self;
 }
 
@@ -63,6 +63,11 @@ void gw_stream_destroy(gw_stream_t **self_p) {
     cb_bus_client_destroy(&self->client);
     free(self);
     *self_p = NULL;
+}
+
+void gw_stream_watch(gw_stream_t *self, const atomic_int *client_fd, const atomic_bool *cancelled) {
+    self->o.client_fd = client_fd;
+    self->o.cancelled = cancelled;
 }
 
 double gw_stream_elapsed_ms(const gw_stream_t *self) { return cb_now_ms() - self->t0; }
@@ -76,6 +81,8 @@ static cb_msg_t *end(gw_stream_end_t *why, gw_stream_end_t w, char *err, size_t 
 cb_msg_t *gw_stream_next(gw_stream_t *self, gw_stream_end_t *why, char *err, size_t errlen) {
     for (;;) {
         double now = cb_now_ms();
+        if (self->o.cancelled && atomic_load(self->o.cancelled))
+            return end(why, GW_STREAM_GONE, err, errlen, "the answer is no longer wanted (%.0f ms in)", now - self->t0);
         if (self->o.stopping && atomic_load(self->o.stopping))
             return end(why, GW_STREAM_STOPPING, err, errlen, "the gateway is shutting down (%.0f ms in)",
                        now - self->t0);
@@ -91,14 +98,16 @@ cb_msg_t *gw_stream_next(gw_stream_t *self, gw_stream_end_t *why, char *err, siz
         double quiet = self->last_ms + self->silence_ms - now;
         if (quiet < wait) wait = quiet;
         if (wait > POLL_SLICE_MS) wait = POLL_SLICE_MS;
-        zmq_pollitem_t items[2] = {{h, 0, ZMQ_POLLIN, 0}, {NULL, self->o.client_fd, POLLIN, 0}};
-        int rc = zmq_poll(items, self->watch_fd ? 2 : 1, (long)wait + 1);
+        int fd = self->o.client_fd ? atomic_load(self->o.client_fd) : -1;
+        bool watch = self->watch_fd && fd >= 0;
+        zmq_pollitem_t items[2] = {{h, 0, ZMQ_POLLIN, 0}, {NULL, fd, POLLIN, 0}};
+        int rc = zmq_poll(items, watch ? 2 : 1, (long)wait + 1);
         if (rc < 0) {
             if (zmq_errno() == EINTR) continue;
             return end(why, GW_STREAM_FAILED, err, errlen, "poll failed after %.0f ms", cb_now_ms() - self->t0);
         }
-        if (self->watch_fd && items[1].revents) {
-            if (gw_client_gone(self->o.client_fd))
+        if (watch && items[1].revents) {
+            if (gw_client_gone(fd))
                 return end(why, GW_STREAM_GONE, err, errlen, "the client closed its connection (%.0f ms in)",
                            cb_now_ms() - self->t0);
             self->watch_fd = false; /* bytes of a next request: stop watching rather than spin */
