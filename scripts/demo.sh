@@ -51,7 +51,8 @@ build/bin/cbctl stats precompute retriever cacheindex | grep -E '^[a-z]|jobs_don
 
 say "4/5 questions: full prefill vs CacheBlend"
 json_field() { # JSON_LINE FIELD.PATH
-  python3 -c 'import json,sys
+  python3 -c 'import json,signal,sys
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head -n 1 may close the pipe before a long answer ends
 v=json.loads(sys.argv[1])
 for k in sys.argv[2].split("."): v=v[k]
 print(v if isinstance(v,str) else round(v,1) if isinstance(v,float) else v)' "$1" "$2"
@@ -86,7 +87,7 @@ body=$(python3 -c 'import json,sys; print(json.dumps({"model": "cacheblend", "ma
 if reply=$(curl -sf --max-time 120 "http://$gw/v1/chat/completions" -H 'Content-Type: application/json' -d "$body"); then
   printf '\n\033[1mPOST http://%s/v1/chat/completions\033[0m  (TTFT %s ms, %s prompt + %s completion tokens)\n  %s\n' "$gw" \
     "$(json_field "$reply" cacheblend.ttft_ms)" "$(json_field "$reply" usage.prompt_tokens)" \
-    "$(json_field "$reply" usage.completion_tokens)" "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["choices"][0]["message"]["content"])' "$reply" | head -n 1)"
+    "$(json_field "$reply" usage.completion_tokens)" "$(python3 -c 'import json,signal,sys; signal.signal(signal.SIGPIPE, signal.SIG_DFL); print(json.loads(sys.argv[1])["choices"][0]["message"]["content"])' "$reply" | head -n 1)"
   echo "  (the web page: http://$gw/ ; metrics: http://$gw/metrics)"
 else
   echo "demo: the gateway at http://$gw did not answer" >&2
