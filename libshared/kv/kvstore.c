@@ -1,6 +1,10 @@
 /* kvstore.c: chunk keys, the precompute context's KV, and the memory tier -> file -> remote tier -> compute
  * -> store walk (see kvstore.h). Owns: the context's token copy and sequence, a work sequence for chunk
  * computes, the kv_dir copy. Borrows: the engine, the memory tier, the remote tier.
+ *
+ * A KV path that is refused (kv_dir not a directory, a symbolic link, FIFO, directory or device at a chunk's
+ * file name, an open that fails) is reported with its concrete reason: which check failed, errno's text, and
+ * what lstat finds at the path (its type, mode and owner; a link's target and what that is): describe_path.
  */
 #include "kv/kvstore.h"
 
@@ -50,6 +54,43 @@ struct cb_kvstore {
     } warned[KVSTORE_WARN_SLOTS];
 };
 
+/* ---------------------------------------------------------------- refused paths */
+
+/* The kind of file a mode says ("a FIFO", ...). */
+static const char *mode_kind(mode_t m) {
+    return S_ISREG(m) ? "a regular file" : S_ISDIR(m) ? "a directory" : S_ISLNK(m) ? "a symbolic link" :
+           S_ISFIFO(m) ? "a FIFO" : S_ISSOCK(m) ? "a socket" : S_ISCHR(m) ? "a character device" :
+           S_ISBLK(m) ? "a block device" : "of an unknown type";
+}
+
+/* What lstat finds at path, for the reason of a refusal: "lstat: a FIFO, mode 0644, uid 1000", a link with
+ * its target and what the target is ("lstat: a symbolic link, uid 0, to /tmp/x (a FIFO)", "... (stat: No
+ * such file or directory)"), or "lstat: <errno text>". The owner is named "not ours" when it is not this
+ * process's effective user. Into out[cap], always terminated. */
+static void describe_path(const char *path, char *out, size_t cap) {
+    struct stat st;
+    if (lstat(path, &st) != 0) {
+        snprintf(out, cap, "lstat: %s", strerror(errno));
+        return;
+    }
+    const char *owner = st.st_uid == geteuid() ? "" : " (not ours)";
+    if (!S_ISLNK(st.st_mode)) {
+        snprintf(out, cap, "lstat: %s, mode %04o, uid %u%s", mode_kind(st.st_mode), (unsigned)(st.st_mode & 07777),
+                 (unsigned)st.st_uid, owner);
+        return;
+    }
+    char target[512];
+    ssize_t k = readlink(path, target, sizeof target - 1);
+    if (k < 0) snprintf(target, sizeof target, "? (readlink: %s)", strerror(errno));
+    else target[k] = 0;
+    struct stat ts;
+    char what[160];
+    if (stat(path, &ts) != 0) snprintf(what, sizeof what, "stat: %s", strerror(errno));
+    else snprintf(what, sizeof what, "%s", mode_kind(ts.st_mode));
+    snprintf(out, cap, "lstat: a symbolic link, uid %u%s, to %.400s (%.150s)", (unsigned)st.st_uid, owner, target,
+             what);
+}
+
 const char *cb_kvstore_src_str(cb_kvstore_src_t s) {
     return s == CB_KVSTORE_MEM ? "mem" : s == CB_KVSTORE_FILE ? "file" : s == CB_KVSTORE_COMPUTED ? "computed" : "?";
 }
@@ -68,8 +109,23 @@ cb_kvstore_t *cb_kvstore_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t
     }
     if (kv_dir) {
         struct stat st;
-        if (stat(kv_dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-            cb_set_err(err, errlen, "kvstore: kv dir %s: not a directory", kv_dir);
+        char what[700];
+        if (stat(kv_dir, &st) != 0) {
+            int e = errno;
+            describe_path(kv_dir, what, sizeof what);
+            cb_set_err(err, errlen, "kvstore: kv dir %s: stat: %s (%s)", kv_dir, strerror(e), what);
+            return NULL;
+        }
+        if (!S_ISDIR(st.st_mode)) {
+            describe_path(kv_dir, what, sizeof what);
+            cb_set_err(err, errlen, "kvstore: kv dir %s: not a directory: %s (%s)", kv_dir, mode_kind(st.st_mode),
+                       what);
+            return NULL;
+        }
+        char probe[4096];
+        static const uint8_t zero_key[32];
+        if (cb_kvfile_path(kv_dir, zero_key, probe, sizeof probe) != 0) {
+            cb_set_err(err, errlen, "kvstore: kv dir %.200s...: path too long for chunk file names", kv_dir);
             return NULL;
         }
     }
@@ -288,16 +344,34 @@ static int write_file(cb_kvstore_t *s, const uint8_t key[32], const cb_kvmem_ent
 static void remote_put_file(cb_kvstore_t *s, const uint8_t key[32]) {
     char path[4096];
     if (!s->remote || cb_kvstore_path(s, key, path, sizeof path) != 0) return;
+    char what[700];
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) return; /* no local file (evicted meanwhile): nothing to put */
+    if (fd < 0) {
+        int e = errno;
+        if (e == ENOENT) return; /* no local file (evicted meanwhile): nothing to put */
+        describe_path(path, what, sizeof what);
+        CB_WARN("kvstore: KV file %s not put in the remote tier: open refused it: %s (%s)", path,
+                e == ELOOP ? "a symbolic link (O_NOFOLLOW: not followed)" : strerror(e), what);
+        return;
+    }
     struct stat st;
     uint8_t *buf = NULL;
     size_t len = 0;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 ||
-        (uint64_t)st.st_size > cb_kvremote_max_value_bytes(s->remote)) {
-        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0)
-            CB_DEBUG("kvstore: KV file %s (%lld bytes) is over the remote tier's max value size: not shared", path,
-                     (long long)st.st_size);
+    if (fstat(fd, &st) != 0) {
+        CB_WARN("kvstore: KV file %s not put in the remote tier: fstat: %s", path, strerror(errno));
+        close(fd);
+        return;
+    }
+    if (!S_ISREG(st.st_mode) || st.st_size <= 0) {
+        describe_path(path, what, sizeof what);
+        CB_WARN("kvstore: KV file %s not put in the remote tier: %s (%s)", path,
+                S_ISREG(st.st_mode) ? "an empty file" : "not a regular file", what);
+        close(fd);
+        return;
+    }
+    if ((uint64_t)st.st_size > cb_kvremote_max_value_bytes(s->remote)) {
+        CB_DEBUG("kvstore: KV file %s (%lld bytes) is over the remote tier's max value size: not shared", path,
+                 (long long)st.st_size);
         close(fd);
         return;
     }
@@ -420,9 +494,13 @@ static cb_kvfile_t *open_chunk_file(cb_kvstore_t *s, const uint8_t key[32], cons
     char err[512] = "";
     cb_kvfile_t *f = cb_kvfile_open(path, &ex, why, err, sizeof err);
     /* a key whose rewrite keeps failing (an obstacle at its path) was warned about with the write failure */
-    if (!f && *why != CB_KV_MISS_NOT_FOUND)
-        cb_log(recently_warned(s, key) ? CB_LOG_DEBUG : CB_LOG_WARN, NULL, "kvstore: chunk file miss (%s): %s",
-               cb_kv_miss_str(*why), err);
+    if (!f && *why != CB_KV_MISS_NOT_FOUND) {
+        /* refused before its bytes were read (not a regular file, open/stat failed): say what is there */
+        char what[700] = "";
+        if (*why == CB_KV_MISS_NOT_REGULAR || *why == CB_KV_MISS_IO) describe_path(path, what, sizeof what);
+        cb_log(recently_warned(s, key) ? CB_LOG_DEBUG : CB_LOG_WARN, NULL, "kvstore: chunk file miss (%s): %s%s%s",
+               cb_kv_miss_str(*why), err, what[0] ? "; " : "", what);
+    }
     return f;
 }
 
@@ -594,7 +672,12 @@ static int find_chunk(cb_kvstore_t *s, const int32_t *ctx, int n_ctx, const int3
         }
         cb_kvfile_destroy(&c.file);
         if (w == CB_KV_OK) break;
-        CB_WARN("kvstore: chunk file miss (%s)", cb_kv_miss_str(w));
+        char path[4096] = "";
+        if (c.remote || cb_kvstore_path(s, c.key, path, sizeof path) != 0)
+            snprintf(path, sizeof path, "the remote tier's value");
+        CB_WARN("kvstore: chunk file miss (%s): %s: %s", cb_kv_miss_str(w), path,
+                w == CB_KV_MISS_PAYLOAD_CHECKSUM ? "a layer's bytes do not match their checksum (read in full)"
+                                                 : "it failed when read in full");
         cb_kvstore_chunk_release(&c);
         if (turn > 0) {
             cb_set_err(err, errlen, "kvstore: a verified chunk value failed to decode (%s)", cb_kv_miss_str(w));

@@ -34,8 +34,7 @@ int cbctl_exit_for(cb_err_t code) {
     return code == CB_ERR_TIMEOUT || code == CB_ERR_UNAVAILABLE ? CBCTL_EXIT_UNAVAILABLE : CBCTL_EXIT_FAIL;
 }
 
-/* Options of the cbctl section, with the send timeout bounded by the request timeout. */
-static bool client_opts(cbctl_t *ctl, int timeout_ms, int retries, cb_bus_opts_t *o, char *err, size_t errlen) {
+bool cbctl_client_opts(cbctl_t *ctl, int timeout_ms, int retries, cb_bus_opts_t *o, char *err, size_t errlen) {
     if (!cb_bus_opts_from_config(ctl->cfg, "cbctl", o, err, errlen)) return false;
     if (timeout_ms > 0) o->request_timeout_ms = timeout_ms;
     if (retries >= 0) o->request_retries = retries;
@@ -47,7 +46,7 @@ cb_bus_client_t *cbctl_client(cbctl_t *ctl, const char *name, int timeout_ms, in
                               size_t errlen) {
     cb_bus_opts_t o;
     const char *ep;
-    if (!client_opts(ctl, timeout_ms, retries, &o, err, errlen)) return NULL;
+    if (!cbctl_client_opts(ctl, timeout_ms, retries, &o, err, errlen)) return NULL;
     if (!cb_config_endpoint(ctl->cfg, name, "endpoint", NULL, &ep, err, errlen)) return NULL;
     if (!ep) {
         snprintf(err, errlen, "no endpoint configured for %s (%s.endpoint)", name, name);
@@ -78,7 +77,7 @@ void cbctl_fanout(cbctl_t *ctl, const char *type, const char *const *names, int 
     cb_bus_result_t br[CB_BUS_FANOUT_MAX];
     cb_bus_opts_t o;
     char err[256];
-    bool opts_ok = client_opts(ctl, timeout_ms, 0, &o, err, sizeof err);
+    bool opts_ok = cbctl_client_opts(ctl, timeout_ms, 0, &o, err, sizeof err);
     for (int i = 0; i < n; i++) {
         cbctl_result_t *r = &results[i];
         memset(r, 0, sizeof *r);

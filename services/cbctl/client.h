@@ -23,6 +23,11 @@ extern const cbctl_service_t cbctl_services[CBCTL_N_SERVICES];
 /* The service named name ("retriever", "cb-retriever", ...), or NULL. */
 const cbctl_service_t *cbctl_service_find(const char *name);
 
+/* The bus options of the cbctl section (request timeout and retries, CURVE keys), with the send timeout
+ * bounded by the request timeout; timeout_ms > 0 and retries >= 0 override the configured ones. False
+ * with err. */
+bool cbctl_client_opts(cbctl_t *ctl, int timeout_ms, int retries, cb_bus_opts_t *o, char *err, size_t errlen);
+
 /* A client of service `name` with cbctl's options; timeout_ms > 0 overrides cbctl.request_timeout_ms
  * (retries < 0 keeps cbctl.request_retries). Caller owns (cb_bus_client_destroy); NULL with err. */
 cb_bus_client_t *cbctl_client(cbctl_t *ctl, const char *name, int timeout_ms, int retries, char *err,

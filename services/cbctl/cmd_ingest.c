@@ -1,6 +1,6 @@
 /* cbctl ingest: sends documents to cb-precompute (acknowledged ingest) with a progress bar on stderr.
  *
- *   cbctl ingest [--wait] [--prefix ID_PREFIX] PATH...
+ *   cbctl ingest [--wait [--timeout MS]] [--prefix ID_PREFIX] PATH...
  *
  * What becomes a document:
  *   - a .txt or .md file: one document, doc_id = the path as given (or found under a directory);
@@ -14,8 +14,11 @@
  * (Lazy Pirate, cbctl.request_timeout_ms x request_retries; an ingest of the same doc_id and text is
  * idempotent). Every ingest carries `client: "cbctl-<host>-<pid>"` (cb-precompute's fairness and per-client
  * limits see one client per run); a document refused `overloaded` (this client has too much queued) is
- * sent again after a wait (0.2 s doubling to 5 s), for up to cbctl.ingest_timeout_ms. With --wait, cbctl then polls each job's status until all are processed, failing when
- * nothing progresses for cbctl.ingest_timeout_ms.
+ * sent again after a wait (0.2 s doubling to 5 s), for up to cbctl.ingest_timeout_ms. With --wait, cbctl then
+ * polls each job's status until all are processed, failing when nothing progresses for
+ * cbctl.ingest_timeout_ms, or (--timeout MS) when they are not all processed MS after the wait began. A
+ * status poll that gets no answer (cb-precompute restarting, say) is retried, 0.2 s doubling to 2 s apart,
+ * until that deadline; only then is its last error reported (exit 3).
  * Exit: 0 every document acknowledged (and with --wait processed), 1 some document was refused or
  * failed, 2 usage or unreadable input, 3 cb-precompute unreachable or silent.
  */
@@ -56,6 +59,9 @@ typedef struct {
     char client[64];    /* the `client` field of every ingest: this run, across reconnects */
     size_t total_hint;  /* for the bar: documents found so far */
     bool bar_open;      /* the bar's line is not ended yet */
+    int req_timeout_ms; /* cbctl.request_timeout_ms and request_retries: one status poll, at most */
+    int req_retries;
+    double polls_failing; /* when the status polls began to fail (cb_now_ms), 0 while they are answered */
 } ingest_t;
 
 /* The progress bar (a terminal only: redrawn in place). */
@@ -296,11 +302,57 @@ static void ingest_path(ingest_t *in, const char *path, bool explicit, int depth
     }
 }
 
-/* Polls job status until every acknowledged job finished. Returns an exit code. */
-static int wait_jobs(ingest_t *in, int64_t stall_ms) {
+/* One status poll of d's job. A poll that cb-precompute does not answer (timeout, or unavailable: it is
+ * restarting) is sent again after a wait (0.2 s doubling to 2 s), each attempt bounded by what is left
+ * until deadline (cb_now_ms), the first failure of an outage said once on stderr. Returns the reply (caller
+ * owns; it may be an error reply), or NULL with *code and err: the last failure when deadline passed, or
+ * at once one that retrying cannot cure (our own request is invalid, an invalid reply). */
+static cb_msg_t *poll_status(ingest_t *in, const doc_t *d, double deadline, size_t finished, cb_err_t *code,
+                             char *err, size_t errlen) {
+    for (int backoff = 200;; backoff = backoff * 2 > 2000 ? 2000 : backoff * 2) {
+        /* one attempt (with its Lazy Pirate retries) ends by the deadline */
+        double left = deadline - cb_now_ms();
+        int per_try = in->req_timeout_ms, retries = in->req_retries;
+        if (left < (double)per_try * (retries + 1)) {
+            per_try = left < (double)per_try ? (left > 100 ? (int)left : 100) : per_try;
+            retries = 0;
+        }
+        cb_bus_client_set_timeout(in->c, per_try, retries);
+        char id[32];
+        cb_msg_begin(in->w, "status", cb_bus_new_id(id, sizeof id));
+        cb_msg_put_str(in->w, "job", d->job);
+        double sent = cb_now_ms();
+        cb_msg_t *r = cb_bus_call(in->c, in->w, code, err, errlen);
+        if (r) {
+            if (in->polls_failing) {
+                bar_end(in);
+                cbctl_error(in->ctl, "precompute answers again (status polls failed for %.1f s)",
+                            (cb_now_ms() - in->polls_failing) / 1000.0);
+                in->polls_failing = 0;
+            }
+            return r;
+        }
+        if (*code != CB_ERR_TIMEOUT && *code != CB_ERR_UNAVAILABLE) return NULL;
+        if (!in->polls_failing) {
+            in->polls_failing = sent;
+            bar_end(in);
+            cbctl_error(in->ctl, "precompute: %s; retrying status polls for up to %.1f s", err,
+                        (deadline - cb_now_ms()) / 1000.0);
+        }
+        if (cb_now_ms() + backoff >= deadline) return NULL;
+        bar(in, "process", finished, in->n, "precompute unreachable: retrying");
+        zclock_sleep(backoff);
+    }
+}
+
+/* Polls job status until every acknowledged job finished. Gives up when nothing progresses for stall_ms,
+ * or when total_ms > 0 have passed since the wait began; a status poll that fails is retried until then
+ * (poll_status). Returns an exit code. */
+static int wait_jobs(ingest_t *in, int64_t stall_ms, int64_t total_ms) {
     size_t first = 0, finished = 0;
     for (size_t i = 0; i < in->n; i++) finished += in->docs[i].finished;
-    double last_progress = cb_now_ms();
+    double start = cb_now_ms(), last_progress = start;
+    double end = total_ms > 0 ? start + (double)total_ms : 0;
     int64_t last_chunks = -1;
     char extra[96] = "processed";
     while (finished < in->n) {
@@ -312,14 +364,19 @@ static int wait_jobs(ingest_t *in, int64_t stall_ms) {
             doc_t *d = &in->docs[i];
             if (d->finished) continue;
             asked++;
-            char id[32], err[512];
-            cb_msg_begin(in->w, "status", cb_bus_new_id(id, sizeof id));
-            cb_msg_put_str(in->w, "job", d->job);
+            char err[512];
             cb_err_t code;
-            cb_msg_t *r = cb_bus_call(in->c, in->w, &code, err, sizeof err);
+            double deadline = last_progress + (double)stall_ms;
+            if (end > 0 && end < deadline) deadline = end;
+            cb_msg_t *r = poll_status(in, d, deadline, finished, &code, err, sizeof err);
             if (!r) {
                 bar_end(in);
-                cbctl_error(in->ctl, "precompute: %s", err);
+                if (in->polls_failing)
+                    cbctl_error(in->ctl, "precompute: %s; status polls failed for %.1f s: gave up at the %s deadline",
+                                err, (cb_now_ms() - in->polls_failing) / 1000.0,
+                                deadline == end ? "--timeout" : "cbctl.ingest_timeout_ms");
+                else
+                    cbctl_error(in->ctl, "precompute: %s", err);
                 return cbctl_exit_for(code);
             }
             char state[16] = "";
@@ -364,6 +421,12 @@ static int wait_jobs(ingest_t *in, int64_t stall_ms) {
                         (long long)stall_ms, finished, in->n);
             return CBCTL_EXIT_UNAVAILABLE;
         }
+        if (end > 0 && cb_now_ms() >= end) {
+            bar_end(in);
+            cbctl_error(in->ctl, "not processed within --timeout %lld ms: %zu of %zu documents processed",
+                        (long long)total_ms, finished, in->n);
+            return CBCTL_EXIT_UNAVAILABLE;
+        }
         zclock_sleep(200);
     }
     return CBCTL_EXIT_OK;
@@ -372,15 +435,26 @@ static int wait_jobs(ingest_t *in, int64_t stall_ms) {
 static int run_ingest(cbctl_t *ctl, int argc, char **argv) {
     bool wait = false;
     const char *prefix = "";
+    int64_t total_ms = 0;
     int first_path = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--wait")) wait = true;
         else if (!strcmp(argv[i], "--prefix") && i + 1 < argc) prefix = argv[++i];
+        else if (!strcmp(argv[i], "--timeout") && i + 1 < argc) {
+            char *end = NULL;
+            long long v = strtoll(argv[++i], &end, 10);
+            if (end == argv[i] || *end || v < 1 || v > 86400000LL * 7) {
+                cbctl_error(ctl, "--timeout %s: expected milliseconds, 1 to 604800000", argv[i]);
+                return CBCTL_EXIT_USAGE;
+            }
+            total_ms = v;
+        }
         else if (!strcmp(argv[i], "--")) {
             first_path = i + 1;
             break;
         } else if (argv[i][0] == '-' && argv[i][1]) {
-            cbctl_error(ctl, "unknown option %s\nusage: cbctl ingest [--wait] [--prefix ID_PREFIX] PATH...", argv[i]);
+            cbctl_error(ctl, "unknown option %s\nusage: cbctl ingest [--wait [--timeout MS]] [--prefix ID_PREFIX] PATH...",
+                        argv[i]);
             return CBCTL_EXIT_USAGE;
         } else {
             first_path = i;
@@ -388,7 +462,7 @@ static int run_ingest(cbctl_t *ctl, int argc, char **argv) {
         }
     }
     if (first_path == 0 || first_path >= argc) {
-        cbctl_error(ctl, "no PATH\nusage: cbctl ingest [--wait] [--prefix ID_PREFIX] PATH...");
+        cbctl_error(ctl, "no PATH\nusage: cbctl ingest [--wait [--timeout MS]] [--prefix ID_PREFIX] PATH...");
         return CBCTL_EXIT_USAGE;
     }
     char err[512];
@@ -397,7 +471,13 @@ static int run_ingest(cbctl_t *ctl, int argc, char **argv) {
         cbctl_error(ctl, "%s", err);
         return CBCTL_EXIT_USAGE;
     }
-    ingest_t in = {.ctl = ctl, .prefix = prefix, .tty = isatty(2) != 0, .t0 = cb_now_ms(), .stall_ms = stall};
+    cb_bus_opts_t opts;
+    if (!cbctl_client_opts(ctl, 0, -1, &opts, err, sizeof err)) {
+        cbctl_error(ctl, "%s", err);
+        return CBCTL_EXIT_USAGE;
+    }
+    ingest_t in = {.ctl = ctl, .prefix = prefix, .tty = isatty(2) != 0, .t0 = cb_now_ms(), .stall_ms = stall,
+                   .req_timeout_ms = opts.request_timeout_ms, .req_retries = opts.request_retries};
     char host[32] = "";
     if (gethostname(host, sizeof host - 1) != 0) snprintf(host, sizeof host, "?");
     host[sizeof host - 1] = 0;
@@ -425,7 +505,7 @@ static int run_ingest(cbctl_t *ctl, int argc, char **argv) {
         rc = CBCTL_EXIT_USAGE;
     } else {
         bar_end(&in);
-        if (wait && acked > 0) rc = wait_jobs(&in, stall);
+        if (wait && acked > 0) rc = wait_jobs(&in, stall, total_ms);
         if (rc == CBCTL_EXIT_OK && in.n_errors > 0) rc = CBCTL_EXIT_FAIL;
     }
     bar_end(&in);
@@ -439,5 +519,5 @@ static int run_ingest(cbctl_t *ctl, int argc, char **argv) {
     return rc;
 }
 
-CBCTL_COMMAND(ingest, "ingest [--wait] [--prefix P] PATH...", "send documents (.txt .md .jsonl, dirs) to cb-precompute",
-              run_ingest)
+CBCTL_COMMAND(ingest, "ingest [--wait [--timeout MS]] [--prefix P] PATH...",
+              "send documents (.txt .md .jsonl, dirs) to cb-precompute", run_ingest)

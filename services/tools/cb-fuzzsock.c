@@ -5,7 +5,7 @@
  * reached: through the real socket, the real decoder and the real handler (tests/faults/fuzz.sh).
  *
  *   cb-fuzzsock [--seed S] [--n N] [--timeout MS] [--stream-ms MS] [--push --ping ENDPOINT] [--json]
- *               ENDPOINT TEMPLATES.jsonl
+ *               [--curve-client KEY_SECRET_FILE --curve-server PUBLIC_KEY_FILE] ENDPOINT TEMPLATES.jsonl
  *
  * Mutations (the generator is seeded: the same seed sends the same bytes):
  *   - structural, on the JSON before encoding: a field dropped, or replaced by a value of another type
@@ -25,11 +25,21 @@
  * With --push the messages go to a PULL socket (cb-precompute's ingest pipeline): no replies; the service
  * at --ping must still answer afterwards.
  *
- * Output: one summary line, or with --json one object {"endpoint", "templates", "sent", "ok",
+ * CURVE (a stack with common.curve = on, docs/protocol.md §1.1): --curve-client names the client key pair
+ * to connect as (a zcert secret file, e.g. KEYS/client/cbctl.key_secret: its public key must be in the
+ * service's allowed/) and --curve-server the service's public key (KEYS/public/<service>.key; with --push,
+ * the same key serves ENDPOINT and --ping: both are cb-precompute's). The files are the ones `cbctl keys
+ * init` makes (wire/curve.h). Every socket (requests, pings, PUSH) is then a CURVE client; a handshake the
+ * service refuses (a key not allowed, the wrong server key, a plaintext service) is reported with its
+ * reason before any message is sent (exit 2), so a secured run never passes without reaching the handlers.
+ * The service must answer ping before fuzzing starts (else exit 2).
+ *
+ * Output: one summary line, or with --json one object {"endpoint", "curve", "templates", "sent", "ok",
  * "error_replies", "codes": {code: count}, "dropped" (no reply), "bad_replies" (a reply our decoder
  * rejects, or one with another id than a readable request's), "long_streams", "hung" (a stream silent
  * for --timeout without a terminal message), "alive"}.
- * Exit: 0 the service is alive and every reply was well-formed, none hung; 1 otherwise; 2 usage.
+ * Exit: 0 the service is alive and every reply was well-formed, none hung; 1 otherwise; 2 usage, unreadable
+ * keys or templates, or a service that does not answer (or refuses the handshake) before fuzzing.
  */
 #include <jansson.h>
 #include <math.h>
@@ -245,25 +255,70 @@ static bool encode(const json_t *o, buf_t *b) {
     return d != NULL && b->n == len;
 }
 
-static bool ping(const char *ep) {
+/* The CURVE client state (off unless --curve-client/--curve-server): every socket of the run uses it. */
+static cb_curve_t s_curve;
+
+/* Turns s_curve on: the client pair from client_file, the server's public key from server_file for each
+ * of the endpoints eps[n]. False with err naming the file. */
+static bool curve_setup(const char *client_file, const char *server_file, const char *const *eps, int n, char *err,
+                        size_t errlen) {
+    memset(&s_curve, 0, sizeof s_curve);
+    char server_pub[CB_CURVE_TXT];
+    if (!cb_curve_read(client_file, s_curve.public_txt, s_curve.secret_txt, err, errlen)) return false;
+    if (!cb_curve_read(server_file, server_pub, NULL, err, errlen)) return false;
+    s_curve.on = true;
+    snprintf(s_curve.identity, sizeof s_curve.identity, "cb-fuzzsock");
+    /* the bus names KEYS/public/<peer>.key in a refusal: KEYS and the name of a server file laid out so */
+    char name[16] = "fuzzed";
+    size_t len = strlen(server_file);
+    const char *base = strrchr(server_file, '/');
+    base = base ? base + 1 : server_file;
+    size_t dir_len = (size_t)(base - server_file), stem = strlen(base) >= 4 ? strlen(base) - 4 : 0;
+    if (len > 4 && !strcmp(server_file + len - 4, ".key") && stem > 0 && stem < sizeof name && dir_len >= 8 &&
+        !strncmp(base - 8, "/public/", 8) && dir_len - 8 < sizeof s_curve.keys_dir) {
+        snprintf(name, sizeof name, "%.*s", (int)stem, base);
+        snprintf(s_curve.keys_dir, sizeof s_curve.keys_dir, "%.*s", (int)(dir_len - 8), server_file);
+    } else {
+        snprintf(s_curve.keys_dir, sizeof s_curve.keys_dir, "?");
+    }
+    for (int i = 0; i < n && s_curve.n_peers < CB_CURVE_MAX_PEERS; i++) {
+        if (cb_curve_peer(&s_curve, eps[i])) continue;
+        cb_curve_peer_t *p = &s_curve.peers[s_curve.n_peers];
+        if (strlen(eps[i]) >= sizeof p->endpoint) {
+            snprintf(err, errlen, "endpoint too long: %s", eps[i]);
+            return false;
+        }
+        snprintf(p->endpoint, sizeof p->endpoint, "%s", eps[i]);
+        snprintf(p->name, sizeof p->name, "%s", name);
+        memcpy(p->public_txt, server_pub, CB_CURVE_TXT);
+        s_curve.n_peers++;
+    }
+    return true;
+}
+
+/* Whether the service at ep answers ping (3 s x 2 attempts); why not in err (may be NULL). */
+static bool ping(const char *ep, char *err, size_t errlen) {
     cb_bus_opts_t o;
     cb_bus_opts_default(&o);
     o.request_timeout_ms = 3000;
     o.request_retries = 1;
-    char err[256];
-    cb_bus_client_t *c = cb_bus_client_new(ep, &o, err, sizeof err);
+    o.curve = s_curve;
+    char e[512] = "";
+    cb_bus_client_t *c = cb_bus_client_new(ep, &o, e, sizeof e);
     cb_msg_writer_t *w = cb_msg_writer_new();
     bool up = false;
     if (c && w) {
         char id[32];
         cb_msg_begin(w, "ping", cb_bus_new_id(id, sizeof id));
         cb_err_t code;
-        cb_msg_t *m = cb_bus_call(c, w, &code, err, sizeof err);
+        cb_msg_t *m = cb_bus_call(c, w, &code, e, sizeof e);
         up = m && cb_msg_ok(m);
+        if (m && !up) snprintf(e, sizeof e, "ping refused: %s: %s", cb_msg_err_code_name(m), cb_msg_err_message(m));
         cb_msg_destroy(&m);
     }
     cb_msg_writer_destroy(&w);
     cb_bus_client_destroy(&c);
+    if (err && errlen) snprintf(err, errlen, "%s", e);
     return up;
 }
 
@@ -349,6 +404,7 @@ static bool exchange(cb_bus_client_t *c, const buf_t *b, int timeout_ms, int str
 
 static int usage(void) {
     fprintf(stderr, "usage: cb-fuzzsock [--seed S] [--n N] [--timeout MS] [--stream-ms MS] [--push --ping ENDPOINT] [--json]\n"
+                    "                   [--curve-client KEY_SECRET_FILE --curve-server PUBLIC_KEY_FILE]\n"
                     "                   ENDPOINT TEMPLATES.jsonl\n");
     return 2;
 }
@@ -360,7 +416,7 @@ int main(int argc, char **argv) {
     long n = 100;
     int timeout_ms = 5000, stream_ms = 20000, i = 1;
     bool push = false, json = false;
-    const char *ping_ep = NULL;
+    const char *ping_ep = NULL, *curve_client = NULL, *curve_server = NULL;
     for (; i < argc && argv[i][0] == '-'; i++) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--n") && i + 1 < argc) n = atol(argv[++i]);
@@ -369,9 +425,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--push")) push = true;
         else if (!strcmp(argv[i], "--ping") && i + 1 < argc) ping_ep = argv[++i];
         else if (!strcmp(argv[i], "--json")) json = true;
+        else if (!strcmp(argv[i], "--curve-client") && i + 1 < argc) curve_client = argv[++i];
+        else if (!strcmp(argv[i], "--curve-server") && i + 1 < argc) curve_server = argv[++i];
         else return usage();
     }
-    if (i + 2 != argc || n < 1 || n > 1000000 || timeout_ms < 1 || stream_ms < 1 || (push && !ping_ep)) return usage();
+    if (i + 2 != argc || n < 1 || n > 1000000 || timeout_ms < 1 || stream_ms < 1 || (push && !ping_ep) ||
+        !curve_client != !curve_server)
+        return usage();
     const char *ep = argv[i];
     if (!ping_ep) ping_ep = ep;
     FILE *f = fopen(argv[i + 1], "r");
@@ -399,13 +459,30 @@ int main(int argc, char **argv) {
         return 2;
     }
     zsys_init();
+    char err[512];
+    if (curve_client) {
+        const char *eps[2] = {ep, ping_ep};
+        if (!curve_setup(curve_client, curve_server, eps, 2, err, sizeof err)) {
+            fprintf(stderr, "cb-fuzzsock: curve: %s\n", err);
+            for (int k = 0; k < nt; k++) json_decref(tpl[k]);
+            return 2;
+        }
+    }
+    /* a service that cannot be reached (or refuses our handshake) now would make every message "dropped" */
+    if (!ping(ping_ep, err, sizeof err)) {
+        fprintf(stderr, "cb-fuzzsock: %s does not answer ping before fuzzing: %s", ping_ep, err);
+        if (s_curve.on) fprintf(stderr, " [CURVE: client key %s, server key %s]", curve_client, curve_server);
+        fputc('\n', stderr);
+        for (int k = 0; k < nt; k++) json_decref(tpl[k]);
+        return 2;
+    }
     rng_t r = {seed * 0x9E3779B97F4A7C15ULL + 1};
     tally_t t = {.codes = json_object(), .alive = true};
     cb_bus_opts_t o;
     cb_bus_opts_default(&o);
     o.max_msg_bytes = 64 << 20;
     o.send_timeout_ms = 3000;
-    char err[512];
+    o.curve = s_curve;
     cb_bus_client_t *c = NULL;
     zsock_t *pushs = NULL;
     if (push && !(pushs = cb_bus_socket(ZMQ_PUSH, ep, false, &o, err, sizeof err))) {
@@ -444,7 +521,7 @@ int main(int argc, char **argv) {
             if (push) {
                 if (zmq_send(zsock_resolve(pushs), b.p, b.n, 0) < 0) {
                     t.dropped++;
-                    if (!ping(ping_ep)) t.alive = false;
+                    if (!ping(ping_ep, NULL, 0)) t.alive = false;
                 } else {
                     t.sent++;
                 }
@@ -456,7 +533,7 @@ int main(int argc, char **argv) {
             }
             if (!exchange(c, &b, timeout_ms, stream_ms, j == 0, &t, label)) {
                 cb_bus_client_destroy(&c); /* late replies must not be read as the next one's */
-                if (!ping(ping_ep)) {
+                if (!ping(ping_ep, NULL, 0)) {
                     fprintf(stderr, "cb-fuzzsock: %s: the service does not answer ping any more\n", label);
                     t.alive = false;
                 }
@@ -465,19 +542,21 @@ int main(int argc, char **argv) {
     }
     cb_bus_client_destroy(&c);
     zsock_destroy(&pushs);
-    if (t.alive && !ping(ping_ep)) t.alive = false;
+    if (t.alive && !ping(ping_ep, NULL, 0)) t.alive = false;
     for (int k = 0; k < nt; k++) json_decref(tpl[k]);
     free(b.p);
-    json_t *out = json_pack("{s:s, s:i, s:I, s:I, s:I, s:O, s:I, s:I, s:I, s:I, s:b}", "endpoint", ep, "templates", nt,
-                            "sent", (json_int_t)t.sent, "ok", (json_int_t)t.ok, "error_replies", (json_int_t)t.err_replies,
-                            "codes", t.codes, "dropped", (json_int_t)t.dropped, "bad_replies", (json_int_t)t.bad_replies,
-                            "long_streams", (json_int_t)t.long_streams, "hung", (json_int_t)t.hung, "alive", t.alive);
+    json_t *out = json_pack("{s:s, s:b, s:i, s:I, s:I, s:I, s:O, s:I, s:I, s:I, s:I, s:b}", "endpoint", ep, "curve",
+                            s_curve.on, "templates", nt, "sent", (json_int_t)t.sent, "ok", (json_int_t)t.ok,
+                            "error_replies", (json_int_t)t.err_replies, "codes", t.codes, "dropped", (json_int_t)t.dropped,
+                            "bad_replies", (json_int_t)t.bad_replies, "long_streams", (json_int_t)t.long_streams, "hung",
+                            (json_int_t)t.hung, "alive", t.alive);
     if (json) {
         json_dumpf(out, stdout, JSON_COMPACT);
         fputc('\n', stdout);
     } else {
-        printf("%s: %d templates, %ld sent: %ld ok, %ld error replies, %ld dropped, %ld bad replies, %ld hung; %s\n", ep,
-               nt, t.sent, t.ok, t.err_replies, t.dropped, t.bad_replies, t.hung, t.alive ? "alive" : "DOWN");
+        printf("%s%s: %d templates, %ld sent: %ld ok, %ld error replies, %ld dropped, %ld bad replies, %ld hung; %s\n",
+               ep, s_curve.on ? " (CURVE)" : "", nt, t.sent, t.ok, t.err_replies, t.dropped, t.bad_replies, t.hung,
+               t.alive ? "alive" : "DOWN");
     }
     json_decref(out);
     json_decref(t.codes);

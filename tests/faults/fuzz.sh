@@ -10,6 +10,10 @@
 #               CB_FAULTS_SOCK_N mutated copies (default 60) of every request type to each service (and of
 #               `ingest` to cb-precompute's PULL socket); every message must get a well-formed reply (or be
 #               dropped), no stream may hang, and the service must stay up.
+#   CURVE       the same for a secured service: a cb-retriever of its own with common.curve = on and a key set
+#               from `cbctl keys init` (the row is skipped when keys cannot be made), fuzzed by cb-fuzzsock with
+#               --curve-client/--curve-server (CB_FAULTS_SOCK_N copies of each type, at most 300 s); a plaintext
+#               cb-fuzzsock must be refused first.
 . "$(dirname "$0")/lib/faults.bash"
 faults_begin fuzz
 FUZZ_S=${CB_FAULTS_FUZZ_S:-40}
@@ -116,4 +120,52 @@ for svc in retriever cacheindex precompute blend pull; do
   faults_row_end
   seed=$((seed + 1))
 done
+
+# --- over the socket, CURVE -----------------------------------------------------------------------------
+# A secured service: a cb-retriever of its own (port, data directory) with common.curve = on and a fresh key
+# set (cbctl keys init); cb-fuzzsock connects as the cbctl identity with the service's public key. A plaintext
+# cb-fuzzsock must be refused first, so the row cannot pass without the messages going through CURVE.
+faults_row_begin "socket cb-retriever (CURVE)"
+KEYS="$T/keys"
+if ! "$CBCTL" keys init "$KEYS" >"$T/keys.log" 2>&1; then
+  ROW_STATUS=skip
+  note "skipped: CURVE keys could not be made ($(tail -1 "$T/keys.log"))"
+else
+  SEP="tcp://127.0.0.1:$(svc_free_port)"
+  mkdir -p "$T/curve-data"
+  svc_start retriever-curve build/bin/cb-retriever CB_COMMON_CURVE=on "CB_COMMON_KEYS_DIR=$KEYS" \
+    "CB_RETRIEVER_ENDPOINT=$SEP" "CB_DATA_DIR=$T/curve-data"
+  cpid=${SVC_PID[retriever-curve]}
+  # cb-send (svc_wait_ping) speaks CURVE as the cbctl identity when the environment says so
+  if CB_COMMON_CURVE=on CB_COMMON_KEYS_DIR="$KEYS" CB_RETRIEVER_ENDPOINT="$SEP" svc_wait_ping "$SEP" 20 "$cpid"; then
+    timeout 60 "$ROOT/build/bin/cb-fuzzsock" --n 1 "$SEP" "$T/t-retriever.jsonl" >/dev/null 2>"$T/fz-plain.err"; rc=$?
+    if [ "$rc" = 2 ] && grep -q "requires CURVE" "$T/fz-plain.err"; then
+      pass "a plaintext cb-fuzzsock is refused by the secured cb-retriever (exit 2, the reason named)"
+    else
+      fail "a plaintext cb-fuzzsock was not refused: exit $rc; $(head -c 300 "$T/fz-plain.err")"
+    fi
+    out=$(timeout 300 "$ROOT/build/bin/cb-fuzzsock" --seed "$seed" --n "$SOCK_N" --timeout 3000 --json \
+          --curve-client "$KEYS/client/cbctl.key_secret" --curve-server "$KEYS/public/retriever.key" \
+          "$SEP" "$T/t-retriever.jsonl" 2>"$T/fz-curve.err"); rc=$?
+    echo "cb-fuzzsock: $out"
+    FZ_EXECS=$(jget "$out" sent); [ "$FZ_EXECS" = null ] && FZ_EXECS=0
+    if [ "$rc" = 0 ] && [ "$(jget "$out" alive)" = true ] && [ "$(jget "$out" curve)" = true ] && [ "$(jget "$out" ok)" -gt 0 ]; then
+      pass "$ROW: $FZ_EXECS messages through CURVE, every reply well-formed, the service up"
+    else
+      fail "$ROW: exit $rc: $out; $(head -3 "$T/fz-curve.err" | tr '\n' ' ')"
+    fi
+    note "replies: $(jget "$out" ok) ok, $(jget "$out" error_replies) errors $(jget "$out" codes | tr -d '{}"'), $(jget "$out" dropped) dropped"
+  else
+    fail "the CURVE cb-retriever did not answer ping: $(tail -3 "$T/retriever-curve.log" | tr '\n' ' ')"
+  fi
+  if kill -0 "$cpid" 2>/dev/null; then
+    kill -TERM "$cpid"; wait "$cpid" 2>/dev/null
+  else
+    wait "$cpid" 2>/dev/null; rc=$?
+    CRASHES=1 FZ_CRASHES=1
+    fail "the CURVE cb-retriever died (exit $rc); last log lines: $(tail -5 "$T/retriever-curve.log" | tr '\n' ' ')"
+  fi
+  unset "SVC_PID[retriever-curve]"
+fi
+faults_row_end
 faults_finish
