@@ -52,8 +52,8 @@ const char *cb_kvstore_src_str(cb_kvstore_src_t s); /* "mem" | "file" | "compute
 
 /* A store over engine (borrowed). kv_dir: directory of chunk KV files (must exist; NULL = no file tier).
  * mem: memory tier (borrowed; NULL = none). Files are written with dtype (CB_KV_F16 is the default
- * choice). NULL + err on failure (bad dtype, kv_dir not a directory, model geometry outside the KV file
- * limits, out of memory). Caller owns the result (cb_kvstore_destroy). */
+ * choice). NULL + err on failure (bad dtype, kv_dir not a directory or too long for chunk file names, model
+ * geometry outside the KV file limits, out of memory). Caller owns the result (cb_kvstore_destroy). */
 cb_kvstore_t *cb_kvstore_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t *mem, cb_kv_dtype_t dtype,
                              char *err, size_t errlen);
 void cb_kvstore_destroy(cb_kvstore_t **self_p);
