@@ -461,9 +461,17 @@ static void s_q4_1v16(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
 
 #if defined(__x86_64__) || defined(__i386__)
 #define CB_HAVE_X86 1
+/* Each kernel set is compiled for its ISA whatever -march says; clang (the fuzz build) has no GCC target
+ * pragmas, so it gives every function of the region the same target attribute instead. */
+#if defined(__clang__)
+#include <cpuid.h>
+#include <immintrin.h>
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
+#endif
 
 static inline float v_f16(const uint8_t *p) {
     uint16_t h;
@@ -945,12 +953,21 @@ static void v_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
             }
     }
 }
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 /* ---------------------------------------------------------------- AVX-512 VNNI kernel (v16) */
 
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))), \
+                             apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
 /* One group of 16 weight rows against R activation rows: per block, the 4 loads of 64 bytes (16 rows x 4
  * nibble bytes) unpack to 8 vectors of u8 weights, each met by the activation's matching 4 bytes broadcast
  * (vpdpbusd: u8 weight x s8 activation, 4 products per int32 lane), so each lane accumulates one row's
@@ -1008,7 +1025,11 @@ static void w_q4_1v16(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
     default: W16_CASE(4)
     }
 }
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #endif
 
 /* ---------------------------------------------------------------- dispatch */
@@ -1049,7 +1070,14 @@ static bool have_vnni(void) {
 static bool have_avx2(void) {
 #ifdef CB_HAVE_X86
     __builtin_cpu_init();
+#if defined(__clang__)
+    /* clang's __builtin_cpu_supports knows no "f16c": CPUID.1:ECX bit 29 (the AVX2 test covers the OS's YMM state) */
+    unsigned a, b, c, d;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __get_cpuid(1, &a, &b, &c, &d) &&
+           (c & bit_F16C);
+#else
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
 #else
     return false;
 #endif
