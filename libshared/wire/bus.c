@@ -707,6 +707,7 @@ typedef struct {
 struct cb_bus_req_s {
     cb_bus_service_t *svc;
     zframe_t *identity;      /* routing id of the requester */
+    char user_id[CB_BUS_USER_ID_MAX + 1]; /* ZAP User-Id of its connection ("" when none) */
     bool delimiter;          /* the requester is a REQ socket: an empty frame goes back too */
     char id[CB_MSG_MAX_ID + 1];
     char type[CB_MSG_MAX_TYPE + 1];
@@ -941,6 +942,7 @@ void cb_bus_service_stop(cb_bus_service_t *svc) { svc->stop = true; }
 
 const char *cb_bus_req_id(const cb_bus_req_t *req) { return req->id; }
 const char *cb_bus_req_type(const cb_bus_req_t *req) { return req->type; }
+const char *cb_bus_req_user_id(const cb_bus_req_t *req) { return req->user_id; }
 const uint8_t *cb_bus_req_peer(const cb_bus_req_t *req, size_t *len) {
     *len = req->identity ? zframe_size(req->identity) : 0;
     return req->identity ? zframe_data(req->identity) : (const uint8_t *)"";
@@ -1088,14 +1090,30 @@ static void s_stats(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *ms
 
 static void dispatch(cb_bus_service_t *svc, cb_bus_req_t *reqp, zframe_t **body_p);
 
+zmsg_t *cb_bus_recv_zmsg(zsock_t *sock, char *user_id, size_t size) {
+    if (size) user_id[0] = 0;
+    zmsg_t *msg = zmsg_recv(sock);
+    /* The metadata of the connection rides on the parts libzmq received from it: a ROUTER's routing-id
+     * part, made by the socket, carries none when zmq_poll had prefetched the message (as zloop does), so
+     * the first part that has a User-Id is read (the body always has). */
+    for (zframe_t *f = msg ? zmsg_first(msg) : NULL; f && size; f = zmsg_next(msg)) {
+        const char *u = zframe_meta(f, "User-Id");
+        size_t n = u ? strlen(u) : 0;
+        if (n == 0) continue;
+        if (n < size) memcpy(user_id, u, n + 1); /* longer than the caller keeps: none */
+        break;
+    }
+    return msg;
+}
+
 /* One message on the ROUTER: [identity, (empty,) body]. */
 static int s_on_router(zloop_t *loop, zsock_t *sock, void *arg) {
     (void)loop;
     cb_bus_service_t *svc = arg;
-    zmsg_t *msg = zmsg_recv(sock);
+    cb_bus_req_t req = {.svc = svc, .t0_ms = cb_now_ms(), .code = CB_ERR_NONE};
+    zmsg_t *msg = cb_bus_recv_zmsg(sock, req.user_id, sizeof req.user_id);
     if (!msg) return zsys_interrupted ? -1 : 0;
     size_t nf = zmsg_size(msg);
-    cb_bus_req_t req = {.svc = svc, .t0_ms = cb_now_ms(), .code = CB_ERR_NONE};
     zframe_t *body = NULL;
     req.identity = zmsg_pop(msg);
     if (nf == 3) {

@@ -192,6 +192,17 @@ const char *cb_bus_req_type(const cb_bus_req_t *req);
 /* The requester's ZeroMQ routing id (the ROUTER's identity frame: libzmq makes one per connection unless
  * the client sets ZMQ_ROUTING_ID): *len bytes (0..255) at the returned pointer, valid while req is. */
 const uint8_t *cb_bus_req_peer(const cb_bus_req_t *req, size_t *len);
+/* The ZAP User-Id of the connection the request came on: with CURVE on, the client's public key as
+ * Z85 text (40 characters; the process's ZAP handler sets it, wire/curve.h), authenticated by the
+ * handshake; "" without CURVE, in worker mode (behind a broker the client's key is the broker's to see)
+ * or when it is longer than CB_BUS_USER_ID_MAX. Valid while req is (a detached copy keeps it). */
+#define CB_BUS_USER_ID_MAX 127
+const char *cb_bus_req_user_id(const cb_bus_req_t *req);
+/* Receives one whole message from sock, as zmsg_recv does, and the ZAP User-Id of the connection it
+ * came on into user_id [size] ("" when there is none, as above; size >= CB_BUS_USER_ID_MAX + 1 keeps
+ * every one). For sockets read outside the service's ROUTER (cb-precompute's PULL). Caller owns the
+ * message; NULL when interrupted or on a receive error. */
+zmsg_t *cb_bus_recv_zmsg(zsock_t *sock, char *user_id, size_t size);
 /* Sends the message finished in w (cb_msg_end is called here) to the requester. When the writer
  * failed, an internal error reply is sent instead. Returns 0, or -1 when the requester is gone. */
 int cb_bus_reply(cb_bus_req_t *req, cb_msg_writer_t *w);

@@ -18,6 +18,12 @@
  * adding or revoking a client means editing allowed/ and restarting the services. Any file of allowed/
  * (but names starting with '.' and *_secret) must be a public key; a repeated key is an error.
  *
+ * What the handler tells the service: for an admitted client, zauth answers ZAP with the client's public
+ * key (Z85, 40 characters) as the User-Id (CZMQ 4.2.1's zauth does; test_curve checks it), so every message
+ * from that connection carries it (zmq "User-Id" metadata; bus.h cb_bus_req_user_id, cb_bus_recv_zmsg).
+ * It is the one identity of a client that the client cannot choose: cb-precompute's ingest fairness and
+ * limits count by it (services/precompute/ident.h). The keys of allowed/ carry no other metadata.
+ *
  * The state is a plain value (cb_curve_t, inside cb_bus_opts_t) so that options are copied freely: the
  * key texts, the process's identity and one public key per service endpoint. Loading fails with a clear
  * message naming the file; nothing here aborts on bad files.

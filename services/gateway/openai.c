@@ -2,6 +2,7 @@
 #include "openai.h"
 
 #include <math.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -308,4 +309,22 @@ json_t *gw_error_json(const char *message, const char *type, const char *param, 
     json_object_set_new(e, "param", param ? json_string(param) : json_null());
     json_object_set_new(e, "code", code ? json_string(code) : json_null());
     return json_pack("{s:o}", "error", e);
+}
+
+void gw_ingest_client(const char *api_key, const char *addr, char *out, size_t size) {
+    if (api_key && api_key[0]) {
+        static const char domain[] = "cb-gateway-client-v1";
+        uint8_t h[12];
+        crypto_generichash_state st;
+        crypto_generichash_init(&st, NULL, 0, sizeof h);
+        crypto_generichash_update(&st, (const uint8_t *)domain, sizeof domain);
+        crypto_generichash_update(&st, (const uint8_t *)api_key, strlen(api_key));
+        crypto_generichash_final(&st, h, sizeof h);
+        char hex[2 * sizeof h + 1];
+        sodium_bin2hex(hex, sizeof hex, h, sizeof h);
+        snprintf(out, size, "key:%s", hex);
+        sodium_memzero(&st, sizeof st);
+    } else {
+        snprintf(out, size, "addr:%.58s", addr && addr[0] ? addr : "unknown");
+    }
 }

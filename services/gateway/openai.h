@@ -74,6 +74,13 @@ json_t *gw_completion(const char *cid, int64_t created, const char *model, const
 json_t *gw_chunk(const char *cid, int64_t created, const char *model, const char *role, const char *content,
                  size_t content_len, const char *finish_reason);
 
+/* Who an ingest is for, sent to cb-precompute as `on_behalf_of` (docs/gateway.md, Ingest identity): with
+ * an API key, "key:" + 24 hex characters of BLAKE2b("cb-gateway-client-v1", key) (the key itself is never
+ * sent nor logged; one key = one client), else "addr:" + the client's address (addr, as gw_addr_key_str
+ * writes it). cb-precompute trusts it only from the gateway's CURVE key. Into out [size] (>= 64). */
+#define GW_INGEST_CLIENT_MAX 64
+void gw_ingest_client(const char *api_key, const char *addr, char *out, size_t size);
+
 /* {"error": {"message", "type", "param", "code"}} (param/code NULL: null). New reference. */
 json_t *gw_error_json(const char *message, const char *type, const char *param, const char *code);
 

@@ -70,7 +70,7 @@ struct req {
     int fd;               /* the connection's socket */
     atomic_int watch_fd;  /* fd while a job waits (the connection is suspended), for gw_stream */
     uint8_t key[16];      /* client address (gw_addr_key) */
-    char client[64];      /* "gw:" + address: cb-precompute's ingest client */
+    char client[64];      /* "gw:" + address (logs; the ingest client is gw_ingest_client) */
     /* the answer */
     handler_fn fn;        /* the job's handler */
     job_state_t job;
@@ -616,7 +616,8 @@ static enum MHD_Result documents(gw_server_t *s, req_t *r) {
         json_decref(root);
         return send_error(s, r, 400, "invalid_request_error", "documents", "invalid_value", "%s", why);
     }
-    char err[512];
+    char err[512], who[GW_INGEST_CLIENT_MAX];
+    gw_ingest_client(s->api_key, r->client + 3, who, sizeof who); /* r->client: "gw:" + address */
     cb_bus_client_t *pc = precompute_client(s, err, sizeof err);
     cb_msg_writer_t *w = cb_msg_writer_new();
     json_t *data = json_array();
@@ -640,7 +641,7 @@ static enum MHD_Result documents(gw_server_t *s, req_t *r) {
         cb_msg_put_strn(w, "text", json_string_value(json_object_get(d, "text")),
                         json_string_length(json_object_get(d, "text")));
         if (json_is_object(meta)) cb_msg_put_json(w, "meta", meta);
-        cb_msg_put_str(w, "client", r->client);
+        cb_msg_put_str(w, "on_behalf_of", who); /* hashed API key or address (docs/gateway.md) */
         cb_err_t code;
         cb_msg_t *m = cb_bus_call_ok(pc, w, &code, err, sizeof err);
         const char *job;

@@ -5,8 +5,10 @@
  *
  *   cb-precompute [--config PATH] [--precompute.KEY=VALUE | --KEY VALUE]...
  *
- * Each document belongs to a client (the `client` field, else the connection, else "pull"): the worker
- * takes turns across clients (jobs.h), and a client over its queued limits is refused `overloaded`. A
+ * Each document belongs to a client (ident.h): with CURVE on, the key the handshake authenticated (or, for a
+ * trusted forwarder such as cb-gateway, the client it names in `on_behalf_of`); without CURVE, the declared
+ * `client` field, else the connection, else "pull". The worker takes turns across clients (jobs.h); a client
+ * over its queued limits, or any document past the global cap on queued work, is refused `overloaded`. A
  * document whose job is done, ingested again, is checked by the verifier thread (verify.h) and queued again
  * when it is missing from cb-retriever or its KV files are gone (`restored`). `ping` fails while the worker
  * has work and no progress for stuck_ms.
@@ -19,7 +21,8 @@
  * configuration; its own endpoint answers ping and stats (role, master link, leases).
  *
  * Keys (section precompute, then common): endpoint, bind, pull_endpoint, pull_bind, db, chunk_tokens,
- * max_doc_bytes, max_queued_jobs_per_client, max_queued_bytes_per_client, retriever_timeout_ms,
+ * max_doc_bytes, max_queued_jobs_per_client, max_queued_bytes_per_client, max_queued_jobs, max_queued_bytes,
+ * trusted_forwarders, retriever_timeout_ms,
  * cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, workers, lease_ms, max_leases_per_worker,
  * max_lease_text_bytes, lease_from, worker_name, fault_chunk_delay_ms (tests); common: data_dir, kv_dir,
  * model, threads, and the socket options; blend.system_prompt fixes the precompute context (it must be
@@ -27,7 +30,6 @@
  * Exit: 0 after SIGINT/SIGTERM, 1 on a startup failure or when the worker cannot run.
  */
 #include <jansson.h>
-#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +42,7 @@
 #include "wire/db.h"
 #include "wire/engine_config.h"
 #include "wire/kvremote_config.h"
+#include "ident.h"
 #include "jobs.h"
 #include "lease_client.h"
 #include "lease_server.h"
@@ -51,7 +54,6 @@
 #define SECTION "precompute"
 #define MAX_DOC_ID 256
 #define MAX_META_ENTRIES 64
-#define MAX_CLIENT 64         /* bytes of an ingest's `client` field */
 #define MAX_CHECKS 1024       /* re-ingest checks waiting for the verifier; beyond it, not checked */
 
 /* A re-ingest of a done job waiting for the verifier (verify.h). */
@@ -73,7 +75,8 @@ typedef struct {
     zactor_t *verifier;       /* re-ingest checks (verify.h) */
     zsock_t *pull;
     int64_t max_doc_bytes;
-    cb_jobs_limits_t limits;  /* per client */
+    cb_jobs_limits_t limits;  /* per client, and over all */
+    pc_ident_t *ident;        /* who an ingest comes from (ident.h) */
     int64_t stuck_ms;         /* health: a worker with work and no progress this long is stuck */
     pc_worker_stats_t *wst;   /* the worker's (worker.h) */
     cb_kvremote_t *remote;    /* the shared KV tier (common.kv_remote), or NULL */
@@ -83,42 +86,6 @@ typedef struct {
     bool fatal;
     uint64_t pulled, pull_dropped, overloaded, restored;
 } precompute_t;
-
-/* The client key of an ingest (jobs.h): its `client` field ("c:" + it: 1..64 printable ASCII bytes), else
- * "pull" for the PULL socket (peer == NULL), else "peer:" + the hex of the routing id (of its BLAKE2b-128
- * when longer than 32 bytes). False with why when the field is invalid. */
-static bool client_key(const cb_msg_t *m, const uint8_t *peer, size_t peer_len, char out[CB_JOB_CLIENT_MAX + 1],
-                       char *why, size_t whylen) {
-    if (cb_msg_has(m, "client")) {
-        const char *c;
-        size_t n;
-        if (!cb_msg_str(m, "client", MAX_CLIENT, &c, &n)) {
-            snprintf(why, whylen, "%s", cb_msg_last_error(m));
-            return false;
-        }
-        bool ok = n > 0;
-        for (size_t i = 0; i < n && ok; i++) ok = c[i] >= 0x20 && c[i] <= 0x7e;
-        if (!ok) {
-            snprintf(why, whylen, "field 'client': 1..%d printable ASCII characters", MAX_CLIENT);
-            return false;
-        }
-        snprintf(out, CB_JOB_CLIENT_MAX + 1, "c:%.*s", (int)n, c);
-        return true;
-    }
-    if (!peer) {
-        snprintf(out, CB_JOB_CLIENT_MAX + 1, "pull");
-        return true;
-    }
-    uint8_t h[16];
-    if (peer_len > 32) {
-        crypto_generichash(h, sizeof h, peer, peer_len, NULL, 0);
-        peer = h;
-        peer_len = sizeof h;
-    }
-    memcpy(out, "peer:", 5);
-    sodium_bin2hex(out + 5, CB_JOB_CLIENT_MAX + 1 - 5, peer, peer_len);
-    return true;
-}
 
 /* Validates an ingest message and records it for client. Returns CB_ERR_NONE with job, duplicate and state
  * (of a duplicate) set, or a code with a reason in why. */
@@ -189,13 +156,15 @@ static cb_err_t ingest(precompute_t *p, const cb_msg_t *m, const char *client, c
     return CB_ERR_NONE;
 }
 
-/* The reply to an ingest: {job, duplicate, restored}. */
-static void reply_ingest(precompute_t *p, cb_bus_req_t *req, const char *job, bool dup, bool restored) {
+/* The reply to an ingest: {job, duplicate, restored, client}. */
+static void reply_ingest(precompute_t *p, cb_bus_req_t *req, const char *job, bool dup, bool restored,
+                         const char *client) {
     cb_msg_writer_t *w = cb_bus_service_writer(p->svc);
     cb_msg_begin_reply_as(w, "ingest", cb_bus_req_id(req));
     cb_msg_put_str(w, "job", job);
     cb_msg_put_bool(w, "duplicate", dup);
     cb_msg_put_bool(w, "restored", restored);
+    cb_msg_put_str(w, "client", client);
     cb_bus_reply(req, w);
 }
 
@@ -288,7 +257,7 @@ static int on_verifier(zloop_t *loop, zsock_t *sock, void *arg) {
             cb_log(CB_LOG_WARN, rid, "doc '%s' ingested again: cannot check that it is still indexed (%s); taken as a "
                    "duplicate", c->doc_id, why ? why : "?");
         }
-        if (c->req) reply_ingest(p, c->req, c->job, dup, restored);
+        if (c->req) reply_ingest(p, c->req, c->job, dup, restored, c->client);
     done:
         cb_bus_req_destroy(&c->req);
         free(c);
@@ -304,23 +273,27 @@ static int on_verifier(zloop_t *loop, zsock_t *sock, void *arg) {
 static void on_ingest(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
     (void)svc;
     precompute_t *p = arg;
-    char job[CB_JOB_ID_LEN + 1], why[512], client[CB_JOB_CLIENT_MAX + 1];
+    char job[CB_JOB_ID_LEN + 1], why[512];
     bool dup = false;
     cb_job_state_t state = CB_JOB_QUEUED;
     size_t plen;
     const uint8_t *peer = cb_bus_req_peer(req, &plen);
-    if (!client_key(m, peer, plen, client, why, sizeof why)) {
-        cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "%s", why);
-        return;
-    }
-    cb_err_t code = ingest(p, m, client, job, &dup, &state, why, sizeof why);
+    pc_who_t who;
+    cb_err_t code = pc_ident_resolve(p->ident, m, cb_bus_req_user_id(req), peer, plen, &who, why, sizeof why);
     if (code != CB_ERR_NONE) {
         cb_bus_reply_error(req, code, "%s", why);
         return;
     }
-    cb_log(CB_LOG_DEBUG, cb_bus_req_id(req), "ingest from %s -> job %s%s", client, job, dup ? " (duplicate)" : "");
-    if (dup && state == CB_JOB_DONE && start_check(p, req, job, client)) return; /* answered in on_verifier */
-    reply_ingest(p, req, job, dup, false);
+    code = ingest(p, m, who.principal, job, &dup, &state, why, sizeof why);
+    if (code != CB_ERR_NONE) {
+        if (code == CB_ERR_OVERLOADED)
+            cb_log(CB_LOG_INFO, cb_bus_req_id(req), "ingest from %s refused: %s", who.identity, why);
+        cb_bus_reply_error(req, code, "%s", why);
+        return;
+    }
+    cb_log(CB_LOG_DEBUG, cb_bus_req_id(req), "ingest from %s -> job %s%s", who.identity, job, dup ? " (duplicate)" : "");
+    if (dup && state == CB_JOB_DONE && start_check(p, req, job, who.principal)) return; /* answered in on_verifier */
+    reply_ingest(p, req, job, dup, false, who.principal);
 }
 
 /* The remote role has no job table: documents go to the master. */
@@ -446,7 +419,8 @@ static const char *health(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, 
 static int on_pull(zloop_t *loop, zsock_t *sock, void *arg) {
     (void)loop;
     precompute_t *p = arg;
-    zmsg_t *zm = zmsg_recv(sock);
+    char user_id[CB_BUS_USER_ID_MAX + 1];
+    zmsg_t *zm = cb_bus_recv_zmsg(sock, user_id, sizeof user_id);
     if (!zm) return zsys_interrupted ? -1 : 0;
     p->pulled++;
     if (zmsg_size(zm) != 1) {
@@ -471,18 +445,18 @@ static int on_pull(zloop_t *loop, zsock_t *sock, void *arg) {
         cb_msg_destroy(&m);
         return 0;
     }
-    char job[CB_JOB_ID_LEN + 1], why[512], client[CB_JOB_CLIENT_MAX + 1];
+    char job[CB_JOB_ID_LEN + 1], why[512];
     bool dup = false;
     cb_job_state_t state = CB_JOB_QUEUED;
-    cb_err_t code = client_key(m, NULL, 0, client, why, sizeof why) ? ingest(p, m, client, job, &dup, &state, why,
-                                                                           sizeof why)
-                                                                    : CB_ERR_BAD_REQUEST;
+    pc_who_t who;
+    cb_err_t code = pc_ident_resolve(p->ident, m, user_id, NULL, 0, &who, why, sizeof why);
+    if (code == CB_ERR_NONE) code = ingest(p, m, who.principal, job, &dup, &state, why, sizeof why);
     if (code != CB_ERR_NONE) {
         cb_log(CB_LOG_WARN, cb_msg_id(m), "pull: dropped ingest: %s: %s", cb_err_name(code), why);
         p->pull_dropped++;
     } else {
-        cb_log(CB_LOG_INFO, cb_msg_id(m), "pull ingest -> job %s%s", job, dup ? " (duplicate)" : "");
-        if (dup && state == CB_JOB_DONE) start_check(p, NULL, job, client);
+        cb_log(CB_LOG_INFO, cb_msg_id(m), "pull ingest from %s -> job %s%s", who.identity, job, dup ? " (duplicate)" : "");
+        if (dup && state == CB_JOB_DONE) start_check(p, NULL, job, who.principal);
     }
     cb_msg_destroy(&m);
     return 0;
@@ -516,6 +490,7 @@ static void usage(FILE *f) {
                "  Serves ingest/status/ping/stats (docs/protocol.md §6) on precompute.endpoint and takes ingest\n"
                "  messages on precompute.pull_endpoint. Keys: endpoint, bind, pull_endpoint, pull_bind, db,\n"
                "  chunk_tokens, max_doc_bytes, max_queued_jobs_per_client, max_queued_bytes_per_client,\n"
+               "  max_queued_jobs, max_queued_bytes, trusted_forwarders (docs/protocol.md section 6),\n"
                "  retriever_timeout_ms, cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, workers, lease_ms,\n"
                "  max_leases_per_worker, max_lease_text_bytes, lease_from (run as a remote worker of that master),\n"
                "  worker_name, fault_chunk_delay_ms (tests), and common.* (data_dir, kv_dir, model, threads, ...);\n"
@@ -540,6 +515,7 @@ int main(int argc, char **argv) {
     int rc = 1;
     int64_t chunk_tokens, threads, rt, ct, vt, fault_delay, lease_ms, max_leases, max_lease_text;
     const char *model, *sys, *backend, *chat_tmpl = "", *pull_ep = NULL, *pull_bind = NULL, *kv_dtype_s = "f16", *worker_name = "";
+    const char *forwarders = "gateway";
     wa.cfg = cfg;
     if (!cb_config_int(cfg, SECTION, "chunk_tokens", 16, 8192, 512, &chunk_tokens, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_doc_bytes", 1, (int64_t)1 << 30, 4 << 20, &p.max_doc_bytes, err, sizeof err) ||
@@ -551,6 +527,11 @@ int main(int argc, char **argv) {
                        sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_queued_bytes_per_client", 0, INT64_MAX, (int64_t)64 << 20,
                        &p.limits.max_bytes, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_queued_jobs", 0, INT64_MAX, 50000, &p.limits.max_total_jobs, err,
+                       sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_queued_bytes", 0, INT64_MAX, (int64_t)1 << 30, &p.limits.max_total_bytes,
+                       err, sizeof err) ||
+        !cb_config_str(cfg, SECTION, "trusted_forwarders", "gateway", &forwarders, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "stuck_ms", 100, 86400000, 120000, &p.stuck_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "fault_chunk_delay_ms", 0, 3600000, 0, &fault_delay, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
@@ -648,6 +629,20 @@ int main(int argc, char **argv) {
         goto out;
     }
     if (!p.lease_from) {
+        const cb_curve_t *cv = &cb_bus_service_opts(p.svc)->curve;
+        if (!(p.ident = pc_ident_new(cv, cb_bus_service_is_worker(p.svc), forwarders, err, sizeof err))) {
+            cb_log(CB_LOG_ERROR, NULL, "%s", err);
+            goto out;
+        }
+        if (cv->on)
+            cb_log(CB_LOG_INFO, NULL, "ingest clients are their CURVE keys; %d trusted forwarder(s) may send "
+                   "on_behalf_of (precompute.trusted_forwarders = \"%s\")", pc_ident_forwarders(p.ident), forwarders);
+        else
+            cb_log(CB_LOG_INFO, NULL, "ingest clients are what they declare (common.curve = off: nothing is "
+                   "authenticated); at most %lld documents, %lld bytes queued in all", (long long)p.limits.max_total_jobs,
+                   (long long)p.limits.max_total_bytes);
+    }
+    if (!p.lease_from) {
         /* a lease carries the text and the plan in one message: leave room for the plan */
         int64_t fit = cb_bus_service_opts(p.svc)->max_msg_bytes / 4;
         if (max_lease_text == 0 || max_lease_text > fit) max_lease_text = fit;
@@ -714,6 +709,7 @@ out:
     cb_bus_service_destroy(&p.svc);
     pc_lease_server_destroy(&p.leases);
     cb_jobs_close(&p.jobs);
+    pc_ident_destroy(&p.ident);
     cb_kvremote_destroy(&p.remote);
     cb_config_destroy(&cfg);
     if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");

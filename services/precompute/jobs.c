@@ -51,7 +51,7 @@ struct cb_jobs {
     sqlite3 *db;
     sqlite3_stmt *find, *latest, *insert, *requeue, *drop_chunks, *status, *counts, *chunk_sum, *get, *mark_running,
         *older, *plan_chunk, *plan_job, *chunks, *chunk_done, *job_done_inc, *replaced, *finish, *client_load,
-        *pick_after, *pick_first, *pick_job, *next_chunk, *clients, *owner_leases, *lease_row, *lease_set,
+        *total_load, *pick_after, *pick_first, *pick_job, *next_chunk, *clients, *owner_leases, *lease_row, *lease_set,
         *lease_renew, *lease_replaced, *lease_release, *release_owner, *lease_counts, *chunk_row, *chunks_left,
         *lease_finish;
 };
@@ -102,7 +102,7 @@ void cb_jobs_close(cb_jobs_t **self_p) {
     sqlite3_stmt **all[] = {&j->find,       &j->latest,     &j->insert,     &j->requeue,    &j->drop_chunks,
                             &j->status,     &j->counts,     &j->chunk_sum,  &j->get,        &j->mark_running,
                             &j->older,      &j->plan_chunk, &j->plan_job,   &j->chunks,     &j->chunk_done,
-                            &j->job_done_inc, &j->replaced, &j->finish,     &j->client_load, &j->pick_after,
+                            &j->job_done_inc, &j->replaced, &j->finish,     &j->client_load, &j->total_load, &j->pick_after,
                             &j->pick_first, &j->pick_job,   &j->next_chunk, &j->clients,
                             &j->owner_leases, &j->lease_row, &j->lease_set, &j->lease_renew, &j->lease_replaced,
                             &j->lease_release, &j->release_owner, &j->lease_counts, &j->chunk_row,
@@ -135,7 +135,9 @@ static int migrate(cb_jobs_t *j, char *err, size_t errlen) {
         sqlite3_finalize(st);
         if (!has) return -1;
     }
-    if (cb_db_exec(j->db, "CREATE INDEX IF NOT EXISTS jobs_client ON jobs(state, client, seq);", err, errlen) != 0)
+    /* jobs_load covers the global cap's count and sum (no row is read for them) */
+    if (cb_db_exec(j->db, "CREATE INDEX IF NOT EXISTS jobs_client ON jobs(state, client, seq);"
+                          "CREATE INDEX IF NOT EXISTS jobs_load ON jobs(state, text_bytes);", err, errlen) != 0)
         return -1;
     /* the lease columns (a table made before leases: nothing is leased) */
     st = cb_db_prepare(j->db, "SELECT count(*) FROM pragma_table_info('jobs') WHERE name = 'lease_until'", err, errlen);
@@ -187,6 +189,7 @@ cb_jobs_t *cb_jobs_open(const char *path, char *err, size_t errlen) {
               "WHERE job = ?1 AND state IN (0, 1)");
     PREP(mark_running, "UPDATE jobs SET state = 1, updated = ?2 WHERE job = ?1 AND state = 0");
     PREP(client_load, "SELECT count(*), coalesce(sum(text_bytes), 0) FROM jobs WHERE state IN (0, 1) AND client = ?1");
+    PREP(total_load, "SELECT count(*), coalesce(sum(text_bytes), 0) FROM jobs WHERE state IN (0, 1)");
     /* ?1 comes first in the text: a named parameter before it would take index 1 */
     PREP(pick_after, "SELECT j.client FROM jobs j WHERE j.client > ?1 AND " READY " ORDER BY j.client LIMIT 1");
     PREP(pick_first, "SELECT j.client FROM jobs j WHERE " READY " ORDER BY j.client LIMIT 1");
@@ -239,11 +242,37 @@ static int exec_simple(cb_jobs_t *j, const char *sql, char *err, size_t errlen) 
     return cb_db_exec(j->db, sql, err, errlen);
 }
 
+/* Within a transaction: 0 when the queue may take one more job of bytes bytes (the global cap), 1 (err)
+ * when that would take it over lim, -1 on a database error. */
+static int check_total(cb_jobs_t *self, const cb_jobs_limits_t *lim, int64_t bytes, char *err, size_t errlen) {
+    if (lim->max_total_jobs <= 0 && lim->max_total_bytes <= 0) return 0;
+    sqlite3_stmt *s = self->total_load;
+    int rc = sqlite3_step(s);
+    int64_t n = rc == SQLITE_ROW ? sqlite3_column_int64(s, 0) : 0, have = rc == SQLITE_ROW ? sqlite3_column_int64(s, 1) : 0;
+    sqlite3_reset(s);
+    if (rc != SQLITE_ROW) return db_fail(self, err, errlen, "queue load");
+    if (n == 0) return 0; /* an empty queue takes one document; max_doc_bytes bounds it */
+    if (lim->max_total_jobs > 0 && n + 1 > lim->max_total_jobs) {
+        snprintf(err, errlen, "the ingest queue is full: %lld documents queued (precompute.max_queued_jobs = %lld); "
+                 "retry when some are done", (long long)n, (long long)lim->max_total_jobs);
+        return 1;
+    }
+    if (lim->max_total_bytes > 0 && have + bytes > lim->max_total_bytes) {
+        snprintf(err, errlen, "the ingest queue is full: %lld bytes queued, %lld more would exceed "
+                 "precompute.max_queued_bytes (%lld); retry when some are done", (long long)have, (long long)bytes,
+                 (long long)lim->max_total_bytes);
+        return 1;
+    }
+    return 0;
+}
+
 /* Within a transaction: 0 when client may queue one more job of bytes bytes, 1 (err) when that would take
- * it over lim, -1 on a database error. */
+ * it or the whole queue over lim, -1 on a database error. */
 static int check_limits(cb_jobs_t *self, const char *client, const cb_jobs_limits_t *lim, int64_t bytes, char *err,
                         size_t errlen) {
-    if (!lim || (lim->max_jobs <= 0 && lim->max_bytes <= 0)) return 0;
+    if (!lim) return 0;
+    int t = check_total(self, lim, bytes, err, errlen);
+    if (t != 0 || (lim->max_jobs <= 0 && lim->max_bytes <= 0)) return t;
     sqlite3_stmt *s = self->client_load;
     sqlite3_bind_text(s, 1, client, -1, SQLITE_STATIC);
     int rc = sqlite3_step(s);

@@ -10,13 +10,15 @@
  * rows carry a done flag so that a restarted worker resumes a job where it stopped (every step of a chunk
  * is idempotent: content-addressed KV file, idempotent put and index).
  *
- * Fairness: every job records the client that submitted it (a key chosen by the service: the request's
- * `client` field, the peer's routing id, or "pull"). The worker takes turns across clients (cb_jobs_pick:
- * round robin in client-key order, each turn one unit of work of that client's oldest job), so one client's
- * big document never holds another client's small one back for longer than a turn; the turn order is
- * rebuilt from the table at any time (nothing of it is kept elsewhere), so a restart keeps it. A job waits
- * while an older unfinished job of the same doc_id exists (versions of a document are processed in order).
- * Per-client limits on what is queued (jobs and bytes) are checked in the transaction that records a job.
+ * Fairness: every job records the client that submitted it (a key chosen by the service, ident.h: the
+ * authenticated CURVE key, or what an unauthenticated sender declares). The worker takes turns across
+ * clients, not in arrival order (cb_jobs_pick: round robin in client-key order, each turn one unit of work
+ * of that client's oldest job), so neither one client's big document nor its many small ones hold another
+ * client's document back for longer than one unit each; the turn order is rebuilt from the table at any
+ * time (nothing of it is kept elsewhere), so a restart keeps it. A job waits while an older unfinished job
+ * of the same doc_id exists (versions of a document are processed in order).
+ * Limits on what is queued (jobs and bytes), per client and over all clients, are checked in the
+ * transaction that records a job.
  *
  * Leases (docs/leases.md): whoever works on a job holds a lease on it, recorded in the job's row (owner,
  * token, expiry in ms of this host's clock), so the lease and the progress live in one table and one
@@ -60,11 +62,14 @@ void cb_jobs_close(cb_jobs_t **self_p);
 /* The job id of (doc_id, text) into job[CB_JOB_ID_LEN + 1]. */
 void cb_jobs_id(const char *doc_id, size_t doc_len, const char *text, size_t text_len, char job[CB_JOB_ID_LEN + 1]);
 
-/* What one client may have queued (queued or running jobs): 0 = no limit. A client with nothing queued may
- * always submit one document (so a limit below the document size limit still lets documents through). */
+/* What may be queued (queued or running jobs): 0 = no limit. Per client: a client with nothing queued may
+ * always submit one document (so a limit below the document size limit still lets documents through).
+ * Over all clients (the global cap): a hard limit, but for one document into an empty queue. */
 typedef struct {
-    int64_t max_jobs;
+    int64_t max_jobs;        /* per client */
     int64_t max_bytes;
+    int64_t max_total_jobs;  /* all clients together */
+    int64_t max_total_bytes;
 } cb_jobs_limits_t;
 
 /* Records a document durably, in one committed transaction, for client (a key of 1..CB_JOB_CLIENT_MAX
@@ -72,7 +77,7 @@ typedef struct {
  * true and *state (may be NULL) its state, unless that job had failed, or is finished but a newer version
  * of the document came after it: then it is queued again (*duplicate = false) for this client. meta_json
  * (may be NULL) is stored as is. Returns 0; 1 when queuing it would take the client over lim (NULL = no
- * limits; nothing recorded, err says why); -1 with err on a database error. */
+ * limits, per client or over all; nothing recorded, err says which); -1 with err on a database error. */
 int cb_jobs_submit(cb_jobs_t *self, const char *doc_id, size_t doc_len, const char *text, size_t text_len,
                    const char *meta_json, const char *client, const cb_jobs_limits_t *lim,
                    char job[CB_JOB_ID_LEN + 1], bool *duplicate, cb_job_state_t *state, char *err, size_t errlen);

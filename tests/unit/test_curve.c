@@ -2,7 +2,8 @@
  * (idempotent, 0600 secrets, bad files refused), then a CURVE service in a thread (zactor) and its
  * clients in-process: a listed key is served; an unlisted key, a wrong server key, a plaintext client,
  * a CURVE client of a plaintext service are refused with a clear reason long before the Lazy Pirate
- * timeouts would end (request, stream send, fan-out). */
+ * timeouts would end (request, stream send, fan-out). The ZAP User-Id a service reads for a request (and
+ * for a PULL message) is the client's public key, and empty in plaintext. */
 #include <czmq.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -24,6 +25,7 @@ static void h_echo(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, 
     cb_msg_writer_t *w = cb_bus_service_writer(svc);
     cb_msg_begin_reply(w, m);
     cb_msg_put_str(w, "text", "hello");
+    cb_msg_put_str(w, "user_id", cb_bus_req_user_id(req));
     cb_bus_reply(req, w);
 }
 
@@ -328,6 +330,53 @@ TEST(curve_client_of_plaintext_service_refused) {
     cb_bus_client_destroy(&c);
 }
 
+/* The user id the echo service read for c's request. */
+static bool echo_user_id(cb_bus_client_t *c, char *out, size_t size) {
+    cb_err_t code;
+    char err[1024];
+    double ms;
+    cb_msg_t *m = echo(c, &code, err, sizeof err, &ms);
+    bool ok = m && cb_msg_ok(m) && cb_msg_str_copy(m, "user_id", size - 1, out, size);
+    if (!ok) fprintf(stderr, "  echo: %s\n", m ? cb_msg_last_error(m) : err);
+    cb_msg_destroy(&m);
+    return ok;
+}
+
+TEST(zap_user_id_is_the_key) {
+    cb_bus_opts_t o, o2;
+    char u1[CB_BUS_USER_ID_MAX + 1], u2[CB_BUS_USER_ID_MAX + 1], u3[CB_BUS_USER_ID_MAX + 1];
+    cb_bus_client_t *c = client_for(s_keys, "cbctl", s_ep, &o), *g = client_for(s_keys, "gateway", s_ep, &o2);
+    CHECK(c && g);
+    CHECK(echo_user_id(c, u1, sizeof u1) && echo_user_id(g, u2, sizeof u2));
+    CHECK_MSG(strlen(u1) == 40 && !strcmp(u1, o.curve.public_txt), "'%s' vs '%s'", u1, o.curve.public_txt);
+    CHECK(!strcmp(u2, o2.curve.public_txt) && strcmp(u1, u2) != 0);
+    cb_bus_client_destroy(&c);
+    cb_bus_client_destroy(&g);
+    c = client_for(NULL, "cbctl", s_plain_ep, &o); /* plaintext: no User-Id */
+    CHECK(c && echo_user_id(c, u3, sizeof u3) && u3[0] == 0);
+    cb_bus_client_destroy(&c);
+    /* a PULL socket (cb-precompute's) read with cb_bus_recv_zmsg: the PUSH's key */
+    char err[1024], ep[300];
+    cb_bus_opts_t so;
+    CHECK_MSG(opts_for(s_keys, "blend", &so, err, sizeof err), "%s", err);
+    zsock_t *pull = cb_bus_socket(ZMQ_PULL, "tcp://127.0.0.1:*", true, &so, err, sizeof err);
+    CHECK_MSG(pull, "%s", err);
+    snprintf(ep, sizeof ep, "%s", zsock_endpoint(pull));
+    CHECK(opts_for(s_keys, "cbctl", &o, err, sizeof err) && cb_curve_add_peer(&o.curve, ep, "blend", err, sizeof err));
+    cb_bus_conn_t *p = cb_bus_conn_new(ZMQ_PUSH, ep, &o, err, sizeof err);
+    CHECK_MSG(p && cb_bus_conn_send(p, "doc", 3, SLOW_MS, err, sizeof err) == 0, "%s", err);
+    zpoller_t *poller = zpoller_new(pull, NULL);
+    bool ready = zpoller_wait(poller, SLOW_MS) == pull;
+    zpoller_destroy(&poller);
+    zmsg_t *zm = ready ? cb_bus_recv_zmsg(pull, u3, sizeof u3) : NULL;
+    bool got = zm && zmsg_size(zm) == 1 && zframe_size(zmsg_first(zm)) == 3;
+    zmsg_destroy(&zm);
+    cb_bus_conn_destroy(&p);
+    zsock_destroy(&pull);
+    CHECK(got);
+    CHECK_MSG(!strcmp(u3, o.curve.public_txt), "'%s'", u3);
+}
+
 TEST(push_refused) {
     /* a PUSH (cb-push, the fire-and-forget ingest path) through cb_bus_conn: refused at once too */
     char err[1024];
@@ -373,6 +422,7 @@ int main(void) {
     RUN(plaintext_client_refused);
     RUN(curve_client_of_plaintext_service_refused);
     RUN(push_refused);
+    RUN(zap_user_id_is_the_key);
     zactor_destroy(&svc);
     zactor_destroy(&plain);
     char cmd[400];

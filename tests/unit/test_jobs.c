@@ -3,8 +3,13 @@
  * per-client limits, the restore of a done job, the state surviving a reopen, the migration of a table
  * made before the client columns, and leases (grant, renew, expiry and a re-grant with a new token, stale
  * tokens refused, picks skipping leased jobs, a job finished once, the per-worker limit). The clock is
- * moved with jobs.c's s_clock_skew_ms. */
+ * moved with jobs.c's s_clock_skew_ms. Then who the client is (ident.c, included too): with CURVE the
+ * authenticated key, whatever `client` it declares (20 declared clients of one key are limited as one, a
+ * trusted forwarder's `on_behalf_of`, refused from others); without CURVE, what is declared; the global
+ * cap on queued work; and a victim's wait, in turns, behind a flood of 20 declared clients without CURVE
+ * and behind one key with CURVE (printed). */
 #include "../../services/precompute/jobs.c"
+#include "../../services/precompute/ident.c"
 #include "test.h"
 
 #include <unistd.h>
@@ -387,6 +392,193 @@ TEST(leases_survive_a_reopen) {
     cb_jobs_close(&j);
 }
 
+TEST(global_cap) {
+    cb_jobs_t *j = fresh();
+    CHECK(j);
+    cb_jobs_limits_t lim = {.max_jobs = 10, .max_total_jobs = 3};
+    char job[33], a1[33], err[256];
+    bool dup;
+    CHECK(submit(j, "a1", "one", "A", &lim, a1, &dup) == 0);
+    CHECK(submit(j, "b1", "two", "B", &lim, job, &dup) == 0);
+    CHECK(submit(j, "c1", "three", "C", &lim, job, &dup) == 0);
+    CHECK(cb_jobs_submit(j, "d1", 2, "four", 4, NULL, "D", &lim, job, &dup, NULL, err, sizeof err) == 1);
+    CHECK_MSG(strstr(err, "precompute.max_queued_jobs = 3") != NULL, "%s", err); /* a new client too */
+    CHECK(submit(j, "a1", "one", "A", &lim, job, &dup) == 0 && dup);                /* a duplicate: no room needed */
+    cb_job_status_t st;
+    cb_jobs_id("d1", 2, "four", 4, job);
+    CHECK(cb_jobs_status(j, job, &st, err, sizeof err) == 0); /* nothing recorded */
+    char last[CB_JOB_CLIENT_MAX + 1] = "";
+    CHECK(turn(j, last, job) == 'a');
+    finish(j, a1);
+    CHECK(submit(j, "d1", "four", "D", &lim, job, &dup) == 0); /* room again */
+    cb_jobs_close(&j);
+    /* bytes: an empty queue takes one document, however big; then the cap holds for everyone */
+    CHECK((j = fresh()) != NULL);
+    cb_jobs_limits_t lb = {.max_total_bytes = 10};
+    CHECK(submit(j, "big", "a document longer than ten bytes", "A", &lb, job, &dup) == 0);
+    CHECK(cb_jobs_submit(j, "b", 1, "x", 1, NULL, "B", &lb, job, &dup, NULL, err, sizeof err) == 1);
+    CHECK_MSG(strstr(err, "precompute.max_queued_bytes (10)") != NULL, "%s", err);
+    cb_jobs_close(&j);
+}
+
+/* An ingest message {doc_id, text, client?, on_behalf_of?}, decoded (caller destroys). */
+static cb_msg_t *ingest_msg(const char *client, const char *behalf) {
+    cb_msg_writer_t *w = cb_msg_writer_new();
+    cb_msg_begin(w, "ingest", "1");
+    cb_msg_put_str(w, "doc_id", "d");
+    cb_msg_put_str(w, "text", "t");
+    if (client) cb_msg_put_str(w, "client", client);
+    if (behalf) cb_msg_put_str(w, "on_behalf_of", behalf);
+    size_t len;
+    const void *data = cb_msg_end(w, &len);
+    char err[256];
+    cb_msg_t *m = data ? cb_msg_decode(data, len, err, sizeof err) : NULL;
+    cb_msg_writer_destroy(&w);
+    return m;
+}
+
+/* who for (user_id, client, on_behalf_of): the code, *who set. */
+static cb_err_t who_of(const pc_ident_t *id, const char *user_id, const char *client, const char *behalf, pc_who_t *who) {
+    cb_msg_t *m = ingest_msg(client, behalf);
+    char why[512] = "";
+    static const uint8_t peer[5] = {0, 1, 2, 3, 4};
+    cb_err_t rc = m ? pc_ident_resolve(id, m, user_id, peer, sizeof peer, who, why, sizeof why) : CB_ERR_INTERNAL;
+    if (rc != CB_ERR_NONE) fprintf(stderr, "  (resolve: %s)\n", why);
+    cb_msg_destroy(&m);
+    return rc;
+}
+
+static char g_keys[300];
+static cb_curve_t g_curve; /* curve on, keys of g_keys (cbctl's pair) */
+
+/* A key set in /tmp, once. */
+static bool keys(void) {
+    if (g_curve.on) return true;
+    snprintf(g_keys, sizeof g_keys, "/tmp/test_jobs.%d.keys", (int)getpid());
+    char err[1024];
+    if (cb_curve_keys_init(g_keys, true, err, sizeof err) != 1 || !cb_curve_load_client(&g_curve, g_keys, "cbctl", err, sizeof err)) {
+        fprintf(stderr, "  keys: %s\n", err);
+        return false;
+    }
+    return true;
+}
+
+/* The public key (Z85) of client identity name of g_keys. */
+static void key_of(const char *name, char out[CB_CURVE_TXT]) {
+    char path[1024], err[1024];
+    cb_curve_path(path, sizeof path, g_keys, CB_CURVE_ALLOWED, name);
+    if (!cb_curve_read(path, out, NULL, err, sizeof err)) out[0] = 0;
+}
+
+TEST(identity_is_the_curve_key) {
+    if (!zmq_has("curve")) SKIP("libzmq without CURVE");
+    CHECK(keys());
+    char err[1024], cbctl[CB_CURVE_TXT], gw[CB_CURVE_TXT], blend[CB_CURVE_TXT];
+    key_of("cbctl", cbctl);
+    key_of("gateway", gw);
+    key_of("blend", blend);
+    CHECK(cbctl[0] && gw[0] && blend[0]);
+    pc_ident_t *id = pc_ident_new(&g_curve, false, "gateway, nosuch", err, sizeof err); /* nosuch: warned, skipped */
+    CHECK_MSG(id && pc_ident_forwarders(id) == 1, "%s", err);
+    pc_who_t w;
+    /* a key is one client whatever it declares; the declared name only narrows the identity */
+    CHECK(who_of(id, cbctl, "c07", NULL, &w) == CB_ERR_NONE && w.authenticated);
+    char want[CB_JOB_CLIENT_MAX + 1];
+    snprintf(want, sizeof want, "k:%s", cbctl);
+    CHECK(!strcmp(w.principal, want) && !strncmp(w.identity, want, strlen(want)) && !strcmp(w.identity + strlen(want), "/c07"));
+    CHECK(who_of(id, cbctl, NULL, NULL, &w) == CB_ERR_NONE && !strcmp(w.principal, want) && !strcmp(w.identity, want));
+    /* on_behalf_of: only from the trusted forwarder's key */
+    CHECK(who_of(id, cbctl, NULL, "key:0123", &w) == CB_ERR_BAD_REQUEST);
+    CHECK(who_of(id, blend, "x", "addr:10.0.0.1", &w) == CB_ERR_BAD_REQUEST);
+    CHECK(who_of(id, gw, "x", "key:0123", &w) == CB_ERR_NONE && !strcmp(w.principal, "gateway:key:0123") &&
+          !strcmp(w.identity, "gateway:key:0123/x"));
+    snprintf(want, sizeof want, "k:%s", gw);
+    CHECK(who_of(id, gw, NULL, NULL, &w) == CB_ERR_NONE && !strcmp(w.principal, want)); /* the gateway itself */
+    /* a CURVE request without a key (a ZAP handler that named none) is refused, not trusted */
+    CHECK(who_of(id, "", "c", NULL, &w) == CB_ERR_INTERNAL);
+    pc_ident_destroy(&id);
+    CHECK(!id);
+    /* behind a broker: no key to see, the declared fields count */
+    CHECK((id = pc_ident_new(&g_curve, true, "gateway", err, sizeof err)) != NULL);
+    CHECK(who_of(id, "", "c", NULL, &w) == CB_ERR_NONE && !strcmp(w.principal, "c:c") && !w.authenticated);
+    pc_ident_destroy(&id);
+    /* bad forwarder names */
+    CHECK(!pc_ident_new(&g_curve, false, "../x", err, sizeof err) && strstr(err, "not a key name"));
+    CHECK(!pc_ident_new(&g_curve, false, "gateway gateway", err, sizeof err) && strstr(err, "twice"));
+}
+
+TEST(identity_without_curve_is_declared) {
+    char err[256];
+    cb_curve_t off = {0};
+    pc_ident_t *id = pc_ident_new(&off, false, "gateway", err, sizeof err);
+    CHECK(id && pc_ident_forwarders(id) == 0);
+    pc_who_t w;
+    CHECK(who_of(id, NULL, "A", NULL, &w) == CB_ERR_NONE && !strcmp(w.principal, "c:A") && !strcmp(w.identity, "c:A"));
+    CHECK(who_of(id, NULL, "A", "addr:1.2.3.4", &w) == CB_ERR_NONE && !strcmp(w.principal, "f:addr:1.2.3.4") &&
+          !strcmp(w.identity, "f:addr:1.2.3.4/A"));
+    CHECK(who_of(id, NULL, NULL, NULL, &w) == CB_ERR_NONE && !strcmp(w.principal, "peer:0001020304"));
+    cb_msg_t *m = ingest_msg(NULL, NULL);
+    char why[256];
+    CHECK(m && pc_ident_resolve(id, m, NULL, NULL, 0, &w, why, sizeof why) == CB_ERR_NONE && !strcmp(w.principal, "pull"));
+    cb_msg_destroy(&m);
+    CHECK(who_of(id, NULL, "", NULL, &w) == CB_ERR_BAD_REQUEST);         /* empty */
+    CHECK(who_of(id, NULL, "tab\there", NULL, &w) == CB_ERR_BAD_REQUEST); /* not printable */
+    pc_ident_destroy(&id);
+}
+
+/* Submits 20 one-unit documents, "flood-00".. from user_id declaring 20 clients, then the victim's document
+ * from victim_id; *accepted counts the flood's; returns the turns taken before the victim's document is
+ * picked (each flood document done in one turn), or -1. */
+static int victim_turns(const pc_ident_t *id, const char *user_id, const char *victim_id, const cb_jobs_limits_t *lim,
+                        int *accepted) {
+    cb_jobs_t *j = fresh();
+    if (!j) return -1;
+    char job[33], victim[33], name[32];
+    bool dup;
+    *accepted = 0;
+    pc_who_t w;
+    for (int i = 0; i < 20; i++) {
+        snprintf(name, sizeof name, "flood-%02d", i);
+        if (who_of(id, user_id, name, NULL, &w) != CB_ERR_NONE) return -1;
+        int rc = submit(j, name, "one chunk of flood", w.principal, lim, job, &dup);
+        if (rc < 0) return -1;
+        *accepted += rc == 0;
+    }
+    if (who_of(id, victim_id, "victim", NULL, &w) != CB_ERR_NONE ||
+        submit(j, "victim", "the victim's one chunk", w.principal, lim, victim, &dup) != 0)
+        return -1;
+    char last[CB_JOB_CLIENT_MAX + 1] = "";
+    int turns = 0;
+    while (turn(j, last, job) != '-' && strcmp(job, victim) != 0) {
+        finish(j, job);
+        turns++;
+    }
+    cb_jobs_close(&j);
+    return turns;
+}
+
+TEST(one_key_is_one_client_and_the_victim_waits_one_turn) {
+    if (!zmq_has("curve")) SKIP("libzmq without CURVE");
+    CHECK(keys());
+    char err[1024], cbctl[CB_CURVE_TXT], other[CB_CURVE_TXT];
+    key_of("cbctl", cbctl);
+    key_of("retriever", other); /* a second allowed key: the victim */
+    cb_jobs_limits_t lim = {.max_jobs = 6};
+    cb_curve_t off = {0};
+    pc_ident_t *plain = pc_ident_new(&off, false, "", err, sizeof err), *curve = pc_ident_new(&g_curve, false, "", err, sizeof err);
+    CHECK(plain && curve);
+    int acc_before = 0, acc_after = 0;
+    int before = victim_turns(plain, NULL, NULL, &lim, &acc_before);
+    int after = victim_turns(curve, cbctl, other, &lim, &acc_after);
+    pc_ident_destroy(&plain);
+    pc_ident_destroy(&curve);
+    fprintf(stderr, "  20 ingests, 20 declared clients: without CURVE %d accepted, the victim's document waited %d "
+            "turns; with CURVE (one key) %d accepted, the victim waited %d turn(s)\n", acc_before, before, acc_after,
+            after);
+    CHECK(acc_before == 20 && before == 20); /* declared clients are trusted without CURVE: the victim sorts last */
+    CHECK(acc_after == 6 && after >= 0 && after <= 1);
+}
+
 int main(void) {
     RUN(submit_is_idempotent);
     RUN(turns_go_round_the_clients);
@@ -401,6 +593,15 @@ int main(void) {
     RUN(local_pick_skips_leased_jobs);
     RUN(lease_limits_and_text_bound);
     RUN(leases_survive_a_reopen);
+    RUN(global_cap);
+    RUN(identity_is_the_curve_key);
+    RUN(identity_without_curve_is_declared);
+    RUN(one_key_is_one_client_and_the_victim_waits_one_turn);
+    if (g_keys[0]) {
+        char cmd[400];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_keys);
+        if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", g_keys);
+    }
     char p[300];
     unlink(g_db);
     snprintf(p, sizeof p, "%s-wal", g_db);
