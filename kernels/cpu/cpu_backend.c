@@ -10,6 +10,7 @@
  * attention kernels convert back to f32 (exactly).
  */
 #include "cpu/cpu_backend.h"
+#include "base/alloc.h"
 
 #include <math.h>
 #include <unistd.h>
@@ -477,8 +478,8 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     if (n_threads <= 0) n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n_threads < 1) n_threads = 1;
     if (n_threads > 256) n_threads = 256;
-    cb_backend_t *be = calloc(1, sizeof *be);
-    cpu_ctx_t *c = calloc(1, sizeof *c);
+    cb_backend_t *be = cb_calloc(1, sizeof *be);
+    cpu_ctx_t *c = cb_calloc(1, sizeof *c);
     if (!be || !c) goto oom;
     be->ops = &CPU_OPS;
     be->ctx = c;
@@ -501,17 +502,17 @@ cb_backend_t *cb_backend_cpu_new(const cb_hparams_t *hp, int max_rows, int max_k
     if (hp->n_head * hp->head_dim > c->max_cols) c->max_cols = hp->n_head * hp->head_dim;
     c->geom = (cb_attn_geom_t){hp->n_head, hp->n_head_kv, hp->head_dim, 0.0f, CB_ATTN_F32, 0};
     c->rope_cs = cb_cpu_alloc_huge(sizeof(float) * (size_t)max_keys * hp->head_dim, true);
-    c->rope_rows = malloc(sizeof(float) * (size_t)max_rows * hp->head_dim);
+    c->rope_rows = cb_malloc(sizeof(float) * (size_t)max_rows * hp->head_dim);
     c->mm = (cb_cpu_mm_scratch_t){.max_rows = max_rows, .max_cols = c->max_cols, .tile_floats = CB_CPU_TILE_FLOATS};
     if (c->mm.tile_floats < (size_t)c->max_cols) c->mm.tile_floats = (size_t)c->max_cols;
-    c->mm.rows = malloc(sizeof(float) * (size_t)n_threads * c->max_cols);
+    c->mm.rows = cb_malloc(sizeof(float) * (size_t)n_threads * c->max_cols);
     c->mm.xq = cb_cpu_alloc_huge(cb_cpu_q8_row_bytes(c->max_cols) * (size_t)max_rows, false);
     c->mm.tiles = cb_cpu_alloc_huge(sizeof(float) * c->mm.tile_floats * (size_t)n_threads, false);
     c->att_scratch = cb_cpu_alloc_huge(sizeof(float) * cb_cpu_attention_scratch(&c->geom, max_rows, max_keys, n_threads), true);
     c->pool = cb_pool_new(n_threads);
     c->geom.scale = 1.0f / sqrtf((float)hp->head_dim);
-    c->mass_scratch = malloc(sizeof(float) * cb_cpu_attn_mass_scratch(&c->geom, max_keys));
-    c->topk_idx = malloc(sizeof(int32_t) * (size_t)max_keys);
+    c->mass_scratch = cb_malloc(sizeof(float) * cb_cpu_attn_mass_scratch(&c->geom, max_keys));
+    c->topk_idx = cb_malloc(sizeof(int32_t) * (size_t)max_keys);
     if (!c->mass_scratch || !c->topk_idx) goto oom;
     if (!c->rope_cs || !c->rope_rows || !c->mm.rows || !c->mm.xq || !c->mm.tiles || !c->att_scratch || !c->pool) goto oom;
     for (int p = 0; p < max_keys; p++)

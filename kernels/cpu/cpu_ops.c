@@ -3,6 +3,7 @@
  * Terse by design; the shapes live in cpu_ops.h.
  */
 #include "cpu/cpu_ops.h"
+#include "base/alloc.h"
 
 #include <assert.h>
 #include <cblas.h>
@@ -85,10 +86,10 @@ void *cb_cpu_alloc_huge(size_t bytes, bool zero) {
     size_t n;
     if (bytes < 2 * huge) { /* small: cache-line aligned, no rounding to whole huge pages */
         n = (bytes + 63) / 64 * 64;
-        p = aligned_alloc(64, n);
+        p = cb_aligned_alloc(64, n);
     } else {
         n = (bytes + huge - 1) / huge * huge;
-        p = aligned_alloc(huge, n);
+        p = cb_aligned_alloc(huge, n);
         if (p) madvise(p, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
     }
     if (p && zero) memset(p, 0, n);

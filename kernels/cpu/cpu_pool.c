@@ -9,6 +9,7 @@
  * `wake` (Dekker-style with `sleepers`, all seq_cst, so no wake-up is lost).
  */
 #include "cpu/cpu_pool.h"
+#include "base/alloc.h"
 
 #include <limits.h>
 #include <linux/futex.h>
@@ -116,7 +117,7 @@ static void *worker_main(void *arg) {
 
 cb_pool_t *cb_pool_new(int n_threads) {
     if (n_threads < 1) n_threads = 1;
-    cb_pool_t *p = calloc(1, sizeof *p);
+    cb_pool_t *p = cb_calloc(1, sizeof *p);
     if (!p) return NULL;
     p->n_threads = n_threads;
     atomic_init(&p->claim, 0);
@@ -130,7 +131,7 @@ cb_pool_t *cb_pool_new(int n_threads) {
         atomic_init(&p->slot[i].done, 0);
     }
     if (n_threads > 1) {
-        p->workers = calloc((size_t)n_threads - 1, sizeof *p->workers);
+        p->workers = cb_calloc((size_t)n_threads - 1, sizeof *p->workers);
         if (!p->workers) {
             free(p);
             return NULL;

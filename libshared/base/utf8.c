@@ -1,6 +1,7 @@
 /* utf8: one implementation of UTF-8 well-formedness, repair to U+FFFD and encoding (see utf8.h).
  * No state; the repair copies are the only allocations, and their failure returns NULL. */
 #include "base/utf8.h"
+#include "base/alloc.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,7 +44,7 @@ bool cb_utf8_valid(const char *s, size_t len) {
 
 char *cb_utf8_repair_n(const char *s, size_t n, size_t *out_len) {
     if (n > (SIZE_MAX - 1) / 3) return NULL;
-    char *out = malloc(3 * n + 1);
+    char *out = cb_malloc(3 * n + 1);
     if (!out) return NULL;
     const unsigned char *u = (const unsigned char *)s;
     size_t o = 0;

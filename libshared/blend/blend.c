@@ -22,6 +22,7 @@
  * of a call.
  */
 #include "blend/blend.h"
+#include "base/alloc.h"
 
 #include <assert.h>
 #include <limits.h>
@@ -262,7 +263,7 @@ cb_blend_t *cb_blend_new(cb_kvstore_t *store, char *err, size_t errlen) {
         cb_set_err(err, errlen, "blend: no store");
         return NULL;
     }
-    cb_blend_t *b = calloc(1, sizeof *b);
+    cb_blend_t *b = cb_calloc(1, sizeof *b);
     if (!b) {
         cb_set_err(err, errlen, "blend: out of memory");
         return NULL;
@@ -284,22 +285,22 @@ cb_blend_t *cb_blend_new(cb_kvstore_t *store, char *err, size_t errlen) {
     b->q = cb_engine_alloc(b->e, sizeof(float) * C * b->QD);
     b->kb = cb_engine_alloc(b->e, sizeof(float) * R * b->KVD);
     b->vb = cb_engine_alloc(b->e, sizeof(float) * R * b->KVD);
-    b->tok = malloc(sizeof(int32_t) * C);
-    b->cls = malloc(C);
-    b->src_of = malloc(sizeof(int32_t) * C);
-    b->act = malloc(sizeof(int32_t) * C);
-    b->dev = malloc(sizeof(double) * C);
-    b->order = malloc(sizeof(int32_t) * C);
-    b->cand = malloc(sizeof(int32_t) * C);
-    b->keep = malloc(C);
-    b->ub_lim = malloc(sizeof(int32_t) * R);
-    b->ub_tok = malloc(sizeof(int32_t) * R);
-    b->mass = malloc(sizeof(float) * C);
-    b->wdev = malloc(sizeof(double) * C);
-    b->sparse = calloc(C, 1);
-    b->blk_keep = malloc(C);
-    b->blk_list = malloc(sizeof(int32_t) * C);
-    b->blk_mass = malloc(sizeof(double) * C);
+    b->tok = cb_malloc(sizeof(int32_t) * C);
+    b->cls = cb_malloc(C);
+    b->src_of = cb_malloc(sizeof(int32_t) * C);
+    b->act = cb_malloc(sizeof(int32_t) * C);
+    b->dev = cb_malloc(sizeof(double) * C);
+    b->order = cb_malloc(sizeof(int32_t) * C);
+    b->cand = cb_malloc(sizeof(int32_t) * C);
+    b->keep = cb_malloc(C);
+    b->ub_lim = cb_malloc(sizeof(int32_t) * R);
+    b->ub_tok = cb_malloc(sizeof(int32_t) * R);
+    b->mass = cb_malloc(sizeof(float) * C);
+    b->wdev = cb_malloc(sizeof(double) * C);
+    b->sparse = cb_calloc(C, 1);
+    b->blk_keep = cb_malloc(C);
+    b->blk_list = cb_malloc(sizeof(int32_t) * C);
+    b->blk_mass = cb_malloc(sizeof(double) * C);
     cb_engine_pool_stats_t ps;
     cb_engine_pool_stats(b->e, &ps);
     b->bt = ps.block_tokens;
@@ -375,7 +376,7 @@ static int check_tokens(const cb_blend_t *b, const int32_t *t, int n, const char
 static int add_src(cb_blend_t *b, src_t **out) {
     if (b->n_srcs == b->cap_srcs) {
         int cap = b->cap_srcs ? b->cap_srcs * 2 : 16;
-        src_t *p = realloc(b->srcs, sizeof(src_t) * (size_t)cap);
+        src_t *p = cb_realloc(b->srcs, sizeof(src_t) * (size_t)cap);
         if (!p) return -1;
         b->srcs = p;
         b->cap_srcs = cap;
@@ -955,8 +956,8 @@ static int build_rows(cb_blend_t *b, cb_blend_mode_t mode, const int32_t *prefix
                 s->file = rs[c].file;
                 rs[c].file = NULL;
                 s->dtype = cb_kvfile_meta(s->file)->dtype;
-                s->raw_k = calloc((size_t)b->L, sizeof(void *));
-                s->raw_v = calloc((size_t)b->L, sizeof(void *));
+                s->raw_k = cb_calloc((size_t)b->L, sizeof(void *));
+                s->raw_v = cb_calloc((size_t)b->L, sizeof(void *));
                 if (!s->raw_k || !s->raw_v) return -1;
                 /* with a memory tier the file is decoded into an entry that joins it; a block dtype (q8_0)
                  * that the backend's row load does not take is decoded into one in any case */
@@ -1038,13 +1039,13 @@ static void job_end(cb_blend_t *b, bool ok) {
 static int job_reserve(cb_blend_t *b, int n) {
     job_t *J = &b->job;
     if (n <= J->cap_chunks && n <= b->cap_info) return 0;
-    cb_blend_chunk_t *c = realloc(J->chunks, sizeof *c * (size_t)n);
+    cb_blend_chunk_t *c = cb_realloc(J->chunks, sizeof *c * (size_t)n);
     if (c) J->chunks = c;
-    cb_kvstore_chunk_t *rs = realloc(J->rs, sizeof *rs * (size_t)n);
+    cb_kvstore_chunk_t *rs = cb_realloc(J->rs, sizeof *rs * (size_t)n);
     if (rs) J->rs = rs;
-    uint8_t *f = realloc(J->force, (size_t)n);
+    uint8_t *f = cb_realloc(J->force, (size_t)n);
     if (f) J->force = f;
-    cb_blend_chunk_info_t *in = realloc(b->info, sizeof *in * (size_t)n);
+    cb_blend_chunk_info_t *in = cb_realloc(b->info, sizeof *in * (size_t)n);
     if (in) b->info = in;
     if (!c || !rs || !f || !in) return -1;
     J->cap_chunks = b->cap_info = n;

@@ -8,6 +8,7 @@
  * as one strided range (a break costs a gather of the attention tiles that span it).
  */
 #include "engine/engine.h"
+#include "base/alloc.h"
 
 #include <assert.h>
 #include <math.h>
@@ -182,7 +183,7 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     if (!resolve_kv_dtype(o->kv_dtype, &kv_dtype, err, errlen)) return NULL;
     cb_engine_attn_t attn;
     if (!resolve_attn(o->attn, &attn, err, errlen)) return NULL;
-    cb_engine_t *e = calloc(1, sizeof *e);
+    cb_engine_t *e = cb_calloc(1, sizeof *e);
     if (!e) {
         cb_set_err(err, errlen, "engine: out of memory");
         return NULL;
@@ -229,7 +230,7 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
         goto fail;
     }
     assert(e->be->kv_value_bytes == (int)vb);
-    e->refs = calloc((size_t)e->n_blocks, sizeof(int32_t));
+    e->refs = cb_calloc((size_t)e->n_blocks, sizeof(int32_t));
     if (!e->refs) goto oom;
     e->n_free = e->n_blocks;
     const size_t R = (size_t)e->max_rows;
@@ -237,10 +238,10 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
     e->q = buf(e, sizeof(float) * R * e->QD);
     e->k = buf(e, sizeof(float) * R * e->KVD);
     e->v = buf(e, sizeof(float) * R * e->KVD);
-    e->pos = calloc(R, sizeof(int32_t));
-    e->limit = calloc(R, sizeof(int32_t));
-    e->tables = calloc(R, sizeof(cb_kv_table_t));
-    e->gather = calloc((size_t)e->seq_max_blocks, sizeof(int32_t));
+    e->pos = cb_calloc(R, sizeof(int32_t));
+    e->limit = cb_calloc(R, sizeof(int32_t));
+    e->tables = cb_calloc(R, sizeof(cb_kv_table_t));
+    e->gather = cb_calloc((size_t)e->seq_max_blocks, sizeof(int32_t));
     e->xb = buf(e, sizeof(float) * R * e->E);
     e->att = buf(e, sizeof(float) * R * e->QD);
     e->proj = buf(e, sizeof(float) * R * e->E);
@@ -361,9 +362,9 @@ static cb_kv_table_t table_of(const cb_seq_t *s) {
 
 cb_seq_t *cb_seq_new(cb_engine_t *engine) {
     if (!engine) return NULL;
-    cb_seq_t *s = calloc(1, sizeof *s);
+    cb_seq_t *s = cb_calloc(1, sizeof *s);
     if (!s) return NULL;
-    s->blocks = malloc(sizeof(int32_t) * (size_t)engine->seq_max_blocks);
+    s->blocks = cb_malloc(sizeof(int32_t) * (size_t)engine->seq_max_blocks);
     if (!s->blocks) {
         free(s);
         return NULL;

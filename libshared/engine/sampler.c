@@ -3,6 +3,7 @@
  * of distinct accepted tokens, n_vocab entries each, allocated in _new; no allocation per call.
  */
 #include "engine/sampler.h"
+#include "base/alloc.h"
 
 #include <math.h>
 #include <stdbool.h>
@@ -54,15 +55,15 @@ cb_sampler_t *cb_sampler_new(const cb_sampler_params_t *params, int n_vocab) {
     if (!params || n_vocab < 1 || isnan(params->temperature) || isnan(params->top_p) ||
         !penalty_ok(params->frequency_penalty) || !penalty_ok(params->presence_penalty))
         return NULL;
-    cb_sampler_t *s = calloc(1, sizeof *s);
+    cb_sampler_t *s = cb_calloc(1, sizeof *s);
     if (!s) return NULL;
     s->p = *params;
     s->n_vocab = n_vocab;
     s->penalised = params->frequency_penalty != 0.0f || params->presence_penalty != 0.0f;
-    s->cand = malloc(sizeof(cand_t) * (size_t)n_vocab);
-    s->count = calloc((size_t)n_vocab, sizeof(int32_t));
-    s->seen = malloc(sizeof(int32_t) * (size_t)n_vocab);
-    if (s->penalised) s->row = malloc(sizeof(float) * (size_t)n_vocab);
+    s->cand = cb_malloc(sizeof(cand_t) * (size_t)n_vocab);
+    s->count = cb_calloc((size_t)n_vocab, sizeof(int32_t));
+    s->seen = cb_malloc(sizeof(int32_t) * (size_t)n_vocab);
+    if (s->penalised) s->row = cb_malloc(sizeof(float) * (size_t)n_vocab);
     if (!s->cand || !s->count || !s->seen || (s->penalised && !s->row)) {
         cb_sampler_destroy(&s);
         return NULL;

@@ -10,6 +10,7 @@
  * the string-array offset tables, the key copies and the tensor table with its name copies.
  */
 #include "format/gguf.h"
+#include "base/alloc.h"
 #include "base/err.h"
 
 #include <errno.h>
@@ -229,7 +230,7 @@ static bool parse_array(rd_t *r, kv_t *kv, const char *ctx) {
     }
     /* String array: count <= bytes left / 8, so this table is at most the file's size. */
     if (count > 0) {
-        kv->str_off = malloc((size_t)count * sizeof *kv->str_off);
+        kv->str_off = cb_malloc((size_t)count * sizeof *kv->str_off);
         if (!kv->str_off) {
             fail(r, "gguf: %s: out of memory for %llu string offsets", ctx, (unsigned long long)count);
             return false;
@@ -323,8 +324,8 @@ static bool parse(cb_gguf_t *self, rd_t *r) {
     /* ---- metadata */
     self->n_kv = (size_t)n_kv;
     if (n_kv) {
-        self->kv = calloc(self->n_kv, sizeof *self->kv);
-        self->kv_sorted = malloc(self->n_kv * sizeof *self->kv_sorted);
+        self->kv = cb_calloc(self->n_kv, sizeof *self->kv);
+        self->kv_sorted = cb_malloc(self->n_kv * sizeof *self->kv_sorted);
         if (!self->kv || !self->kv_sorted) {
             fail(r, "gguf: out of memory for %zu kv pairs", self->n_kv);
             return false;
@@ -355,7 +356,7 @@ static bool parse(cb_gguf_t *self, rd_t *r) {
     }
     /* Key copies: total bounded by the metadata bytes already read. */
     if (self->n_kv) {
-        self->keys = malloc(keys_bytes);
+        self->keys = cb_malloc(keys_bytes);
         if (!self->keys) {
             fail(r, "gguf: out of memory for keys");
             return false;
@@ -395,9 +396,9 @@ static bool parse(cb_gguf_t *self, rd_t *r) {
     /* ---- tensor infos */
     self->n_tensors = (size_t)n_tensors;
     if (n_tensors) {
-        self->tensors = calloc(self->n_tensors, sizeof *self->tensors);
-        self->tensor_sorted = malloc(self->n_tensors * sizeof *self->tensor_sorted);
-        self->names = malloc(self->n_tensors * sizeof *self->names);
+        self->tensors = cb_calloc(self->n_tensors, sizeof *self->tensors);
+        self->tensor_sorted = cb_malloc(self->n_tensors * sizeof *self->tensor_sorted);
+        self->names = cb_malloc(self->n_tensors * sizeof *self->names);
         if (!self->tensors || !self->tensor_sorted || !self->names) {
             fail(r, "gguf: out of memory for %zu tensor infos", self->n_tensors);
             return false;
@@ -405,7 +406,7 @@ static bool parse(cb_gguf_t *self, rd_t *r) {
     }
     uint64_t *offsets = NULL;
     if (n_tensors) {
-        offsets = self->offsets = malloc(self->n_tensors * sizeof *offsets);
+        offsets = self->offsets = cb_malloc(self->n_tensors * sizeof *offsets);
         if (!offsets) {
             fail(r, "gguf: out of memory for %zu tensor offsets", self->n_tensors);
             return false;
@@ -525,7 +526,7 @@ static bool parse(cb_gguf_t *self, rd_t *r) {
 }
 
 static cb_gguf_t *open_buf(const uint8_t *buf, size_t len, bool mapped, char *err, size_t errlen) {
-    cb_gguf_t *self = calloc(1, sizeof *self);
+    cb_gguf_t *self = cb_calloc(1, sizeof *self);
     if (!self) {
         cb_set_err(err, errlen, "gguf: out of memory");
         if (mapped) munmap((void *)buf, len);

@@ -9,6 +9,8 @@
  * Fails with a miss reason and a message; nothing asserts on file content.
  */
 #include "format/kvfile.h"
+#include "base/alloc.h"
+#include "base/sysio.h"
 #include "base/err.h"
 #include "base/log.h"
 #include "format/gguf.h"
@@ -245,7 +247,7 @@ void cb_kvfile_test_stop_before_rename(int on) { atomic_store(&g_stop_before_ren
 static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off) {
     const uint8_t *p = buf;
     while (len > 0) {
-        ssize_t w = pwrite(fd, p, len, (off_t)off);
+        ssize_t w = cb_io_pwrite(fd, p, len, (off_t)off);
         if (w < 0) {
             if (errno == EINTR) continue;
             return -1;
@@ -262,7 +264,7 @@ static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off) {
 static int fsync_dir(const char *dir) {
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return -1;
-    int rc = fsync(fd);
+    int rc = cb_io_fsync(fd);
     int e = errno;
     close(fd);
     errno = e;
@@ -315,12 +317,12 @@ static int open_dir_nofollow(const char *dir, char *err, size_t errlen) {
  * a non-empty one is left alone and the write fails. 0, or -1 with err. */
 static int rename_into_place(int dfd, const char *dir, const char *tmp, const char *base, char *err,
                              size_t errlen) {
-    if (renameat(dfd, tmp, dfd, base) == 0) return 0;
+    if (cb_io_renameat(dfd, tmp, dfd, base) == 0) return 0;
     int e = errno;
     if (e == EISDIR || e == ENOTEMPTY || e == EEXIST) {
         if (unlinkat(dfd, base, AT_REMOVEDIR) == 0) {
             CB_WARN("kvfile write: removed an empty directory in the way of %s/%s", dir, base);
-            if (renameat(dfd, tmp, dfd, base) == 0) return 0;
+            if (cb_io_renameat(dfd, tmp, dfd, base) == 0) return 0;
             e = errno;
         } else if (errno == ENOTEMPTY || errno == EEXIST) {
             cb_set_err(err, errlen, "kvfile write: %s/%s is a directory that is not empty: left alone, the KV file "
@@ -430,8 +432,8 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
         close(dfd);
         return -1;
     }
-    stage = aligned_alloc(KV_LAYER_ALIGN, (size_t)lay.layer_stride);
-    metabuf = calloc(1, (size_t)lay.meta_bytes);
+    stage = cb_aligned_alloc(KV_LAYER_ALIGN, (size_t)lay.layer_stride);
+    metabuf = cb_calloc(1, (size_t)lay.meta_bytes);
     if (!stage || !metabuf) {
         cb_set_err(err, errlen, "kvfile write: out of memory (%llu bytes per layer)",
                    (unsigned long long)lay.layer_stride);
@@ -477,7 +479,7 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
         cb_set_err(err, errlen, "kvfile write: %s/%s: %s", dir, tmp, strerror(errno));
         goto fail;
     }
-    if (fsync(fd) != 0) {
+    if (cb_io_fsync(fd) != 0) {
         cb_set_err(err, errlen, "kvfile write: fsync %s/%s: %s (disk tier degraded; do not retry)", dir, tmp,
                    strerror(errno));
         rc = -2;
@@ -498,7 +500,7 @@ int cb_kvfile_write_layers(const char *path, const cb_kv_meta_t *meta, const int
         return -1;
     }
     if (rename_into_place(dfd, dir, tmp, base, err, errlen) != 0) goto fail;
-    if (fsync(dfd) != 0) {
+    if (cb_io_fsync(dfd) != 0) {
         cb_set_err(err, errlen, "kvfile write: fsync of directory %s: %s (disk tier degraded; do not retry)", dir,
                    strerror(errno));
         unlinkat(dfd, base, 0);
@@ -746,12 +748,12 @@ cb_kvfile_t *cb_kvfile_open(const char *path, const cb_kv_expect_t *expect, cb_k
         w = miss(CB_KV_MISS_IO, err, errlen, "%s: too large to map", path);
         goto out;
     }
-    self = calloc(1, sizeof *self);
+    self = cb_calloc(1, sizeof *self);
     if (!self) {
         w = miss(CB_KV_MISS_IO, err, errlen, "out of memory");
         goto out;
     }
-    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    void *p = cb_io_mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED) {
         w = miss(CB_KV_MISS_IO, err, errlen, "%s: mmap: %s", path, strerror(errno));
         goto out;
@@ -783,8 +785,8 @@ cb_kvfile_t *cb_kvfile_open_mem(const void *buf, size_t len, const cb_kv_expect_
         w = miss(CB_KV_MISS_TRUNCATED, err, errlen, "empty buffer");
         goto out;
     }
-    self = calloc(1, sizeof *self);
-    uint8_t *copy = aligned_alloc(KV_LAYER_ALIGN, (size_t)round_up(len, KV_LAYER_ALIGN));
+    self = cb_calloc(1, sizeof *self);
+    uint8_t *copy = cb_aligned_alloc(KV_LAYER_ALIGN, (size_t)round_up(len, KV_LAYER_ALIGN));
     if (!self || !copy) {
         free(copy);
         w = miss(CB_KV_MISS_IO, err, errlen, "out of memory");

@@ -8,6 +8,7 @@
  * Owns: the nodes, the containers and one reference per cached entry.
  */
 #include "kv/kvmem.h"
+#include "base/alloc.h"
 
 #include <czmq.h>
 #include <pthread.h>
@@ -57,7 +58,7 @@ cb_kvmem_entry_t *cb_kvmem_entry_new(int n_layer, int n_head_kv, int head_dim, i
     size_t tok = round_up((size_t)n_tokens * sizeof(int32_t), ALIGN);
     size_t total = head + tok + round_up(data_bytes, ALIGN);
     if (total < data_bytes) return NULL;
-    uint8_t *p = aligned_alloc(ALIGN, total);
+    uint8_t *p = cb_aligned_alloc(ALIGN, total);
     if (!p) return NULL;
     cb_kvmem_entry_t *e = (cb_kvmem_entry_t *)p;
     atomic_init(&e->refs, 1);
@@ -135,7 +136,7 @@ static size_t key_hash(const void *key) {
 static int key_cmp(const void *a, const void *b) { return memcmp(a, b, 32); }
 
 cb_kvmem_t *cb_kvmem_new(size_t budget_bytes) {
-    cb_kvmem_t *self = calloc(1, sizeof *self);
+    cb_kvmem_t *self = cb_calloc(1, sizeof *self);
     if (!self) return NULL;
     self->index = zhashx_new();
     self->lru = zlistx_new();
@@ -202,7 +203,7 @@ int cb_kvmem_put(cb_kvmem_t *self, const uint8_t key[32], cb_kvmem_entry_t *e) {
     } else if (e->bytes > self->budget) {
         rc = -1;
     } else {
-        node_t *n = malloc(sizeof *n);
+        node_t *n = cb_malloc(sizeof *n);
         if (!n) {
             rc = -1;
         } else {

@@ -8,6 +8,7 @@
  * connection.
  */
 #include "kv/kvremote.h"
+#include "base/alloc.h"
 
 #include <errno.h>
 #include <hiredis.h>
@@ -63,7 +64,7 @@ struct cb_kvremote {
 /* ---------------------------------------------------------------- reply objects */
 
 static void *reply_new(int type) {
-    reply_t *r = calloc(1, sizeof *r);
+    reply_t *r = cb_calloc(1, sizeof *r);
     if (r) r->type = type;
     return r;
 }
@@ -72,7 +73,7 @@ static void *create_string(const redisReadTask *task, char *str, size_t len) {
     if (task->parent) return NULL; /* never: arrays are refused */
     reply_t *r = reply_new(task->type);
     if (!r) return NULL;
-    if (!(r->str = malloc(len + 1))) {
+    if (!(r->str = cb_malloc(len + 1))) {
         free(r);
         return NULL;
     }
@@ -150,7 +151,7 @@ static int parse_url(cb_kvremote_t *s, const char *url, char *err, size_t errlen
             cb_set_err(err, errlen, "kvremote: '%s': expected unix:///PATH (absolute, under 108 bytes)", url);
             return -1;
         }
-        if (!(s->unix_path = strdup(p))) goto oom;
+        if (!(s->unix_path = cb_strdup(p))) goto oom;
         return 0;
     }
     if (strncmp(url, "redis://", 8) != 0) {
@@ -180,7 +181,7 @@ static int parse_url(cb_kvremote_t *s, const char *url, char *err, size_t errlen
     }
     if (*end == '/') end++;
     if (*end != '\0') goto bad;
-    if (!(s->host = strndup(h, hl))) goto oom;
+    if (!(s->host = cb_strndup(h, hl))) goto oom;
     s->port = (int)port;
     return 0;
 oom:
@@ -227,15 +228,15 @@ cb_kvremote_t *cb_kvremote_new(const cb_kvremote_opts_t *o, char *err, size_t er
                    KVREMOTE_MAX_VALUE);
         return NULL;
     }
-    cb_kvremote_t *s = calloc(1, sizeof *s);
+    cb_kvremote_t *s = cb_calloc(1, sizeof *s);
     if (!s) goto oom;
     pthread_mutex_init(&s->mu, NULL);
     s->connect_timeout_ms = o->connect_timeout_ms;
     s->timeout_ms = o->timeout_ms;
     s->recovery_ms = o->recovery_ms;
     s->max_value = o->max_value_bytes;
-    if (!(s->url = strdup(o->url)) || !(s->prefix = strdup(prefix))) goto oom;
-    if (o->password && *o->password && !(s->password = strdup(o->password))) goto oom;
+    if (!(s->url = cb_strdup(o->url)) || !(s->prefix = cb_strdup(prefix))) goto oom;
+    if (o->password && *o->password && !(s->password = cb_strdup(o->password))) goto oom;
     if (parse_url(s, o->url, err, errlen) != 0) {
         cb_kvremote_destroy(&s);
         return NULL;

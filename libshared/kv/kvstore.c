@@ -7,6 +7,8 @@
  * what lstat finds at the path (its type, mode and owner; a link's target and what that is): describe_path.
  */
 #include "kv/kvstore.h"
+#include "base/alloc.h"
+#include "base/sysio.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -129,7 +131,7 @@ cb_kvstore_t *cb_kvstore_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t
             return NULL;
         }
     }
-    cb_kvstore_t *s = calloc(1, sizeof *s);
+    cb_kvstore_t *s = cb_calloc(1, sizeof *s);
     if (!s) {
         cb_set_err(err, errlen, "kvstore: out of memory");
         return NULL;
@@ -154,11 +156,11 @@ cb_kvstore_t *cb_kvstore_new(cb_engine_t *engine, const char *kv_dir, cb_kvmem_t
                    "its block)", cb_kv_dtype_name(dtype), s->KVD);
         goto fail;
     }
-    if (kv_dir && !(s->kv_dir = strdup(kv_dir))) goto oom;
+    if (kv_dir && !(s->kv_dir = cb_strdup(kv_dir))) goto oom;
     s->ctx_seq = cb_seq_new(engine);
     s->work = cb_seq_new(engine);
-    s->cap_k = calloc((size_t)s->L, sizeof(float *));
-    s->cap_v = calloc((size_t)s->L, sizeof(float *));
+    s->cap_k = cb_calloc((size_t)s->L, sizeof(float *));
+    s->cap_v = cb_calloc((size_t)s->L, sizeof(float *));
     if (!s->ctx_seq || !s->work || !s->cap_k || !s->cap_v) goto oom;
     return s;
 oom:
@@ -244,7 +246,7 @@ int cb_kvstore_set_context(cb_kvstore_t *self, const int32_t *ctx, int n_ctx, ch
     free(self->ctx_tokens);
     self->ctx_tokens = NULL;
     self->ctx_n = 0;
-    int32_t *copy = malloc(sizeof(int32_t) * (size_t)n_ctx);
+    int32_t *copy = cb_malloc(sizeof(int32_t) * (size_t)n_ctx);
     if (!copy) {
         cb_set_err(err, errlen, "kvstore: out of memory");
         return -1;
@@ -376,13 +378,13 @@ static void remote_put_file(cb_kvstore_t *s, const uint8_t key[32]) {
         return;
     }
     len = (size_t)st.st_size;
-    if (!(buf = malloc(len))) {
+    if (!(buf = cb_malloc(len))) {
         close(fd);
         return;
     }
     size_t got = 0;
     while (got < len) {
-        ssize_t k = read(fd, buf + got, len - got);
+        ssize_t k = cb_io_read(fd, buf + got, len - got);
         if (k < 0 && errno == EINTR) continue;
         if (k <= 0) break;
         got += (size_t)k;

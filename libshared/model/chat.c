@@ -6,6 +6,7 @@
  * Allocation: the segment list and one text buffer per encode call; render returns a malloc'd string.
  */
 #include "model/chat.h"
+#include "base/alloc.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -173,7 +174,7 @@ static void seg_add(segs_t *g, seg_kind_t kind, const char *s, size_t n) {
     if (kind == SEG_TEXT && n == 0) return;
     if (g->n == g->cap) {
         size_t cap = g->cap ? 2 * g->cap : 32;
-        seg_t *v = realloc(g->v, cap * sizeof *v);
+        seg_t *v = cb_realloc(g->v, cap * sizeof *v);
         if (!v) { g->oom = true; return; }
         g->v = v;
         g->cap = cap;
@@ -445,7 +446,7 @@ static void sb_add(sbuf_t *b, const char *s, size_t n) {
     if (b->len + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap : 256;
         while (cap < b->len + n + 1) cap *= 2;
-        char *nb = realloc(b->buf, cap);
+        char *nb = cb_realloc(b->buf, cap);
         if (!nb) { b->oom = true; return; }
         b->buf = nb;
         b->cap = cap;

@@ -6,6 +6,7 @@
  * Fails (NULL + message) on anything it does not understand; never asserts on file content.
  */
 #include "model/model.h"
+#include "base/alloc.h"
 
 #include <math.h>
 
@@ -324,7 +325,7 @@ static bool load_vec(cb_model_t *m, const cb_gguf_t *g, const char *name, int n,
         *out = t->data;
         return true;
     }
-    float *c = malloc(sizeof(float) * (size_t)n);
+    float *c = cb_malloc(sizeof(float) * (size_t)n);
     if (!c) {
         cb_set_err(err, errlen, "out of memory");
         return false;
@@ -494,7 +495,7 @@ static bool dequant_supported(uint32_t type) {
  * anything reads w->q again, e.g. a GPU upload), so the weights cost their size once. */
 static bool pack_x8(cb_model_t *m, char *err, size_t errlen) {
     const int nw = 7 * m->hp.n_layer + 2;
-    cb_weight_t **ws = calloc((size_t)nw, sizeof *ws);
+    cb_weight_t **ws = cb_calloc((size_t)nw, sizeof *ws);
     if (!ws) {
         cb_set_err(err, errlen, "out of memory");
         return false;
@@ -558,7 +559,7 @@ static void dequant_weight(cb_weight_t *w, float *dst) {
 
 cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
     char gerr[256] = "";
-    cb_model_t *m = calloc(1, sizeof *m);
+    cb_model_t *m = cb_calloc(1, sizeof *m);
     if (!m) {
         cb_set_err(err, errlen, "out of memory");
         return NULL;
@@ -574,8 +575,8 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
     if (!check_known_tensors(g, m->arch, hp->n_layer, err, errlen)) goto fail;
 
     const int E = hp->n_embd, QD = hp->n_head * hp->head_dim, KVD = hp->n_head_kv * hp->head_dim, F = hp->n_ff;
-    m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
-    m->norm_copies = calloc((size_t)hp->n_layer * 9 + 2, sizeof *m->norm_copies); /* 9 vectors a layer at most */
+    m->layers = cb_calloc((size_t)hp->n_layer, sizeof *m->layers);
+    m->norm_copies = cb_calloc((size_t)hp->n_layer * 9 + 2, sizeof *m->norm_copies); /* 9 vectors a layer at most */
     if (!m->layers || !m->norm_copies) {
         cb_set_err(err, errlen, "out of memory");
         goto fail;

@@ -2,6 +2,7 @@
  * Tensors are generated and written in pieces, so memory stays small even for 8B-class shapes when
  * writing a file. */
 #include "model/synth.h"
+#include "base/alloc.h"
 
 #include <errno.h>
 #include <math.h>
@@ -268,7 +269,7 @@ static void w_bytes(syn_w_t *w, const void *p, size_t n) {
         if (w->len + n > w->cap) {
             size_t cap = w->cap ? w->cap : 1 << 20;
             while (cap < w->len + n) cap *= 2;
-            uint8_t *nb = realloc(w->buf, cap);
+            uint8_t *nb = cb_realloc(w->buf, cap);
             if (!nb) {
                 w->failed = true;
                 return;
@@ -540,8 +541,8 @@ static int syn_list(const cb_synth_shape_t *s, cb_synth_dtype_t dt, syn_tensor_t
 }
 
 static bool syn_write_data(syn_w_t *w, const cb_synth_shape_t *s, uint64_t seed, const syn_tensor_t *t) {
-    float *x = malloc(sizeof(float) * SYN_PIECE);
-    uint8_t *out = malloc((size_t)SYN_PIECE * 4);
+    float *x = cb_malloc(sizeof(float) * SYN_PIECE);
+    uint8_t *out = cb_malloc((size_t)SYN_PIECE * 4);
     if (!x || !out) {
         free(x);
         free(out);
@@ -593,7 +594,7 @@ static bool syn_write_data(syn_w_t *w, const cb_synth_shape_t *s, uint64_t seed,
 static bool syn_emit(syn_w_t *w, const cb_synth_shape_t *s, cb_synth_dtype_t dt, uint64_t seed, char *err,
                      size_t errlen) {
     int max_t = 4 + 14 * s->n_layer;
-    syn_tensor_t *t = calloc((size_t)max_t, sizeof *t);
+    syn_tensor_t *t = cb_calloc((size_t)max_t, sizeof *t);
     if (!t) {
         cb_set_err(err, errlen, "synth: out of memory");
         return false;
@@ -680,7 +681,7 @@ int cb_synth_write(const char *path, const cb_synth_shape_t *s, cb_synth_dtype_t
         return -1;
     }
     size_t pl = strlen(path);
-    char *tmp = malloc(pl + 16);
+    char *tmp = cb_malloc(pl + 16);
     if (!tmp) {
         cb_set_err(err, errlen, "synth: out of memory");
         return -1;

@@ -33,6 +33,7 @@
  */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "model/tokenizer.h"
+#include "base/alloc.h"
 
 #include <pcre2.h>
 #include <stdio.h>
@@ -143,7 +144,7 @@ struct cb_tokenizer {
 
 static void *xcalloc(size_t n, size_t sz) {
     if (n == 0) n = 1;
-    void *p = calloc(n, sz);
+    void *p = cb_calloc(n, sz);
     if (!p) {
         CB_ERROR("tokenizer: out of memory (%zu x %zu bytes)", n, sz);
         abort();
@@ -864,9 +865,9 @@ static bool ensure_word(enc_t *e, size_t n) {
     while (cap < n) cap *= 2;
     size_t hsz = sizeof(bigram_t) > sizeof(spm_bigram_t) ? sizeof(bigram_t) : sizeof(spm_bigram_t);
     free(e->mapped); free(e->syms); free(e->heap);
-    e->mapped = malloc(2 * cap);
-    e->syms = malloc(cap * sizeof *e->syms);
-    e->heap = malloc(3 * cap * hsz);
+    e->mapped = cb_malloc(2 * cap);
+    e->syms = cb_malloc(cap * sizeof *e->syms);
+    e->heap = cb_malloc(3 * cap * hsz);
     e->word_cap = cap;
     if (!e->mapped || !e->syms || !e->heap) {
         e->word_cap = 0;
@@ -960,8 +961,8 @@ static bool ensure_norm(enc_t *e, size_t n) {
     if (3 * n + 3 <= e->norm_cap) return true;
     free(e->norm); free(e->subj);
     e->norm_cap = 3 * n + 3;
-    e->norm = malloc(e->norm_cap);
-    e->subj = malloc(e->norm_cap);
+    e->norm = cb_malloc(e->norm_cap);
+    e->subj = cb_malloc(e->norm_cap);
     if (!e->norm || !e->subj) {
         e->norm_cap = 0;
         return false;
@@ -1118,8 +1119,8 @@ static bool pairs_present(const uint64_t *bits, const unsigned char *s, size_t n
  * order (longest first), every leftmost non-overlapping occurrence inside a still-raw fragment. */
 static frag_t *partition(const cb_tokenizer_t *t, const char *text, size_t len, bool parse_special, size_t *n_out) {
     size_t cap = 16, n = 1;
-    frag_t *f = malloc(cap * sizeof *f), *g = NULL;
-    uint64_t *bits = calloc(65536 / 64, sizeof *bits);
+    frag_t *f = cb_malloc(cap * sizeof *f), *g = NULL;
+    uint64_t *bits = cb_calloc(65536 / 64, sizeof *bits);
     if (!f || !bits) { free(f); free(bits); return NULL; }
     f[0] = (frag_t){0, len, -1};
     const unsigned char *u = (const unsigned char *)text;
@@ -1139,11 +1140,11 @@ static frag_t *partition(const cb_tokenizer_t *t, const char *text, size_t len, 
             any = f[i].id < 0 && f[i].len >= sl && memmem(text + f[i].off, f[i].len, st, sl);
         if (!any) continue;
         size_t gcap = n + 16, gn = 0;
-        g = malloc(gcap * sizeof *g);
+        g = cb_malloc(gcap * sizeof *g);
         if (!g) { free(f); return NULL; }
         for (size_t i = 0; i < n; i++) {
             if (f[i].id >= 0 || f[i].len < sl) {
-                if (gn == gcap) { gcap *= 2; frag_t *ng = realloc(g, gcap * sizeof *g); if (!ng) goto oom; g = ng; }
+                if (gn == gcap) { gcap *= 2; frag_t *ng = cb_realloc(g, gcap * sizeof *g); if (!ng) goto oom; g = ng; }
                 g[gn++] = f[i];
                 continue;
             }
@@ -1151,7 +1152,7 @@ static frag_t *partition(const cb_tokenizer_t *t, const char *text, size_t len, 
             while (p < end) {
                 const char *hit = end - p >= sl ? memmem(text + p, end - p, st, sl) : NULL;
                 size_t need = 2;
-                if (gn + need > gcap) { gcap = 2 * gcap + need; frag_t *ng = realloc(g, gcap * sizeof *g); if (!ng) goto oom; g = ng; }
+                if (gn + need > gcap) { gcap = 2 * gcap + need; frag_t *ng = cb_realloc(g, gcap * sizeof *g); if (!ng) goto oom; g = ng; }
                 if (!hit) { g[gn++] = (frag_t){p, end - p, -1}; break; }
                 size_t h = (size_t)(hit - text);
                 if (h > p) g[gn++] = (frag_t){p, h - p, -1};
@@ -1213,7 +1214,7 @@ int32_t *cb_tokenizer_encode_alloc(const cb_tokenizer_t *self, const char *text,
     int need = cb_tokenizer_encode(self, text, len, parse_special, NULL, 0);
     if (need == CB_TOKENIZER_EINVAL || need == CB_TOKENIZER_EINTERNAL) return NULL;
     int n = need < 0 ? -need : 0;
-    int32_t *ids = malloc((size_t)(n ? n : 1) * sizeof *ids);
+    int32_t *ids = cb_malloc((size_t)(n ? n : 1) * sizeof *ids);
     if (!ids) return NULL;
     if (n && cb_tokenizer_encode(self, text, len, parse_special, ids, n) != n) {
         free(ids);
@@ -1261,7 +1262,7 @@ char *cb_tokenizer_decode_alloc(const cb_tokenizer_t *self, const int32_t *ids, 
     if (len) *len = 0;
     int64_t need = cb_tokenizer_decode(self, ids, n, special, NULL, 0);
     if (need < 0) return NULL;
-    char *s = malloc((size_t)need + 1);
+    char *s = cb_malloc((size_t)need + 1);
     if (!s) return NULL;
     cb_tokenizer_decode(self, ids, n, special, s, (size_t)need + 1);
     if (len) *len = (size_t)need;

@@ -7,6 +7,7 @@
  * chunk's trimmed text, shedding units from its end if BPE made it longer than the sum of its units.
  */
 #include "rag/chunker.h"
+#include "base/alloc.h"
 
 #include <limits.h>
 #include <stdbool.h>
@@ -41,7 +42,7 @@ cb_chunker_t *cb_chunker_new(const cb_tokenizer_t *tok, int budget, char *err, s
                    CB_CHUNKER_MAX_BUDGET);
         return NULL;
     }
-    cb_chunker_t *c = calloc(1, sizeof *c);
+    cb_chunker_t *c = cb_calloc(1, sizeof *c);
     if (!c) {
         cb_set_err(err, errlen, "chunker: out of memory");
         return NULL;
@@ -101,7 +102,7 @@ static bool ends_sentence(const char *s, size_t start, size_t p) {
 static int push_unit(cb_chunker_t *c, size_t *n, size_t start, size_t end, int n_tokens, int brk) {
     if (*n == c->cap_units) {
         size_t cap = c->cap_units ? c->cap_units * 2 : 64;
-        unit_t *u = realloc(c->units, cap * sizeof *u);
+        unit_t *u = cb_realloc(c->units, cap * sizeof *u);
         if (!u) return -1;
         c->units = u;
         c->cap_units = cap;
@@ -228,7 +229,7 @@ int cb_chunker_split(cb_chunker_t *self, const char *text, size_t len, cb_chunk_
     if (len == 0 || all_ws(text, len)) return 0;
 
     size_t cap = 8, count = 0;
-    cb_chunk_span_t *out = malloc(cap * sizeof *out);
+    cb_chunk_span_t *out = cb_malloc(cap * sizeof *out);
     if (!out) goto oom;
 
     /* the whole document (without its trailing white space) when it fits */
@@ -287,7 +288,7 @@ int cb_chunker_split(cb_chunker_t *self, const char *text, size_t len, cb_chunk_
         if (clen > 0 && !all_ws(text + off, clen)) {
             if (count == cap) {
                 cap *= 2;
-                cb_chunk_span_t *o2 = realloc(out, cap * sizeof *o2);
+                cb_chunk_span_t *o2 = cb_realloc(out, cap * sizeof *o2);
                 if (!o2) goto oom;
                 out = o2;
             }

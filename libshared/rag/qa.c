@@ -9,6 +9,7 @@
  */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "rag/qa.h"
+#include "base/alloc.h"
 #include "base/err.h"
 #include "base/log.h"
 #include "base/utf8.h"
@@ -41,7 +42,7 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 /* ---------------------------------------------------------------- small helpers */
 
 static void *xmalloc(size_t n) {
-    void *p = malloc(n ? n : 1);
+    void *p = cb_malloc(n ? n : 1);
     if (!p) {
         CB_ERROR("qa: out of memory (%zu bytes)", n);
         abort();
@@ -50,7 +51,7 @@ static void *xmalloc(size_t n) {
 }
 
 static void *xrealloc(void *p, size_t n) {
-    void *q = realloc(p, n ? n : 1);
+    void *q = cb_realloc(p, n ? n : 1);
     if (!q) {
         CB_ERROR("qa: out of memory (%zu bytes)", n);
         abort();
@@ -367,7 +368,7 @@ cb_qa_example_t *cb_qa_example_parse(const char *line, size_t len, char *err, si
         cb_set_err(err, errlen, "bad JSON at column %d: %s", je.column, je.text);
         return NULL;
     }
-    cb_qa_example_t *ex = calloc(1, sizeof *ex);
+    cb_qa_example_t *ex = cb_calloc(1, sizeof *ex);
     if (!ex) {
         json_decref(root);
         cb_set_err(err, errlen, "out of memory");
@@ -386,7 +387,7 @@ cb_qa_example_t *cb_qa_example_parse(const char *line, size_t len, char *err, si
                                                                : "needs 1..1000 entries");
         goto out;
     }
-    ex->answers = calloc(json_array_size(ans), sizeof(char *));
+    ex->answers = cb_calloc(json_array_size(ans), sizeof(char *));
     if (!ex->answers) goto oom;
     for (size_t i = 0; i < json_array_size(ans); i++) {
         json_t *a = json_array_get(ans, i);
@@ -403,7 +404,7 @@ cb_qa_example_t *cb_qa_example_parse(const char *line, size_t len, char *err, si
                                                             : "needs 1..1000 entries");
         goto out;
     }
-    ex->ctxs = calloc(json_array_size(ctxs), sizeof(cb_qa_ctx_t));
+    ex->ctxs = cb_calloc(json_array_size(ctxs), sizeof(cb_qa_ctx_t));
     if (!ex->ctxs) goto oom;
     for (size_t i = 0; i < json_array_size(ctxs); i++) {
         json_t *c = json_array_get(ctxs, i);
@@ -475,7 +476,7 @@ cb_qa_set_t *cb_qa_set_load(const char *path, char *err, size_t errlen) {
         free(buf);
         return NULL;
     }
-    cb_qa_set_t *self = calloc(1, sizeof *self);
+    cb_qa_set_t *self = cb_calloc(1, sizeof *self);
     if (!self) {
         free(buf);
         cb_set_err(err, errlen, "out of memory");

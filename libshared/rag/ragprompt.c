@@ -1,5 +1,6 @@
 /* ragprompt.c: the RAG prompt's pieces as token arrays (see ragprompt.h). */
 #include "rag/ragprompt.h"
+#include "base/alloc.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,7 +32,7 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
         return NULL;
     }
     if (system && !*system) system = NULL;
-    cb_ragprompt_t *r = calloc(1, sizeof *r);
+    cb_ragprompt_t *r = cb_calloc(1, sizeof *r);
     if (!r) goto oom;
     r->tok = tok;
     char why[256];
@@ -51,7 +52,7 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
     int nq = 0;
     int32_t *q = encode_text(tok, qp, strlen(qp), &nq);
     if (!q) goto oom;
-    r->prefix = malloc(((size_t)nc + (size_t)nq + 1) * sizeof(int32_t));
+    r->prefix = cb_malloc(((size_t)nc + (size_t)nq + 1) * sizeof(int32_t));
     if (!r->prefix) {
         free(q);
         goto oom;
@@ -72,7 +73,7 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
         return NULL;
     }
     nt = nt < 0 ? -nt : 0; /* 0: a template without a suffix ("completion") */
-    r->tail = malloc(((size_t)nt + 1) * sizeof(int32_t));
+    r->tail = cb_malloc(((size_t)nt + 1) * sizeof(int32_t));
     if (!r->tail) goto oom;
     if (cb_chat_encode_suffix(tok, r->tail, nt) != nt) {
         cb_set_err(err, errlen, "ragprompt: cannot encode the chat suffix");
@@ -105,7 +106,7 @@ const char *cb_ragprompt_separator(void) { return SEP; }
 int32_t *cb_ragprompt_chunk(const cb_ragprompt_t *self, const char *text, size_t len, int *n) {
     *n = 0;
     if (!text && len) return NULL;
-    char *buf = malloc(len + sizeof SEP);
+    char *buf = cb_malloc(len + sizeof SEP);
     if (!buf) return NULL;
     if (len) memcpy(buf, text, len);
     memcpy(buf + len, SEP, sizeof SEP);
@@ -123,7 +124,7 @@ int32_t *cb_ragprompt_suffix(const cb_ragprompt_t *self, const char *question, i
     int32_t *q = encode_text(self->tok, s, strlen(s), &nq);
     free(s);
     if (!q) return NULL;
-    int32_t *out = realloc(q, ((size_t)nq + (size_t)self->n_tail) * sizeof(int32_t));
+    int32_t *out = cb_realloc(q, ((size_t)nq + (size_t)self->n_tail) * sizeof(int32_t));
     if (!out) {
         free(q);
         return NULL;
@@ -137,7 +138,7 @@ char *cb_ragprompt_passage(const char *title, const char *text) {
     if (!title) title = "";
     if (!text) text = "";
     size_t a = strlen(title), b = strlen(text);
-    char *s = malloc(a + b + 3);
+    char *s = cb_malloc(a + b + 3);
     if (!s) return NULL;
     memcpy(s, title, a);
     memcpy(s + a, SEP, 2);

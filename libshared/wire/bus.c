@@ -1,5 +1,6 @@
 /* bus: ZeroMQ socket helpers, Lazy Pirate client, ROUTER service loop. See bus.h. */
 #include "wire/bus.h"
+#include "base/alloc.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -192,8 +193,8 @@ cb_bus_conn_t *cb_bus_conn_new(int type, const char *endpoint, const cb_bus_opts
         snprintf(err, errlen, "invalid endpoint '%s'", endpoint ? endpoint : "(null)");
         return NULL;
     }
-    cb_bus_conn_t *c = calloc(1, sizeof *c);
-    if (!c || !(c->endpoint = strdup(endpoint))) {
+    cb_bus_conn_t *c = cb_calloc(1, sizeof *c);
+    if (!c || !(c->endpoint = cb_strdup(endpoint))) {
         free(c);
         snprintf(err, errlen, "out of memory");
         return NULL;
@@ -325,8 +326,8 @@ cb_bus_client_t *cb_bus_client_new(const char *endpoint, const cb_bus_opts_t *o,
         snprintf(err, errlen, "invalid endpoint '%s'", endpoint ? endpoint : "(null)");
         return NULL;
     }
-    cb_bus_client_t *c = calloc(1, sizeof *c);
-    if (!c || !(c->endpoint = strdup(endpoint))) {
+    cb_bus_client_t *c = cb_calloc(1, sizeof *c);
+    if (!c || !(c->endpoint = cb_strdup(endpoint))) {
         free(c);
         snprintf(err, errlen, "out of memory");
         return NULL;
@@ -558,7 +559,7 @@ void cb_bus_fanout(const cb_bus_opts_t *opts, const char *type, const char *cons
     bool sent[CB_BUS_FANOUT_MAX] = {0}, done[CB_BUS_FANOUT_MAX] = {0};
     double t_sent[CB_BUS_FANOUT_MAX] = {0};
     if (n > CB_BUS_FANOUT_MAX) n = CB_BUS_FANOUT_MAX;
-    cb_bus_opts_t *o = malloc(sizeof *o); /* a few KiB with the CURVE keys: not on the stack */
+    cb_bus_opts_t *o = cb_malloc(sizeof *o); /* a few KiB with the CURVE keys: not on the stack */
     if (o) {
         *o = *opts;
         o->request_timeout_ms = timeout_ms;
@@ -765,7 +766,7 @@ static void worker_drop(cb_bus_service_t *svc);
 
 cb_bus_service_t *cb_bus_service_new(const char *name, const char *endpoint, const cb_bus_opts_t *o, char *err,
                                      size_t errlen) {
-    cb_bus_service_t *svc = calloc(1, sizeof *svc);
+    cb_bus_service_t *svc = cb_calloc(1, sizeof *svc);
     if (!svc) {
         snprintf(err, errlen, "out of memory");
         return NULL;
@@ -787,7 +788,7 @@ cb_bus_service_t *cb_bus_service_new(const char *name, const char *endpoint, con
         return NULL;
     }
     char *last = zsock_last_endpoint(svc->router);
-    svc->endpoint = last ? last : strdup(endpoint);
+    svc->endpoint = last ? last : cb_strdup(endpoint);
     if (!(svc->mon = monitor_attach(svc->router, ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
                                                      ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL, err, errlen))) {
         cb_bus_service_destroy(&svc);
@@ -812,7 +813,7 @@ cb_bus_service_t *cb_bus_worker_new(const char *name, const char *broker, const 
         snprintf(err, errlen, "invalid broker endpoint '%s'", broker ? broker : "(null)");
         return NULL;
     }
-    cb_bus_service_t *svc = calloc(1, sizeof *svc);
+    cb_bus_service_t *svc = cb_calloc(1, sizeof *svc);
     if (!svc) {
         snprintf(err, errlen, "out of memory");
         return NULL;
@@ -831,7 +832,7 @@ cb_bus_service_t *cb_bus_worker_new(const char *name, const char *broker, const 
     svc->t0_ms = cb_now_ms();
     svc->w = cb_msg_writer_new();
     svc->loop = zloop_new();
-    svc->endpoint = strdup(broker);
+    svc->endpoint = cb_strdup(broker);
     if (!svc->w || !svc->loop || !svc->endpoint) {
         snprintf(err, errlen, "out of memory");
         cb_bus_service_destroy(&svc);
@@ -1029,7 +1030,7 @@ static void req_log(const cb_bus_req_t *r) {
 }
 
 cb_bus_req_t *cb_bus_req_detach(cb_bus_req_t *req) {
-    cb_bus_req_t *r = malloc(sizeof *r);
+    cb_bus_req_t *r = cb_malloc(sizeof *r);
     if (!r) return NULL;
     *r = *req;
     r->identity = zframe_dup(req->identity);

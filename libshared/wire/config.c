@@ -1,9 +1,12 @@
 /* config: ZPL file + environment + flags, with validating typed getters. See config.h. */
 #include "wire/config.h"
+#include "base/alloc.h"
+#include "base/sysio.h"
 
 #include <czmq.h>
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,7 +127,7 @@ static cb_config_t *config_alloc(const char *section, char *err, size_t errlen) 
         snprintf(err, errlen, "invalid config section name");
         return NULL;
     }
-    cb_config_t *cfg = calloc(1, sizeof *cfg);
+    cb_config_t *cfg = cb_calloc(1, sizeof *cfg);
     if (!cfg) {
         snprintf(err, errlen, "out of memory");
         return NULL;
@@ -152,17 +155,22 @@ static bool config_read(cb_config_t *cfg, const char *path, bool required, char 
     }
     /* Read the file ourselves (bounded) and parse the text: zconfig_load leaks its zfile when the
      * file does not parse (CZMQ 4.2.1). */
-    FILE *f = fopen(path, "rb");
-    char *text = NULL;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    char *text = fd >= 0 ? cb_malloc(CONFIG_MAX_BYTES + 1) : NULL;
     size_t n = 0;
-    if (f) {
-        text = malloc(CONFIG_MAX_BYTES + 1);
-        if (text) n = fread(text, 1, CONFIG_MAX_BYTES + 1, f);
-        fclose(f);
+    int rerr = fd < 0 ? errno : 0;
+    while (text && n <= CONFIG_MAX_BYTES) {
+        ssize_t k = cb_io_read(fd, text + n, CONFIG_MAX_BYTES + 1 - n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) rerr = errno;
+        if (k <= 0) break;
+        n += (size_t)k;
     }
-    if (!text || n > CONFIG_MAX_BYTES) {
+    if (fd >= 0) close(fd);
+    if (!text || rerr || n > CONFIG_MAX_BYTES) {
         free(text);
-        snprintf(err, errlen, "config file %s: %s", path, text ? "larger than 1 MiB" : "cannot read");
+        snprintf(err, errlen, "config file %s: %s", path,
+                 rerr ? strerror(rerr) : !text ? "out of memory" : "larger than 1 MiB");
         return false;
     }
     text[n] = 0;
@@ -178,7 +186,7 @@ static bool config_read(cb_config_t *cfg, const char *path, bool required, char 
                  "indentation, '#' comments)", path);
         return false;
     }
-    cfg->path = strdup(path);
+    cfg->path = cb_strdup(path);
     if (!cfg->path) {
         snprintf(err, errlen, "out of memory");
         return false;

@@ -1,5 +1,6 @@
 /* curve: CURVE key files, their loading, the per-socket options and the process's ZAP handler. See curve.h. */
 #include "wire/curve.h"
+#include "base/alloc.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -48,7 +49,7 @@ static bool all_zero(const byte *k) {
 static bool zpl_parses(const char *path) {
     FILE *f = fopen(path, "rb");
     if (!f) return false;
-    char *buf = malloc(MAX_KEY_FILE_BYTES + 1);
+    char *buf = cb_malloc(MAX_KEY_FILE_BYTES + 1);
     size_t n = buf ? fread(buf, 1, MAX_KEY_FILE_BYTES + 1, f) : 0;
     fclose(f);
     bool ok = buf && n <= MAX_KEY_FILE_BYTES && memchr(buf, 0, n) == NULL;

@@ -10,6 +10,7 @@
  * the input length, so msgpack-c's allocation is bounded by the input size times a small constant.
  */
 #include "wire/msg.h"
+#include "base/alloc.h"
 #include "base/utf8.h"
 
 #include <ctype.h>
@@ -494,7 +495,7 @@ static bool check_envelope(msg_root_t *r, cb_msg_error_t *e) {
             set_decode_err(e, CB_ERR_BAD_REQUEST, "%s", r->last_error);
             return false;
         }
-        r->err_message = malloc(n + 1);
+        r->err_message = cb_malloc(n + 1);
         if (!r->err_message) {
             set_decode_err(e, CB_ERR_INTERNAL, "out of memory");
             return false;
@@ -503,7 +504,7 @@ static bool check_envelope(msg_root_t *r, cb_msg_error_t *e) {
         r->err_message[n] = 0;
     }
     if (!r->err_message) {
-        r->err_message = calloc(1, 1);
+        r->err_message = cb_calloc(1, 1);
         if (!r->err_message) {
             set_decode_err(e, CB_ERR_INTERNAL, "out of memory");
             return false;
@@ -528,13 +529,13 @@ cb_msg_t *cb_msg_decode_ex(const void *buf, size_t len, size_t max_bytes, cb_msg
         set_decode_err(e, CB_ERR_BAD_REQUEST, "malformed message: %s", why);
         return NULL;
     }
-    msg_root_t *r = calloc(1, sizeof *r);
+    msg_root_t *r = cb_calloc(1, sizeof *r);
     if (!r) {
         set_decode_err(e, CB_ERR_INTERNAL, "out of memory");
         return NULL;
     }
     msgpack_unpacked_init(&r->up);
-    r->buf = malloc(len ? len : 1);
+    r->buf = cb_malloc(len ? len : 1);
     if (!r->buf) {
         root_free(r);
         set_decode_err(e, CB_ERR_INTERNAL, "out of memory");
@@ -803,7 +804,7 @@ const cb_msg_t *cb_msg_at_map(const cb_msg_t *m, const char *key, size_t i) {
 
 static char *hex_of(const void *p, size_t n) {
     static const char digits[] = "0123456789abcdef";
-    char *s = malloc(2 * n + 1);
+    char *s = cb_malloc(2 * n + 1);
     if (!s) return NULL;
     const unsigned char *b = p;
     for (size_t i = 0; i < n; i++) {
@@ -881,7 +882,7 @@ struct cb_msg_writer_s {
 };
 
 cb_msg_writer_t *cb_msg_writer_new(void) {
-    cb_msg_writer_t *w = calloc(1, sizeof *w);
+    cb_msg_writer_t *w = cb_calloc(1, sizeof *w);
     if (!w) return NULL;
     msgpack_sbuffer_init(&w->sb);
     msgpack_packer_init(&w->pk, &w->sb, msgpack_sbuffer_write);
@@ -1131,7 +1132,7 @@ void cb_msg_put_json(cb_msg_writer_t *w, const char *key, const json_t *v) {
             const char *h = json_string_value(bin);
             size_t n = json_string_length(bin);
             if (n % 2) { wfail(w, "$bin: odd number of hex digits"); return; }
-            unsigned char *buf = malloc(n / 2 + 1);
+            unsigned char *buf = cb_malloc(n / 2 + 1);
             if (!buf) { wfail(w, "out of memory"); return; }
             for (size_t i = 0; i < n / 2; i++) {
                 int hi = hexval(h[2 * i]), lo = hexval(h[2 * i + 1]);

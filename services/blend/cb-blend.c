@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/alloc.h"
 #include "engine/backend_select.h"
 #include "blend/blend.h"
 #include "engine/sampler.h"
@@ -143,7 +144,7 @@ static bool parse_stop(const cb_msg_t *m, gen_query_t *q, char *why, size_t whyl
 /* Parses and validates a query into a new gen_query_t; NULL with a code and reason. */
 static gen_query_t *parse_query(blendsvc_t *b, const cb_msg_t *m, cb_err_t *code, char *why, size_t whylen) {
     *code = CB_ERR_BAD_REQUEST;
-    gen_query_t *q = calloc(1, sizeof *q);
+    gen_query_t *q = cb_calloc(1, sizeof *q);
     if (!q) {
         *code = CB_ERR_INTERNAL;
         snprintf(why, whylen, "out of memory");
@@ -157,7 +158,7 @@ static gen_query_t *parse_query(blendsvc_t *b, const cb_msg_t *m, cb_err_t *code
         snprintf(why, whylen, "%s", len == 0 && cb_msg_has(m, "question") ? "field 'question': empty" : cb_msg_last_error(m));
         goto bad;
     }
-    if (!(q->question = strndup(s, len))) goto oom;
+    if (!(q->question = cb_strndup(s, len))) goto oom;
     if (cb_msg_has(m, "contexts")) {
         size_t n;
         if (!cb_msg_array_len(m, "contexts", GEN_MAX_CONTEXTS, &n)) {
@@ -169,7 +170,7 @@ static gen_query_t *parse_query(blendsvc_t *b, const cb_msg_t *m, cb_err_t *code
                 snprintf(why, whylen, "%s", cb_msg_last_error(m));
                 goto bad;
             }
-            if (!(q->contexts[i] = strndup(s, len))) goto oom;
+            if (!(q->contexts[i] = cb_strndup(s, len))) goto oom;
             q->context_lens[i] = len;
             q->n_contexts = (int)i + 1;
         }
@@ -733,7 +734,7 @@ int main(int argc, char **argv) {
     cb_bus_service_on(b.svc, "cancel", on_cancel, &b);
     if (cb_bus_service_is_worker(b.svc)) {
         b.resident_max = (int)resident;
-        if (resident > 0 && !(b.recent = calloc((size_t)resident, 32))) {
+        if (resident > 0 && !(b.recent = cb_calloc((size_t)resident, 32))) {
             cb_log(CB_LOG_ERROR, NULL, "out of memory");
             goto out;
         }

@@ -1,5 +1,6 @@
 /* fetch.c: cb-blend's retrieval thread (see fetch.h). */
 #include "fetch.h"
+#include "base/alloc.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,7 +46,7 @@ static int retrieve(fetch_t *f, gen_query_t *q, cb_err_t *code, char *err, size_
         const char *s;
         size_t len;
         if (!h || !cb_msg_str(h, "text", MAX_CONTEXT_BYTES, &s, &len)) continue;
-        if (!(q->contexts[got] = strndup(s, len))) break;
+        if (!(q->contexts[got] = cb_strndup(s, len))) break;
         q->context_lens[got++] = len;
     }
     q->n_contexts = got;

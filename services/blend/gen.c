@@ -1,5 +1,6 @@
 /* gen.c: cb-blend's generation worker (see gen.h). */
 #include "gen.h"
+#include "base/alloc.h"
 
 #include <errno.h>
 #include <sodium.h>
@@ -245,15 +246,15 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
     if (!(g->blend = cb_blend_new(g->store, err, errlen))) return -1;
     g->n_vocab = hp->n_vocab;
     g->w = cb_msg_writer_new();
-    g->logits = malloc((size_t)g->n_vocab * sizeof(float));
+    g->logits = cb_malloc((size_t)g->n_vocab * sizeof(float));
     g->fifo = zlist_new();
     const int S = g->n_slots = a->max_seqs;
-    g->slots = calloc((size_t)S, sizeof *g->slots);
-    g->b_slot = malloc(sizeof(int) * (size_t)S);
-    g->b_seq = malloc(sizeof(cb_seq_t *) * (size_t)S);
-    g->b_tok = malloc(sizeof(int32_t) * (size_t)S);
-    g->b_pos = malloc(sizeof(int32_t) * (size_t)S);
-    g->b_logits = malloc(sizeof(float) * (size_t)S * (size_t)g->n_vocab);
+    g->slots = cb_calloc((size_t)S, sizeof *g->slots);
+    g->b_slot = cb_malloc(sizeof(int) * (size_t)S);
+    g->b_seq = cb_malloc(sizeof(cb_seq_t *) * (size_t)S);
+    g->b_tok = cb_malloc(sizeof(int32_t) * (size_t)S);
+    g->b_pos = cb_malloc(sizeof(int32_t) * (size_t)S);
+    g->b_logits = cb_malloc(sizeof(float) * (size_t)S * (size_t)g->n_vocab);
     if (!g->w || !g->logits || !g->fifo || !g->slots || !g->b_slot || !g->b_seq || !g->b_tok || !g->b_pos ||
         !g->b_logits) {
         snprintf(err, errlen, "out of memory");
@@ -454,7 +455,7 @@ static int append_text(query_t *r, const char *piece, size_t pl) {
     if (r->text_len + pl + 1 > r->text_cap) {
         size_t cap = r->text_cap ? r->text_cap * 2 : 1024;
         while (cap < r->text_len + pl + 1) cap *= 2;
-        char *t2 = realloc(r->text, cap);
+        char *t2 = cb_realloc(r->text, cap);
         if (!t2) return -1;
         r->text = t2;
         r->text_cap = cap;

@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "wire/bus.h"
+#include "base/alloc.h"
 #include "wire/config.h"
 #include "wire/db.h"
 #include "kvdir.h"
@@ -279,7 +280,7 @@ static void on_lookup(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
         return;
     }
     /* hits go into the reply as they are found; misses are written after them (second pass) */
-    bool *hit = calloc(n, sizeof *hit);
+    bool *hit = cb_calloc(n, sizeof *hit);
     if (!hit) {
         rollback(c);
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "out of memory");
@@ -367,7 +368,7 @@ static void on_touch(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
         cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "%s", cb_msg_last_error(m));
         return;
     }
-    bool *known = calloc(n, sizeof *known);
+    bool *known = cb_calloc(n, sizeof *known);
     if (!known) {
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "out of memory");
         return;

@@ -1,5 +1,6 @@
 /* kvdir: path validation and symlink-proof file operations under the KV directory. See kvdir.h. */
 #include "kvdir.h"
+#include "base/alloc.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -18,8 +19,8 @@ struct kvdir_s {
 
 kvdir_t *kvdir_open(const char *dir, char *err, size_t errlen) {
     if (cb_db_mkdirs(dir, err, errlen) != 0) return NULL;
-    kvdir_t *d = calloc(1, sizeof *d);
-    if (!d || !(d->root = strdup(dir))) {
+    kvdir_t *d = cb_calloc(1, sizeof *d);
+    if (!d || !(d->root = cb_strdup(dir))) {
         free(d);
         snprintf(err, errlen, "out of memory");
         return NULL;

@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "cbctl.h"
+#include "base/alloc.h"
 #include "client.h"
 #include "base/clock.h"
 #include "rag/ragprompt.h"
@@ -94,7 +95,7 @@ static char *read_file(const char *path, size_t *len, char *err, size_t errlen) 
         fclose(f);
         return NULL;
     }
-    char *buf = malloc((size_t)st.st_size + 1);
+    char *buf = cb_malloc((size_t)st.st_size + 1);
     size_t got = buf ? fread(buf, 1, (size_t)st.st_size, f) : 0;
     fclose(f);
     if (!buf || got != (size_t)st.st_size) {
@@ -114,7 +115,7 @@ static void send_doc(ingest_t *in, const char *doc_id, const char *text, size_t 
     snprintf(full_id, sizeof full_id, "%s%s", in->prefix, doc_id);
     if (in->n == in->cap) {
         size_t cap = in->cap ? in->cap * 2 : 64;
-        doc_t *d = realloc(in->docs, cap * sizeof *d);
+        doc_t *d = cb_realloc(in->docs, cap * sizeof *d);
         if (!d) {
             cbctl_error(in->ctl, "out of memory");
             in->n_errors++;
@@ -125,7 +126,7 @@ static void send_doc(ingest_t *in, const char *doc_id, const char *text, size_t 
     }
     doc_t *d = &in->docs[in->n];
     memset(d, 0, sizeof *d);
-    if (!(d->doc_id = strdup(full_id))) return;
+    if (!(d->doc_id = cb_strdup(full_id))) return;
     in->n++;
     if (!cb_msg_utf8_valid(text, len) || memchr(text, 0, len)) {
         bar_end(in);
@@ -267,12 +268,12 @@ static void ingest_path(ingest_t *in, const char *path, bool explicit, int depth
             if (e->d_name[0] == '.') continue;
             if (n == cap) {
                 cap = cap ? cap * 2 : 32;
-                char **nn = realloc(names, cap * sizeof *nn);
+                char **nn = cb_realloc(names, cap * sizeof *nn);
                 if (!nn) break;
                 names = nn;
             }
             size_t pl = strlen(path) + strlen(e->d_name) + 2;
-            names[n] = malloc(pl);
+            names[n] = cb_malloc(pl);
             if (!names[n]) break;
             snprintf(names[n++], pl, "%s%s%s", path, has_ext(path, "/") ? "" : "/", e->d_name);
         }

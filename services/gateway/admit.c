@@ -1,5 +1,6 @@
 /* admit: accept, limits per address, the first request line, request deadlines. See admit.h. */
 #include "admit.h"
+#include "base/alloc.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -110,7 +111,7 @@ static ip_node_t *ip_find(gw_admit_t *a, const uint8_t key[16]) {
 static bool ip_inc(gw_admit_t *a, const uint8_t key[16]) {
     ip_node_t *p = ip_find(a, key);
     if (!p) {
-        if (!(p = calloc(1, sizeof *p))) return false;
+        if (!(p = cb_calloc(1, sizeof *p))) return false;
         memcpy(p->key, key, 16);
         unsigned h = ip_hash(key);
         p->next = a->ips[h];
@@ -234,7 +235,7 @@ static void admit_one(gw_admit_t *a, int fd, const struct sockaddr_storage *ss, 
     } else {
         /* a slot still taken by this fd number is stale (libmicrohttpd closed it without telling) */
         if (a->by_fd[fd]) drop_locked(a, a->by_fd[fd]);
-        conn_t *c = calloc(1, sizeof *c);
+        conn_t *c = cb_calloc(1, sizeof *c);
         if (!c || !ip_inc(a, key)) {
             free(c);
             refuse = &a->r503;
@@ -429,7 +430,7 @@ static void *run(void *arg) {
 
 gw_admit_t *gw_admit_new(const gw_admit_opts_t *o, const struct sockaddr *addr, socklen_t addrlen, char *err,
                          size_t errlen) {
-    gw_admit_t *a = calloc(1, sizeof *a);
+    gw_admit_t *a = cb_calloc(1, sizeof *a);
     if (!a) {
         snprintf(err, errlen, "out of memory");
         return NULL;
@@ -440,7 +441,7 @@ gw_admit_t *gw_admit_new(const gw_admit_opts_t *o, const struct sockaddr *addr, 
     struct rlimit rl;
     a->n_fd = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY ? (size_t)rl.rlim_cur : MAX_FDS;
     if (a->n_fd > MAX_FDS) a->n_fd = MAX_FDS;
-    if (!(a->by_fd = calloc(a->n_fd, sizeof *a->by_fd))) {
+    if (!(a->by_fd = cb_calloc(a->n_fd, sizeof *a->by_fd))) {
         snprintf(err, errlen, "out of memory");
         gw_admit_destroy(&a);
         return NULL;

@@ -1,5 +1,6 @@
 /* keyguard: wrong API keys per address, lockouts. See keyguard.h. */
 #include "keyguard.h"
+#include "base/alloc.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -26,7 +27,7 @@ struct gw_keyguard {
 };
 
 gw_keyguard_t *gw_keyguard_new(unsigned limit, unsigned window_s, unsigned lockout_s) {
-    gw_keyguard_t *self = calloc(1, sizeof *self);
+    gw_keyguard_t *self = cb_calloc(1, sizeof *self);
     if (!self) return NULL;
     self->limit = limit;
     self->window_ms = 1000.0 * window_s;

@@ -1,5 +1,6 @@
 /* metrics: counters, histograms and the Prometheus exposition. See metrics.h. */
 #include "metrics.h"
+#include "base/alloc.h"
 
 #include <pthread.h>
 #include <stddef.h>
@@ -45,7 +46,7 @@ static const char *const OUTCOME_NAMES[GW_N_OUTCOMES] = {"ok",        "bad_reque
                                                           "timeout",   "too_large",   "cancelled",  "error"};
 
 gw_metrics_t *gw_metrics_new(void) {
-    gw_metrics_t *self = calloc(1, sizeof *self);
+    gw_metrics_t *self = cb_calloc(1, sizeof *self);
     if (!self) return NULL;
     pthread_mutex_init(&self->mu, NULL);
     return self;

@@ -1,5 +1,6 @@
 /* server: the HTTP side of cb-gateway. See server.h. */
 #include "server.h"
+#include "base/alloc.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -210,7 +211,7 @@ static bool out_append(sse_t *x, const char *data, size_t n) {
     if (x->len + n + 1 > x->cap) {
         size_t cap = x->cap ? x->cap : 1024;
         while (cap < x->len + n + 1) cap *= 2;
-        char *p = realloc(x->out, cap);
+        char *p = cb_realloc(x->out, cap);
         if (!p) return false;
         x->out = p;
         x->cap = cap;
@@ -396,7 +397,7 @@ static cb_msg_t *first_message(gw_stream_t *st, gw_stream_end_t *why, char *err,
 /* A streamed answer whose first message is m (taken): the SSE response, and r->pump for the job thread. */
 static enum MHD_Result chat_stream(gw_server_t *s, req_t *r, gw_stream_t *st, gw_chat_t *req, cb_msg_t *m,
                                    const char *cid, const char *model, int64_t created, gw_mode_t asked) {
-    sse_t *x = calloc(1, sizeof *x);
+    sse_t *x = cb_calloc(1, sizeof *x);
     if (!x) {
         cb_msg_destroy(&m);
         gw_stream_destroy(&st);
@@ -834,7 +835,7 @@ static void *conn_ctx(struct MHD_Connection *c) {
 }
 
 static req_t *req_new(gw_server_t *s, struct MHD_Connection *c) {
-    req_t *r = calloc(1, sizeof *r);
+    req_t *r = cb_calloc(1, sizeof *r);
     if (!r) return NULL;
     r->s = s;
     r->mc = c;
@@ -901,7 +902,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     }
     if (!r->started) {
         r->started = true;
-        if (!(r->url = strdup(url))) return MHD_NO;
+        if (!(r->url = cb_strdup(url))) return MHD_NO;
         r->handler = route_of(url);
         return on_headers(s, c, r, url);
     }
@@ -919,7 +920,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         if (r->len + n + 1 > r->cap) {
             size_t cap = r->cap ? r->cap : 4096;
             while (cap < r->len + n + 1) cap *= 2;
-            char *p = realloc(r->body, cap);
+            char *p = cb_realloc(r->body, cap);
             if (!p) return MHD_NO;
             r->body = p;
             r->cap = cap;
@@ -1040,7 +1041,7 @@ static bool raise_fd_limit(const gw_server_opts_t *o, char *err, size_t errlen) 
 }
 
 gw_server_t *gw_server_new(const gw_server_opts_t *o, char *err, size_t errlen) {
-    gw_server_t *s = calloc(1, sizeof *s);
+    gw_server_t *s = cb_calloc(1, sizeof *s);
     if (!s || !(s->metrics = gw_metrics_new()) ||
         !(s->keyguard = gw_keyguard_new(o->auth_fail_limit, o->auth_fail_window_s, o->auth_lockout_s))) {
         snprintf(err, errlen, "out of memory");

@@ -1,5 +1,6 @@
 /* stream: one query to cb-blend, read with bounds. See stream.h. */
 #include "stream.h"
+#include "base/alloc.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -36,7 +37,7 @@ bool gw_client_gone(int fd) {
 
 gw_stream_t *gw_stream_start(const gw_stream_opts_t *o, const void *data, size_t len, const char *id, cb_err_t *code,
                              char *err, size_t errlen) {
-    gw_stream_t *self = calloc(1, sizeof *self);
+    gw_stream_t *self = cb_calloc(1, sizeof *self);
     if (!self) {
         *code = CB_ERR_INTERNAL;
         snprintf(err, errlen, "out of memory");

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "base/alloc.h"
 #include "engine/backend_select.h"
 #include "wire/bus.h"
 #include "wire/config.h"
@@ -180,8 +181,8 @@ static bool start_check(precompute_t *p, cb_bus_req_t *req, const char *job, con
     if (cb_jobs_status(p->jobs, job, &st, err, sizeof err) != 1 || st.state != CB_JOB_DONE ||
         cb_jobs_chunks(p->jobs, job, &cs, &n, err, sizeof err) != 0)
         return false;
-    char *keys = malloc((size_t)n * 64 + 1);
-    check_t *c = calloc(1, sizeof *c);
+    char *keys = cb_malloc((size_t)n * 64 + 1);
+    check_t *c = cb_calloc(1, sizeof *c);
     if (!keys || !c) {
         free(keys);
         free(c);

@@ -1,5 +1,6 @@
 /* ident: the client of an ingest, from the authenticated CURVE key (see ident.h). */
 #include "ident.h"
+#include "base/alloc.h"
 
 #include <errno.h>
 #include <sodium.h>
@@ -33,7 +34,7 @@ static bool name_ok(const char *s, size_t n) {
 }
 
 pc_ident_t *pc_ident_new(const cb_curve_t *curve, bool behind_broker, const char *trusted, char *err, size_t errlen) {
-    pc_ident_t *self = calloc(1, sizeof *self);
+    pc_ident_t *self = cb_calloc(1, sizeof *self);
     if (!self) {
         snprintf(err, errlen, "out of memory");
         return NULL;

@@ -1,5 +1,6 @@
 /* jobs.c: cb-precompute's durable job queue in SQLite (see jobs.h). */
 #include "jobs.h"
+#include "base/alloc.h"
 
 #include <sodium.h>
 #include <stdio.h>
@@ -162,7 +163,7 @@ static int migrate(cb_jobs_t *j, char *err, size_t errlen) {
 }
 
 cb_jobs_t *cb_jobs_open(const char *path, char *err, size_t errlen) {
-    cb_jobs_t *j = calloc(1, sizeof *j);
+    cb_jobs_t *j = cb_calloc(1, sizeof *j);
     if (!j) {
         snprintf(err, errlen, "jobs: out of memory");
         return NULL;
@@ -510,11 +511,11 @@ int cb_jobs_get(cb_jobs_t *self, const char *id, cb_job_t **out, char *err, size
         sqlite3_reset(s);
         return -1;
     }
-    cb_job_t *j = calloc(1, sizeof *j);
+    cb_job_t *j = cb_calloc(1, sizeof *j);
     const char *doc = (const char *)sqlite3_column_text(s, 2);
     const char *text = (const char *)sqlite3_column_text(s, 3);
     int text_len = sqlite3_column_bytes(s, 3);
-    if (!j || !doc || !text || !(j->doc_id = strdup(doc)) || !(j->text = malloc((size_t)text_len + 1))) {
+    if (!j || !doc || !text || !(j->doc_id = cb_strdup(doc)) || !(j->text = cb_malloc((size_t)text_len + 1))) {
         if (j) free(j->doc_id);
         free(j);
         sqlite3_reset(s);
@@ -612,7 +613,7 @@ int cb_jobs_chunks(cb_jobs_t *self, const char *job, cb_job_chunk_t **chunks, in
     while ((rc = sqlite3_step(s)) == SQLITE_ROW) {
         if (cnt == cap) {
             cap = cap ? cap * 2 : 16;
-            cb_job_chunk_t *o2 = realloc(out, cap * sizeof *o2);
+            cb_job_chunk_t *o2 = cb_realloc(out, cap * sizeof *o2);
             if (!o2) {
                 free(out);
                 sqlite3_reset(s);

@@ -1,5 +1,6 @@
 /* lease_client.c: a remote precompute worker's job source, leased from the master (see lease_client.h). */
 #include "lease_client.h"
+#include "base/alloc.h"
 
 #include <stdatomic.h>
 #include <stdio.h>
@@ -175,7 +176,7 @@ static void renewer_actor(zsock_t *pipe, void *args) {
 static cb_job_t *read_lease(lease_src_t *l, const cb_msg_t *m, int64_t *lease_ms, char *err, size_t errlen) {
     const char *s, *doc, *text, *client = "";
     size_t n, ndoc, ntext, nclient = 0;
-    cb_job_t *job = calloc(1, sizeof *job);
+    cb_job_t *job = cb_calloc(1, sizeof *job);
     size_t nch = 0;
     bool planned = false;
     if (!job) {
@@ -196,7 +197,7 @@ static cb_job_t *read_lease(lease_src_t *l, const cb_msg_t *m, int64_t *lease_ms
         snprintf(err, errlen, "lease reply: empty doc_id or text");
         goto fail;
     }
-    if (!(job->doc_id = malloc(ndoc + 1)) || !(job->text = malloc(ntext + 1))) {
+    if (!(job->doc_id = cb_malloc(ndoc + 1)) || !(job->text = cb_malloc(ntext + 1))) {
         snprintf(err, errlen, "out of memory");
         goto fail;
     }
@@ -217,7 +218,7 @@ static cb_job_t *read_lease(lease_src_t *l, const cb_msg_t *m, int64_t *lease_ms
             snprintf(err, errlen, "lease reply: the plan's arrays differ in length");
             goto fail;
         }
-        l->chunks = nch ? calloc(nch, sizeof *l->chunks) : NULL;
+        l->chunks = nch ? cb_calloc(nch, sizeof *l->chunks) : NULL;
         if (nch && !l->chunks) {
             snprintf(err, errlen, "out of memory");
             goto fail;
@@ -340,7 +341,7 @@ static pc_src_rc_t lease_plan(void *ctx, cb_job_t *job, const cb_job_chunk_t *cs
         return outcome(l, PC_SRC_STALE);
     }
     free(l->chunks);
-    l->chunks = n ? malloc((size_t)n * sizeof *l->chunks) : NULL;
+    l->chunks = n ? cb_malloc((size_t)n * sizeof *l->chunks) : NULL;
     if (n && !l->chunks) {
         snprintf(err, errlen, "out of memory");
         l->n_chunks = 0;
@@ -457,7 +458,7 @@ int pc_lease_source_new(const pc_worker_args_t *a, pc_source_t *out, char *err, 
                  a->worker_name, PC_LEASE_WORKER_MAX);
         return -1;
     }
-    lease_src_t *l = calloc(1, sizeof *l);
+    lease_src_t *l = cb_calloc(1, sizeof *l);
     if (!l) {
         snprintf(err, errlen, "out of memory");
         return -1;

@@ -1,5 +1,6 @@
 /* lease_server.c: the lease messages of the master cb-precompute (see lease_server.h). */
 #include "lease_server.h"
+#include "base/alloc.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -183,7 +184,7 @@ static void on_plan(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m,
         cb_bus_reply_error(req, CB_ERR_BAD_REQUEST, "fields 'off', 'len', 'tokens', 'keys': arrays of one length");
         return;
     }
-    cb_job_chunk_t *cs = n ? calloc(n, sizeof *cs) : NULL;
+    cb_job_chunk_t *cs = n ? cb_calloc(n, sizeof *cs) : NULL;
     if (n && !cs) {
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "out of memory");
         return;
@@ -291,7 +292,7 @@ static void on_release(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t 
 
 pc_lease_server_t *pc_lease_server_new(cb_bus_service_t *svc, cb_jobs_t *jobs, const pc_lease_opts_t *o, char *err,
                                        size_t errlen) {
-    pc_lease_server_t *s = calloc(1, sizeof *s);
+    pc_lease_server_t *s = cb_calloc(1, sizeof *s);
     if (!s) {
         snprintf(err, errlen, "out of memory");
         return NULL;

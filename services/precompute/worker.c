@@ -1,5 +1,6 @@
 /* worker.c: cb-precompute's job worker thread (see worker.h). */
 #include "worker.h"
+#include "base/alloc.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -120,7 +121,7 @@ static void local_destroy(void **ctx_p) {
 
 /* The local source over the job table at db_path (opened here: this thread's connection). 0 or -1. */
 static int pc_local_source_new(const char *db_path, int64_t ttl_ms, pc_source_t *out, char *err, size_t errlen) {
-    local_src_t *l = calloc(1, sizeof *l);
+    local_src_t *l = cb_calloc(1, sizeof *l);
     if (!l) {
         snprintf(err, errlen, "out of memory");
         return -1;
@@ -301,7 +302,7 @@ static step_t call_retry(worker_t *w, cb_bus_client_t *c, const char *job, const
     }
     /* the writer's buffer is reused by nothing until we return: keep a copy anyway (logging may not, but
      * future code might) */
-    void *copy = malloc(len);
+    void *copy = cb_malloc(len);
     if (!copy) {
         snprintf(err, errlen, "out of memory");
         return STEP_FAIL;
@@ -354,7 +355,7 @@ static step_t plan_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
     cb_chunk_span_t *spans = NULL;
     int n = 0;
     if (cb_chunker_split(w->chunker, job->text, job->text_len, &spans, &n, err, errlen) != 0) return STEP_FAIL;
-    cb_job_chunk_t *cs = n ? calloc((size_t)n, sizeof *cs) : NULL;
+    cb_job_chunk_t *cs = n ? cb_calloc((size_t)n, sizeof *cs) : NULL;
     if (n && !cs) {
         free(spans);
         snprintf(err, errlen, "out of memory");
@@ -523,7 +524,7 @@ static step_t job_turn(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
 /* The first turn of a job in this process: remembered (for its time), and a resumed one said so. */
 static void job_started(worker_t *w, const cb_job_t *job) {
     if (zhashx_lookup(w->started, job->job)) return;
-    double *t0 = malloc(sizeof *t0);
+    double *t0 = cb_malloc(sizeof *t0);
     if (!t0) return;
     *t0 = cb_now_ms();
     zhashx_insert(w->started, job->job, t0);

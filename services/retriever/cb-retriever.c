@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "wire/bus.h"
+#include "base/alloc.h"
 #include "wire/config.h"
 #include "wire/db.h"
 #include "base/log.h"
@@ -363,7 +364,7 @@ int main(int argc, char **argv) {
         goto out;
     }
     cb_config_log(cfg, SECTION);
-    r.fts = malloc((size_t)r.max_query_bytes * 2 + 64);
+    r.fts = cb_malloc((size_t)r.max_query_bytes * 2 + 64);
     if (!r.fts) {
         cb_log(CB_LOG_ERROR, NULL, "out of memory");
         goto out;

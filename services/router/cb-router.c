@@ -37,6 +37,7 @@
 #include <xxhash.h>
 
 #include "base/clock.h"
+#include "base/alloc.h"
 #include "base/log.h"
 #include "format/kvfile.h"
 #include "pool.h"
@@ -710,7 +711,7 @@ int main(int argc, char **argv) {
     cb_config_log(cfg, SECTION);
     r.pool = rt_pool_new(MAX_WORKERS, max_inflight, resident);
     r.w = cb_msg_writer_new();
-    r.tmp_keys = calloc((size_t)(resident ? resident : 1), 32);
+    r.tmp_keys = cb_calloc((size_t)(resident ? resident : 1), 32);
     if (!r.pool || !r.w || !r.tmp_keys) {
         cb_log(CB_LOG_ERROR, NULL, "out of memory");
         goto out;

@@ -1,5 +1,6 @@
 /* pool: cb-router's worker and in-flight tables and its routing policy. See pool.h. */
 #include "pool.h"
+#include "base/alloc.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,14 +32,14 @@ const char *rt_policy_name(rt_policy_t p) {
 
 rt_pool_t *rt_pool_new(int max_workers, int max_inflight, int max_resident) {
     if (max_workers <= 0 || max_inflight <= 0 || max_resident < 0) return NULL;
-    rt_pool_t *p = calloc(1, sizeof *p);
+    rt_pool_t *p = cb_calloc(1, sizeof *p);
     if (!p) return NULL;
     p->max_workers = max_workers;
     p->max_inflight = max_inflight;
     p->max_resident = max_resident;
-    p->workers = calloc((size_t)max_workers, sizeof *p->workers);
-    p->flights = calloc((size_t)max_inflight, sizeof *p->flights);
-    p->resident = max_resident ? calloc((size_t)max_workers * (size_t)max_resident, 32) : NULL;
+    p->workers = cb_calloc((size_t)max_workers, sizeof *p->workers);
+    p->flights = cb_calloc((size_t)max_inflight, sizeof *p->flights);
+    p->resident = max_resident ? cb_calloc((size_t)max_workers * (size_t)max_resident, 32) : NULL;
     if (!p->workers || !p->flights || (max_resident && !p->resident)) {
         rt_pool_destroy(&p);
         return NULL;
@@ -266,7 +267,7 @@ void rt_pool_flight_drop_body(rt_flight_t *f) {
 
 int rt_pool_flight_set_body(rt_flight_t *f, const void *data, size_t len) {
     rt_pool_flight_drop_body(f);
-    if (!(f->body = malloc(len ? len : 1))) return -1;
+    if (!(f->body = cb_malloc(len ? len : 1))) return -1;
     memcpy(f->body, data, len);
     f->body_len = len;
     return 0;

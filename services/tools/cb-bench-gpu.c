@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "model/synth.h"
+#include "base/alloc.h"
 
 #if !CB_HAVE_CUDA
 int main(void) {
@@ -183,7 +184,7 @@ static const cb_cl_kind_t KINDS[] = {CB_CL_ATTN_NORM, CB_CL_Q, CB_CL_K, CB_CL_V,
 
 /* Weights from the synth generator, on the device (matrices) and via the host (norms). */
 static void fill_model(cb_cuda_llama_t *m, const cb_synth_shape_t *s, uint64_t seed) {
-    float *norm = malloc(sizeof(float) * (size_t)s->n_embd);
+    float *norm = cb_malloc(sizeof(float) * (size_t)s->n_embd);
     if (!norm) DIE("out of host memory");
     for (int l = -1; l < s->n_layer; l++) {
         const cb_cl_kind_t glob[] = {CB_CL_TOKEN_EMBD, CB_CL_OUTPUT_NORM, CB_CL_OUTPUT};
@@ -248,7 +249,7 @@ static void part_device(const opts_t *o, verdict_t *v) {
             continue;
         }
         fill_model(m, s, o->seed);
-        int32_t *tok = malloc(sizeof(int32_t) * (size_t)T);
+        int32_t *tok = cb_malloc(sizeof(int32_t) * (size_t)T);
         if (!tok) DIE("out of host memory");
         rand_tokens(&rs, tok, T, s->n_vocab);
         int32_t *dtok = cb_cuda_llama_tokens(m), *dout = cb_cuda_malloc(cu, 16), *dpos = dout + 1;
@@ -388,10 +389,10 @@ static void part_engine(const opts_t *o, verdict_t *v) {
     eng_open(o, max_ctx, entry * (size_t)(n_distinct + 2) + ((size_t)64 << 20), &g);
     /* the prompt's pieces: a precompute context, distinct chunks (reused cyclically), a question */
     uint64_t rs = o->seed * 0x9E3779B97F4A7C15ull + 7;
-    int32_t *prefix = malloc(sizeof(int32_t) * (size_t)o->prefix), *suffix = malloc(sizeof(int32_t) * (size_t)o->suffix);
-    int32_t *ctok = malloc(sizeof(int32_t) * (size_t)n_distinct * o->chunk);
-    cb_blend_chunk_t *ch = malloc(sizeof *ch * (size_t)(max_n / o->chunk));
-    float *logits = malloc(sizeof(float) * (size_t)s->n_vocab);
+    int32_t *prefix = cb_malloc(sizeof(int32_t) * (size_t)o->prefix), *suffix = cb_malloc(sizeof(int32_t) * (size_t)o->suffix);
+    int32_t *ctok = cb_malloc(sizeof(int32_t) * (size_t)n_distinct * o->chunk);
+    cb_blend_chunk_t *ch = cb_malloc(sizeof *ch * (size_t)(max_n / o->chunk));
+    float *logits = cb_malloc(sizeof(float) * (size_t)s->n_vocab);
     if (!prefix || !suffix || !ctok || !ch || !logits) DIE("out of host memory");
     rand_tokens(&rs, prefix, o->prefix, s->n_vocab);
     rand_tokens(&rs, suffix, o->suffix, s->n_vocab);

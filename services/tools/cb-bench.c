@@ -26,6 +26,7 @@
 #include <sys/resource.h>
 
 #include "base/clock.h"
+#include "base/alloc.h"
 #include "cpu/cpu_ops.h"
 #include "engine/engine.h"
 #include "base/log.h"
@@ -56,7 +57,7 @@ static int bench_batch(cb_engine_t *e, cb_seq_t *base, const cb_model_t *m, cons
     const int V = cb_model_hparams(m)->n_vocab;
     cb_seq_t *seqs[64] = {0};
     int32_t t[64], pos[64];
-    float *lg = malloc(sizeof(float) * (size_t)B * V);
+    float *lg = cb_malloc(sizeof(float) * (size_t)B * V);
     int rc = 1;
     if (!lg) goto out;
     cb_seq_clear(base);
@@ -153,8 +154,8 @@ int main(int argc, char **argv) {
                                                                           2 * CB_ENGINE_BLOCK_TOKENS));
     cb_engine_t *e = cb_engine_new_opts(m, &eo, err, sizeof err);
     cb_seq_t *seq = e ? cb_seq_new(e) : NULL;
-    int32_t *tok = malloc(sizeof(int32_t) * (size_t)ctx);
-    float *lg = malloc(sizeof(float) * (size_t)V);
+    int32_t *tok = cb_malloc(sizeof(int32_t) * (size_t)ctx);
+    float *lg = cb_malloc(sizeof(float) * (size_t)V);
     if (!e || !seq || !tok || !lg) {
         fprintf(stderr, "cb-bench: %s\n", e ? "out of memory" : err);
         return 1;

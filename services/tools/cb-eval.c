@@ -50,6 +50,7 @@
 #include <time.h>
 
 #include "args.h"
+#include "base/alloc.h"
 #include "base/clock.h"
 #include "engine/backend_select.h"
 #include "blend/blend.h"
@@ -224,7 +225,7 @@ static int append_text(const cb_tokenizer_t *tok, const char *text, int32_t **ar
     if (!ids) return -1;
     if (*n + k > *cap) {
         int nc = (*n + k) * 2 + 16;
-        int32_t *p = realloc(*arr, sizeof(int32_t) * (size_t)nc);
+        int32_t *p = cb_realloc(*arr, sizeof(int32_t) * (size_t)nc);
         if (!p) {
             free(ids);
             return -1;
@@ -678,8 +679,8 @@ int main(int argc, char **argv) {
             goto done;
         }
     }
-    if (!(seq = cb_seq_new(eng)) || !(logits = malloc(sizeof(float) * (size_t)hp->n_vocab)) || !(gen = malloc(sizeof(int32_t) * (size_t)max_new)) ||
-        !(lp_full = malloc(sizeof(double) * (size_t)hp->n_vocab)) || !(lp_mode = malloc(sizeof(double) * (size_t)hp->n_vocab)))
+    if (!(seq = cb_seq_new(eng)) || !(logits = cb_malloc(sizeof(float) * (size_t)hp->n_vocab)) || !(gen = cb_malloc(sizeof(int32_t) * (size_t)max_new)) ||
+        !(lp_full = cb_malloc(sizeof(double) * (size_t)hp->n_vocab)) || !(lp_mode = cb_malloc(sizeof(double) * (size_t)hp->n_vocab)))
         goto done;
 
     /* the prefix: ChatML system turn + user opening, then the anchors' instruction */
@@ -691,7 +692,7 @@ int main(int argc, char **argv) {
             goto done;
         }
         cap_prefix = -k + 256;
-        prefix = malloc(sizeof(int32_t) * (size_t)cap_prefix);
+        prefix = cb_malloc(sizeof(int32_t) * (size_t)cap_prefix);
         if (!prefix || (n_prefix = cb_chat_encode_prefix(tok, NULL, prefix, cap_prefix)) < 0) goto done;
         if (append_text(tok, cb_qa_prefix(), &prefix, &n_prefix, &cap_prefix)) goto done;
     }
@@ -747,7 +748,7 @@ int main(int argc, char **argv) {
         free(st);
         for (int i = 0; ok && i < n_chat_suffix; i++) {
             if (n_suffix == cap_suffix) {
-                int32_t *p = realloc(suffix, sizeof(int32_t) * (size_t)(cap_suffix + 64));
+                int32_t *p = cb_realloc(suffix, sizeof(int32_t) * (size_t)(cap_suffix + 64));
                 if (!p) {
                     ok = 0;
                     break;
@@ -805,7 +806,7 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "cb-eval: %s: not in the reference run; skipped\n", ex->id);
                 goto next;
             }
-            full_answer = strdup(json_string_value(json_object_get(r, "answer")));
+            full_answer = cb_strdup(json_string_value(json_object_get(r, "answer")));
             json_t *ft = json_object_get(r, "first_token");
             full_first = json_is_integer(ft) ? (int32_t)json_integer_value(ft) : -2;
             variant_t *fv = &vs[0];
@@ -868,7 +869,7 @@ int main(int argc, char **argv) {
             double agree = -1;
             int ftm = -1;
             if (v->o.mode == CB_BLEND_FULL && !full_answer) {
-                full_answer = strdup(answer);
+                full_answer = cb_strdup(answer);
                 full_first = ng > 0 ? gen[0] : -1;
             }
             if (full_answer) {

@@ -48,6 +48,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/alloc.h"
 #include "base/log.h"
 #include "wire/bus.h"
 #include "wire/msg.h"
@@ -85,7 +86,7 @@ static json_t *random_string(rng_t *r) {
     if (pick < sizeof fixed / sizeof *fixed) return json_string(fixed[pick]);
     /* a long run of one character: 300 B .. 300 KB (over most per-field limits) */
     size_t n = pick == sizeof fixed / sizeof *fixed ? 300 : pick == sizeof fixed / sizeof *fixed + 1 ? 5000 : 300000;
-    char *s = malloc(n + 1);
+    char *s = cb_malloc(n + 1);
     if (!s) return json_string("");
     memset(s, rnd_below(r, 2) ? 'a' : '7', n);
     s[n] = 0;
@@ -160,7 +161,7 @@ static bool buf_reserve(buf_t *b, size_t extra) {
     if (b->n + extra > MAX_FRAME) return false;
     size_t cap = b->cap ? b->cap : 256;
     while (cap < b->n + extra && cap < MAX_FRAME) cap *= 2;
-    unsigned char *q = realloc(b->p, cap);
+    unsigned char *q = cb_realloc(b->p, cap);
     if (!q) return false;
     b->p = q;
     b->cap = cap;

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "base/alloc.h"
 #include "base/clock.h"
 #include "model/chat.h"
 #include "engine/backend_select.h"
@@ -63,7 +64,7 @@ static int usage(const char *why) {
 /* "1 2 3" (spaces, tabs, commas, newlines). Returns the count, -1 on a malformed or negative id. */
 static long parse_ids(const char *s, int32_t **ids_out) {
     size_t cap = 64, n = 0;
-    int32_t *ids = malloc(cap * sizeof *ids);
+    int32_t *ids = cb_malloc(cap * sizeof *ids);
     if (!ids) return -1;
     for (const char *p = s;;) {
         while (*p == ' ' || *p == '\t' || *p == '\n' || *p == ',') p++;
@@ -76,7 +77,7 @@ static long parse_ids(const char *s, int32_t **ids_out) {
             return -1;
         }
         if (n == cap) {
-            int32_t *ni = cap < ((size_t)1 << 26) ? realloc(ids, 2 * cap * sizeof *ids) : NULL;
+            int32_t *ni = cap < ((size_t)1 << 26) ? cb_realloc(ids, 2 * cap * sizeof *ids) : NULL;
             if (!ni) {
                 free(ids);
                 return -1;
@@ -189,13 +190,13 @@ int main(int argc, char **argv) {
         if (chat) {
             n = cb_chat_encode_user_turn(tok, system, prompt, NULL, 0);
             if (n < 0 && n > -INT_MAX) {
-                ids = malloc(sizeof(int32_t) * (size_t)-n);
+                ids = cb_malloc(sizeof(int32_t) * (size_t)-n);
                 if (ids) n = cb_chat_encode_user_turn(tok, system, prompt, ids, -n);
             }
         } else {
             ids = cb_tokenizer_encode_alloc(tok, prompt, strlen(prompt), true, &n);
             if (ids && n >= 0 && cb_tokenizer_add_bos(tok) && cb_tokenizer_bos(tok) >= 0) { /* as llama.cpp does */
-                int32_t *b = realloc(ids, sizeof(int32_t) * ((size_t)n + 1));
+                int32_t *b = cb_realloc(ids, sizeof(int32_t) * ((size_t)n + 1));
                 if (b) {
                     memmove(b + 1, b, sizeof(int32_t) * (size_t)n);
                     b[0] = cb_tokenizer_bos(tok);
@@ -233,9 +234,9 @@ int main(int argc, char **argv) {
     }
     cb_sampler_params_t sp = {.temperature = temp, .top_k = (int)top_k, .top_p = top_p, .seed = (uint64_t)seed};
     smp = cb_sampler_new(&sp, hp->n_vocab);
-    logits = malloc(sizeof(float) * (size_t)hp->n_vocab);
-    gen = malloc(sizeof(int32_t) * (size_t)(n_gen + 1));
-    top = dump ? malloc(sizeof(top_t) * (size_t)dump) : NULL;
+    logits = cb_malloc(sizeof(float) * (size_t)hp->n_vocab);
+    gen = cb_malloc(sizeof(int32_t) * (size_t)(n_gen + 1));
+    top = dump ? cb_malloc(sizeof(top_t) * (size_t)dump) : NULL;
     if (!smp || !logits || !gen || (dump && !top)) {
         fprintf(stderr, "cb-generate: out of memory\n");
         goto done;

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "base/alloc.h"
 #include "format/kvfile.h"
 
 static int usage(const char *why) {
@@ -51,9 +52,9 @@ int main(int argc, char **argv) {
     char tmp[] = "/tmp/cb-kvbench.XXXXXX";
     if (!dir && !(dir = mkdtemp(tmp))) return usage("cannot make a temporary directory");
     const size_t kvd = (size_t)(nh * hd), per = (size_t)nt * kvd, n = (size_t)nl * per;
-    float *k = malloc(n * sizeof(float)), *v = malloc(n * sizeof(float)); /* [layers][tokens][kv_dim] */
-    float *ok = malloc(per * sizeof(float)), *ov = malloc(per * sizeof(float));
-    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)nt);
+    float *k = cb_malloc(n * sizeof(float)), *v = cb_malloc(n * sizeof(float)); /* [layers][tokens][kv_dim] */
+    float *ok = cb_malloc(per * sizeof(float)), *ov = cb_malloc(per * sizeof(float));
+    int32_t *tokens = cb_malloc(sizeof(int32_t) * (size_t)nt);
     if (!k || !v || !ok || !ov || !tokens) return 1;
     for (size_t i = 0; i < n; i++) {
         k[i] = normal() * (unif() < 0.01 ? 8.0f : 1.0f); /* a few outliers, as real K has */

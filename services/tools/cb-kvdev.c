@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "base/alloc.h"
 #include "blend/blend.h"
 #include "engine/engine.h"
 #include "kv/kvstore.h"
@@ -117,15 +118,15 @@ int main(int argc, char **argv) {
     }
     const int C = cb_engine_max_ctx(eng);
     seq = cb_seq_new(eng);
-    logits = malloc(sizeof(float) * (size_t)V);
-    lp_full = malloc(sizeof(double) * (size_t)V);
-    lp_mode = malloc(sizeof(double) * (size_t)V);
-    Vt = malloc(sizeof(float) * (size_t)L * C * KVD); /* [L][N][KVD] exact V of the full prefill */
-    dv = malloc(sizeof(double) * (size_t)L * C);      /* [L][N] squared V deviation */
-    order = malloc(sizeof(vr_t) * (size_t)C);
-    cand = malloc((size_t)C);
-    acc = calloc((size_t)L, sizeof *acc);
-    for (int s = 0; s < N_SETS; s++) in_set[s] = malloc((size_t)C);
+    logits = cb_malloc(sizeof(float) * (size_t)V);
+    lp_full = cb_malloc(sizeof(double) * (size_t)V);
+    lp_mode = cb_malloc(sizeof(double) * (size_t)V);
+    Vt = cb_malloc(sizeof(float) * (size_t)L * C * KVD); /* [L][N][KVD] exact V of the full prefill */
+    dv = cb_malloc(sizeof(double) * (size_t)L * C);      /* [L][N] squared V deviation */
+    order = cb_malloc(sizeof(vr_t) * (size_t)C);
+    cand = cb_malloc((size_t)C);
+    acc = cb_calloc((size_t)L, sizeof *acc);
+    for (int s = 0; s < N_SETS; s++) in_set[s] = cb_malloc((size_t)C);
     if (!seq || !logits || !lp_full || !lp_mode || !Vt || !dv || !order || !cand || !acc || !in_set[0] || !in_set[1] ||
         !in_set[2]) {
         fprintf(stderr, "cb-kvdev: out of memory\n");

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "base/alloc.h"
 #include "wire/bus.h"
 #include "base/log.h"
 #include "wire/msg.h"
@@ -180,7 +181,7 @@ static int cmp_d(const void *a, const void *b) {
 
 /* Percentiles of the non-negative values of v[n] (nearest rank). */
 static json_t *summary(const double *v, int n) {
-    double *s = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+    double *s = cb_malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
     int k = 0;
     double sum = 0;
     for (int i = 0; i < n; i++)
@@ -285,10 +286,10 @@ int main(int argc, char **argv) {
     if (L.per_client > 0) L.total = clients * L.per_client;
     else if (L.total <= 0) L.total = (int)json_array_size(qs);
     L.queries = qs;
-    L.ttft = calloc((size_t)L.total, sizeof(double));
-    L.tot = calloc((size_t)L.total, sizeof(double));
-    L.gen = calloc((size_t)L.total, sizeof(int64_t));
-    L.prompt = calloc((size_t)L.total, sizeof(int64_t));
+    L.ttft = cb_calloc((size_t)L.total, sizeof(double));
+    L.tot = cb_calloc((size_t)L.total, sizeof(double));
+    L.gen = cb_calloc((size_t)L.total, sizeof(int64_t));
+    L.prompt = cb_calloc((size_t)L.total, sizeof(int64_t));
     if (!L.ttft || !L.tot || !L.gen || !L.prompt) {
         fprintf(stderr, "cb-load: out of memory\n");
         return 2;

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "base/alloc.h"
 #include "engine/engine.h"
 #include "model/model.h"
 
@@ -63,14 +64,14 @@ int main(int argc, char **argv) {
         i++;
     }
     if (!ids_path) return usage();
-    int32_t *ids = malloc(sizeof(int32_t) * MAX_IDS);
+    int32_t *ids = cb_malloc(sizeof(int32_t) * MAX_IDS);
     int n = ids ? read_ids(ids_path, ids) : -1;
     char err[256] = "";
     cb_model_t *m = n > 0 ? cb_model_load(model_path, err, sizeof err) : NULL;
     cb_engine_t *e = m ? cb_engine_new(m, n, err, sizeof err) : NULL;
     cb_seq_t *seq = e ? cb_seq_new(e) : NULL;
     const int V = m ? cb_model_hparams(m)->n_vocab : 0;
-    float *lg = seq ? malloc(sizeof(float) * (size_t)PIECE * (size_t)V) : NULL;
+    float *lg = seq ? cb_malloc(sizeof(float) * (size_t)PIECE * (size_t)V) : NULL;
     FILE *out = lg ? (out_path ? fopen(out_path, "wb") : stdout) : NULL;
     int rc = 1;
     if (n > 0 && !out) fprintf(stderr, "cb-logits: %s\n", err[0] ? err : out_path && lg ? strerror(errno) : "out of memory");

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "wire/bus.h"
+#include "base/alloc.h"
 #include "base/log.h"
 #include "wire/msg.h"
 
@@ -105,7 +106,7 @@ int main(int argc, char **argv) {
                 rc = 3;
                 break;
             }
-            bytes = malloc(hl / 2 + 1);
+            bytes = cb_malloc(hl / 2 + 1);
             for (size_t j = 0; j < hl / 2; j++) {
                 int a = hexval(raw[2 * j]), b = hexval(raw[2 * j + 1]);
                 if (a < 0 || b < 0) {

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/alloc.h"
 #include "blend/blend.h"
 #include "wire/config.h"
 #include "wire/db.h"
@@ -156,7 +157,7 @@ int main(int argc, char **argv) {
         goto out;
     }
     cb_engine_set_threads(eng, (int)threads);
-    logits = malloc((size_t)hp->n_vocab * sizeof(float));
+    logits = cb_malloc((size_t)hp->n_vocab * sizeof(float));
     cb_sampler_params_t sp = {.temperature = (float)temp, .top_k = 0, .top_p = (float)top_p, .seed = (uint64_t)seed,
                               .frequency_penalty = (float)freq_pen, .presence_penalty = (float)pres_pen};
     if (!logits || !(sampler = cb_sampler_new(&sp, hp->n_vocab))) {

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "base/clock.h"
+#include "base/alloc.h"
 #include "wire/bus.h"
 #include "base/log.h"
 #include "wire/msg.h"
@@ -49,7 +50,7 @@ static int hexval(char c) {
 /* Reads all of f (at most CBSEND_MAX_INPUT bytes); caller frees. */
 static char *read_all(FILE *f, size_t *len) {
     size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap + 1);
+    char *buf = cb_malloc(cap + 1);
     while (buf) {
         size_t got = fread(buf + n, 1, cap - n, f);
         n += got;
@@ -59,7 +60,7 @@ static char *read_all(FILE *f, size_t *len) {
             return NULL;
         }
         cap *= 2;
-        char *nb = realloc(buf, cap + 1);
+        char *nb = cb_realloc(buf, cap + 1);
         if (!nb) free(buf);
         buf = nb;
     }
@@ -159,7 +160,7 @@ int main(int argc, char **argv) {
         size_t n = 0;
         if (raw_hex) {
             size_t hl = strlen(raw_hex);
-            raw = malloc(hl / 2 + 1);
+            raw = cb_malloc(hl / 2 + 1);
             for (size_t i = 0; raw && i + 1 < hl; i += 2) {
                 int hi = hexval(raw_hex[i]), lo = hexval(raw_hex[i + 1]);
                 if (hi < 0 || lo < 0) { fprintf(stderr, "cb-send: --raw-hex: not hex\n"); goto out; }
@@ -195,7 +196,7 @@ int main(int argc, char **argv) {
         input = read_all(stdin, &ilen);
         if (!input) { fprintf(stderr, "cb-send: cannot read stdin\n"); goto out; }
     } else {
-        input = strdup(json_arg);
+        input = cb_strdup(json_arg);
     }
     json_error_t je;
     j = json_loads(input, JSON_REJECT_DUPLICATES | JSON_ALLOW_NUL, &je);
@@ -244,7 +245,7 @@ int main(int argc, char **argv) {
             goto out;
         }
         cb_msg_destroy(&self);
-        double *rtt = repeat > 1 ? malloc((size_t)repeat * sizeof *rtt) : NULL;
+        double *rtt = repeat > 1 ? cb_malloc((size_t)repeat * sizeof *rtt) : NULL;
         cb_msg_t *rep = NULL;
         for (int r = 0; r < repeat; r++) { /* the same bytes, the same id: each reply comes before the next send */
             cb_msg_destroy(&rep);

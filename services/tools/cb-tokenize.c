@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "format/gguf.h"
+#include "base/alloc.h"
 #include "model/tokenizer.h"
 
 static int usage(void) {
@@ -26,11 +27,11 @@ static int usage(void) {
 
 static char *read_stdin(size_t *len) {
     size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
+    char *buf = cb_malloc(cap);
     if (!buf) return NULL;
     for (;;) {
         if (n == cap) {
-            char *nb = cap < ((size_t)1 << 30) ? realloc(buf, cap * 2) : NULL;
+            char *nb = cap < ((size_t)1 << 30) ? cb_realloc(buf, cap * 2) : NULL;
             if (!nb) { free(buf); return NULL; }
             buf = nb;
             cap *= 2;
@@ -46,7 +47,7 @@ static char *read_stdin(size_t *len) {
 /* Parses "1 2 3" (spaces, tabs, commas or newlines between ids). Returns count, -1 on a bad id. */
 static long parse_ids(const char *s, int32_t **ids_out) {
     size_t cap = 64, n = 0;
-    int32_t *ids = malloc(cap * sizeof *ids);
+    int32_t *ids = cb_malloc(cap * sizeof *ids);
     if (!ids) return -1;
     const char *p = s;
     for (;;) {
@@ -61,7 +62,7 @@ static long parse_ids(const char *s, int32_t **ids_out) {
             return -1;
         }
         if (n == cap) {
-            int32_t *ni = realloc(ids, 2 * cap * sizeof *ids);
+            int32_t *ni = cb_realloc(ids, 2 * cap * sizeof *ids);
             if (!ni) { free(ids); return -1; }
             ids = ni;
             cap *= 2;

@@ -2,7 +2,8 @@
 # Integration test of scripts/check-layers: the real tree passes it; copies of libshared/ and kernels/
 # with one planted violation each fail it with a message naming the file: an upward include (format ->
 # blend), a direct kernel call in blend.c, an include without a layer folder, a kernel header included
-# from rag/, and a kernels file including a layer above the two types it implements. A planted call in
+# from rag/, a kernels file including a layer above the two types it implements, and raw allocations
+# (malloc in a service, strdup in libshared) outside the allocation seam. A planted call in
 # a comment or a string is not a call. Needs only python3 (exit 77 without it).
 set -u
 cd "$(dirname "$0")/../.."
@@ -23,7 +24,7 @@ check "the real tree follows the layers" "$rc" "0"
 fresh() {
   rm -rf "$T/tree"
   mkdir -p "$T/tree/scripts"
-  cp -r libshared kernels "$T/tree/"
+  cp -r libshared kernels services "$T/tree/"
   cp scripts/check-layers "$T/tree/scripts/"
 }
 # expect_violation DESCRIPTION PATTERN: check-layers on the copy fails, a line matches PATTERN
@@ -63,6 +64,20 @@ fresh
 printf '/* cb_cpu_add(0, 0, 0) */\nstatic const char *x_ = "cb_cuda_free(p)"; // cb_pool_run(p)\n' >>"$T/tree/libshared/kv/kvmem.c"
 out=$("$T/tree/scripts/check-layers" "$T/tree" 2>&1)
 check "calls in comments and strings are not calls" "$(echo "$out" | grep -c '^libshared/kv/kvmem\.c')" "0"
+
+fresh
+printf 'static void *x_(void){return malloc(4);}\n' >>"$T/tree/services/precompute/jobs.c"
+expect_violation "a raw malloc in a service" \
+  '^services/precompute/jobs\.c:[0-9]+: calls malloc outside the allocation seam \(base/alloc\.h: cb_malloc\)$'
+
+fresh
+printf 'static char *y_(const char *s){return strdup(s);}\n' >>"$T/tree/libshared/rag/qa.c"
+expect_violation "a raw strdup in libshared" '^libshared/rag/qa\.c:[0-9]+: calls strdup outside the allocation seam'
+
+fresh
+printf '/* malloc(4) */\nstatic const char *z_ = "calloc(1, 2)";\n' >>"$T/tree/services/precompute/jobs.c"
+out=$("$T/tree/scripts/check-layers" "$T/tree" 2>&1)
+check "allocations in comments and strings are not calls" "$(echo "$out" | grep -c '^services/precompute/jobs\.c')" "0"
 
 if [ "$FAILS" -gt 0 ]; then echo "$FAILS check(s) failed"; exit 1; fi
 echo "all checks passed"
