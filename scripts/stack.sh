@@ -12,12 +12,14 @@
 # the KV directory (the services' own config keys, relative to data_dir). Configuration: $CB_CONFIG or
 # config/cacheblend.cfg, with the usual CB_<SECTION>_<KEY> environment overrides (they are passed on).
 #
-#   start    starts the services that are not running, then waits until `cbctl health` passes and the
+#   start    starts the services that are not running, then waits until `cbctl health` passes (every service
+#            answers: ok, or degraded by a full data disk, which is then shown) and the
 #            model-loading workers (precompute, blend) are ready; exit 1 if they do not come up in
 #            $CB_STACK_START_TIMEOUT seconds (default 120), with the tail of the failing log
 #   stop     SIGTERM to each (blend, precompute, cacheindex, retriever), waits up to
 #            $CB_STACK_STOP_TIMEOUT seconds (default 30) each, then SIGKILL with a warning
-#   status   each service's pid (or "stopped"), then `cbctl health`; exit 0 only when all four answer
+#   status   each service's pid (or "stopped"), then `cbctl health`; exit 0 only when all four answer ok
+#            (4: they answer, one or more degraded)
 #   restart  stop, then start
 set -u
 cd "$(dirname "$0")/.."
@@ -79,14 +81,14 @@ start() {
     echo $! >"$RUN/$s.pid"
     echo "stack: started cb-$s (pid $!, log $LOG/$s.log)"
   done
-  local limit=${CB_STACK_START_TIMEOUT:-120} t0=$SECONDS
+  local limit=${CB_STACK_START_TIMEOUT:-120} t0=$SECONDS hrc=0
   while :; do
     for s in "${SERVICES[@]}"; do
       svc_pid "$s" >/dev/null || { echo "stack: cb-$s exited; the end of $LOG/$s.log:" >&2; tail -n 15 "$LOG/$s.log" >&2; exit 1; }
     done
     if [ "${SERVICES[-1]}" = gateway ] && ! gateway_listening; then
       :  # the gateway has not bound its address yet
-    elif "$CBCTL" -q health 2>/dev/null; then
+    elif hrc=0; "$CBCTL" -q health 2>/dev/null || hrc=$?; [ "$hrc" = 0 ] || [ "$hrc" = 4 ]; then  # 4: degraded
       local ready=0
       for s in precompute blend; do
         "$CBCTL" stats "$s" 2>/dev/null | grep -q "worker_ready *true" && ready=$((ready + 1))
@@ -99,6 +101,8 @@ start() {
     sleep 0.5
   done
   echo "stack: up in $((SECONDS - t0)) s (data in $CB_DATA_DIR)"
+  [ "$hrc" = 4 ] && { echo "stack: warning: degraded (a full data disk):" >&2; "$CBCTL" health 2>&1 | grep degraded >&2; }
+  return 0
 }
 
 stop() {

@@ -736,6 +736,7 @@ struct cb_bus_service_s {
     void *stats_arg;
     cb_bus_health_fn *health_fn;
     void *health_arg;
+    cb_diskhealth_t *disk;  /* borrowed: the data disk's state for ping (NULL: status ok) */
     cb_msg_writer_t *w;
     double t0_ms;
     uint64_t requests, errors;
@@ -935,6 +936,8 @@ void cb_bus_service_set_health(cb_bus_service_t *svc, cb_bus_health_fn *fn, void
     svc->health_arg = arg;
 }
 
+void cb_bus_service_set_disk(cb_bus_service_t *svc, cb_diskhealth_t *dh) { svc->disk = dh; }
+
 zloop_t *cb_bus_service_loop(cb_bus_service_t *svc) { return svc->loop; }
 const char *cb_bus_service_endpoint(const cb_bus_service_t *svc) { return svc->endpoint; }
 const cb_bus_opts_t *cb_bus_service_opts(const cb_bus_service_t *svc) { return &svc->o; }
@@ -1074,6 +1077,7 @@ static void s_ping(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *msg
         cb_bus_reply_error(req, CB_ERR_UNAVAILABLE, "%s", bad);
         return;
     }
+    cb_diskhealth_put(svc->disk, w); /* status: ok, or degraded with the reason (a full data disk) */
     cb_bus_reply(req, w);
 }
 

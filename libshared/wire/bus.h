@@ -22,6 +22,7 @@
 
 #include "wire/config.h"
 #include "wire/curve.h"
+#include "wire/diskhealth.h"
 #include "wire/msg.h"
 
 #define CB_BUS_VERSION "0.1.0"
@@ -173,6 +174,10 @@ void cb_bus_service_set_stats(cb_bus_service_t *svc, cb_bus_stats_fn *fn, void *
 typedef const char *(cb_bus_health_fn)(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg, char *why,
                                        size_t whylen);
 void cb_bus_service_set_health(cb_bus_service_t *svc, cb_bus_health_fn *fn, void *arg);
+/* The data disk's state (diskhealth.h; borrowed, it must outlive the service): a ping that passes the
+ * health fn carries `status` "ok" or "degraded" with its `reason`, and `disk_free_bytes`. Without one
+ * (the default) a ping says `status` "ok". */
+void cb_bus_service_set_disk(cb_bus_service_t *svc, cb_diskhealth_t *dh);
 /* The reactor, to add readers (worker pipes, a PULL socket) and timers before cb_bus_service_run. */
 zloop_t *cb_bus_service_loop(cb_bus_service_t *svc);
 /* The endpoint actually bound (e.g. with the port chosen for tcp://127.0.0.1:*). */

@@ -10,6 +10,8 @@
  * its `done`), and the service goes on. `stats` adds the queue, the counters of gen.h and the KV pool.
  * `cancel` {query_id} stops a query of the same client. As a worker, each heartbeat to the router carries
  * the load (running, waiting, capacity) and the chunk keys of recent answers still in the memory tier.
+ * `ping` says `degraded` while kv_dir's disk is full (diskhealth.h): the answers go on, computed chunks are
+ * used from memory without their files.
  *
  *   cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...
  *
@@ -53,6 +55,7 @@ typedef struct {
     zactor_t *fetcher;         /* retrieval for queries without contexts (fetch.h) */
     cb_kvmem_t *mem;
     cb_kvremote_t *remote;    /* the shared KV tier (common.kv_remote), or NULL */
+    cb_diskhealth_t *disk;    /* kv_dir's disk, for ping: ok or degraded (diskhealth.h) */
     gen_stats_t stats;
     defaults_t def;
     int64_t max_queue;
@@ -580,7 +583,8 @@ static void usage(FILE *f) {
                "  presence_penalty, ctx_size, max_queue, max_seqs, max_batch_tokens, stuck_ms, fault_step_delay_ms (tests),\n"
                "  hot_cache_bytes, kv_pool_bytes, store_misses, system_prompt, heartbeat_ms, retriever_timeout_ms,\n"
                "  cacheindex_timeout_ms, router (worker of a cb-router), router_liveness, router_reconnect_max_ms,\n"
-               "  router_resident_keys, common.* (data_dir, kv_dir, model, threads, ...) and engine.kv_dtype (f16|f32), engine.attn (auto|bf16|int16|f32).\n"
+               "  router_resident_keys, common.* (data_dir, kv_dir, model, threads, min_free_mb, disk_full_hold_s, ...)\n"
+               "  and engine.kv_dtype (f16|f32), engine.attn (auto|bf16|int16|f32).\n"
                "  Environment CB_BLEND_<KEY> overrides the file.\n");
 }
 
@@ -699,10 +703,13 @@ int main(int argc, char **argv) {
     ga.cacheindex_timeout_ms = (int)ct;
     ga.stats = &b.stats;
     cb_config_log(cfg, SECTION);
-    if (cb_db_mkdirs(ga.kv_dir, err, sizeof err) != 0) {
+    if (cb_db_mkdirs(ga.kv_dir, err, sizeof err) != 0 ||
+        !(b.disk = cb_diskhealth_from_config(cfg, SECTION, err, sizeof err))) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
+    cb_diskhealth_watch(b.disk, "KV dir", ga.kv_dir);
+    ga.disk = b.disk;
     if (!(b.mem = cb_kvmem_new((size_t)hot))) {
         cb_log(CB_LOG_ERROR, NULL, "out of memory");
         goto out;
@@ -742,6 +749,7 @@ int main(int argc, char **argv) {
     }
     cb_bus_service_set_stats(b.svc, stats_extra, &b);
     cb_bus_service_set_health(b.svc, health, &b);
+    cb_bus_service_set_disk(b.svc, b.disk);
     rc = cb_bus_service_run(b.svc) == 0 && !b.fatal ? 0 : 1;
 out:
     zactor_destroy(&b.fetcher); /* $TERM: it stops after the call in progress (SIGTERM interrupts that) */
@@ -756,6 +764,7 @@ out:
     free(b.recent);
     cb_kvmem_destroy(&b.mem);
     cb_kvremote_destroy(&b.remote);
+    cb_diskhealth_destroy(&b.disk); /* after the worker and the service, its users */
     cb_config_destroy(&cfg);
     if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");
     return rc;

@@ -111,6 +111,7 @@ typedef struct {
     const int32_t *prefix;        /* [n_prefix] P, the store's precompute context */
     int n_prefix;
     int n_vocab;
+    uint64_t kv_bytes_per_token;  /* a KV file's payload per token (all layers, K and V) */
     float *logits;                /* [n_vocab] the blend's last row */
 } gen_t;
 
@@ -245,6 +246,8 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
     cb_kvstore_set_remote(g->store, a->remote); /* memory -> file -> Redis -> compute */
     if (!(g->blend = cb_blend_new(g->store, err, errlen))) return -1;
     g->n_vocab = hp->n_vocab;
+    g->kv_bytes_per_token =
+        2u * (uint64_t)hp->n_layer * cb_kv_row_bytes(a->kv_dtype, (size_t)hp->n_head_kv * hp->head_dim);
     g->w = cb_msg_writer_new();
     g->logits = cb_malloc((size_t)g->n_vocab * sizeof(float));
     g->fifo = zlist_new();
@@ -403,9 +406,27 @@ static bool rejected(const cb_blend_chunk_info_t *c) {
            c->why != CB_KV_MISS_TRUNCATED;
 }
 
+/* A computed chunk's KV file, written or not, for the ping's disk state: a file that could not be written
+ * while kv_dir has less room than it (and 1 MiB) is a write that failed on a full disk (the store counts
+ * and logs the failure; an obstacle at the path with room on the disk is not the disk's fault). */
+static void disk_note(gen_t *g, bool stored, int n_tokens) {
+    if (!g->a->disk) return;
+    if (stored) {
+        cb_diskhealth_ok(g->a->disk, "KV dir");
+        return;
+    }
+    uint64_t need = (uint64_t)n_tokens * g->kv_bytes_per_token, avail = 0;
+    if (cb_diskhealth_room(g->a->kv_dir, need, &avail)) return;
+    char msg[256];
+    snprintf(msg, sizeof msg, "a KV file of about %llu bytes could not be written with %llu bytes free in the KV dir",
+             (unsigned long long)need, (unsigned long long)avail);
+    cb_diskhealth_failed(g->a->disk, "KV dir", msg);
+}
+
 /* 4. After the prefill, from the blend's own record of each chunk it read (stats.chunks): the chunk ids,
  * the notice (a chunk computed now is `put`, one read from memory or its file is touched; each key once)
- * and cache_corrupt. Once per query; no I/O. */
+ * and cache_corrupt. Once per query; no I/O (but a statvfs of kv_dir when a computed chunk's file could not be
+ * written: disk_note). */
 static void chunk_note(gen_t *g, query_t *r) {
     if (r->noted || !r->prefilled) return;
     r->noted = true;
@@ -426,6 +447,7 @@ static void chunk_note(gen_t *g, query_t *r) {
         for (int j = 0; j < nt->n && !seen; j++) seen = memcmp(nt->chunks[j].key, key, 32) == 0;
         if (seen) continue;
         r->mt.corrupt += rejected(c);
+        if (c->src == CB_KVSTORE_COMPUTED) disk_note(g, c->stored, r->cn[i]);
         if (c->src == CB_KVSTORE_COMPUTED && !c->stored) continue; /* no file was written: nothing to put */
         notify_chunk_t *nc = &nt->chunks[nt->n++];
         memcpy(nc->key, key, 32);

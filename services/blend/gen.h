@@ -52,6 +52,7 @@
 #include "kv/kvremote.h"
 #include "wire/bus.h"
 #include "wire/config.h"
+#include "wire/diskhealth.h"
 
 #define GEN_MAX_CONTEXTS 32
 #define GEN_MAX_STOP 4            /* stop sequences a query may carry */
@@ -138,6 +139,8 @@ typedef struct {
     cb_kvmem_t *mem;             /* borrowed, thread-safe: the in-memory tier */
     cb_kvremote_t *remote;       /* borrowed, thread-safe: the shared tier on Redis (kvremote.h); NULL = off */
     gen_stats_t *stats;          /* borrowed */
+    cb_diskhealth_t *disk;       /* borrowed, thread-safe: told of KV files that could not be written for lack
+                                  of room in kv_dir, and of those written (the service's ping); NULL = none */
 } gen_args_t;
 
 /* zactor_new(gen_actor, args): args (gen_args_t *) must outlive the actor. */

@@ -2,7 +2,8 @@
  * files under kv_dir (relative path, bytes, tokens, model fingerprint, created, last used, hits),
  * answers put / lookup / touch / gc / ping / stats (docs/protocol.md §5) on a ROUTER socket, keeps the
  * files under a byte budget by evicting the least recently used entries, and garbage-collects rows
- * whose files are gone and files that no row names (at start and on request).
+ * whose files are gone and files that no row names (at start and on request). Its `ping` says `degraded`
+ * while the disk of the database or kv_dir is full (diskhealth.h).
  *
  * LRU order is a monotonic use counter (use_seq), not wall-clock time, so many uses within one
  * millisecond still order correctly and a clock step cannot reorder the cache.
@@ -41,6 +42,7 @@ typedef struct {
     int64_t seq;         /* last use_seq handed out */
     uint64_t hits, misses, evictions;
     sqlite3_stmt *get, *get_by_path, *upsert, *del, *use, *touch, *lru, *all, *count;
+    cb_diskhealth_t *disk; /* the disk of the database and kv_dir, for ping: ok or degraded (diskhealth.h) */
 } cacheindex_t;
 
 static const char *SCHEMA =
@@ -252,6 +254,7 @@ static void on_put(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, 
         c->total_bytes = saved_total;
         goto fail;
     }
+    cb_diskhealth_ok(c->disk, "index database");
     if (old_path[0] && strcmp(old_path, rel) != 0 && kvdir_path_valid(old_path, strlen(old_path), why, sizeof why))
         kvdir_unlink(c->kv, old_path); /* replaced by a new file */
     cb_msg_writer_t *w = cb_bus_service_writer(svc);
@@ -267,6 +270,7 @@ fail:
     /* the in-memory totals may be off after a failed transaction: recount */
     if (sqlite3_step(c->count) == SQLITE_ROW) c->total_bytes = sqlite3_column_int64(c->count, 1);
     sqlite3_reset(c->count);
+    cb_diskhealth_note(c->disk, "index database", err); /* SQLITE_FULL: ping says degraded */
     cb_bus_reply_error(req, CB_ERR_INTERNAL, "put failed: %s", err);
 }
 
@@ -276,6 +280,7 @@ static void on_lookup(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
     char err[256];
     if (!get_keys(c, req, m, &n)) return;
     if (begin(c, err, sizeof err) != 0) {
+        cb_diskhealth_note(c->disk, "index database", err); /* SQLITE_FULL: ping says degraded */
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "lookup failed: %s", err);
         return;
     }
@@ -333,6 +338,7 @@ static void on_lookup(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
         free(hit);
         if (sqlite3_step(c->count) == SQLITE_ROW) c->total_bytes = sqlite3_column_int64(c->count, 1);
         sqlite3_reset(c->count);
+        cb_diskhealth_note(c->disk, "index database", err); /* SQLITE_FULL: ping says degraded */
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "lookup failed: %s", err);
         return;
     }
@@ -375,6 +381,7 @@ static void on_touch(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
     }
     if (begin(c, err, sizeof err) != 0) {
         free(known);
+        cb_diskhealth_note(c->disk, "index database", err); /* SQLITE_FULL: ping says degraded */
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "touch failed: %s", err);
         return;
     }
@@ -391,6 +398,7 @@ static void on_touch(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
             snprintf(err, sizeof err, "SQLite: %s", sqlite3_errmsg(c->db));
             rollback(c);
             free(known);
+            cb_diskhealth_note(c->disk, "index database", err); /* SQLITE_FULL: ping says degraded */
             cb_bus_reply_error(req, CB_ERR_INTERNAL, "touch failed: %s", err);
             return;
         }
@@ -400,6 +408,7 @@ static void on_touch(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
     if (commit(c, err, sizeof err) != 0) {
         rollback(c);
         free(known);
+        cb_diskhealth_note(c->disk, "index database", err); /* SQLITE_FULL: ping says degraded */
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "touch failed: %s", err);
         return;
     }
@@ -518,6 +527,7 @@ static void on_gc(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, v
     gc_result_t r;
     char err[256];
     if (gc(c, &r, cb_bus_req_id(req), err, sizeof err) != 0) {
+        cb_diskhealth_note(c->disk, "index database", err); /* SQLITE_FULL: ping says degraded */
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "gc failed: %s", err);
         return;
     }
@@ -547,7 +557,8 @@ static void usage(FILE *f) {
     fprintf(f, "usage: cb-cacheindex [--config PATH] [--cacheindex.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves put/lookup/touch/gc/ping/stats (docs/protocol.md) on cacheindex.endpoint.\n"
                "  Keys: endpoint, bind, db, budget_bytes, max_keys, gc_on_start, gc_min_age_s, and common.*\n"
-               "  (kv_dir, data_dir, ...); environment CB_CACHEINDEX_<KEY> overrides the file.\n");
+               "  (kv_dir, data_dir, min_free_mb, disk_full_hold_s, ...); environment CB_CACHEINDEX_<KEY>\n"
+               "  overrides the file.\n");
 }
 
 int main(int argc, char **argv) {
@@ -566,10 +577,13 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "gc_min_age_s", 0, 86400 * 365, 60, &c.gc_min_age_s, err, sizeof err) ||
         !cb_config_bool(cfg, SECTION, "gc_on_start", true, &gc_on_start, err, sizeof err) ||
         !cb_config_data_path(cfg, SECTION, "db", "cacheindex.db", c.db_path, sizeof c.db_path, err, sizeof err) ||
-        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", kv_dir, sizeof kv_dir, err, sizeof err)) {
+        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", kv_dir, sizeof kv_dir, err, sizeof err) ||
+        !(c.disk = cb_diskhealth_from_config(cfg, SECTION, err, sizeof err))) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
+    cb_diskhealth_watch_file(c.disk, "index database", c.db_path);
+    cb_diskhealth_watch(c.disk, "KV dir", kv_dir);
     cb_config_log(cfg, SECTION);
     if (!(c.kv = kvdir_open(kv_dir, err, sizeof err)) || !(c.db = cb_db_open(c.db_path, false, err, sizeof err)) ||
         cb_db_exec(c.db, SCHEMA, err, sizeof err) != 0 || prepare_all(&c, err, sizeof err) != 0) {
@@ -597,10 +611,12 @@ int main(int argc, char **argv) {
     cb_bus_service_on(svc, "touch", on_touch, &c);
     cb_bus_service_on(svc, "gc", on_gc, &c);
     cb_bus_service_set_stats(svc, stats_extra, &c);
+    cb_bus_service_set_disk(svc, c.disk);
     rc = cb_bus_service_run(svc) == 0 ? 0 : 1;
 out:
     cb_bus_service_destroy(&svc);
     cacheindex_close(&c);
+    cb_diskhealth_destroy(&c.disk);
     cb_config_destroy(&cfg);
     if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");
     return rc;

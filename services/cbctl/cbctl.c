@@ -38,7 +38,8 @@ static void help(FILE *f) {
                "                          (environment: CB_<SECTION>_<KEY>; cbctl's own keys: --KEY VALUE)\n"
                "  -q, --quiet             print nothing; only the exit status\n"
                "\nexit status: 0 ok, 1 a service answered with an error, 2 bad usage,\n"
-               "             3 a service is unreachable or did not answer in time\n");
+               "             3 a service is unreachable or did not answer in time,\n"
+               "             4 (health) every service answers, but one or more is degraded (its data disk is full)\n");
 }
 
 int main(int argc, char **argv) {

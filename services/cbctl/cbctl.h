@@ -26,6 +26,7 @@ enum {
     CBCTL_EXIT_FAIL = 1,        /* a service answered with an error, or the work failed */
     CBCTL_EXIT_USAGE = 2,       /* bad command line */
     CBCTL_EXIT_UNAVAILABLE = 3, /* a service could not be reached or did not answer in time */
+    CBCTL_EXIT_DEGRADED = 4,    /* health: every service answers, one or more degraded (a full data disk) */
 };
 
 typedef struct {

@@ -557,20 +557,41 @@ static enum MHD_Result health(gw_server_t *s, req_t *r) {
     cb_bus_result_t res[4];
     int which[4] = {0, 1, 2, 3};
     fanout(s, "ping", which, 4, res);
-    json_t *svcs = json_object(), *down = json_array();
+    json_t *svcs = json_object(), *down = json_array(), *degraded = json_array();
     for (int i = 0; i < 4; i++) {
         bool ok = res[i].reply && cb_msg_ok(res[i].reply);
-        json_t *e = json_pack("{s:s, s:s}", "status", ok ? "ok" : "down", "endpoint", s->o.endpoints[i]);
+        /* a service that answers may be degraded (its data disk is full): its ping's status and reason */
+        char st[16] = "ok";
+        const char *why = NULL;
+        size_t why_len = 0;
+        if (ok) {
+            cb_msg_str_copy(res[i].reply, "status", sizeof st - 1, st, sizeof st);
+            if (!cb_msg_str(res[i].reply, "reason", 8192, &why, &why_len)) why = NULL;
+        }
+        bool bad = ok && !strcmp(st, "degraded");
+        json_t *e = json_pack("{s:s, s:s}", "status", !ok ? "down" : bad ? "degraded" : "ok", "endpoint",
+                              s->o.endpoints[i]);
         if (ok) json_object_set_new(e, "latency_ms", json_real(res[i].latency_ms));
         else {
             json_object_set_new(e, "error", json_string(res[i].reply ? cb_msg_err_message(res[i].reply) : res[i].error));
             json_array_append_new(down, json_string(SERVICE_NAMES[i]));
         }
+        if (bad) {
+            json_object_set_new(e, "reason", why ? json_stringn(why, why_len) : json_string("degraded"));
+            json_array_append_new(degraded, json_string(SERVICE_NAMES[i]));
+        }
+        int64_t free_bytes;
+        if (ok && cb_msg_int(res[i].reply, "disk_free_bytes", 0, INT64_MAX, &free_bytes))
+            json_object_set_new(e, "disk_free_bytes", json_integer((json_int_t)free_bytes));
         json_object_set_new(svcs, SERVICE_NAMES[i], e);
     }
     cb_bus_results_free(res, 4);
+    /* 503 only when a service does not answer; degraded (every service answers, one or more with a full data
+     * disk) is 200 with status "degraded": the gateway still serves, an operator must make room */
     bool all = json_array_size(down) == 0;
-    json_t *j = json_pack("{s:s, s:o, s:o}", "status", all ? "ok" : "unavailable", "services", svcs, "down", down);
+    const char *status = !all ? "unavailable" : json_array_size(degraded) ? "degraded" : "ok";
+    json_t *j = json_pack("{s:s, s:o, s:o, s:o}", "status", status, "services", svcs, "down", down, "degraded",
+                          degraded);
     return send_json(s, r, all ? 200 : 503, j);
 }
 

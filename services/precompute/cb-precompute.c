@@ -11,7 +11,8 @@
  * over its queued limits, or any document past the global cap on queued work, is refused `overloaded`. A
  * document whose job is done, ingested again, is checked by the verifier thread (verify.h) and queued again
  * when it is missing from cb-retriever or its KV files are gone (`restored`). `ping` fails while the worker
- * has work and no progress for stuck_ms.
+ * has work and no progress for stuck_ms, and says `degraded` while the disk of the job table or the KV dir
+ * is full (diskhealth.h: free space under min_free_mb, or a write that failed on a full disk).
  *
  * Past one machine (docs/leases.md): remote workers lease jobs from this table over the same endpoint
  * (lease_server.h); precompute.workers = 0 runs no worker thread here (no model is loaded: the service only
@@ -25,8 +26,8 @@
  * trusted_forwarders, retriever_timeout_ms,
  * cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, workers, lease_ms, max_leases_per_worker,
  * max_lease_text_bytes, lease_from, worker_name, fault_chunk_delay_ms (tests); common: data_dir, kv_dir,
- * model, threads, and the socket options; blend.system_prompt fixes the precompute context (it must be
- * cb-blend's).
+ * model, threads, min_free_mb, disk_full_hold_s, and the socket options; blend.system_prompt fixes the
+ * precompute context (it must be cb-blend's).
  * Exit: 0 after SIGINT/SIGTERM, 1 on a startup failure or when the worker cannot run.
  */
 #include <jansson.h>
@@ -81,6 +82,7 @@ typedef struct {
     int64_t stuck_ms;         /* health: a worker with work and no progress this long is stuck */
     pc_worker_stats_t *wst;   /* the worker's (worker.h) */
     cb_kvremote_t *remote;    /* the shared KV tier (common.kv_remote), or NULL */
+    cb_diskhealth_t *disk;    /* the data disk (job table, KV dir) for ping: ok or degraded (diskhealth.h) */
     check_t *checks;          /* waiting for the verifier */
     int n_checks;
     bool worker_ready;
@@ -151,8 +153,10 @@ static cb_err_t ingest(precompute_t *p, const cb_msg_t *m, const char *client, c
     }
     if (rc != 0) {
         snprintf(why, whylen, "cannot record the document: %.400s", err);
+        cb_diskhealth_note(p->disk, "job table", why); /* ping: degraded while the disk is full */
         return CB_ERR_INTERNAL;
     }
+    if (!*duplicate) cb_diskhealth_ok(p->disk, "job table"); /* it was written */
     if (!*duplicate && p->worker) zstr_send(p->worker, "WORK");
     return CB_ERR_NONE;
 }
@@ -494,7 +498,8 @@ static void usage(FILE *f) {
                "  max_queued_jobs, max_queued_bytes, trusted_forwarders (docs/protocol.md section 6),\n"
                "  retriever_timeout_ms, cacheindex_timeout_ms, verify_timeout_ms, stuck_ms, workers, lease_ms,\n"
                "  max_leases_per_worker, max_lease_text_bytes, lease_from (run as a remote worker of that master),\n"
-               "  worker_name, fault_chunk_delay_ms (tests), and common.* (data_dir, kv_dir, model, threads, ...);\n"
+               "  worker_name, fault_chunk_delay_ms (tests), and common.* (data_dir, kv_dir, model, threads,\n"
+               "  min_free_mb, disk_full_hold_s, ...);\n"
                "  blend.system_prompt; engine.kv_dtype (f16|f32), engine.attn (auto|bf16|int16|f32). Leases: docs/leases.md.\n"
                "  Environment CB_PRECOMPUTE_<KEY> overrides the file.\n");
 }
@@ -676,6 +681,14 @@ int main(int argc, char **argv) {
         goto out;
     }
     wa.remote = p.remote;
+    if (!(p.disk = cb_diskhealth_from_config(cfg, SECTION, err, sizeof err))) {
+        cb_log(CB_LOG_ERROR, NULL, "%s", err);
+        goto out;
+    }
+    if (!p.lease_from) cb_diskhealth_watch_file(p.disk, "job table", wa.db_path);
+    cb_diskhealth_watch(p.disk, "KV dir", wa.kv_dir);
+    wa.disk = p.disk;
+    cb_bus_service_set_disk(p.svc, p.disk);
     if (p.n_workers > 0) {
         p.worker = zactor_new(pc_worker_actor, &wa);
         if (!p.worker) {
@@ -712,6 +725,7 @@ out:
     cb_jobs_close(&p.jobs);
     pc_ident_destroy(&p.ident);
     cb_kvremote_destroy(&p.remote);
+    cb_diskhealth_destroy(&p.disk); /* after the worker and the service, its users */
     cb_config_destroy(&cfg);
     if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");
     return rc;

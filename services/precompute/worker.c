@@ -36,6 +36,7 @@ typedef struct {
     cb_jobs_t *jobs;
     int64_t ttl_ms;                       /* a turn's lease */
     char last[CB_JOB_CLIENT_MAX + 1];     /* the client whose turn it was */
+    cb_diskhealth_t *disk;                /* told of table writes that failed on a full disk (may be NULL) */
 } local_src_t;
 
 /* 1 -> OK, 0 -> STALE, 2 (the table refuses: a bug) -> RETRY (the next turn reads the table again), -1 -> f. */
@@ -47,6 +48,7 @@ static int local_take(void *ctx, cb_job_t **job, char *err, size_t errlen) {
     local_src_t *l = ctx;
     cb_job_lease_t lease;
     int r = cb_jobs_lease(l->jobs, l->last, LOCAL_OWNER, l->ttl_ms, 0, 0, &lease, err, errlen);
+    if (r < 0) cb_diskhealth_note(l->disk, "job table", err);
     if (r != 1) {
         cb_job_free(job);
         l->last[0] = 0;
@@ -78,8 +80,9 @@ static pc_src_rc_t local_next_chunk(void *ctx, cb_job_t *job, int *idx, cb_job_c
 static pc_src_rc_t local_plan(void *ctx, cb_job_t *job, const cb_job_chunk_t *cs, int n, char *err, size_t errlen) {
     local_src_t *l = ctx;
     int64_t total = 0;
-    return local_rc(cb_jobs_lease_plan(l->jobs, job->job, job->token, l->ttl_ms, cs, n, &total, err, errlen),
-                    PC_SRC_FAIL);
+    int r = cb_jobs_lease_plan(l->jobs, job->job, job->token, l->ttl_ms, cs, n, &total, err, errlen);
+    if (r < 0) cb_diskhealth_note(l->disk, "job table", err);
+    return local_rc(r, PC_SRC_FAIL);
 }
 
 static pc_src_rc_t local_replaced(void *ctx, cb_job_t *job, char *err, size_t errlen) {
@@ -94,8 +97,9 @@ static pc_src_rc_t local_renew(void *ctx, cb_job_t *job, char *err, size_t errle
 
 static pc_src_rc_t local_chunk_done(void *ctx, cb_job_t *job, int idx, char *err, size_t errlen) {
     local_src_t *l = ctx;
-    return local_rc(cb_jobs_lease_chunk_done(l->jobs, job->job, job->token, idx, l->ttl_ms, err, errlen),
-                    PC_SRC_FAIL);
+    int r = cb_jobs_lease_chunk_done(l->jobs, job->job, job->token, idx, l->ttl_ms, err, errlen);
+    if (r < 0) cb_diskhealth_note(l->disk, "job table", err);
+    return local_rc(r, PC_SRC_FAIL);
 }
 
 static pc_src_rc_t local_finish(void *ctx, cb_job_t *job, bool ok, const char *why, char *err, size_t errlen) {
@@ -120,13 +124,15 @@ static void local_destroy(void **ctx_p) {
 }
 
 /* The local source over the job table at db_path (opened here: this thread's connection). 0 or -1. */
-static int pc_local_source_new(const char *db_path, int64_t ttl_ms, pc_source_t *out, char *err, size_t errlen) {
+static int pc_local_source_new(const char *db_path, int64_t ttl_ms, cb_diskhealth_t *disk, pc_source_t *out, char *err,
+                               size_t errlen) {
     local_src_t *l = cb_calloc(1, sizeof *l);
     if (!l) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
     l->ttl_ms = ttl_ms > 0 ? ttl_ms : 120000;
+    l->disk = disk;
     if (!(l->jobs = cb_jobs_open(db_path, err, errlen))) {
         free(l);
         return -1;
@@ -267,7 +273,7 @@ static int worker_init(worker_t *w, char *err, size_t errlen) {
     if (cb_kvstore_set_context(w->store, w->prefix, w->n_prefix, err, errlen) != 0) return -1;
     if (!(w->chunker = cb_chunker_new(w->tok, a->chunk_tokens, err, errlen))) return -1;
     if ((a->lease_from[0] ? pc_lease_source_new(a, &w->src, err, errlen)
-                          : pc_local_source_new(a->db_path, a->local_lease_ms, &w->src, err, errlen)) != 0)
+                          : pc_local_source_new(a->db_path, a->local_lease_ms, a->disk, &w->src, err, errlen)) != 0)
         return -1;
     if (!(w->retriever = cb_bus_client_from_config(a->cfg, "precompute", "retriever", err, errlen))) return -1;
     if (!(w->cacheindex = cb_bus_client_from_config(a->cfg, "precompute", "cacheindex", err, errlen))) return -1;
@@ -433,9 +439,13 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
         if (erc != 0) { /* the KV file could not be written: no put for it */
             /* a full disk is transient (retried with back-off, the job kept); an obstacle at the path (a
              * non-empty directory) is not: the job fails with the reason */
-            st = disk_full(w->a->kv_dir, (uint64_t)nt * w->bytes_per_token) ? STEP_RETRY : STEP_FAIL;
+            bool full = disk_full(w->a->kv_dir, (uint64_t)nt * w->bytes_per_token);
+            st = full ? STEP_RETRY : STEP_FAIL;
+            if (full || cb_diskhealth_full_msg(err)) /* the service's ping says degraded */
+                cb_diskhealth_failed(w->a->disk, "KV dir", err);
             break;
         }
+        if (src == CB_KVSTORE_COMPUTED) cb_diskhealth_ok(w->a->disk, "KV dir"); /* a KV file was written */
         if (src == CB_KVSTORE_COMPUTED)
             cb_log(CB_LOG_DEBUG, job->job, "chunk %d (%d tokens) computed (%s): %s", idx, nt, cb_kv_miss_str(why), hex);
         else
@@ -544,10 +554,13 @@ static step_t job_ended(worker_t *w, cb_job_t *job, bool ok, const char *why) {
         w->src.release(w->src.ctx, job);
         return STEP_STALE;
     }
+    bool local = !w->a->lease_from[0]; /* the job table is ours (not a master's, across the network) */
     if (st != STEP_OK) {
         if (st == STEP_RETRY) cb_log(CB_LOG_ERROR, job->job, "worker: %s", e2);
+        if (st == STEP_RETRY && local) cb_diskhealth_note(w->a->disk, "job table", e2);
         return st;
     }
+    if (local) cb_diskhealth_ok(w->a->disk, "job table");
     const double *t0 = zhashx_lookup(w->started, job->job);
     double ms = t0 ? cb_now_ms() - *t0 : 0.0;
     if (ok) cb_log(CB_LOG_INFO, job->job, "doc '%s' done in %.0f ms", job->doc_id, ms);

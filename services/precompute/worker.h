@@ -41,6 +41,7 @@
 #include "jobs.h"
 #include "kv/kvremote.h"
 #include "wire/config.h"
+#include "wire/diskhealth.h"
 
 /* What the worker tells the loop (stats, health): atomics it writes and the loop reads; `what` under mu. */
 typedef struct {
@@ -110,6 +111,8 @@ typedef struct {
                                     progress; 0 = off */
     pc_worker_stats_t *stats;    /* borrowed; mu initialized by the owner */
     cb_kvremote_t *remote;       /* borrowed, thread-safe: the shared tier on Redis (kvremote.h); NULL = off */
+    cb_diskhealth_t *disk;       /* borrowed, thread-safe: told of KV file and job table writes that failed on a
+                                    full disk and of those that succeeded (the service's ping); NULL = none */
 } pc_worker_args_t;
 
 /* zactor_new(pc_worker_actor, args): args (pc_worker_args_t *) must outlive the actor. */

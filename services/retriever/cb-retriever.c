@@ -1,7 +1,7 @@
 /* cb-retriever: the chunk-text search service. Owns a SQLite database (WAL) with an FTS5 index of
  * chunk text and answers index / delete / search / count / ping / stats (docs/protocol.md §4) on a ROUTER
  * socket. User queries are never passed to FTS5 as syntax: they are split into words, each quoted,
- * OR-ed and ranked by BM25.
+ * OR-ed and ranked by BM25. Its `ping` says `degraded` while the database's disk is full (diskhealth.h).
  *
  * Usage: cb-retriever [--config PATH] [--retriever.KEY=VALUE | --KEY VALUE]...   (see config/cacheblend.cfg)
  * Exit: 0 after SIGINT/SIGTERM, 1 on a startup error.
@@ -30,6 +30,7 @@ typedef struct {
     sqlite3_stmt *get_chunk, *ins_chunk, *upd_chunk, *ins_link, *del_links_chunk, *del_chunk,
         *del_doc_chunks, *del_doc_links, *search, *count_chunks, *count_docs, *count_doc;
     char *fts; /* scratch for the FTS5 query: [max_query_bytes * 2 + 64] */
+    cb_diskhealth_t *disk; /* the database's disk, for ping: ok or degraded (diskhealth.h) */
 } retriever_t;
 
 static const char *SCHEMA =
@@ -187,6 +188,7 @@ static void on_index(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
     sqlite3_bind_text(r->ins_link, 2, doc, (int)ndoc, SQLITE_STATIC);
     if (step_done(r->ins_link) != SQLITE_DONE) goto rollback;
     if (cb_db_exec(r->db, "COMMIT", err, sizeof err) != 0) goto rollback_err;
+    cb_diskhealth_ok(r->disk, "database");
     cb_msg_writer_t *w = cb_bus_service_writer(svc);
     cb_msg_begin_reply(w, m);
     cb_msg_put_bool(w, "created", created);
@@ -200,6 +202,7 @@ rollback_err:
         cb_db_exec(r->db, "ROLLBACK", e2, sizeof e2);
     }
 fail:
+    cb_diskhealth_note(r->disk, "database", err); /* SQLITE_FULL: ping says degraded */
     cb_bus_reply_error(req, CB_ERR_INTERNAL, "index failed: %s", err);
 }
 
@@ -227,6 +230,7 @@ static void on_delete(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
     char err[256];
     int64_t deleted = 0;
     if (cb_db_exec(r->db, "BEGIN IMMEDIATE", err, sizeof err) != 0) {
+        cb_diskhealth_note(r->disk, "database", err);
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "delete failed: %s", err);
         return;
     }
@@ -244,6 +248,7 @@ static void on_delete(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *
         if (rc != SQLITE_DONE) snprintf(err, sizeof err, "SQLite: %s", sqlite3_errmsg(r->db));
         char e2[128];
         cb_db_exec(r->db, "ROLLBACK", e2, sizeof e2);
+        cb_diskhealth_note(r->disk, "database", err);
         cb_bus_reply_error(req, CB_ERR_INTERNAL, "delete failed: %s", err);
         return;
     }
@@ -342,7 +347,8 @@ static void usage(FILE *f) {
     fprintf(f, "usage: cb-retriever [--config PATH] [--retriever.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves index/delete/search/ping/stats (docs/protocol.md) on retriever.endpoint.\n"
                "  Keys: endpoint, bind, db, default_k, max_k, max_query_bytes, max_text_bytes, and common.*\n"
-               "  (config/cacheblend.cfg); environment CB_RETRIEVER_<KEY> overrides the file.\n");
+               "  (min_free_mb, disk_full_hold_s, ...: config/cacheblend.cfg); environment CB_RETRIEVER_<KEY>\n"
+               "  overrides the file.\n");
 }
 
 int main(int argc, char **argv) {
@@ -359,10 +365,12 @@ int main(int argc, char **argv) {
                        sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_query_bytes", 1, 1 << 20, 4096, &r.max_query_bytes, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_text_bytes", 1, 64 << 20, 256 << 10, &r.max_text_bytes, err, sizeof err) ||
-        !cb_config_data_path(cfg, SECTION, "db", "retriever.db", r.db_path, sizeof r.db_path, err, sizeof err)) {
+        !cb_config_data_path(cfg, SECTION, "db", "retriever.db", r.db_path, sizeof r.db_path, err, sizeof err) ||
+        !(r.disk = cb_diskhealth_from_config(cfg, SECTION, err, sizeof err))) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
+    cb_diskhealth_watch_file(r.disk, "database", r.db_path);
     cb_config_log(cfg, SECTION);
     r.fts = cb_malloc((size_t)r.max_query_bytes * 2 + 64);
     if (!r.fts) {
@@ -385,10 +393,12 @@ int main(int argc, char **argv) {
     cb_bus_service_on(svc, "search", on_search, &r);
     cb_bus_service_on(svc, "count", on_count, &r);
     cb_bus_service_set_stats(svc, stats_extra, &r);
+    cb_bus_service_set_disk(svc, r.disk);
     rc = cb_bus_service_run(svc) == 0 ? 0 : 1;
 out:
     cb_bus_service_destroy(&svc);
     retriever_close(&r);
+    cb_diskhealth_destroy(&r.disk);
     cb_config_destroy(&cfg);
     if (rc == 0) cb_log(CB_LOG_INFO, NULL, "bye");
     return rc;

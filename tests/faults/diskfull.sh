@@ -13,7 +13,11 @@
 #   truncated a KV file cut in half (what a torn write would leave without the temp-and-rename protocol):
 #             a miss, recomputed, the answer unchanged.
 # Throughout: no service dies, every service answers ping, and cb-kvcheck finds every *.kv file whole (header,
-# size, payload checksums) and no stray temporary file once the writes are over.
+# size, payload checksums) and no stray temporary file once the writes are over. The disk full is reported:
+# while it is (each row's full phase), `cbctl health` exits 4 with every service `degraded` and a reason naming
+# the data dir, and cb-gateway's /health answers 200 with "status": "degraded", the four services and their
+# reasons; once the space is back (kvfull, dbfull, allfull), both say ok again within 70 s (a failed write
+# counts for common.disk_full_hold_s = 60 s, unless a later write of its kind succeeds first).
 . "$(dirname "$0")/lib/faults.bash"
 faults_begin diskfull
 if [ "$(id -u)" != 0 ] || ! faults_mount_tmpfs "$CB_DATA_DIR" 256m; then
@@ -22,6 +26,7 @@ fi
 KVCHECK="$ROOT/build/bin/cb-kvcheck"
 svc_need build/bin/cb-kvcheck
 stack_start_all || faults_finish
+stack_start_gateway || faults_finish
 cbctl ingest --wait data/sample >/dev/null 2>&1 || fail "ingest of data/sample"
 ref_queries_define
 unset "QARGS[rag-full]" "QARGS[ctx-full]"   # two are enough here
@@ -42,6 +47,41 @@ fill_to() {
   echo "free on the data dir: $(df -k --output=avail "$CB_DATA_DIR" | tail -1) KB"
 }
 unfill() { rm -f "$CB_DATA_DIR/filler"; echo "filler removed: $(df -k --output=avail "$CB_DATA_DIR" | tail -1) KB free"; }
+
+# degraded_check WHEN: the full disk is reported: cbctl health exits 4 (every service answers, degraded) with
+# each of the four "degraded" and a reason naming the data dir; the gateway's /health is 200 "degraded", with
+# the four in "degraded" and each one's reason naming the data dir.
+degraded_check() {
+  local when=$1 rc n code st why
+  "$CBCTL" health >"$T/health.out" 2>&1; rc=$?
+  n=$(grep -c "degraded .*data disk full: .*$CB_DATA_DIR" "$T/health.out")
+  if [ "$rc" = 4 ] && [ "$n" = 4 ]; then pass "$when: cbctl health exits 4, the four services degraded, the reason naming $CB_DATA_DIR"
+  else fail "$when: cbctl health exit $rc, $n of 4 services degraded with the disk named: $(head -c 800 "$T/health.out")"; fi
+  code=$(curl -s --max-time 10 -o "$T/health.json" -w '%{http_code}' "$GW/health")
+  st=$(jq -r '.status' "$T/health.json" 2>/dev/null)
+  n=$(jq -r --arg d "$CB_DATA_DIR" '[.services[] | select(.status == "degraded" and (.reason // "" | contains($d)))] | length' \
+        "$T/health.json" 2>/dev/null)
+  if [ "$code $st $n" = "200 degraded 4" ]; then pass "$when: /health 200 \"degraded\", the four services with reasons naming the disk"
+  else fail "$when: /health $code \"$st\", $n of 4 degraded with the disk named: $(head -c 800 "$T/health.json")"; fi
+  why=$(jq -r '.services.precompute.reason // ""' "$T/health.json" 2>/dev/null | sed "s#$CB_DATA_DIR#DATA#g")
+  note "$when: cbctl health exit $rc, /health $code \"$st\" (cb-precompute: \"${why:0:300}\")"
+}
+
+# ok_again WHEN: once the space is back, cbctl health exits 0 and /health is 200 "ok" again, within 70 s (a write
+# that failed on the full disk counts for common.disk_full_hold_s, 60 s, unless a later one of its kind succeeds).
+ok_again() {
+  local when=$1 t0=$SECONDS rc code st
+  while :; do
+    "$CBCTL" health >"$T/health.out" 2>&1; rc=$?
+    code=$(curl -s --max-time 10 -o "$T/health.json" -w '%{http_code}' "$GW/health")
+    st=$(jq -r '.status' "$T/health.json" 2>/dev/null)
+    [ "$rc $code $st" = "0 200 ok" ] && break
+    [ $((SECONDS - t0)) -ge 70 ] && break
+    sleep 1
+  done
+  if [ "$rc $code $st" = "0 200 ok" ]; then pass "$when: ok again after $((SECONDS - t0)) s (cbctl health exit 0, /health 200 \"ok\")"
+  else fail "$when: not ok 70 s after the space came back: cbctl health exit $rc, /health $code \"$st\": $(grep degraded "$T/health.out" | head -c 600)"; fi
+}
 
 # kv_whole WHEN: every KV file whole, no temporary file left.
 kv_whole() {
@@ -83,7 +123,7 @@ why=$(sqlite3 "$CB_DATA_DIR/precompute.db" "SELECT error FROM jobs WHERE doc_id 
 note "jobs 4 s after their acknowledgement: ${states:-none}${why:+ (\"$why\")}"
 up "KV dir full"
 kv_whole "KV dir full"
-"$CBCTL" health >"$T/health.out" 2>&1; note "cbctl health on the full disk: exit $? ($(grep -c ' ok ' "$T/health.out") of 4 services ok)"
+degraded_check "KV dir full"
 unfill
 sleep 3
 retried=0
@@ -105,6 +145,7 @@ verify_docs "$T/ack-kv.txt" 60
 [ "${LOST_BEFORE_RETRY:-0}" -gt 0 ] && LOST=$((LOST + LOST_BEFORE_RETRY))
 kv_whole "after the space came back"
 up "after the space came back"
+ok_again "after the space came back"
 faults_row_end
 
 # --- dbfull: no room at all -----------------------------------------------------------------------------
@@ -120,7 +161,7 @@ if [ "$refused" -gt 0 ]; then
 fi
 note "$acked acknowledged, $refused refused with no space at all"
 up "disk full"
-"$CBCTL" health >"$T/health.out" 2>&1; note "cbctl health: exit $?"
+degraded_check "disk full"
 out=$(cbctl query --mode blend --k 1 'When was Brisket Station opened?' 2>&1); rc=$?
 check "disk full: a query over cached chunks is answered as before" "$rc/$out" "0/${REF[rag-blend]}"
 unfill
@@ -138,6 +179,7 @@ verify_docs "$T/ack-db2.txt" 60
 kv_whole "after the space came back"
 db_checks
 up "after the space came back"
+ok_again "after the space came back"
 faults_row_end
 
 # --- allfull: documents acknowledged, then the disk fills up while they are processed ---------------------
@@ -164,6 +206,7 @@ if [ "$cpu_ms" -gt 1000 ] || [ "$lines" -gt 20 ]; then
 fi
 up "disk full while processing"
 kv_whole "disk full while processing"
+degraded_check "disk full while processing"
 unfill
 sleep 2
 nfail=$(sqlite3 "$CB_DATA_DIR/precompute.db" "SELECT count(*) FROM jobs WHERE (doc_id LIKE 'fd-22%' OR doc_id = 'fd-2290') AND state = 3")
@@ -174,6 +217,7 @@ fi
 verify_docs "$T/ack-all.txt" 60
 kv_whole "after the space came back"
 up "after the space came back"
+ok_again "after the space came back"
 faults_row_end
 
 # --- kvwrite: cb-blend writes the KV of chunks it computes, on a full disk --------------------------------
@@ -191,6 +235,7 @@ note "blend misses during the full disk: $(( $(stack_stat blend cache_misses) - 
 sleep 2
 kv_whole "after cb-blend's writes on the full disk"
 up "blend on the full disk"
+degraded_check "blend on the full disk"
 unfill
 # the memory tier holds the chunks now; a restart empties it, so the next query computes them again and,
 # with room on the disk, writes their files; after another restart the query must read those files

@@ -117,6 +117,8 @@ TEST(ping_stats_echo) {
     const char *s;
     size_t n;
     CHECK(cb_msg_str(m, "service", 64, &s, &n) && n == 7 && memcmp(s, "cb-test", 7) == 0);
+    /* no data disk watched (cb_bus_service_set_disk): status ok, no reason */
+    CHECK(cb_msg_str(m, "status", 16, &s, &n) && n == 2 && memcmp(s, "ok", 2) == 0 && !cb_msg_has(m, "reason"));
     cb_msg_destroy(&m);
     m = call(c, "echo", "hello", &code);
     CHECK(m && cb_msg_ok(m) && cb_msg_str(m, "text", 64, &s, &n) && n == 5);
