@@ -64,7 +64,7 @@ endif
 # How each program gets the CUDA backend (default CUDA_DL).
 CUDA_LINK_cb-bench-gpu = $(CUDA_STATIC)
 
-.PHONY: all test test-models test-faults test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve bench-redis cuda fuzz clean model eval check-layers
+.PHONY: all test test-models test-faults test-faults-inproc test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve bench-redis cuda fuzz clean model eval check-layers
 all: build/lib/libshared.a $(CUDA_LIB) $(CUDA_SO) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
@@ -185,8 +185,28 @@ build/tests/gen_corpora: tests/fuzz/gen_corpora.c build/lib/libshared.a $(CUDA_N
 
 # The fault and load suite (tests/faults/run.sh; docs/reliability.md): kill -9, a full disk, SIGSTOP, slow
 # clients, bounded load, fuzzing. Not part of `make test`; about 20 minutes on 2 cores. Needs root for tmpfs.
-test-faults: all model
+test-faults: all model build/fault/cb-faultpaths
 	@tests/faults/run.sh
+
+# The fault build: libshared and the job table compiled with -DCB_FAULT_INJECT (every allocation and every
+# KV-file and config I/O call a failure point: base/fault.h) and the sanitizers; tests/faults/inproc drives it.
+FAULT_FLAGS := $(SAN_FLAGS) -DCB_FAULT_INJECT
+FAULT_SVC   := services/precompute/jobs.c
+build/fault/obj/%.o: %.c $(LIB_HDR)
+	@mkdir -p $(dir $@)
+	$(CC) $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS)) $(FAULT_FLAGS) -c $< -o $@
+
+build/fault/libshared.a: $(patsubst %.c,build/fault/obj/%.o,$(LIB_SRC))
+	@mkdir -p $(dir $@)
+	ar rcs $@ $^
+
+build/fault/cb-faultpaths: $(wildcard tests/faults/inproc/*.c tests/faults/inproc/*.h) $(FAULT_SVC) services/precompute/jobs.h build/fault/libshared.a
+	$(CC) $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS)) $(FAULT_FLAGS) -Iservices/precompute -Itests/faults/inproc \
+	    $(wildcard tests/faults/inproc/*.c) $(FAULT_SVC) build/fault/libshared.a $(LDLIBS) -o $@
+
+# Only the in-process failure points (tests/faults/inproc/run.sh), a few minutes.
+test-faults-inproc: all model build/fault/cb-faultpaths
+	@tests/faults/inproc/run.sh
 
 cuda:
 	$(MAKE) CB_CUDA=1 all

@@ -142,14 +142,12 @@ struct cb_tokenizer {
 /* ---------------------------------------------------------------------------------------------- */
 /* small helpers */
 
-static void *xcalloc(size_t n, size_t sz) {
-    if (n == 0) n = 1;
-    void *p = cb_calloc(n, sz);
-    if (!p) {
-        CB_ERROR("tokenizer: out of memory (%zu x %zu bytes)", n, sz);
-        abort();
-    }
-    return p;
+/* calloc of at least one element; NULL when out of memory (the caller fails with oom()). */
+static void *xcalloc(size_t n, size_t sz) { return cb_calloc(n ? n : 1, sz); }
+
+static bool oom(char *err, size_t errlen) {
+    cb_set_err(err, errlen, "tokenizer: out of memory");
+    return false;
 }
 
 static size_t pow2_at_least(size_t n) {
@@ -496,6 +494,7 @@ static bool pick_model(cb_tokenizer_t *t, const cb_gguf_t *g, char *err, size_t 
 /* tokenizer.ggml.scores (f32 or i32, at least n_vocab long) into t->score; absent = all 0. */
 static bool read_scores(cb_tokenizer_t *t, const cb_gguf_t *g, char *err, size_t errlen) {
     t->score = xcalloc((size_t)t->n_vocab, sizeof *t->score);
+    if (!t->score) return oom(err, errlen);
     if (!cb_gguf_has(g, "tokenizer.ggml.scores")) return true;
     cb_gguf_vtype_t et;
     size_t n;
@@ -548,6 +547,8 @@ static bool read_merges(cb_tokenizer_t *t, const cb_gguf_t *g, char *err, size_t
     t->merge_cap = pow2_at_least(n_mrg * 2);
     t->merge_hash = xcalloc(t->merge_cap, sizeof *t->merge_hash);
     t->merge_slot = xcalloc(t->merge_cap, sizeof *t->merge_slot);
+    if (!t->merge_arena || !t->merge_off || !t->merge_len || !t->merge_split || !t->merge_hash || !t->merge_slot)
+        return oom(err, errlen);
     memset(t->merge_slot, 0xFF, t->merge_cap * sizeof *t->merge_slot);
     size_t off = 0;
     for (size_t i = 0; i < n_mrg; i++) {
@@ -618,6 +619,10 @@ cb_tokenizer_t *cb_tokenizer_new_from_gguf_opts(const cb_gguf_t *g, const char *
         return NULL;
     }
     cb_tokenizer_t *t = xcalloc(1, sizeof *t);
+    if (!t) {
+        oom(err, errlen);
+        return NULL;
+    }
     if (!pick_model(t, g, err, errlen)) {
         free(t);
         return NULL;
@@ -672,6 +677,10 @@ cb_tokenizer_t *cb_tokenizer_new_from_gguf_opts(const cb_gguf_t *g, const char *
     t->tok_type = xcalloc(n_tok, 1);
     t->tok_attr = xcalloc(n_tok, 1);
     t->tok_eog = xcalloc(n_tok, 1);
+    if (!t->tok_arena || !t->tok_off || !t->tok_len || !t->tok_type || !t->tok_attr || !t->tok_eog) {
+        oom(err, errlen);
+        goto fail;
+    }
     size_t off = 0;
     for (size_t i = 0; i < n_tok; i++) {
         cb_gguf_arr_str(g, "tokenizer.ggml.tokens", i, &s, &n);
@@ -690,6 +699,10 @@ cb_tokenizer_t *cb_tokenizer_new_from_gguf_opts(const cb_gguf_t *g, const char *
     t->vocab_cap = pow2_at_least(n_tok * 2);
     t->vocab_hash = xcalloc(t->vocab_cap, sizeof *t->vocab_hash);
     t->vocab_slot = xcalloc(t->vocab_cap, sizeof *t->vocab_slot);
+    if (!t->vocab_hash || !t->vocab_slot) {
+        oom(err, errlen);
+        goto fail;
+    }
     memset(t->vocab_slot, 0xFF, t->vocab_cap * sizeof *t->vocab_slot);
     for (size_t i = 0; i < n_tok; i++) vocab_insert(t, (int32_t)i);
 
@@ -716,6 +729,10 @@ cb_tokenizer_t *cb_tokenizer_new_from_gguf_opts(const cb_gguf_t *g, const char *
     t->dec_off = xcalloc(n_tok, sizeof *t->dec_off);
     t->dec_len = xcalloc(n_tok, sizeof *t->dec_len);
     t->dec_arena = xcalloc(total, 1); /* a decoded text is never longer than its vocabulary text */
+    if (!t->dec_off || !t->dec_len || !t->dec_arena) {
+        oom(err, errlen);
+        goto fail;
+    }
     size_t doff = 0;
     for (size_t i = 0; i < n_tok; i++) {
         char *d = t->dec_arena + doff;
@@ -728,6 +745,10 @@ cb_tokenizer_t *cb_tokenizer_new_from_gguf_opts(const cb_gguf_t *g, const char *
 
     /* special tokens: control, unknown and user-defined, longest text first */
     t->special = xcalloc(n_tok, sizeof *t->special);
+    if (!t->special) {
+        oom(err, errlen);
+        goto fail;
+    }
     for (size_t i = 0; i < n_tok; i++)
         if (t->tok_attr[i] & A_SPECIAL) t->special[t->n_special++] = (int32_t)i;
     qsort_r(t->special, (size_t)t->n_special, sizeof *t->special, cmp_special, t);
@@ -1141,7 +1162,7 @@ static frag_t *partition(const cb_tokenizer_t *t, const char *text, size_t len, 
         if (!any) continue;
         size_t gcap = n + 16, gn = 0;
         g = cb_malloc(gcap * sizeof *g);
-        if (!g) { free(f); return NULL; }
+        if (!g) goto oom;
         for (size_t i = 0; i < n; i++) {
             if (f[i].id >= 0 || f[i].len < sl) {
                 if (gn == gcap) { gcap *= 2; frag_t *ng = cb_realloc(g, gcap * sizeof *g); if (!ng) goto oom; g = ng; }

@@ -85,24 +85,44 @@ static void init_once(void) {
     g_re_word = compile("\\S+");
 }
 
-/* Substitutes repl for re's matches in s[0..len) (global when `global`); returns a new string. */
+/* Substitutes repl for re's matches in s[0..len) (global when `global`); returns a new string, or NULL when
+ * out of memory. */
 static char *subst(const pcre2_code *re, const char *s, size_t len, const char *repl, int global, int extended) {
     uint32_t opts = PCRE2_SUBSTITUTE_OVERFLOW_LENGTH | (global ? PCRE2_SUBSTITUTE_GLOBAL : 0) |
                     (extended ? PCRE2_SUBSTITUTE_EXTENDED : 0);
     PCRE2_SIZE cap = len + len / 2 + 16;
-    char *out = xmalloc(cap);
-    for (int attempt = 0; attempt < 2; attempt++) {
+    char *out = cb_malloc(cap);
+    for (int attempt = 0; out && attempt < 2; attempt++) {
         PCRE2_SIZE outlen = cap;
         int rc = pcre2_substitute(re, (PCRE2_SPTR)s, len, 0, opts, NULL, NULL, (PCRE2_SPTR)repl,
                                   PCRE2_ZERO_TERMINATED, (PCRE2_UCHAR *)out, &outlen);
         if (rc >= 0) return out;
         if (rc != PCRE2_ERROR_NOMEMORY) break;
         cap = outlen + 1;
-        out = xrealloc(out, cap);
+        char *bigger = cb_realloc(out, cap);
+        if (!bigger) {
+            free(out);
+            return NULL;
+        }
+        out = bigger;
     }
+    if (!out) return NULL;
     /* Not expected with these patterns; keep the text unchanged rather than fail the evaluation. */
     free(out);
-    return xstrndup(s, len);
+    if (!(out = cb_malloc(len + 1))) return NULL;
+    memcpy(out, s, len);
+    out[len] = '\0';
+    return out;
+}
+
+/* Scoring (the evaluation's, never a service's) stops the program when out of memory. */
+static char *xsubst(const pcre2_code *re, const char *s, size_t len, const char *repl, int global, int extended) {
+    char *out = subst(re, s, len, repl, global, extended);
+    if (!out) {
+        CB_ERROR("qa: out of memory (%zu bytes)", len);
+        abort();
+    }
+    return out;
 }
 
 /* Appends the spans of the white-space separated words of s[0..len) to *spans (pairs start, end). */
@@ -141,13 +161,13 @@ char *cb_qa_normalize(const char *s) {
         CB_ERROR("qa: out of memory (repairing %zu bytes of UTF-8)", strlen(s));
         abort();
     }
-    char *low = subst(g_re_all, clean, strlen(clean), "\\L$0", 1, 1);
+    char *low = xsubst(g_re_all, clean, strlen(clean), "\\L$0", 1, 1);
     free(clean);
     size_t j = 0;
     for (size_t i = 0; low[i]; i++)
         if (!strchr(QA_PUNCT, low[i])) low[j++] = low[i];
     low[j] = '\0';
-    char *noart = subst(g_re_articles, low, j, " ", 1, 0);
+    char *noart = xsubst(g_re_articles, low, j, " ", 1, 0);
     free(low);
     size_t *sp;
     int n = words(noart, strlen(noart), &sp);
@@ -286,7 +306,8 @@ char *cb_qa_chunk_text(const char *title, const char *text) {
     if (!title) title = "";
     if (!text) text = "";
     size_t a = strlen(title), b = strlen(text);
-    char *s = xmalloc(a + b + 5);
+    char *s = cb_malloc(a + b + 5);
+    if (!s) return NULL;
     memcpy(s, title, a);
     memcpy(s + a, "\n\n", 2);
     memcpy(s + a + 2, text, b);
@@ -300,22 +321,28 @@ char *cb_qa_normalize_question(const char *question) {
     size_t n = strlen(question);
     int add_q = n == 0 || question[n - 1] != '?';
     char *lowered = subst(g_re_first, question, n, "\\L$0", 0, 1);
+    if (!lowered) return NULL;
     size_t m = strlen(lowered);
-    char *out = xmalloc(m + 2);
-    memcpy(out, lowered, m);
-    if (add_q) out[m++] = '?';
-    out[m] = '\0';
+    char *out = cb_malloc(m + 2);
+    if (out) {
+        memcpy(out, lowered, m);
+        if (add_q) out[m++] = '?';
+        out[m] = '\0';
+    }
     free(lowered);
     return out;
 }
 
 char *cb_qa_suffix(const char *question) {
     char *q = cb_qa_normalize_question(question);
+    if (!q) return NULL;
     size_t a = strlen(QA_QUERY), b = strlen(q);
-    char *s = xmalloc(a + b + sizeof "\nAnswer:");
-    memcpy(s, QA_QUERY, a);
-    memcpy(s + a, q, b);
-    memcpy(s + a + b, "\nAnswer:", sizeof "\nAnswer:");
+    char *s = cb_malloc(a + b + sizeof "\nAnswer:");
+    if (s) {
+        memcpy(s, QA_QUERY, a);
+        memcpy(s + a, q, b);
+        memcpy(s + a + b, "\nAnswer:", sizeof "\nAnswer:");
+    }
     free(q);
     return s;
 }

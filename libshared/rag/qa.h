@@ -50,6 +50,8 @@ const cb_qa_example_t *cb_qa_set_get(const cb_qa_set_t *self, int i); /* NULL if
 void cb_qa_set_destroy(cb_qa_set_t **self_p);
 
 /* ---- prompt pieces (the anchors' strings; the caller adds the chat template) ------------------- */
+/* Each returns a new string (caller frees), or NULL when out of memory. The scoring functions below are the
+ * evaluation's: they stop the program when out of memory. */
 
 /* The instruction prefix, ending in "\nPassages:\n" (static string). */
 const char *cb_qa_prefix(void);

@@ -738,13 +738,13 @@ int main(int argc, char **argv) {
         long long total = n_prefix;
         for (int c = 0; c < nc; c++) {
             char *t = cb_qa_chunk_text(ex->ctxs[c].title, ex->ctxs[c].text);
-            chunk_tok[c] = cb_tokenizer_encode_alloc(tok, t, strlen(t), false, &chunk_n[c]);
+            chunk_tok[c] = t ? cb_tokenizer_encode_alloc(tok, t, strlen(t), false, &chunk_n[c]) : NULL;
             free(t);
             if (!chunk_tok[c] || chunk_n[c] < 1) ok = 0;
             else total += chunk_n[c];
         }
         char *st = cb_qa_suffix(ex->question);
-        if (append_text(tok, st, &suffix, &n_suffix, &cap_suffix)) ok = 0;
+        if (!st || append_text(tok, st, &suffix, &n_suffix, &cap_suffix)) ok = 0;
         free(st);
         for (int i = 0; ok && i < n_chat_suffix; i++) {
             if (n_suffix == cap_suffix) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tests/faults/run.sh: the fault and load suite (`make test-faults`; docs/reliability.md).
 #
-#   tests/faults/run.sh [SCENARIO...]     default: kill9 diskfull sigstop slow load fuzz flood
+#   tests/faults/run.sh [SCENARIO...]     default: inproc kill9 diskfull sigstop slow load fuzz flood
 #
 # Each scenario is a script next to this one; it prints ok:/FAIL: lines (shown here as they come, prefixed
 # with the scenario) and writes one row per service or sub-case to build/faults/rows.jsonl. At the end this
@@ -25,7 +25,7 @@ export CB_FAULTS_SEED=$SEED
 mkdir -p "$OUT"
 rm -rf "$OUT/rows.jsonl" "$OUT/scenarios.jsonl" "$OUT/logs" "$OUT/fuzz-artifacts"
 scenarios=("$@")
-[ ${#scenarios[@]} -eq 0 ] && scenarios=(kill9 diskfull sigstop slow load fuzz flood)
+[ ${#scenarios[@]} -eq 0 ] && scenarios=(inproc kill9 diskfull sigstop slow load fuzz flood)
 command="make test-faults"
 [ $# -gt 0 ] && command="tests/faults/run.sh $*"
 [ "${CB_FAULTS_QUICK:-0}" = 1 ] && command="CB_FAULTS_QUICK=1 $command"
