@@ -11,6 +11,10 @@
  * thread-safe). Worker threads reach the service's loop through their own pipes (zactor), added with
  * zloop_reader(cb_bus_service_loop(svc), ...); a deferred request (cb_bus_req_detach) is answered from
  * the loop's thread.
+ *
+ * Sources: bus_socket.c (options, sockets, handshake monitors), bus_client.c (connection, Lazy Pirate
+ * client, fan-out), bus_service.c (the ROUTER service), bus_worker.c (worker mode); bus_internal.h is
+ * private to them.
  */
 #ifndef CB_BUS_H
 #define CB_BUS_H
