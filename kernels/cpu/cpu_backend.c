@@ -1,4 +1,4 @@
-/* cpu_backend.c: the CPU backend's table (wrapping kernels/cpu/cpu_ops.c) and backend-independent helpers.
+/* cpu_backend.c: the CPU backend's table (wrapping the kernels of cpu_ops.h) and backend-independent helpers.
  *
  * The CPU context owns the scratch its kernels need (matvec row buffers, attention score blocks) and a
  * RoPE coefficient table for positions [0, max_keys) of the model's head_dim and base; positions

@@ -6,6 +6,10 @@
  * on one OpenBLAS thread each (cb_cpu_init sets this), so the only threads are the pool's.
  * AVX-512 paths are compiled when the compiler targets AVX-512 (-march=native here), with portable
  * scalar code otherwise; both compute the same values up to summation order.
+ * Implemented by cpu_ops.c (setup, small ops, dequantization, matrix products), cpu_attn.c (f32 attention,
+ * KV conversions, attention mass), cpu_attn_decode.c (split-key decode, decode batches), cpu_attn_amx.c and
+ * cpu_attn_i16.c (the bf16 and int16 prefill blocks) and cpu_blend_host.c (the host-side CacheBlend
+ * operations), which share the private cpu_ops_internal.h.
  */
 #ifndef CB_CPU_OPS_H
 #define CB_CPU_OPS_H

@@ -344,7 +344,7 @@ TEST(test_attention_window) {
  * <= 5e-4 here, a relative change of the weights of twice that: bound 2^-10 · max |v|) plus the f32
  * kernel's own 2e-5.
  *
- * int16 (CB_ATTN_I16; AVX512-VNNI): each operand is rounded to an integer grid scaled per row (cpu_ops.c):
+ * int16 (CB_ATTN_I16; AVX512-VNNI): each operand is rounded to an integer grid scaled per row (cpu_attn_i16.c):
  * q·scale and K to m = floor(sqrt(2^31 / hd)) steps of their row's largest |value| (5792 for hd 64), V per
  * key and the softmax weights per row and chunk to 5792 steps. Bounds, each for an error at most half a step:
  *   scores: |ds| <= hd · max|q·scale| · max|k| / m (every product's two roundings); the weights then move by
