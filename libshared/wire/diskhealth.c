@@ -101,10 +101,6 @@ bool cb_diskhealth_full_msg(const char *msg) {
     static const char *const marks[] = {"No space left on device", "Disk quota exceeded", "database or disk is full"};
     for (size_t i = 0; i < sizeof marks / sizeof *marks; i++)
         if (strstr(msg, marks[i])) return true;
-    if (strstr(msg, strerror(ENOSPC))) return true;
-#ifdef EDQUOT
-    if (strstr(msg, strerror(EDQUOT))) return true;
-#endif
     return false;
 }
 
@@ -148,15 +144,19 @@ void cb_diskhealth_ok(cb_diskhealth_t *dh, const char *what) {
     pthread_mutex_unlock(&dh->mu);
 }
 
-bool cb_diskhealth_room(const char *dir, uint64_t need, uint64_t *avail) {
+/* The bytes a writer that is not root can still write on dir's file system; false when statvfs fails. */
+static bool free_bytes_of(const char *dir, uint64_t *out) {
     struct statvfs vs;
-    if (!dir || statvfs(dir, &vs) != 0) {
-        if (avail) *avail = UINT64_MAX;
-        return true;
-    }
-    uint64_t a = (uint64_t)vs.f_bavail * (uint64_t)vs.f_frsize;
+    if (!dir || statvfs(dir, &vs) != 0) return false;
+    *out = (uint64_t)vs.f_bavail * (uint64_t)vs.f_frsize;
+    return true;
+}
+
+bool cb_diskhealth_room(const char *dir, uint64_t need, uint64_t *avail) {
+    uint64_t a = UINT64_MAX;
+    const bool known = free_bytes_of(dir, &a);
     if (avail) *avail = a;
-    return a >= need + (uint64_t)MIB;
+    return !known || a >= need + (uint64_t)MIB;
 }
 
 /* "0 bytes", "812 bytes", "3.4 KiB", "60.0 MiB", "2.1 GiB". */
@@ -201,11 +201,11 @@ bool cb_diskhealth_check(cb_diskhealth_t *dh, char *reason, size_t len, int64_t 
     dev_t dev[CB_DISKHEALTH_MAX];
     bool read[CB_DISKHEALTH_MAX];
     for (int i = 0; i < dh->n_watch; i++) {
-        struct statvfs vs;
         struct stat st;
-        read[i] = statvfs(dh->watch[i].dir, &vs) == 0 && stat(dh->watch[i].dir, &st) == 0;
+        uint64_t a = 0;
+        read[i] = free_bytes_of(dh->watch[i].dir, &a) && stat(dh->watch[i].dir, &st) == 0;
         if (!read[i]) continue;
-        avail[i] = (int64_t)((uint64_t)vs.f_bavail * (uint64_t)vs.f_frsize);
+        avail[i] = (int64_t)a;
         dev[i] = st.st_dev;
         if (least < 0 || avail[i] < least) least = avail[i];
     }

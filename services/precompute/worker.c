@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 
 #include "base/clock.h"
 #include "wire/bus.h"
@@ -348,14 +347,6 @@ static step_t call_retry(worker_t *w, cb_bus_client_t *c, const char *job, const
     }
 }
 
-/* Whether the file system of dir has less than need bytes (plus 1 MiB) free for us: a failed write there is
- * then the disk being full, not the file's fault. */
-static bool disk_full(const char *dir, uint64_t need) {
-    struct statvfs vs;
-    if (statvfs(dir, &vs) != 0) return false;
-    return (uint64_t)vs.f_bavail * (uint64_t)vs.f_frsize < need + (1u << 20);
-}
-
 /* Chunks a document and records the plan. */
 static step_t plan_job(worker_t *w, cb_job_t *job, char *err, size_t errlen) {
     cb_chunk_span_t *spans = NULL;
@@ -439,16 +430,16 @@ static step_t do_chunk(worker_t *w, cb_job_t *job, int idx, const cb_job_chunk_t
         if (erc != 0) { /* the KV file could not be written: no put for it */
             /* a full disk is transient (retried with back-off, the job kept); an obstacle at the path (a
              * non-empty directory) is not: the job fails with the reason */
-            bool full = disk_full(w->a->kv_dir, (uint64_t)nt * w->bytes_per_token);
+            const bool full = !cb_diskhealth_room(w->a->kv_dir, (uint64_t)nt * w->bytes_per_token, NULL);
             st = full ? STEP_RETRY : STEP_FAIL;
             if (full || cb_diskhealth_full_msg(err)) /* the service's ping says degraded */
                 cb_diskhealth_failed(w->a->disk, "KV dir", err);
             break;
         }
-        if (src == CB_KVSTORE_COMPUTED) cb_diskhealth_ok(w->a->disk, "KV dir"); /* a KV file was written */
-        if (src == CB_KVSTORE_COMPUTED)
+        if (src == CB_KVSTORE_COMPUTED) {
+            cb_diskhealth_ok(w->a->disk, "KV dir"); /* a KV file was written */
             cb_log(CB_LOG_DEBUG, job->job, "chunk %d (%d tokens) computed (%s): %s", idx, nt, cb_kv_miss_str(why), hex);
-        else
+        } else
             cb_log(CB_LOG_DEBUG, job->job, "chunk %d (%d tokens) already on disk: %s", idx, nt, hex);
         struct stat sb;
         if (lstat(path, &sb) != 0) {

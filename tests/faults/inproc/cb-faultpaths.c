@@ -82,6 +82,12 @@ static struct {
     char corpus_dir[256];    /* tests/fuzz/corpus_msg: every message type, as the real writer encodes it */
     char synth_path[300];    /* a small synthetic model (llama, Q4_1, with a GPT-2 vocabulary and ChatML) */
     char config_path[300];   /* a config file */
+    struct {
+        char name[128];
+        uint8_t *data;       /* [len], read once by load_corpus */
+        size_t len;
+    } msgs[128];             /* the corpus's *.msg files, sorted by name (a fixed order of calls) */
+    int n_msgs;
 } g;
 
 /* ---- paths -------------------------------------------------------------------------------------------------- */
@@ -115,50 +121,32 @@ static int path_config(const char *dir, digest_t *d, char *err, size_t errlen) {
  * into JSON and encoded again: the same bytes; a malformed seed refused with its reason. */
 static int path_msg(const char *dir, digest_t *d, char *err, size_t errlen) {
     (void)dir;
-    DIR *dp = opendir(g.corpus_dir);
-    if (!dp) {
-        snprintf(err, errlen, "%s: %s", g.corpus_dir, strerror(errno));
-        return -1;
-    }
-    /* names sorted, so the order of the calls (and of the digest) is fixed */
-    char names[128][128];
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(dp)) && n < 128) {
-        size_t len = strlen(e->d_name);
-        if (len > 4 && len < 128 && !strcmp(e->d_name + len - 4, ".msg")) memcpy(names[n++], e->d_name, len + 1);
-    }
-    closedir(dp);
-    qsort(names, (size_t)n, sizeof names[0], (int (*)(const void *, const void *))strcmp);
     cb_msg_writer_t *w = cb_msg_writer_new();
     if (!w) {
         snprintf(err, errlen, "writer: out of memory");
         return -1;
     }
     int rc = 0;
-    for (int i = 0; i < n && rc == 0; i++) {
-        char path[512];
-        snprintf(path, sizeof path, "%s/%s", g.corpus_dir, names[i]);
-        static uint8_t buf[1 << 16];
-        FILE *f = fopen(path, "rb");
-        size_t len = f ? fread(buf, 1, sizeof buf, f) : 0;
-        if (f) fclose(f);
+    for (int i = 0; i < g.n_msgs && rc == 0; i++) {
+        const char *const name = g.msgs[i].name;
+        const uint8_t *const buf = g.msgs[i].data;
+        const size_t len = g.msgs[i].len;
         cb_msg_error_t me;
         cb_msg_t *m = cb_msg_decode_ex(buf, len, CB_MSG_DEFAULT_MAX_BYTES, &me);
-        const bool malformed = !strncmp(names[i], "raw_", 4); /* the corpus's invalid seeds */
+        const bool malformed = !strncmp(name, "raw_", 4); /* the corpus's invalid seeds */
         if (!m && me.code != CB_ERR_INTERNAL) {
-            dg_str(d, names[i]); /* refused, as it must be */
+            dg_str(d, name); /* refused, as it must be */
             dg_str(d, me.message);
             continue;
         }
         if (!m) {
-            snprintf(err, errlen, "%s: decode: %s", names[i], me.message);
+            snprintf(err, errlen, "%s: decode: %s", name, me.message);
             rc = -1;
             break;
         }
         json_t *js = cb_msg_to_json(m);
         if (!js) {
-            snprintf(err, errlen, "%s: to json: out of memory", names[i]);
+            snprintf(err, errlen, "%s: to json: out of memory", name);
             rc = -1;
         } else {
             cb_msg_begin_bare(w);
@@ -168,13 +156,13 @@ static int path_msg(const char *dir, digest_t *d, char *err, size_t errlen) {
             size_t out_len = 0;
             const void *out = cb_msg_end(w, &out_len);
             if (!out) {
-                snprintf(err, errlen, "%s: encode: %s", names[i], cb_msg_writer_error(w));
+                snprintf(err, errlen, "%s: encode: %s", name, cb_msg_writer_error(w));
                 rc = -1;
             } else if (!malformed && (out_len != len || memcmp(out, buf, len) != 0)) {
-                snprintf(err, errlen, "%s: encoded again, the bytes differ", names[i]);
+                snprintf(err, errlen, "%s: encoded again, the bytes differ", name);
                 rc = -1;
             } else {
-                dg_str(d, names[i]);
+                dg_str(d, name);
                 dg_bytes(d, out, out_len);
             }
             json_decref(js);
@@ -637,7 +625,46 @@ static int point(int p, int k, uint64_t nth, uint64_t ref, report_t *r, int *sta
 
 /* ---- setup and the loop ------------------------------------------------------------------------------------- */
 
+static int cmp_msg_name(const void *a, const void *b) { return strcmp((const char *)a, (const char *)b); }
+
+/* Reads every "*.msg" file of g.corpus_dir into g.msgs (at most 128, each under 64 KiB; empty ones too),
+ * sorted by name. */
+static int load_corpus(char *err, size_t errlen) {
+    DIR *dp = opendir(g.corpus_dir);
+    if (!dp) {
+        snprintf(err, errlen, "%s: %s", g.corpus_dir, strerror(errno));
+        return -1;
+    }
+    struct dirent *e;
+    while ((e = readdir(dp)) && g.n_msgs < 128) {
+        size_t len = strlen(e->d_name);
+        if (len > 4 && len < sizeof g.msgs[0].name && !strcmp(e->d_name + len - 4, ".msg"))
+            memcpy(g.msgs[g.n_msgs++].name, e->d_name, len + 1);
+    }
+    closedir(dp);
+    qsort(g.msgs, (size_t)g.n_msgs, sizeof g.msgs[0], cmp_msg_name); /* name is the first member */
+    for (int i = 0; i < g.n_msgs; i++) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", g.corpus_dir, g.msgs[i].name);
+        FILE *f = fopen(path, "rb");
+        g.msgs[i].data = malloc(1 << 16);
+        g.msgs[i].len = f && g.msgs[i].data ? fread(g.msgs[i].data, 1, 1 << 16, f) : 0;
+        const bool bad = !f || !g.msgs[i].data || ferror(f) || g.msgs[i].len == 1 << 16;
+        if (f) fclose(f);
+        if (bad) {
+            snprintf(err, errlen, "%.400s: cannot read it (or over 64 KiB)", path);
+            return -1;
+        }
+    }
+    if (g.n_msgs == 0) {
+        snprintf(err, errlen, "%s: no *.msg files", g.corpus_dir);
+        return -1;
+    }
+    return 0;
+}
+
 static int setup(char *err, size_t errlen) {
+    if (load_corpus(err, errlen) != 0) return -1;
     snprintf(g.synth_path, sizeof g.synth_path, "%s/synth.gguf", g.work);
     cb_synth_shape_t s;
     memset(&s, 0, sizeof s);
