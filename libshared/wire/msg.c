@@ -595,6 +595,11 @@ bool cb_msg_has(const cb_msg_t *m, const char *key) {
     return lookup(m, key, &o) == 1;
 }
 
+int cb_msg_present(const cb_msg_t *m, const char *key) {
+    const msgpack_object *o;
+    return lookup(m, key, &o);
+}
+
 bool cb_msg_str(const cb_msg_t *m, const char *key, size_t max_len, const char **s, size_t *len) {
     const msgpack_object *o = require(m, key);
     return o && chk_str(m, key, o, max_len, s, len);

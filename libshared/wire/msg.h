@@ -112,6 +112,8 @@ const char *cb_msg_last_error(const cb_msg_t *m);
 /* when the key is absent (or nil), duplicated, of the wrong type, or out of range.                */
 
 bool cb_msg_has(const cb_msg_t *m, const char *key); /* present and not nil */
+/* 1 when key is present and not nil, 0 when absent (or nil), -1 when it appears twice (last error set). */
+int cb_msg_present(const cb_msg_t *m, const char *key);
 
 /* UTF-8 string without NUL bytes, at most max_len bytes. *s points into the message. */
 bool cb_msg_str(const cb_msg_t *m, const char *key, size_t max_len, const char **s, size_t *len);

@@ -36,10 +36,9 @@
 #include "wire/kvremote_config.h"
 #include "base/log.h"
 #include "wire/msg.h"
+#include "wire/query.h"
 
 #define SECTION "blend"
-#define MAX_QUESTION 8192
-#define MAX_CONTEXT_BYTES 262144
 
 typedef struct {
     cb_blend_mode_t mode;
@@ -57,7 +56,10 @@ typedef struct {
     cb_kvremote_t *remote;    /* the shared KV tier (common.kv_remote), or NULL */
     cb_diskhealth_t *disk;    /* kv_dir's disk, for ping: ok or degraded (diskhealth.h) */
     gen_stats_t stats;
-    defaults_t def;
+    defaults_t def;            /* the config's query defaults (blend.*) */
+    cb_blend_opts_t blend;     /* the blend options each query starts from (query_defaults) */
+    float auto_target;         /* blend.auto_target: for a query asking ratio "auto" when blend.ratio is a number */
+    cb_sampler_params_t sampling; /* the sampling each query starts from */
     int64_t max_queue;
     int max_seqs;
     int64_t heartbeat_ms;
@@ -101,134 +103,84 @@ static void to_actor(zactor_t *a, gen_query_t *q) {
     zmsg_send(&zm, a);
 }
 
-/* The optional `stop` field: absent (or nil), one string, or an array of at most GEN_MAX_STOP strings
- * (empty: none), each 1..GEN_MAX_STOP_BYTES bytes, copied into q. False with the reason in why. */
-static bool parse_stop(const cb_msg_t *m, gen_query_t *q, char *why, size_t whylen) {
-    if (!cb_msg_has(m, "stop")) return true;
-    const char *s;
-    size_t len, n;
-    if (cb_msg_array_len(m, "stop", SIZE_MAX, &n)) {
-        if (n > GEN_MAX_STOP) {
-            snprintf(why, whylen, "field 'stop': at most %d stop sequences, got %zu", GEN_MAX_STOP, n);
-            return false;
-        }
-        for (size_t i = 0; i < n; i++) {
-            if (!cb_msg_at_str(m, "stop", i, GEN_MAX_STOP_BYTES, &s, &len)) {
-                snprintf(why, whylen, "%s", cb_msg_last_error(m));
-                return false;
-            }
-            if (len == 0) {
-                snprintf(why, whylen, "field 'stop[%zu]': empty (a stop sequence has 1..%d bytes)", i,
-                         GEN_MAX_STOP_BYTES);
-                return false;
-            }
-            memcpy(q->stop[i], s, len);
-            q->stop[i][len] = 0;
-            q->stop_lens[i] = len;
-            q->n_stop = (int)i + 1;
-        }
-        return true;
-    }
-    if (!cb_msg_str(m, "stop", SIZE_MAX, &s, &len)) {
-        snprintf(why, whylen, "field 'stop': expected a string or an array of at most %d strings", GEN_MAX_STOP);
-        return false;
-    }
-    if (len == 0 || len > GEN_MAX_STOP_BYTES) {
-        snprintf(why, whylen, "field 'stop': a stop sequence has 1..%d bytes, got %zu", GEN_MAX_STOP_BYTES, len);
-        return false;
-    }
-    memcpy(q->stop[0], s, len);
-    q->stop[0][len] = 0;
-    q->stop_lens[0] = len;
-    q->n_stop = 1;
-    return true;
-}
-
-/* Parses and validates a query into a new gen_query_t; NULL with a code and reason. */
+/* Parses and validates a query (query.h) into a new gen_query_t: the service's defaults, then what the
+ * query sets; NULL with a code and reason. */
 static gen_query_t *parse_query(blendsvc_t *b, const cb_msg_t *m, cb_err_t *code, char *why, size_t whylen) {
     *code = CB_ERR_BAD_REQUEST;
+    cb_query_t in;
+    if (!cb_query_decode(m, &in, why, whylen)) return NULL;
+    *code = CB_ERR_INTERNAL;
     gen_query_t *q = cb_calloc(1, sizeof *q);
-    if (!q) {
-        *code = CB_ERR_INTERNAL;
-        snprintf(why, whylen, "out of memory");
-        return NULL;
-    }
+    if (!q) goto oom;
     atomic_init(&q->cancelled, false);
     snprintf(q->id, sizeof q->id, "%s", cb_msg_id(m));
-    const char *s;
-    size_t len;
-    if (!cb_msg_str(m, "question", MAX_QUESTION, &s, &len) || len == 0) {
-        snprintf(why, whylen, "%s", len == 0 && cb_msg_has(m, "question") ? "field 'question': empty" : cb_msg_last_error(m));
-        goto bad;
+    if (!(q->question = cb_strndup(in.question, in.question_len))) goto oom;
+    /* the contexts: the query's own, or those cb-router retrieved for it; neither: the fetch thread's */
+    const bool routed = in.set & CB_QUERY_RETRIEVED;
+    const char *const *texts = routed ? in.retrieved : in.contexts;
+    const size_t *lens = routed ? in.retrieved_lens : in.context_lens;
+    const int n = routed ? in.n_retrieved : in.n_contexts;
+    q->retrieve = !routed && !(in.set & CB_QUERY_CONTEXTS);
+    q->retrieve_ms = routed ? in.retrieve_ms : 0.0;
+    for (int i = 0; i < n; i++) {
+        if (!(q->contexts[i] = cb_strndup(texts[i], lens[i]))) goto oom;
+        q->context_lens[i] = lens[i];
+        q->n_contexts = i + 1;
     }
-    if (!(q->question = cb_strndup(s, len))) goto oom;
-    if (cb_msg_has(m, "contexts")) {
-        size_t n;
-        if (!cb_msg_array_len(m, "contexts", GEN_MAX_CONTEXTS, &n)) {
-            snprintf(why, whylen, "%s", cb_msg_last_error(m));
-            goto bad;
-        }
-        for (size_t i = 0; i < n; i++) {
-            if (!cb_msg_at_str(m, "contexts", i, MAX_CONTEXT_BYTES, &s, &len)) {
-                snprintf(why, whylen, "%s", cb_msg_last_error(m));
-                goto bad;
-            }
-            if (!(q->contexts[i] = cb_strndup(s, len))) goto oom;
-            q->context_lens[i] = len;
-            q->n_contexts = (int)i + 1;
-        }
-    } else {
-        q->retrieve = true;
-    }
-    int64_t v;
-    if (!cb_msg_int_or(m, "k", 1, GEN_MAX_CONTEXTS, b->def.k, &v)) goto field;
-    q->k = (int)v;
-    if (!cb_msg_str_or(m, "mode", 16, cb_blend_mode_str(b->def.mode), &s, &len)) goto field;
-    char mode[17];
-    snprintf(mode, sizeof mode, "%.*s", (int)len, s);
-    int md = cb_blend_mode_parse(mode);
-    if (md < 0) {
-        snprintf(why, whylen, "field 'mode': expected full, prefix, reuse or blend, got '%s'", mode);
-        goto bad;
-    }
-    q->mode = (cb_blend_mode_t)md;
-    const char *rs;
-    size_t rl;
-    q->ratio_auto = b->def.ratio_auto;
+    const unsigned set = in.set;
+    q->k = set & CB_QUERY_K ? in.k : (int)b->def.k;
+    q->max_tokens = set & CB_QUERY_MAX_TOKENS ? in.max_tokens : (int)b->def.max_tokens;
+    q->opts = b->blend;
     q->ratio = b->def.ratio;
-    if (cb_msg_str(m, "ratio", 16, &rs, &rl)) { /* "auto", or a number */
-        if (rl != 4 || memcmp(rs, "auto", 4)) {
-            snprintf(why, whylen, "field 'ratio': expected a number in [0, 1] or \"auto\", got '%.*s'", (int)rl, rs);
-            goto bad;
-        }
-        q->ratio_auto = true;
-    } else if (cb_msg_has(m, "ratio")) {
-        if (!cb_msg_double_or(m, "ratio", 0.0, 1.0, b->def.ratio, &q->ratio)) goto field;
-        q->ratio_auto = false;
+    if (set & CB_QUERY_MODE) q->opts.mode = (cb_blend_mode_t)cb_blend_mode_parse(in.mode); /* validated */
+    if ((set & CB_QUERY_RATIO) && in.ratio_auto) {
+        q->opts.auto_target = b->auto_target;
+    } else if (set & CB_QUERY_RATIO) {
+        q->ratio = in.ratio;
+        q->opts.ratio = (float)in.ratio;
+        q->opts.auto_target = 0.0f;
     }
-    if (!cb_msg_int_or(m, "max_tokens", 1, 4096, b->def.max_tokens, &v)) goto field;
-    q->max_tokens = (int)v;
-    if (!cb_msg_double_or(m, "temperature", 0.0, 5.0, b->def.temperature, &q->temperature)) goto field;
-    if (!cb_msg_double_or(m, "top_p", 1e-9, 1.0, b->def.top_p, &q->top_p)) goto field;
-    if (!cb_msg_int_or(m, "seed", 0, INT64_MAX, b->def.seed, &v)) goto field;
-    q->seed = (uint64_t)v;
-    if (!cb_msg_double_or(m, "frequency_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX,
-                          b->def.frequency_penalty, &q->frequency_penalty) ||
-        !cb_msg_double_or(m, "presence_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX,
-                          b->def.presence_penalty, &q->presence_penalty))
-        goto field;
-    if (!parse_stop(m, q, why, whylen)) goto bad;
+    cb_sampler_params_t *sp = &q->sampling;
+    *sp = b->sampling;
+    if (set & CB_QUERY_TEMPERATURE) sp->temperature = (float)in.temperature;
+    if (set & CB_QUERY_TOP_P) sp->top_p = (float)in.top_p;
+    if (set & CB_QUERY_SEED) sp->seed = (uint64_t)in.seed;
+    if (set & CB_QUERY_FREQUENCY_PENALTY) sp->frequency_penalty = (float)in.frequency_penalty;
+    if (set & CB_QUERY_PRESENCE_PENALTY) sp->presence_penalty = (float)in.presence_penalty;
+    for (int i = 0; i < in.n_stop; i++) {
+        memcpy(q->stop[i], in.stop[i], in.stop_lens[i]);
+        q->stop[i][in.stop_lens[i]] = 0;
+        q->stop_lens[i] = in.stop_lens[i];
+    }
+    q->n_stop = in.n_stop;
     q->t_recv_ms = cb_now_ms();
     return q;
-field:
-    snprintf(why, whylen, "%s", cb_msg_last_error(m));
-    goto bad;
 oom:
-    *code = CB_ERR_INTERNAL;
     snprintf(why, whylen, "out of memory");
-bad:
     gen_query_free(&q);
     return NULL;
+}
+
+/* The per-query defaults, once from the config (blend.*): the blend options each query copies and the
+ * sampling parameters; a query's own fields override them (parse_query). */
+static void query_defaults(blendsvc_t *b, const gen_args_t *ga) {
+    cb_blend_opts_t *o = &b->blend;
+    cb_blend_opts_default(o);
+    o->mode = b->def.mode;
+    o->ratio = (float)b->def.ratio;
+    b->auto_target = (float)ga->auto_target;
+    o->auto_target = b->def.ratio_auto ? b->auto_target : 0.0f;
+    o->auto_floor = (float)ga->auto_floor;
+    o->auto_ceil = (float)ga->auto_ceil;
+    o->auto_cost_keys = (float)ga->auto_cost_keys;
+    o->sparse_keys = (float)ga->sparse_keys;
+    o->check_layer = ga->check_layer;
+    o->metric = ga->metric;
+    o->lead_tokens = ga->lead_tokens;
+    b->sampling = (cb_sampler_params_t){.temperature = (float)b->def.temperature, .top_k = 0,
+                                        .top_p = (float)b->def.top_p, .seed = (uint64_t)b->def.seed,
+                                        .frequency_penalty = (float)b->def.frequency_penalty,
+                                        .presence_penalty = (float)b->def.presence_penalty};
 }
 
 static void on_query(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
@@ -702,6 +654,7 @@ int main(int argc, char **argv) {
     fa.timeout_ms = (int)rt;
     ga.cacheindex_timeout_ms = (int)ct;
     ga.stats = &b.stats;
+    query_defaults(&b, &ga);
     cb_config_log(cfg, SECTION);
     if (cb_db_mkdirs(ga.kv_dir, err, sizeof err) != 0 ||
         !(b.disk = cb_diskhealth_from_config(cfg, SECTION, err, sizeof err))) {

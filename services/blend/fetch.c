@@ -10,8 +10,7 @@
 #include "base/log.h"
 #include "wire/bus.h"
 #include "wire/msg.h"
-
-#define MAX_CONTEXT_BYTES 262144 /* a retrieved chunk's text, as a query's own context */
+#include "wire/query.h"
 
 typedef struct {
     zsock_t *pipe;
@@ -45,7 +44,7 @@ static int retrieve(fetch_t *f, gen_query_t *q, cb_err_t *code, char *err, size_
         const cb_msg_t *h = cb_msg_at_map(r, "hits", i);
         const char *s;
         size_t len;
-        if (!h || !cb_msg_str(h, "text", MAX_CONTEXT_BYTES, &s, &len)) continue;
+        if (!h || !cb_msg_str(h, "text", CB_QUERY_MAX_CONTEXT_BYTES, &s, &len)) continue;
         if (!(q->contexts[got] = cb_strndup(s, len))) break;
         q->context_lens[got++] = len;
     }

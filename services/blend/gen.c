@@ -21,8 +21,6 @@
 #include "rag/ragprompt.h"
 #include "wire/msg.h"
 
-#define MAX_CONTEXT_BYTES 262144
-
 _Static_assert(NOTIFY_MAX_CHUNKS >= GEN_MAX_CONTEXTS, "one notice holds every chunk of a query");
 
 void gen_query_free(gen_query_t **q_p) {
@@ -379,24 +377,11 @@ static int build_prompt(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t 
 /* 3. The fused prefill starts (cb_blend_start): it then runs a slice per step (prefill_slice). 0, or -1
  * with err (bad arguments, out of memory: internal). */
 static int prefill_start(gen_t *g, query_t *r, char *err, size_t errlen) {
-    const gen_args_t *a = g->a;
     cb_blend_chunk_t chunks[GEN_MAX_CONTEXTS];
     for (int i = 0; i < r->n; i++) chunks[i] = (cb_blend_chunk_t){r->ctoks[i], r->cn[i]};
-    cb_blend_opts_t o;
-    cb_blend_opts_default(&o);
-    o.mode = r->q->mode;
-    o.ratio = (float)r->q->ratio;
-    o.auto_target = r->q->ratio_auto ? (float)a->auto_target : 0.0f;
-    o.auto_floor = (float)a->auto_floor;
-    o.auto_ceil = (float)a->auto_ceil;
-    o.auto_cost_keys = (float)a->auto_cost_keys;
-    o.sparse_keys = (float)a->sparse_keys;
-    o.check_layer = a->check_layer;
-    o.metric = a->metric;
-    o.lead_tokens = a->lead_tokens;
     r->t_blend0 = cb_now_ms();
-    return cb_blend_start(g->blend, r->seq, g->prefix, g->n_prefix, chunks, r->n, r->suffix, r->n_suffix, &o,
-                          g->logits, err, errlen) == CB_ENGINE_OK ? 0 : -1;
+    return cb_blend_start(g->blend, r->seq, g->prefix, g->n_prefix, chunks, r->n, r->suffix, r->n_suffix,
+                          &r->q->opts, g->logits, err, errlen) == CB_ENGINE_OK ? 0 : -1;
 }
 
 /* A chunk computed because its file failed a content check (corrupt bytes, another model's or context's
@@ -532,9 +517,10 @@ static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
     cb_msg_put_strn(w, "text", r->text ? r->text : "", r->text_len);
     cb_msg_put_str(w, "finish_reason", r->finish ? r->finish : "length");
     cb_msg_begin_map(w, "metrics");
-    cb_msg_put_str(w, "mode", cb_blend_mode_str(q->mode));
-    cb_msg_put_double(w, "ratio", q->ratio_auto ? (double)mt->bs.ratio_chosen : q->ratio); /* auto: what it chose */
-    cb_msg_put_bool(w, "ratio_auto", q->ratio_auto);
+    const bool ratio_auto = q->opts.auto_target > 0.0f;
+    cb_msg_put_str(w, "mode", cb_blend_mode_str(q->opts.mode));
+    cb_msg_put_double(w, "ratio", ratio_auto ? (double)mt->bs.ratio_chosen : q->ratio); /* auto: what it chose */
+    cb_msg_put_bool(w, "ratio_auto", ratio_auto);
     cb_msg_put_double(w, "ratio_chosen", (double)mt->bs.ratio_chosen);
     cb_msg_put_int(w, "n_candidates", mt->bs.n_candidates);
     cb_msg_put_double(w, "ttft_ms", mt->ttft_ms);
@@ -570,7 +556,7 @@ static int send_done(gen_t *g, query_t *r, char *err, size_t errlen) {
            "query %s r=%.2f: %d chunks (%d hits: %d memory, %d file; %d misses%s), %d prompt tokens (%d recomputed), "
            "ttft %.1f ms (queue %.1f, retrieve %.1f, files %.1f, blend %.1f: resolve %.1f, load %.1f), %d tokens in "
            "%.1f ms (%s)",
-           cb_blend_mode_str(q->mode), q->ratio, r->n, mt->hits, mt->bs.chunks_mem, mt->bs.chunks_file, mt->misses,
+           cb_blend_mode_str(q->opts.mode), q->ratio, r->n, mt->hits, mt->bs.chunks_mem, mt->bs.chunks_file, mt->misses,
            mt->corrupt ? ", rejected files" : "", r->N, mt->bs.tokens_recomputed, mt->ttft_ms, mt->queue_ms,
            mt->retrieve_ms, mt->lookup_ms, mt->blend_ms, mt->bs.t_resolve_ms, mt->load_ms, mt->n_gen, mt->decode_ms,
            r->finish ? r->finish : "length");
@@ -712,10 +698,7 @@ static void first_token(gen_t *g, query_t *r) {
     r->mt.misses = r->mt.bs.chunks_computed;
     r->mt.load_ms = r->mt.bs.t_load_ms;
     atomic_fetch_add(&s->prefill_tokens, (uint64_t)r->N);
-    cb_sampler_params_t sp = {.temperature = (float)q->temperature, .top_k = 0, .top_p = (float)q->top_p,
-                              .seed = q->seed, .frequency_penalty = (float)q->frequency_penalty,
-                              .presence_penalty = (float)q->presence_penalty};
-    if (!(r->sampler = cb_sampler_new(&sp, g->n_vocab))) {
+    if (!(r->sampler = cb_sampler_new(&q->sampling, g->n_vocab))) {
         slot_fail(g, r, CB_ERR_INTERNAL, "cannot create the sampler");
         return;
     }

@@ -48,34 +48,37 @@
 
 #include "blend/blend.h"
 #include "engine/engine.h"
+#include "engine/sampler.h"
 #include "kv/kvmem.h"
 #include "kv/kvremote.h"
 #include "wire/bus.h"
 #include "wire/config.h"
 #include "wire/diskhealth.h"
+#include "wire/query.h"
 
-#define GEN_MAX_CONTEXTS 32
-#define GEN_MAX_STOP 4            /* stop sequences a query may carry */
-#define GEN_MAX_STOP_BYTES 256    /* bytes of one stop sequence (at least 1) */
+#define GEN_MAX_CONTEXTS CB_QUERY_MAX_CONTEXTS
+#define GEN_MAX_STOP CB_QUERY_MAX_STOP             /* stop sequences a query may carry */
+#define GEN_MAX_STOP_BYTES CB_QUERY_MAX_STOP_BYTES /* bytes of one stop sequence (at least 1) */
 
 typedef struct gen_query {
     /* set by the loop before "QUERY"; read-only afterwards */
     char id[CB_MSG_MAX_ID + 1];
     char *question;                          /* NUL-terminated */
-    bool retrieve;                           /* no `contexts` field: cb-retriever's k chunks (fetch.h) */
+    bool retrieve;                           /* neither `contexts` nor `retrieved`: cb-retriever's k chunks
+                                                (fetch.h) */
     int n_contexts;
-    char *contexts[GEN_MAX_CONTEXTS];        /* [n_contexts] each NUL-terminated (no NUL inside); when
-                                                retrieve, filled by the fetch thread before "QUERY" */
+    char *contexts[GEN_MAX_CONTEXTS];        /* [n_contexts] each NUL-terminated (no NUL inside): the query's
+                                                own, cb-router's (`retrieved`), or, when retrieve, filled by
+                                                the fetch thread before "QUERY" */
     size_t context_lens[GEN_MAX_CONTEXTS];
-    double retrieve_ms;                      /* set by the fetch thread */
+    double retrieve_ms;                      /* set by the fetch thread, or cb-router's `retrieve_ms` */
     int k;
-    cb_blend_mode_t mode;
-    double ratio;
-    bool ratio_auto;                         /* ratio = "auto": chosen per request (blend.auto_*), `ratio` unused */
+    cb_blend_opts_t opts;                    /* the service's blend options (blend.*), with the query's mode and
+                                                ratio; ratio = "auto" when opts.auto_target > 0 */
+    double ratio;                            /* the ratio as asked or configured (opts.ratio is its float), for
+                                                the metrics */
     int max_tokens;
-    double temperature, top_p;
-    double frequency_penalty, presence_penalty; /* [-2, 2] each (sampler.h) */
-    uint64_t seed;
+    cb_sampler_params_t sampling;            /* blend.temperature, top_p, seed and penalties, with the query's */
     int n_stop;                              /* stop sequences: the answer ends before the first one */
     char stop[GEN_MAX_STOP][GEN_MAX_STOP_BYTES + 1]; /* [n_stop] NUL-terminated UTF-8, no NUL inside */
     size_t stop_lens[GEN_MAX_STOP];          /* [n_stop] 1..GEN_MAX_STOP_BYTES */
@@ -129,6 +132,9 @@ typedef struct {
     int max_seqs;                /* queries running at once (slots), >= 1 */
     int max_batch_tokens;        /* prefill compute per step, in tokens (cb_blend_step's budget), >= 1 */
     int fault_step_delay_ms;     /* fault injection (tests): every busy step first sleeps this long; 0 = off */
+    /* the blend options of the config (blend.check_layer ... sparse_keys): cb-blend's loop folds them once
+     * into the service's cb_blend_opts_t, which each query copies (gen_query_t.opts); the worker reads the
+     * query's copy only */
     int check_layer;
     char metric;                 /* 'a', 'k' or 'v' (blend.h) */
     int lead_tokens;
