@@ -20,8 +20,10 @@
  * Routing (router.policy): cache (default), least_loaded or round_robin (pool.h). For `cache`, a query
  * without contexts is first looked up in cb-retriever (the same search cb-blend makes, bounded by
  * router.retriever_timeout_ms; when it fails or is late the query is routed by load), and the workers are
- * scored by how many of its chunk ids they hold in memory; a query with contexts is routed by rendezvous
- * hashing of its contexts' texts, so the same contexts go to the same worker.
+ * scored by how many of its chunk ids they hold in memory; the chunks found go to the worker with the
+ * query (its `retrieved` and `retrieve_ms` fields, wire/query.h), so the worker does not search again. A
+ * query with contexts is routed by rendezvous hashing of its contexts' texts, so the same contexts go to
+ * the same worker.
  *
  *   cb-router [--config PATH] [--router.KEY=VALUE | --KEY VALUE]...
  *
@@ -44,10 +46,10 @@
 #include "wire/bus.h"
 #include "wire/config.h"
 #include "wire/msg.h"
+#include "wire/query.h"
 
 #define SECTION "router"
 #define MAX_WORKERS 64
-#define MAX_QUESTION 8192
 
 typedef struct {
     cb_bus_service_t *svc;     /* the front */
@@ -66,6 +68,7 @@ typedef struct {
     /* counters (stats) */
     uint64_t queries, dispatched, retried, lost_started, unavailable, cancelled, clients_gone, overloaded;
     uint64_t workers_joined, workers_lost, searches, search_failed, search_late;
+    uint64_t searches_carried;  /* searches whose chunks went to the worker with the query (not searched again) */
     uint64_t routed_with_keys, routed_to_holder; /* cache policy: queries with keys, sent to a worker holding one */
 } router_t;
 
@@ -184,13 +187,10 @@ static void worker_lost(router_t *r, int wi, const char *why) {
 
 /* Chunk keys of the contexts' texts (a query that carries contexts): only for rendezvous hashing, since
  * the workers' keys are of token ids the router does not have. */
-static void context_keys(rt_flight_t *f, const cb_msg_t *m) {
-    size_t n = 0;
-    if (!cb_msg_array_len(m, "contexts", RT_MAX_KEYS, &n)) return;
-    for (size_t i = 0; i < n; i++) {
-        const char *s;
-        size_t len;
-        if (!cb_msg_at_str(m, "contexts", i, SIZE_MAX, &s, &len)) return;
+static void context_keys(rt_flight_t *f, const cb_query_t *q) {
+    for (int i = 0; i < q->n_contexts && f->n_keys < RT_MAX_KEYS; i++) {
+        const char *s = q->contexts[i];
+        size_t len = q->context_lens[i];
         XXH128_hash_t a = XXH3_128bits_withSeed(s, len, 1), b = XXH3_128bits_withSeed(s, len, 2);
         memcpy(f->keys[f->n_keys], &a, 16);
         memcpy(f->keys[f->n_keys] + 16, &b, 16);
@@ -198,20 +198,19 @@ static void context_keys(rt_flight_t *f, const cb_msg_t *m) {
     }
 }
 
-/* Asks cb-retriever for the query's chunk ids (policy cache). False when it cannot even be sent. */
-static bool start_search(router_t *r, rt_flight_t *f, const cb_msg_t *m) {
-    const char *q;
-    size_t ql;
-    int64_t k;
-    if (!r->retr || !cb_msg_str(m, "question", MAX_QUESTION, &q, &ql) || ql == 0 ||
-        !cb_msg_int_or(m, "k", 1, RT_MAX_KEYS, r->k_default, &k))
-        return false; /* a bad query goes to a worker as it is: it answers with the precise error */
+/* The k of a query: its own, else blend.k (the workers' default). */
+static int query_k(const router_t *r, const cb_query_t *q) { return q->set & CB_QUERY_K ? q->k : r->k_default; }
+
+/* Asks cb-retriever for the chunk ids of a query without contexts (policy cache), the search its worker
+ * would make. False when it cannot even be sent. */
+static bool start_search(router_t *r, rt_flight_t *f, const cb_query_t *q) {
+    if (!r->retr) return false;
     char id[32];
     uint64_t seq = ++r->seq;
     snprintf(id, sizeof id, "s%llu", (unsigned long long)seq);
     cb_msg_begin(r->w, "search", id);
-    cb_msg_put_strn(r->w, "query", q, ql);
-    cb_msg_put_int(r->w, "k", k);
+    cb_msg_put_strn(r->w, "query", q->question, q->question_len);
+    cb_msg_put_int(r->w, "k", query_k(r, q));
     size_t len;
     const void *d = cb_msg_end(r->w, &len);
     r->searches++;
@@ -267,9 +266,13 @@ static void on_query(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m
     rt_flight_t *f = track(r, req, true);
     if (!f) return;
     r->queries++;
-    if (r->policy == RT_POLICY_CACHE) {
-        if (cb_msg_has(m, "contexts")) context_keys(f, m);
-        else if (start_search(r, f, m)) return; /* dispatched when the chunk ids come (or are late) */
+    cb_query_t q;
+    char why[256];
+    /* a bad query goes to a worker as it is: it answers with the precise error */
+    if (r->policy == RT_POLICY_CACHE && cb_query_decode(m, &q, why, sizeof why)) {
+        if (q.set & CB_QUERY_CONTEXTS) context_keys(f, &q);
+        else if (!(q.set & CB_QUERY_RETRIEVED) && start_search(r, f, &q))
+            return; /* dispatched when the chunk ids come (or are late) */
     }
     dispatch(r, f);
 }
@@ -452,7 +455,35 @@ static int on_back(zloop_t *loop, zsock_t *sock, void *arg) {
     return 0;
 }
 
-/* cb-retriever's answer to a search: the query's chunk ids, then the query goes to a worker. */
+/* The search's hits into the query f carries, as its `retrieved` chunks and `retrieve_ms`, so that its
+ * worker does not search again: the chunks the worker's own search (services/blend/fetch.c) would take,
+ * every hit of at most k. Any hit the query cannot carry as it is leaves the query unchanged (the worker
+ * then searches itself), as does a query grown past max_msg_bytes. */
+static void carry_hits(router_t *r, rt_flight_t *f, const cb_msg_t *hits_msg, size_t n) {
+    cb_msg_t *body = cb_msg_decode_ex(f->body, f->body_len, (size_t)r->max_msg_bytes, NULL);
+    cb_query_t q;
+    char why[256];
+    if (!body || !cb_query_decode(body, &q, why, sizeof why) || n > (size_t)query_k(r, &q)) goto out;
+    for (size_t i = 0; i < n; i++) {
+        const cb_msg_t *h = cb_msg_at_map(hits_msg, "hits", i);
+        if (!h || !cb_msg_hex(h, "chunk_id", CB_QUERY_CHUNK_ID_MIN, CB_QUERY_CHUNK_ID_MAX, &q.retrieved_ids[i],
+                              &q.retrieved_id_lens[i]) ||
+            !cb_msg_str(h, "text", CB_QUERY_MAX_CONTEXT_BYTES, &q.retrieved[i], &q.retrieved_lens[i]))
+            goto out;
+    }
+    q.n_retrieved = (int)n;
+    q.retrieve_ms = cb_now_ms() - f->t_search_ms;
+    q.set |= CB_QUERY_RETRIEVED | CB_QUERY_RETRIEVE_MS;
+    cb_query_encode(&q, f->id, r->w);
+    size_t len;
+    const void *d = cb_msg_end(r->w, &len);
+    if (d && len <= (size_t)r->max_msg_bytes && rt_pool_flight_set_body(f, d, len) == 0) r->searches_carried++;
+out:
+    cb_msg_destroy(&body);
+}
+
+/* cb-retriever's answer to a search: the query's chunk ids (and chunks, carried to the worker), then the
+ * query goes to a worker. */
 static int on_retriever(zloop_t *loop, zsock_t *sock, void *arg) {
     (void)loop;
     router_t *r = arg;
@@ -482,6 +513,7 @@ static int on_retriever(zloop_t *loop, zsock_t *sock, void *arg) {
             buf[64] = 0;
             if (cb_kvfile_unhex(buf, f->keys[f->n_keys]) == 0) f->n_keys++;
         }
+        carry_hits(r, f, m, n);
     } else {
         r->search_failed++;
     }
@@ -597,6 +629,7 @@ static void stats(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
     cb_msg_put_uint(w, "searches", r->searches);
     cb_msg_put_uint(w, "searches_failed", r->search_failed);
     cb_msg_put_uint(w, "searches_late", r->search_late);
+    cb_msg_put_uint(w, "searches_carried", r->searches_carried);
     cb_msg_put_uint(w, "routed_with_keys", r->routed_with_keys);
     cb_msg_put_uint(w, "routed_to_holder", r->routed_to_holder);
     /* the live workers' own counters, summed (a worker that leaves takes its share with it) */

@@ -28,9 +28,10 @@
 #include <stdint.h>
 
 #include "wire/msg.h"
+#include "wire/query.h"
 
 #define RT_MAX_IDENT 255   /* a ZeroMQ routing id */
-#define RT_MAX_KEYS 32     /* chunk keys of one request (blend's GEN_MAX_CONTEXTS) */
+#define RT_MAX_KEYS CB_QUERY_MAX_CONTEXTS /* chunk keys of one request: its contexts, or retrieved chunks */
 
 typedef enum { RT_POLICY_CACHE = 0, RT_POLICY_LEAST_LOADED, RT_POLICY_ROUND_ROBIN } rt_policy_t;
 /* "cache", "least_loaded", "round_robin" -> 0, or -1. */

@@ -2,7 +2,8 @@
 # Integration test of cb-router with cb-blend workers (docs/router.md; RELIABILITY.md §6 #3, §8(a)), on
 # random loopback ports with a temporary data dir; every wait is bounded:
 #   - queries through the router (contexts, and retrieval) answer as a directly reached cb-blend and the
-#     in-process engine do; ping/health/stats of the router work with cbctl (blend.endpoint = the router);
+#     in-process engine do; a routed query is retrieved once (the router's search, carried to the worker);
+#     ping/health/stats of the router work with cbctl (blend.endpoint = the router);
 #   - a burst of queries reaches both workers; a worker started at run time joins and receives queries;
 #   - kill -9 of a worker while a query waits before its first token: the query is retried on the other
 #     worker and answered (counted in `retried`);
@@ -19,6 +20,7 @@ svc_need build/bin/cb-router
 export CB_ROUTER_ENDPOINT=$CB_BLEND_ENDPOINT          # clients reach the router as blend
 export CB_ROUTER_WORKERS_ENDPOINT="tcp://127.0.0.1:$(svc_free_port)"
 export CB_ROUTER_QUEUE_TIMEOUT_MS=2000
+export CB_ROUTER_RETRIEVER_TIMEOUT_MS=5000            # a search is never late here: one search per query
 DIRECT="tcp://127.0.0.1:$(svc_free_port)"             # a cb-blend of its own, for the reference answers
 ROUTER=$CB_BLEND_ENDPOINT
 export CB_BLEND_MAX_TOKENS=12
@@ -65,6 +67,20 @@ for q in "Who designed the Kettleby Lighthouse?" "When did Mount Oraka last erup
 done
 [ "$(rstat searches)" -ge 2 ] && echo "ok: the cache policy looked the chunk ids up ($(rstat searches) searches)" \
   || { echo "FAIL: searches = $(rstat searches)"; FAILS=$((FAILS+1)); }
+# retrieved once: the router's search goes to the worker with the query, which does not search again, so
+# cb-retriever's request count moves as for a direct query (one search, and the stats request itself)
+rreq() { stack_stat retriever requests; }
+Q3="Where does the Kettleby Lighthouse stand?"
+n0=$(rreq); direct=$(CB_BLEND_ENDPOINT=$DIRECT cbctl query --json "$Q3" | tail -n 1); n1=$(rreq)
+carried0=$(rstat searches_carried)
+out=$(cbctl query --json "$Q3" | tail -n 1); n2=$(rreq)
+check "a direct query: one cb-retriever search" "$((n1 - n0))" 2
+check "a routed query: one cb-retriever search (the router's)" "$((n2 - n1))" 2
+check "... its chunks went to the worker with the query" "$(rstat searches_carried)" "$((carried0 + 1))"
+check "... the same answer and chunks as the direct query" "$(jq -c '[.text, .chunk_ids, .metrics.n_chunks]' <<<"$out")" \
+  "$(jq -c '[.text, .chunk_ids, .metrics.n_chunks]' <<<"$direct")"
+jq -e '.metrics.retrieve_ms > 0' <<<"$out" >/dev/null && echo "ok: retrieve_ms is the router's ($(jget "$out" metrics.retrieve_ms) ms)" \
+  || { echo "FAIL: retrieve_ms: $(jget "$out" metrics.retrieve_ms)"; FAILS=$((FAILS+1)); }
 out=$(cbctl query "Who designed the Kettleby Lighthouse?" >/dev/null; send "$ROUTER" '{"type":"stats"}')
 [ "$(jget "$out" routed_to_holder)" -ge 1 ] && echo "ok: a repeated retrieval went to the worker holding its chunks" \
   || { echo "FAIL: routed_to_holder = $(jget "$out" routed_to_holder) ($(jget "$out" worker_list))"; FAILS=$((FAILS+1)); }
