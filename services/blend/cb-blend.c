@@ -564,8 +564,9 @@ int main(int argc, char **argv) {
                           CB_BLEND_DEFAULT_AUTO_COST_KEYS, &ga.auto_cost_keys, err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "sparse_keys", 0.0, 1.0, CB_BLEND_DEFAULT_SPARSE_KEYS, &ga.sparse_keys, err,
                           sizeof err) ||
-        !cb_config_int(cfg, SECTION, "k", 1, GEN_MAX_CONTEXTS, 3, &b.def.k, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "max_tokens", 1, 4096, 64, &b.def.max_tokens, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "k", CB_QUERY_K_MIN, CB_QUERY_K_MAX, 3, &b.def.k, err, sizeof err) ||
+        !cb_config_int(cfg, SECTION, "max_tokens", CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, 64, &b.def.max_tokens,
+                       err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "temperature", 0.0, 5.0, 0.0, &b.def.temperature, err, sizeof err) ||
         !cb_config_double(cfg, SECTION, "top_p", 1e-9, 1.0, 1.0, &b.def.top_p, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "seed", 0, INT64_MAX, 0, &b.def.seed, err, sizeof err) ||

@@ -29,10 +29,7 @@
 #include "cbctl.h"
 #include "client.h"
 #include "base/clock.h"
-
-#define MAX_CONTEXTS 32
-#define MAX_STOP 4          /* cb-blend's limits (docs/protocol.md §7) */
-#define MAX_STOP_BYTES 256
+#include "wire/query.h"
 
 static int usage(cbctl_t *ctl, const char *why) {
     cbctl_error(ctl, "%s\nusage: cbctl query [--mode full|prefix|reuse|blend] [--ratio R|auto] [--k K] [--context TEXT]...\n"
@@ -51,69 +48,81 @@ static bool parse_num(const char *s, double lo, double hi, double *out) {
     return true;
 }
 
-static int run_query(cbctl_t *ctl, int argc, char **argv) {
-    const char *mode = NULL, *question = NULL;
-    const char *contexts[MAX_CONTEXTS];
-    int n_ctx = 0;
-    bool ratio_auto = false;
-    double ratio = -1, k = -1, max_tokens = -1, temp = -1, top_p = -1, seed = -1;
-    double freq_pen = NAN, pres_pen = NAN; /* NaN: not given (0 and negatives are values) */
-    const char *stops[MAX_STOP];
-    int n_stop = 0;
-    bool json = false;
+/* The flags into q (its strings point into argv); 0, or the usage exit after printing why. */
+static int parse_flags(cbctl_t *ctl, int argc, char **argv, cb_query_t *q, bool *json) {
+    cb_query_init(q);
+    double v;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         bool has_val = i + 1 < argc;
-#define NUM(flag, var, lo, hi)                                                          \
-    if (!strcmp(a, flag)) {                                                             \
-        if (!has_val || !parse_num(argv[++i], lo, hi, &var)) return usage(ctl, "bad value for " flag); \
-        continue;                                                                       \
+#define NUM(flag, lo, hi, bit, assign)                                                            \
+    if (!strcmp(a, flag)) {                                                                       \
+        if (!has_val || !parse_num(argv[++i], lo, hi, &v)) return usage(ctl, "bad value for " flag); \
+        assign;                                                                                   \
+        q->set |= bit;                                                                            \
+        continue;                                                                                 \
     }
         if (!strcmp(a, "--ratio") && has_val && !strcmp(argv[i + 1], "auto")) {
-            ratio_auto = true;
+            q->ratio_auto = true;
+            q->set |= CB_QUERY_RATIO;
             i++;
             continue;
         }
-        NUM("--ratio", ratio, 0, 1)
-        NUM("--k", k, 1, MAX_CONTEXTS)
-        NUM("--max-tokens", max_tokens, 1, 4096)
-        NUM("--temperature", temp, 0, 5)
-        NUM("--top-p", top_p, 1e-9, 1)
-        NUM("--seed", seed, 0, 9.2e18)
-        NUM("--frequency-penalty", freq_pen, -2, 2)
-        NUM("--presence-penalty", pres_pen, -2, 2)
+        NUM("--ratio", 0, CB_QUERY_RATIO_MAX, CB_QUERY_RATIO, (q->ratio = v, q->ratio_auto = false))
+        NUM("--k", CB_QUERY_K_MIN, CB_QUERY_K_MAX, CB_QUERY_K, q->k = (int)v)
+        NUM("--max-tokens", CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, CB_QUERY_MAX_TOKENS, q->max_tokens = (int)v)
+        NUM("--temperature", 0, CB_QUERY_TEMPERATURE_MAX, CB_QUERY_TEMPERATURE, q->temperature = v)
+        NUM("--top-p", CB_QUERY_TOP_P_MIN, CB_QUERY_TOP_P_MAX, CB_QUERY_TOP_P, q->top_p = v)
+        NUM("--seed", 0, 9.2e18, CB_QUERY_SEED, q->seed = (int64_t)v)
+        NUM("--frequency-penalty", -CB_QUERY_PENALTY_MAX, CB_QUERY_PENALTY_MAX, CB_QUERY_FREQUENCY_PENALTY,
+            q->frequency_penalty = v)
+        NUM("--presence-penalty", -CB_QUERY_PENALTY_MAX, CB_QUERY_PENALTY_MAX, CB_QUERY_PRESENCE_PENALTY,
+            q->presence_penalty = v)
 #undef NUM
         if (!strcmp(a, "--mode")) {
             if (!has_val) return usage(ctl, "--mode needs a value");
-            mode = argv[++i];
-            if (strcmp(mode, "full") && strcmp(mode, "prefix") && strcmp(mode, "reuse") && strcmp(mode, "blend"))
-                return usage(ctl, "--mode: expected full, prefix, reuse or blend");
+            if (!cb_query_mode_valid(argv[++i])) return usage(ctl, "--mode: expected full, prefix, reuse or blend");
+            snprintf(q->mode, sizeof q->mode, "%s", argv[i]);
+            q->set |= CB_QUERY_MODE;
         } else if (!strcmp(a, "--context")) {
             if (!has_val) return usage(ctl, "--context needs a value");
-            if (n_ctx >= MAX_CONTEXTS) return usage(ctl, "at most 32 --context");
-            contexts[n_ctx++] = argv[++i];
+            if (q->n_contexts >= CB_QUERY_MAX_CONTEXTS) return usage(ctl, "at most 32 --context");
+            q->contexts[q->n_contexts] = argv[++i];
+            q->context_lens[q->n_contexts++] = strlen(argv[i]);
+            q->set |= CB_QUERY_CONTEXTS;
         } else if (!strcmp(a, "--stop")) {
             if (!has_val) return usage(ctl, "--stop needs a value");
-            if (n_stop >= MAX_STOP) return usage(ctl, "at most 4 --stop");
+            if (q->n_stop >= CB_QUERY_MAX_STOP) return usage(ctl, "at most 4 --stop");
             size_t sl = strlen(argv[i + 1]);
-            if (sl == 0 || sl > MAX_STOP_BYTES) return usage(ctl, "--stop: a stop sequence has 1..256 bytes");
-            stops[n_stop++] = argv[++i];
+            if (sl == 0 || sl > CB_QUERY_MAX_STOP_BYTES) return usage(ctl, "--stop: a stop sequence has 1..256 bytes");
+            q->stop[q->n_stop] = argv[++i];
+            q->stop_lens[q->n_stop++] = sl;
+            q->set |= CB_QUERY_STOP;
         } else if (!strcmp(a, "--json")) {
-            json = true;
+            *json = true;
         } else if (!strcmp(a, "--")) {
-            if (i + 1 < argc) question = argv[++i];
+            if (i + 1 < argc) q->question = argv[++i];
             break;
         } else if (a[0] == '-' && a[1]) {
             char why[128];
             snprintf(why, sizeof why, "unknown option %s", a);
             return usage(ctl, why);
-        } else if (!question) {
-            question = a;
+        } else if (!q->question) {
+            q->question = a;
         } else {
             return usage(ctl, "one QUESTION (quote it)");
         }
     }
-    if (!question || !*question) return usage(ctl, "no QUESTION");
+    if (!q->question || !*q->question) return usage(ctl, "no QUESTION");
+    q->question_len = strlen(q->question);
+    return 0;
+}
+
+static int run_query(cbctl_t *ctl, int argc, char **argv) {
+    cb_query_t q;
+    bool json = false;
+    int urc = parse_flags(ctl, argc, argv, &q, &json);
+    if (urc != 0) return urc;
 
     char err[512];
     int64_t first_ms, cap_ms;
@@ -130,28 +139,7 @@ static int run_query(cbctl_t *ctl, int argc, char **argv) {
     cb_msg_writer_t *w = cb_msg_writer_new();
     char id[32];
     cb_bus_new_id(id, sizeof id);
-    cb_msg_begin(w, "query", id);
-    cb_msg_put_str(w, "question", question);
-    if (n_ctx > 0) {
-        cb_msg_begin_array(w, "contexts");
-        for (int i = 0; i < n_ctx; i++) cb_msg_put_str(w, NULL, contexts[i]);
-        cb_msg_end_array(w);
-    }
-    if (mode) cb_msg_put_str(w, "mode", mode);
-    if (ratio_auto) cb_msg_put_str(w, "ratio", "auto");
-    else if (ratio >= 0) cb_msg_put_double(w, "ratio", ratio);
-    if (k >= 0) cb_msg_put_int(w, "k", (int64_t)k);
-    if (max_tokens >= 0) cb_msg_put_int(w, "max_tokens", (int64_t)max_tokens);
-    if (temp >= 0) cb_msg_put_double(w, "temperature", temp);
-    if (top_p >= 0) cb_msg_put_double(w, "top_p", top_p);
-    if (seed >= 0) cb_msg_put_int(w, "seed", (int64_t)seed);
-    if (!isnan(freq_pen)) cb_msg_put_double(w, "frequency_penalty", freq_pen);
-    if (!isnan(pres_pen)) cb_msg_put_double(w, "presence_penalty", pres_pen);
-    if (n_stop > 0) {
-        cb_msg_begin_array(w, "stop");
-        for (int i = 0; i < n_stop; i++) cb_msg_put_str(w, NULL, stops[i]);
-        cb_msg_end_array(w);
-    }
+    cb_query_encode(&q, id, w);
     size_t len;
     const void *data = cb_msg_end(w, &len);
     int rc = CBCTL_EXIT_OK;

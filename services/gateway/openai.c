@@ -43,6 +43,23 @@ static bool get_int(json_t *o, const char *key, int64_t lo, int64_t hi, int64_t 
     return true;
 }
 
+/* get_number / get_int into a query field: present (not null) sets bit in q->set. */
+static bool set_number(json_t *o, const char *key, double lo, double hi, double *out, unsigned bit, cb_query_t *q,
+                       char *err, size_t errlen, const char **param) {
+    json_t *v = json_object_get(o, key);
+    if (!get_number(o, key, lo, hi, out, err, errlen, param)) return false;
+    if (v && !json_is_null(v)) q->set |= bit;
+    return true;
+}
+
+static bool set_int(json_t *o, const char *key, int64_t lo, int64_t hi, int64_t *out, unsigned bit, cb_query_t *q,
+                    char *err, size_t errlen, const char **param) {
+    json_t *v = json_object_get(o, key);
+    if (!get_int(o, key, lo, hi, out, err, errlen, param)) return false;
+    if (v && !json_is_null(v)) q->set |= bit;
+    return true;
+}
+
 static bool get_bool(json_t *o, const char *key, bool *out, char *err, size_t errlen, const char **param) {
     json_t *v = json_object_get(o, key);
     if (!v || json_is_null(v)) return true;
@@ -87,16 +104,18 @@ static bool parse_messages(json_t *root, gw_chat_t *r, char *err, size_t errlen,
         if (strcmp(rs, "user")) continue;
         const char *text = content_text(json_object_get(m, "content"));
         if (!text) return fail(err, errlen, param, "messages", "a user message needs a string '%s' (or one text part)", "content");
-        r->question = text;
+        r->query.question = text;
     }
-    if (!r->question) return fail(err, errlen, param, "messages", "no user message: the last %s message is the question", "user");
-    size_t ql = strlen(r->question);
+    if (!r->query.question)
+        return fail(err, errlen, param, "messages", "no user message: the last %s message is the question", "user");
+    size_t ql = strlen(r->query.question);
     if (ql == 0) return fail(err, errlen, param, "messages", "the %s message is empty", "user");
-    if (ql > GW_MAX_QUESTION_BYTES) {
-        snprintf(err, errlen, "the question (the last user message) is %zu bytes; at most %d", ql, GW_MAX_QUESTION_BYTES);
+    if (ql > CB_QUERY_MAX_QUESTION) {
+        snprintf(err, errlen, "the question (the last user message) is %zu bytes; at most %d", ql, CB_QUERY_MAX_QUESTION);
         *param = "messages";
         return false;
     }
+    r->query.question_len = ql;
     return true;
 }
 
@@ -104,8 +123,8 @@ static bool parse_documents(json_t *root, gw_chat_t *r, char *err, size_t errlen
     json_t *docs = json_object_get(root, "documents");
     if (!docs || json_is_null(docs)) return true;
     if (!json_is_array(docs)) return fail(err, errlen, param, "documents", "'%s' must be an array of texts", "documents");
-    if (json_array_size(docs) > GW_MAX_DOCUMENTS) {
-        snprintf(err, errlen, "at most %d documents (got %zu)", GW_MAX_DOCUMENTS, json_array_size(docs));
+    if (json_array_size(docs) > CB_QUERY_MAX_CONTEXTS) {
+        snprintf(err, errlen, "at most %d documents (got %zu)", CB_QUERY_MAX_CONTEXTS, json_array_size(docs));
         *param = "documents";
         return false;
     }
@@ -115,12 +134,17 @@ static bool parse_documents(json_t *root, gw_chat_t *r, char *err, size_t errlen
         json_t *t = json_is_object(d) ? json_object_get(d, "text") : d; /* a text, or {"text": ...} */
         if (!json_is_string(t) || json_string_length(t) == 0)
             return fail(err, errlen, param, "documents", "every document must be a non-empty string (or {\"text\": %s})", "...");
-        if (json_string_length(t) > GW_MAX_DOCUMENT_BYTES) {
-            snprintf(err, errlen, "document %zu is %zu bytes; at most %d", i, json_string_length(t), GW_MAX_DOCUMENT_BYTES);
+        if (json_string_length(t) > CB_QUERY_MAX_CONTEXT_BYTES) {
+            snprintf(err, errlen, "document %zu is %zu bytes; at most %d", i, json_string_length(t),
+                     CB_QUERY_MAX_CONTEXT_BYTES);
             *param = "documents";
             return false;
         }
-        r->documents[r->n_documents++] = json_string_value(t);
+        cb_query_t *q = &r->query;
+        q->contexts[q->n_contexts] = json_string_value(t);
+        q->context_lens[q->n_contexts] = strlen(q->contexts[q->n_contexts]);
+        q->n_contexts++;
+        q->set |= CB_QUERY_CONTEXTS;
     }
     return true;
 }
@@ -132,12 +156,16 @@ static bool parse_stop(json_t *root, gw_chat_t *r, char *err, size_t errlen, con
     size_t n = json_is_array(stop) ? json_array_size(stop) : 1;
     if (!json_is_array(stop) && !json_is_string(stop))
         return fail(err, errlen, param, "stop", "'%s' must be a string or an array of strings", "stop");
-    if (n > GW_MAX_STOP) return fail(err, errlen, param, "stop", "at most 4 %s sequences", "stop");
+    if (n > CB_QUERY_MAX_STOP) return fail(err, errlen, param, "stop", "at most 4 %s sequences", "stop");
+    cb_query_t *q = &r->query;
     for (size_t i = 0; i < n; i++) {
         json_t *s = json_is_array(stop) ? json_array_get(stop, i) : one[0];
-        if (!json_is_string(s) || json_string_length(s) == 0 || json_string_length(s) > GW_MAX_STOP_BYTES)
+        if (!json_is_string(s) || json_string_length(s) == 0 || json_string_length(s) > CB_QUERY_MAX_STOP_BYTES)
             return fail(err, errlen, param, "stop", "every %s sequence must be a string of 1 to 256 bytes", "stop");
-        r->stop[r->n_stop++] = json_string_value(s);
+        q->stop[q->n_stop] = json_string_value(s);
+        q->stop_lens[q->n_stop] = strlen(q->stop[q->n_stop]);
+        q->n_stop++;
+        q->set |= CB_QUERY_STOP;
     }
     return true;
 }
@@ -146,38 +174,38 @@ static bool parse_ext(json_t *root, gw_chat_t *r, char *err, size_t errlen, cons
     json_t *cb = json_object_get(root, "cacheblend");
     if (!cb || json_is_null(cb)) return true;
     if (!json_is_object(cb)) return fail(err, errlen, param, "cacheblend", "'%s' must be an object", "cacheblend");
+    cb_query_t *q = &r->query;
     json_t *mode = json_object_get(cb, "mode");
     if (mode && !json_is_null(mode)) {
         const char *m = json_is_string(mode) ? json_string_value(mode) : "";
-        if (strcmp(m, "full") && strcmp(m, "prefix") && strcmp(m, "reuse") && strcmp(m, "blend"))
+        if (!cb_query_mode_valid(m))
             return fail(err, errlen, param, "cacheblend.mode", "'%s' must be full, prefix, reuse or blend", "cacheblend.mode");
-        r->mode = m;
+        snprintf(q->mode, sizeof q->mode, "%s", m);
+        q->set |= CB_QUERY_MODE;
     }
     int64_t k = -1;
     json_t *ratio = json_object_get(cb, "ratio");
     if (json_is_string(ratio)) { /* "auto": chosen per request by cb-blend */
         if (strcmp(json_string_value(ratio), "auto"))
             return fail(err, errlen, param, "cacheblend.ratio", "'%s' must be a number in [0, 1] or \"auto\"", "cacheblend.ratio");
-        r->ratio_auto = true;
-    } else if (!get_number(cb, "ratio", 0, 1, &r->ratio, err, errlen, param)) {
+        q->ratio_auto = true;
+        q->set |= CB_QUERY_RATIO;
+    } else if (!set_number(cb, "ratio", 0, CB_QUERY_RATIO_MAX, &q->ratio, CB_QUERY_RATIO, q, err, errlen, param)) {
         *param = "cacheblend.ratio";
         return false;
     }
-    if (
-!get_int(cb, "k", 1, GW_MAX_DOCUMENTS, &k, err, errlen, param)) {
+    if (!set_int(cb, "k", CB_QUERY_K_MIN, CB_QUERY_K_MAX, &k, CB_QUERY_K, q, err, errlen, param)) {
         *param = "cacheblend.k";
         return false;
     }
-    r->k = (int)k;
+    q->k = (int)k;
     return true;
 }
 
 bool gw_chat_parse(const char *body, size_t len, gw_chat_t *r, char *err, size_t errlen, const char **param) {
     memset(r, 0, sizeof *r);
-    r->ratio = r->temperature = r->top_p = -1;
-    r->frequency_penalty = r->presence_penalty = -10;
-    r->k = r->max_tokens = -1;
-    r->seed = -1;
+    cb_query_init(&r->query);
+    cb_query_t *q = &r->query;
     *param = NULL;
     json_error_t je;
     r->root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
@@ -196,13 +224,17 @@ bool gw_chat_parse(const char *body, size_t len, gw_chat_t *r, char *err, size_t
     int64_t n = 1, mt = -1, mct = -1;
     ok = ok && parse_messages(o, r, err, errlen, param) && parse_documents(o, r, err, errlen, param) &&
          parse_stop(o, r, err, errlen, param) && parse_ext(o, r, err, errlen, param) &&
-         get_int(o, "max_tokens", 1, 4096, &mt, err, errlen, param) &&
-         get_int(o, "max_completion_tokens", 1, 4096, &mct, err, errlen, param) &&
-         get_number(o, "temperature", 0, 2, &r->temperature, err, errlen, param) &&
-         get_number(o, "top_p", 0, 1, &r->top_p, err, errlen, param) &&
-         get_int(o, "seed", 0, INT64_MAX, &r->seed, err, errlen, param) &&
-         get_number(o, "frequency_penalty", -2, 2, &r->frequency_penalty, err, errlen, param) &&
-         get_number(o, "presence_penalty", -2, 2, &r->presence_penalty, err, errlen, param) &&
+         get_int(o, "max_tokens", CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, &mt, err, errlen, param) &&
+         get_int(o, "max_completion_tokens", CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, &mct, err, errlen,
+                 param) &&
+         /* OpenAI's temperature range (narrower than the query's) */
+         set_number(o, "temperature", 0, 2, &q->temperature, CB_QUERY_TEMPERATURE, q, err, errlen, param) &&
+         set_number(o, "top_p", 0, CB_QUERY_TOP_P_MAX, &q->top_p, CB_QUERY_TOP_P, q, err, errlen, param) &&
+         set_int(o, "seed", 0, CB_QUERY_SEED_MAX, &q->seed, CB_QUERY_SEED, q, err, errlen, param) &&
+         set_number(o, "frequency_penalty", -CB_QUERY_PENALTY_MAX, CB_QUERY_PENALTY_MAX, &q->frequency_penalty,
+                    CB_QUERY_FREQUENCY_PENALTY, q, err, errlen, param) &&
+         set_number(o, "presence_penalty", -CB_QUERY_PENALTY_MAX, CB_QUERY_PENALTY_MAX, &q->presence_penalty,
+                    CB_QUERY_PRESENCE_PENALTY, q, err, errlen, param) &&
          get_int(o, "n", 1, 128, &n, err, errlen, param) && get_bool(o, "stream", &r->stream, err, errlen, param);
     if (ok && n != 1) ok = fail(err, errlen, param, "n", "only n = 1 is supported (%s)", "one choice per request");
     json_t *so = ok ? json_object_get(o, "stream_options") : NULL;
@@ -210,7 +242,12 @@ bool gw_chat_parse(const char *body, size_t len, gw_chat_t *r, char *err, size_t
         if (!json_is_object(so)) ok = fail(err, errlen, param, "stream_options", "'%s' must be an object", "stream_options");
         else ok = get_bool(so, "include_usage", &r->include_usage, err, errlen, param);
     }
-    r->max_tokens = (int)(mct > 0 ? mct : mt);
+    if (mct > 0 || mt > 0) {
+        q->max_tokens = (int)(mct > 0 ? mct : mt);
+        q->set |= CB_QUERY_MAX_TOKENS;
+    }
+    /* top_p 0 (OpenAI: only the most likely token) is the smallest top_p cb-blend takes */
+    if ((q->set & CB_QUERY_TOP_P) && q->top_p < CB_QUERY_TOP_P_MIN) q->top_p = CB_QUERY_TOP_P_MIN;
     if (!ok) gw_chat_clear(r);
     return ok;
 }
@@ -220,31 +257,11 @@ void gw_chat_clear(gw_chat_t *r) {
     memset(r, 0, sizeof *r);
 }
 
-void gw_chat_query(const gw_chat_t *r, const char *id, cb_msg_writer_t *w) {
-    cb_msg_begin(w, "query", id);
-    cb_msg_put_str(w, "question", r->question);
-    if (r->n_documents > 0) {
-        cb_msg_begin_array(w, "contexts");
-        for (int i = 0; i < r->n_documents; i++) cb_msg_put_str(w, NULL, r->documents[i]);
-        cb_msg_end_array(w);
-    }
-    if (r->mode) cb_msg_put_str(w, "mode", r->mode);
-    if (r->ratio_auto) cb_msg_put_str(w, "ratio", "auto");
-    else if (r->ratio >= 0) cb_msg_put_double(w, "ratio", r->ratio);
-    if (r->k > 0) cb_msg_put_int(w, "k", r->k);
-    if (r->max_tokens > 0) cb_msg_put_int(w, "max_tokens", r->max_tokens);
-    if (r->temperature >= 0) cb_msg_put_double(w, "temperature", r->temperature);
-    /* top_p 0 (OpenAI: only the most likely token) is the smallest top_p cb-blend takes */
-    if (r->top_p >= 0) cb_msg_put_double(w, "top_p", r->top_p > 1e-9 ? r->top_p : 1e-9);
-    if (r->seed >= 0) cb_msg_put_int(w, "seed", r->seed);
-    if (r->frequency_penalty > -9) cb_msg_put_double(w, "frequency_penalty", r->frequency_penalty);
-    if (r->presence_penalty > -9) cb_msg_put_double(w, "presence_penalty", r->presence_penalty);
-    if (r->n_stop > 0) {
-        cb_msg_begin_array(w, "stop");
-        for (int i = 0; i < r->n_stop; i++) cb_msg_put_str(w, NULL, r->stop[i]);
-        cb_msg_end_array(w);
-    }
-}
+void gw_chat_query(const gw_chat_t *r, const char *id, cb_msg_writer_t *w) { cb_query_encode(&r->query, id, w); }
+
+int gw_chat_max_tokens(const gw_chat_t *r) { return r->query.set & CB_QUERY_MAX_TOKENS ? r->query.max_tokens : -1; }
+
+const char *gw_chat_mode(const gw_chat_t *r) { return r->query.mode; }
 
 const char *gw_chat_model(const gw_chat_t *r, const char *fallback) { return r->model ? r->model : fallback; }
 

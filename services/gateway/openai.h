@@ -20,31 +20,15 @@
 #include <stdint.h>
 
 #include "wire/msg.h"
+#include "wire/query.h"
 
-#define GW_MAX_DOCUMENTS 32        /* cb-blend's limit on contexts */
-#define GW_MAX_DOCUMENT_BYTES 262144
-#define GW_MAX_QUESTION_BYTES 8192
-#define GW_MAX_STOP 4
-#define GW_MAX_STOP_BYTES 256
-
-/* A validated chat request. Strings point into `root` (owned: gw_chat_clear). Absent numbers are < -9
- * (NaN-free sentinels) or -1 for the non-negative ones, as noted. */
+/* A validated chat request. Strings point into `root` (owned: gw_chat_clear). The query fields map to
+ * cb-blend's query (wire/query.h): the last user message is its question, `documents` its contexts,
+ * `cacheblend.mode/ratio/k` and the sampling fields what the request sets (query.set). */
 typedef struct {
     json_t *root;
     const char *model;                 /* NULL when absent */
-    const char *question;              /* the last user message (NUL-terminated, <= 8192 bytes) */
-    const char *documents[GW_MAX_DOCUMENTS];
-    int n_documents;
-    const char *stop[GW_MAX_STOP];
-    int n_stop;
-    const char *mode;                  /* cacheblend.mode or NULL */
-    double ratio;                      /* cacheblend.ratio, -1 when absent */
-    bool ratio_auto;                   /* cacheblend.ratio = "auto" */
-    int k;                             /* cacheblend.k, -1 when absent */
-    int max_tokens;                    /* -1 when absent */
-    double temperature, top_p;         /* -1 when absent */
-    double frequency_penalty, presence_penalty; /* -10 when absent */
-    int64_t seed;                      /* -1 when absent */
+    cb_query_t query;                  /* question NUL-terminated (<= CB_QUERY_MAX_QUESTION bytes) */
     bool stream, include_usage;
 } gw_chat_t;
 
@@ -55,6 +39,10 @@ void gw_chat_clear(gw_chat_t *req);
 
 /* Writes the query message for req into w (begun with id; caller calls cb_msg_end). */
 void gw_chat_query(const gw_chat_t *req, const char *id, cb_msg_writer_t *w);
+/* The request's max_tokens (or max_completion_tokens), -1 when absent. */
+int gw_chat_max_tokens(const gw_chat_t *req);
+/* Its cacheblend.mode, "" when absent. */
+const char *gw_chat_mode(const gw_chat_t *req);
 
 /* The response model name: the request's, else `fallback`. */
 const char *gw_chat_model(const gw_chat_t *req, const char *fallback);

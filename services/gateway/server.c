@@ -267,7 +267,7 @@ static bool sse_message(sse_t *x, cb_msg_t *m) {
     }
     if (cb_msg_is_type(m, "done")) {
         if (x->ttft_ms < 0) x->ttft_ms = cb_now_ms() - x->t0;
-        json_t *last = gw_chunk(x->cid, x->created, x->model, NULL, NULL, 0, gw_finish_reason(m, x->req.max_tokens));
+        json_t *last = gw_chunk(x->cid, x->created, x->model, NULL, NULL, 0, gw_finish_reason(m, gw_chat_max_tokens(&x->req)));
         json_object_set_new(last, "usage", gw_usage(m));
         json_object_set_new(last, "cacheblend", gw_cacheblend_ext(m));
         out_event(x, last);
@@ -448,7 +448,7 @@ static enum MHD_Result chat(gw_server_t *s, req_t *r) {
         return send_error(s, r, 400, "invalid_request_error", param, param ? "invalid_value" : "invalid_json", "%s",
                           err);
     }
-    gw_mode_t asked = gw_mode_parse(req.mode);
+    gw_mode_t asked = gw_mode_parse(gw_chat_mode(&req));
     char id[32];
     new_query_id(id, sizeof id);
     cb_msg_writer_t *w = cb_msg_writer_new();
@@ -508,7 +508,7 @@ static enum MHD_Result chat(gw_server_t *s, req_t *r) {
     if (m && cb_msg_ok(m)) {
         gw_metrics_query(s->metrics, done_mode(m, asked), GW_OUT_OK, ttft / 1e3, (cb_now_ms() - r->t0) / 1e3, m);
         cb_log(CB_LOG_INFO, id, "chat completion ok in %.1f ms", cb_now_ms() - r->t0);
-        rc = send_json(s, r, 200, gw_completion(cid, created, model, m, req.max_tokens));
+        rc = send_json(s, r, 200, gw_completion(cid, created, model, m, gw_chat_max_tokens(&req)));
     } else {
         http_err_t he = map_err(m ? cb_msg_err_code(m) : why == GW_STREAM_STOPPING || why == GW_STREAM_FAILED
                                                                ? CB_ERR_UNAVAILABLE

@@ -64,6 +64,7 @@
 #include "rag/qa.h"
 #include "engine/sampler.h"
 #include "model/tokenizer.h"
+#include "wire/query.h"
 
 #define MAX_VARIANTS 32
 #define MAX_STORES 4 /* chunk-file dtypes: f32, f16, bf16, q8_0 */
@@ -538,7 +539,7 @@ int main(int argc, char **argv) {
             if (!cb_backend_kind_parse(v, &bk)) return usage("bad --backend (auto|cpu|cuda)");
             cb_backend_set_default_kind(bk);
         }
-        else if (!strcmp(a, "--max-new")) { if (!parse_long(v, 1, 4096, &max_new)) return usage("bad --max-new"); }
+        else if (!strcmp(a, "--max-new")) { if (!parse_long(v, CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, &max_new)) return usage("bad --max-new"); }
         else return usage("unknown option");
         if (has_v) i++;
     }

@@ -6,7 +6,10 @@
  *           [--ratio R] [--max-tokens T] [--timeout MS] [--json] ENDPOINT QUERIES.jsonl
  *
  * QUERIES.jsonl: one object per line {"question": str, "contexts": [str...], "mode": str} (contexts optional:
- * then cb-blend retrieves; mode optional: the line's mode wins over --mode, so one file can mix modes).
+ * then cb-blend retrieves; mode optional: the line's mode wins over --mode, so one file can mix modes). Lines
+ * without a string question are skipped; a line that is not a valid query (wire/query.h: a context that is
+ * not a string, a question over 8192 bytes, an unknown mode ...) stops cb-load at start (exit 2), as do a
+ * --mode, --ratio or --max-tokens out of the query's limits.
  * --backoff MS: a client waits MS after an `overloaded` reply before its next query (a polite client; 0, the
  * default, resends at once).
  * --duration S: no query is started after S seconds (those not sent are counted in "not_sent", neither ok
@@ -40,6 +43,7 @@
 #include "wire/bus.h"
 #include "base/log.h"
 #include "wire/msg.h"
+#include "wire/query.h"
 
 #define MAX_CLIENTS 256
 
@@ -85,6 +89,40 @@ static int next_slot(client_arg_t *a, size_t *line) {
 
 static cb_curve_t s_curve; /* common.curve and keys_dir, as CURVE client `cbctl` (read-only in the clients) */
 
+/* The query of one line of the file (its strings point into line) with the flags' mode, ratio and
+ * max_tokens: the line's mode wins over --mode. False when a field has the wrong type. */
+static bool query_of(const load_t *L, json_t *line, cb_query_t *q) {
+    cb_query_init(q);
+    q->question = json_string_value(json_object_get(line, "question"));
+    q->question_len = q->question ? strlen(q->question) : 0;
+    json_t *ctx = json_object_get(line, "contexts"), *c;
+    size_t i;
+    if (ctx && !json_is_array(ctx)) return false;
+    if (json_array_size(ctx) > CB_QUERY_MAX_CONTEXTS) return false;
+    json_array_foreach(ctx, i, c) {
+        if (!json_is_string(c)) return false;
+        q->contexts[i] = json_string_value(c);
+        q->context_lens[i] = strlen(q->contexts[i]);
+        q->n_contexts = (int)i + 1;
+    }
+    if (ctx) q->set |= CB_QUERY_CONTEXTS;
+    json_t *qm = json_object_get(line, "mode");
+    const char *mode = json_is_string(qm) ? json_string_value(qm) : L->mode;
+    if (mode) {
+        snprintf(q->mode, sizeof q->mode, "%s", mode);
+        q->set |= CB_QUERY_MODE;
+    }
+    if (L->ratio >= 0) {
+        q->ratio = L->ratio;
+        q->set |= CB_QUERY_RATIO;
+    }
+    if (L->max_tokens > 0) {
+        q->max_tokens = L->max_tokens;
+        q->set |= CB_QUERY_MAX_TOKENS;
+    }
+    return true;
+}
+
 static void *client(void *arg) {
     client_arg_t *A = arg;
     load_t *L = A->L;
@@ -114,17 +152,10 @@ static void *client(void *arg) {
             atomic_fetch_add(&L->not_sent, 1);
             continue;
         }
-        json_t *q = json_array_get(L->queries, line);
+        cb_query_t q;
         char id[32];
-        cb_msg_begin(w, "query", cb_bus_new_id(id, sizeof id));
-        cb_msg_put_str(w, "question", json_string_value(json_object_get(q, "question")));
-        json_t *ctx = json_object_get(q, "contexts");
-        if (json_is_array(ctx)) cb_msg_put_json(w, "contexts", ctx);
-        json_t *qm = json_object_get(q, "mode");
-        if (json_is_string(qm)) cb_msg_put_str(w, "mode", json_string_value(qm));
-        else if (L->mode) cb_msg_put_str(w, "mode", L->mode);
-        if (L->ratio >= 0) cb_msg_put_double(w, "ratio", L->ratio);
-        if (L->max_tokens > 0) cb_msg_put_int(w, "max_tokens", L->max_tokens);
+        query_of(L, json_array_get(L->queries, line), &q); /* checked when the file was read */
+        cb_query_encode(&q, cb_bus_new_id(id, sizeof id), w);
         size_t len;
         const void *d = cb_msg_end(w, &len);
         L->ttft[i] = L->tot[i] = -1;
@@ -249,9 +280,18 @@ int main(int argc, char **argv) {
             L.backoff_ms = atoi(argv[++i]);
             if (L.backoff_ms < 0 || L.backoff_ms > 60000) return usage();
         }
-        else if (!strcmp(argv[i], "--mode") && i + 1 < argc) L.mode = argv[++i];
-        else if (!strcmp(argv[i], "--ratio") && i + 1 < argc) L.ratio = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc) L.max_tokens = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--mode") && i + 1 < argc) {
+            L.mode = argv[++i];
+            if (!cb_query_mode_valid(L.mode)) return usage();
+        }
+        else if (!strcmp(argv[i], "--ratio") && i + 1 < argc) {
+            L.ratio = atof(argv[++i]);
+            if (!(L.ratio >= 0 && L.ratio <= CB_QUERY_RATIO_MAX)) return usage();
+        }
+        else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc) {
+            L.max_tokens = atoi(argv[++i]);
+            if (L.max_tokens < CB_QUERY_MAX_TOKENS_MIN || L.max_tokens > CB_QUERY_MAX_TOKENS_MAX) return usage();
+        }
         else if (!strcmp(argv[i], "--timeout") && i + 1 < argc) L.timeout_ms = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--json")) json = true;
         else return usage();
@@ -272,13 +312,29 @@ int main(int argc, char **argv) {
     }
     char *line = NULL;
     size_t cap = 0;
-    while (getline(&line, &cap, f) > 0) {
+    int lineno = 0;
+    bool bad_line = false;
+    while (!bad_line && getline(&line, &cap, f) > 0) {
+        lineno++;
         json_t *q = json_loads(line, 0, NULL);
-        if (json_is_object(q) && json_is_string(json_object_get(q, "question"))) json_array_append_new(qs, q);
-        else json_decref(q);
+        if (!json_is_object(q) || !json_is_string(json_object_get(q, "question"))) { /* not a query: skipped */
+            json_decref(q);
+            continue;
+        }
+        cb_query_t qq;
+        char why[512] = "'contexts' is not an array of at most 32 strings";
+        if (!query_of(&L, q, &qq) || !cb_query_check(&qq, why, sizeof why)) {
+            fprintf(stderr, "cb-load: %s:%d: not a valid query: %s\n", argv[i + 1], lineno, why);
+            bad_line = true;
+        }
+        json_array_append_new(qs, q);
     }
     free(line);
     fclose(f);
+    if (bad_line) {
+        json_decref(qs);
+        return 2;
+    }
     if (json_array_size(qs) == 0) {
         fprintf(stderr, "cb-load: no queries in %s\n", argv[i + 1]);
         return 2;

@@ -27,6 +27,7 @@
 #include "blend/blend.h"
 #include "wire/config.h"
 #include "wire/db.h"
+#include "wire/query.h"
 #include "engine/engine.h"
 #include "kv/kvmem.h"
 #include "kv/kvstore.h"
@@ -96,7 +97,8 @@ int main(int argc, char **argv) {
         !cb_config_double(cfg, "blend", "auto_cost_keys", 0, CB_BLEND_AUTO_COST_KEYS_MAX,
                           CB_BLEND_DEFAULT_AUTO_COST_KEYS, &auto_k, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "sparse_keys", 0, 1, CB_BLEND_DEFAULT_SPARSE_KEYS, &sparse, err, sizeof err) ||
-        !cb_config_int(cfg, "blend", "max_tokens", 1, 4096, 64, &max_tokens, err, sizeof err) ||
+        !cb_config_int(cfg, "blend", "max_tokens", CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, 64, &max_tokens, err,
+                       sizeof err) ||
         !cb_config_double(cfg, "blend", "temperature", 0, 5, 0, &temp, err, sizeof err) ||
         !cb_config_double(cfg, "blend", "top_p", 1e-9, 1, 1, &top_p, err, sizeof err) ||
         !cb_config_int(cfg, "blend", "seed", 0, INT64_MAX, 0, &seed, err, sizeof err) ||
@@ -220,7 +222,7 @@ int main(int argc, char **argv) {
         /* decode: the same loop as cb-blend (stop at end-of-generation or max_tokens or the context; no stop
          * sequences here) */
         int max_new = (int)(max_tokens < max_ctx - N ? max_tokens : max_ctx - N);
-        int32_t ids[4096];
+        int32_t ids[CB_QUERY_MAX_TOKENS_MAX];
         n_gen = 0;
         for (;;) {
             if (cb_model_is_eog(model, t) || cb_tokenizer_is_eog(tok, t)) break;
