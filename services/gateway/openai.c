@@ -43,21 +43,20 @@ static bool get_int(json_t *o, const char *key, int64_t lo, int64_t hi, int64_t 
     return true;
 }
 
-/* get_number / get_int into a query field: present (not null) sets bit in q->set. */
-static bool set_number(json_t *o, const char *key, double lo, double hi, double *out, unsigned bit, cb_query_t *q,
-                       char *err, size_t errlen, const char **param) {
-    json_t *v = json_object_get(o, key);
-    if (!get_number(o, key, lo, hi, out, err, errlen, param)) return false;
-    if (v && !json_is_null(v)) q->set |= bit;
-    return true;
-}
-
-static bool set_int(json_t *o, const char *key, int64_t lo, int64_t hi, int64_t *out, unsigned bit, cb_query_t *q,
-                    char *err, size_t errlen, const char **param) {
-    json_t *v = json_object_get(o, key);
-    if (!get_int(o, key, lo, hi, out, err, errlen, param)) return false;
-    if (v && !json_is_null(v)) q->set |= bit;
-    return true;
+/* The query's sampling fields present (not null) in the request o, into q->set. */
+static void mark_set(json_t *o, cb_query_t *q) {
+    static const struct {
+        const char *key;
+        unsigned bit;
+    } FIELDS[] = {{"temperature", CB_QUERY_TEMPERATURE},
+                  {"top_p", CB_QUERY_TOP_P},
+                  {"seed", CB_QUERY_SEED},
+                  {"frequency_penalty", CB_QUERY_FREQUENCY_PENALTY},
+                  {"presence_penalty", CB_QUERY_PRESENCE_PENALTY}};
+    for (size_t i = 0; i < sizeof FIELDS / sizeof FIELDS[0]; i++) {
+        json_t *v = json_object_get(o, FIELDS[i].key);
+        if (v && !json_is_null(v)) q->set |= FIELDS[i].bit;
+    }
 }
 
 static bool get_bool(json_t *o, const char *key, bool *out, char *err, size_t errlen, const char **param) {
@@ -190,15 +189,20 @@ static bool parse_ext(json_t *root, gw_chat_t *r, char *err, size_t errlen, cons
             return fail(err, errlen, param, "cacheblend.ratio", "'%s' must be a number in [0, 1] or \"auto\"", "cacheblend.ratio");
         q->ratio_auto = true;
         q->set |= CB_QUERY_RATIO;
-    } else if (!set_number(cb, "ratio", 0, CB_QUERY_RATIO_MAX, &q->ratio, CB_QUERY_RATIO, q, err, errlen, param)) {
+    } else if (!get_number(cb, "ratio", 0, CB_QUERY_RATIO_MAX, &q->ratio, err, errlen, param)) {
         *param = "cacheblend.ratio";
         return false;
+    } else if (json_is_number(ratio)) {
+        q->set |= CB_QUERY_RATIO;
     }
-    if (!set_int(cb, "k", CB_QUERY_K_MIN, CB_QUERY_K_MAX, &k, CB_QUERY_K, q, err, errlen, param)) {
+    if (!get_int(cb, "k", CB_QUERY_K_MIN, CB_QUERY_K_MAX, &k, err, errlen, param)) {
         *param = "cacheblend.k";
         return false;
     }
-    q->k = (int)k;
+    if (k > 0) {
+        q->k = (int)k;
+        q->set |= CB_QUERY_K;
+    }
     return true;
 }
 
@@ -228,13 +232,13 @@ bool gw_chat_parse(const char *body, size_t len, gw_chat_t *r, char *err, size_t
          get_int(o, "max_completion_tokens", CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, &mct, err, errlen,
                  param) &&
          /* OpenAI's temperature range (narrower than the query's) */
-         set_number(o, "temperature", 0, 2, &q->temperature, CB_QUERY_TEMPERATURE, q, err, errlen, param) &&
-         set_number(o, "top_p", 0, CB_QUERY_TOP_P_MAX, &q->top_p, CB_QUERY_TOP_P, q, err, errlen, param) &&
-         set_int(o, "seed", 0, CB_QUERY_SEED_MAX, &q->seed, CB_QUERY_SEED, q, err, errlen, param) &&
-         set_number(o, "frequency_penalty", -CB_QUERY_PENALTY_MAX, CB_QUERY_PENALTY_MAX, &q->frequency_penalty,
-                    CB_QUERY_FREQUENCY_PENALTY, q, err, errlen, param) &&
-         set_number(o, "presence_penalty", -CB_QUERY_PENALTY_MAX, CB_QUERY_PENALTY_MAX, &q->presence_penalty,
-                    CB_QUERY_PRESENCE_PENALTY, q, err, errlen, param) &&
+         get_number(o, "temperature", 0, 2, &q->temperature, err, errlen, param) &&
+         get_number(o, "top_p", 0, CB_QUERY_TOP_P_MAX, &q->top_p, err, errlen, param) &&
+         get_int(o, "seed", 0, CB_QUERY_SEED_MAX, &q->seed, err, errlen, param) &&
+         get_number(o, "frequency_penalty", -CB_QUERY_PENALTY_MAX, CB_QUERY_PENALTY_MAX, &q->frequency_penalty, err,
+                    errlen, param) &&
+         get_number(o, "presence_penalty", -CB_QUERY_PENALTY_MAX, CB_QUERY_PENALTY_MAX, &q->presence_penalty, err,
+                    errlen, param) &&
          get_int(o, "n", 1, 128, &n, err, errlen, param) && get_bool(o, "stream", &r->stream, err, errlen, param);
     if (ok && n != 1) ok = fail(err, errlen, param, "n", "only n = 1 is supported (%s)", "one choice per request");
     json_t *so = ok ? json_object_get(o, "stream_options") : NULL;
@@ -242,6 +246,7 @@ bool gw_chat_parse(const char *body, size_t len, gw_chat_t *r, char *err, size_t
         if (!json_is_object(so)) ok = fail(err, errlen, param, "stream_options", "'%s' must be an object", "stream_options");
         else ok = get_bool(so, "include_usage", &r->include_usage, err, errlen, param);
     }
+    if (ok) mark_set(o, q);
     if (mct > 0 || mt > 0) {
         q->max_tokens = (int)(mct > 0 ? mct : mt);
         q->set |= CB_QUERY_MAX_TOKENS;

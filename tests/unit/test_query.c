@@ -166,20 +166,27 @@ TEST(roundtrip_every_field) {
     cb_msg_writer_destroy(&w);
 }
 
+/* head + a string of `limit` bytes + tail is accepted, and with limit + 1 bytes rejected with `part`. */
+static bool string_at_limit(const char *head, size_t limit, const char *tail, const char *part) {
+    size_t hl = strlen(head), tl = strlen(tail);
+    char *buf = malloc(hl + limit + 1 + tl + 1);
+    if (!buf) return false;
+    memcpy(buf, head, hl);
+    memset(buf + hl, 'x', limit + 1);
+    memcpy(buf + hl + limit, tail, tl + 1);
+    bool ok_at = accepts(buf);
+    memcpy(buf + hl + limit + 1, tail, tl + 1);
+    buf[hl + limit] = 'x';
+    bool bad_past = rejects(buf, part);
+    free(buf);
+    return ok_at && bad_past;
+}
+
 TEST(question_limits) {
     CHECK(rejects("{}", "field 'question': missing"));
     CHECK(rejects("{\"question\": \"\"}", "field 'question': empty"));
-    char *big = malloc(CB_QUERY_MAX_QUESTION + 64);
-    CHECK(big);
-    int n = snprintf(big, CB_QUERY_MAX_QUESTION + 64, "{\"question\": \"");
-    memset(big + n, 'a', CB_QUERY_MAX_QUESTION);
-    snprintf(big + n + CB_QUERY_MAX_QUESTION, 8, "\"}");
-    bool ok_at = accepts(big);
-    memset(big + n, 'a', CB_QUERY_MAX_QUESTION + 1);
-    snprintf(big + n + CB_QUERY_MAX_QUESTION + 1, 8, "\"}");
-    bool bad_past = rejects(big, "field 'question': string of 8193 bytes is longer than the limit of 8192");
-    free(big);
-    CHECK(ok_at && bad_past);
+    CHECK(string_at_limit("{\"question\": \"", CB_QUERY_MAX_QUESTION, "\"}",
+                          "field 'question': string of 8193 bytes is longer than the limit of 8192"));
 }
 
 /* "{question, <field>: <value>}" */
@@ -262,18 +269,8 @@ TEST(contexts_limits) {
     CHECK(field_bad("contexts", "\"one text\"", "field 'contexts': expected array, got string"));
     CHECK(field_bad("contexts", "[\"a\", 3]", "field 'contexts[1]': expected string"));
     /* one context at the byte limit, and one past it */
-    size_t cap = CB_QUERY_MAX_CONTEXT_BYTES + 64;
-    char *big = malloc(cap);
-    CHECK(big);
-    n = snprintf(big, cap, "{\"question\": \"q\", \"contexts\": [\"");
-    memset(big + n, 'x', CB_QUERY_MAX_CONTEXT_BYTES);
-    snprintf(big + n + CB_QUERY_MAX_CONTEXT_BYTES, 8, "\"]}");
-    bool ok_at = accepts(big);
-    memset(big + n, 'x', CB_QUERY_MAX_CONTEXT_BYTES + 1);
-    snprintf(big + n + CB_QUERY_MAX_CONTEXT_BYTES + 1, 8, "\"]}");
-    bool bad_past = rejects(big, "longer than the limit of 262144");
-    free(big);
-    CHECK(ok_at && bad_past);
+    CHECK(string_at_limit("{\"question\": \"q\", \"contexts\": [\"", CB_QUERY_MAX_CONTEXT_BYTES, "\"]}",
+                          "longer than the limit of 262144"));
 }
 
 TEST(stop_limits) {
