@@ -266,9 +266,11 @@ void rt_pool_flight_drop_body(rt_flight_t *f) {
 }
 
 int rt_pool_flight_set_body(rt_flight_t *f, const void *data, size_t len) {
+    void *copy = cb_malloc(len ? len : 1);
+    if (!copy) return -1; /* the body it had stays */
+    memcpy(copy, data, len);
     rt_pool_flight_drop_body(f);
-    if (!(f->body = cb_malloc(len ? len : 1))) return -1;
-    memcpy(f->body, data, len);
+    f->body = copy;
     f->body_len = len;
     return 0;
 }

@@ -131,7 +131,7 @@ void rt_pool_flight_unassign(rt_pool_t *self, rt_flight_t *f);
 void rt_pool_flight_remove(rt_pool_t *self, rt_flight_t *f);
 /* Frees f's body copy (once its answer started, it is never sent again). */
 void rt_pool_flight_drop_body(rt_flight_t *f);
-/* Keeps a copy of the request's bytes in f. -1 when out of memory. */
+/* Keeps a copy of the request's bytes in f, replacing the one it had. -1 when out of memory (f unchanged). */
 int rt_pool_flight_set_body(rt_flight_t *f, const void *data, size_t len);
 int rt_pool_n_inflight(const rt_pool_t *self);
 
