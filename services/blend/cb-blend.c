@@ -32,8 +32,8 @@
 #include "fetch.h"
 #include "gen.h"
 #include "kv/kvmem.h"
-#include "wire/engine_config.h"
-#include "wire/kvremote_config.h"
+#include "svc/engine_config.h"
+#include "svc/kvremote_config.h"
 #include "base/log.h"
 #include "wire/msg.h"
 

@@ -4,7 +4,7 @@
 #include <unistd.h>
 
 #include "wire/config.h"
-#include "wire/engine_config.h"
+#include "svc/engine_config.h"
 #include "test.h"
 
 static char s_path[64];
