@@ -32,8 +32,8 @@
 #include "fetch.h"
 #include "gen.h"
 #include "kv/kvmem.h"
-#include "wire/engine_config.h"
-#include "wire/kvremote_config.h"
+#include "svc/kvremote_config.h"
+#include "svc/svcconfig.h"
 #include "base/log.h"
 #include "wire/msg.h"
 
@@ -566,16 +566,6 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
 }
 
 /* blend.ratio: a number in [0, 1], or "auto" (chosen per request from blend.auto_target/floor/ceil). */
-static bool config_ratio(const cb_config_t *cfg, double *ratio, bool *is_auto, char *err, size_t errlen) {
-    const char *raw = cb_config_raw(cfg, SECTION, "ratio", NULL, NULL);
-    *is_auto = raw && !strcmp(raw, "auto");
-    if (*is_auto) {
-        *ratio = CB_BLEND_DEFAULT_RATIO;
-        return true;
-    }
-    return cb_config_double(cfg, SECTION, "ratio", 0.0, 1.0, CB_BLEND_DEFAULT_RATIO, ratio, err, errlen);
-}
-
 static void usage(FILE *f) {
     fprintf(f, "usage: cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves query/ping/stats (docs/protocol.md §7) on blend.endpoint. Keys: endpoint, bind, mode, ratio,\n"
@@ -597,30 +587,12 @@ int main(int argc, char **argv) {
     static blendsvc_t b;
     static gen_args_t ga;
     int rc = 1;
-    const char *mode, *metric, *model, *sys, *backend, *kv_dtype_s = "f16", *chat_tmpl = "";
-    int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch, fault_delay, resident;
+    const char *backend;
+    int64_t rt, ct, max_seqs, max_batch, fault_delay, resident;
     bool store;
-    if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
-        !config_ratio(cfg, &b.def.ratio, &b.def.ratio_auto, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "auto_target", 1e-6, 1.0, CB_BLEND_DEFAULT_AUTO_TARGET, &ga.auto_target, err,
-                          sizeof err) ||
-        !cb_config_double(cfg, SECTION, "auto_floor", 0.0, 1.0, CB_BLEND_DEFAULT_AUTO_FLOOR, &ga.auto_floor, err,
-                          sizeof err) ||
-        !cb_config_double(cfg, SECTION, "auto_ceil", 0.0, 1.0, CB_BLEND_DEFAULT_AUTO_CEIL, &ga.auto_ceil, err,
-                          sizeof err) ||
-        !cb_config_double(cfg, SECTION, "auto_cost_keys", 0.0, CB_BLEND_AUTO_COST_KEYS_MAX,
-                          CB_BLEND_DEFAULT_AUTO_COST_KEYS, &ga.auto_cost_keys, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "sparse_keys", 0.0, 1.0, CB_BLEND_DEFAULT_SPARSE_KEYS, &ga.sparse_keys, err,
-                          sizeof err) ||
-        !cb_config_int(cfg, SECTION, "k", 1, GEN_MAX_CONTEXTS, 3, &b.def.k, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "max_tokens", 1, 4096, 64, &b.def.max_tokens, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "temperature", 0.0, 5.0, 0.0, &b.def.temperature, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "top_p", 1e-9, 1.0, 1.0, &b.def.top_p, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "seed", 0, INT64_MAX, 0, &b.def.seed, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "frequency_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX, 0.0,
-                          &b.def.frequency_penalty, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "presence_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX, 0.0,
-                          &b.def.presence_penalty, err, sizeof err) ||
+    cb_svc_blend_config_t bc;
+    if (cb_svc_session_config(cfg, SECTION, &ga.session, err, sizeof err) != 0 ||
+        cb_svc_blend_config(cfg, GEN_MAX_CONTEXTS, &bc, &ga.session, err, sizeof err) != 0 ||
         !cb_config_int(cfg, SECTION, "max_queue", 0, 100000, 16, &b.max_queue, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "heartbeat_ms", 50, 600000, 1000, &b.heartbeat_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "router_resident_keys", 0, 4096, 256, &resident, err, sizeof err) ||
@@ -628,73 +600,46 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "max_batch_tokens", 1, 1 << 20, 512, &max_batch, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "stuck_ms", 100, 3600000, 30000, &b.stuck_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "fault_step_delay_ms", 0, 600000, 0, &fault_delay, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "ctx_size", 64, 1 << 20, 2048, &ctx, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, CB_BLEND_DEFAULT_CHECK_LAYER, &check, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "metric", CB_BLEND_DEFAULT_METRIC_NAME, &metric, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "leading_tokens", 0, 1 << 20, CB_BLEND_DEFAULT_LEAD, &lead, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "kv_pool_bytes", 0, INT64_MAX, 0, &pool, err, sizeof err) ||
         !cb_config_bool(cfg, SECTION, "store_misses", true, &store, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "system_prompt", "", &sys, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
-        !cb_config_str(cfg, "engine", "chat_template", "", &chat_tmpl, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "retriever_timeout_ms", 1, 3600000, 5000, &rt, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "cacheindex_timeout_ms", 1, 3600000, 2000, &ct, err, sizeof err) ||
-        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", ga.kv_dir, sizeof ga.kv_dir, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "kv_dtype", "f16", &kv_dtype_s, err, sizeof err)) {
+        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", ga.kv_dir, sizeof ga.kv_dir, err, sizeof err)) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
-    if (ga.auto_floor > ga.auto_ceil) {
-        cb_log(CB_LOG_ERROR, NULL, "config blend.auto_floor %g > blend.auto_ceil %g", ga.auto_floor, ga.auto_ceil);
-        goto out;
-    }
-    int kvdt = cb_kv_dtype_parse(kv_dtype_s);
-    if (kvdt < 0) {
-        cb_log(CB_LOG_ERROR, NULL, "config kv_dtype = '%s': expected f16, bf16, f32 or q8_0", kv_dtype_s);
-        goto out;
-    }
-    ga.kv_dtype = (cb_kv_dtype_t)kvdt;
-    cb_engine_opts_t eo = {0};
-    if (cb_engine_opts_from_config(cfg, &eo, err, sizeof err) != 0) {
-        cb_log(CB_LOG_ERROR, NULL, "%s", err);
-        goto out;
-    }
-    ga.engine_kv_dtype = eo.kv_dtype;
-    ga.engine_attn = eo.attn;
-    int md = cb_blend_mode_parse(mode);
-    if (md < 0) {
-        cb_log(CB_LOG_ERROR, NULL, "config blend.mode = '%s': expected full, prefix, reuse or blend", mode);
-        goto out;
-    }
-    b.def.mode = (cb_blend_mode_t)md;
+    /* the service's defaults, which a query may override */
+    b.def.mode = bc.blend.mode;
+    b.def.ratio = bc.blend.ratio;
+    b.def.ratio_auto = bc.ratio_auto;
+    b.def.k = bc.k;
+    b.def.max_tokens = bc.max_tokens;
+    b.def.temperature = bc.temperature;
+    b.def.top_p = bc.top_p;
+    b.def.seed = (int64_t)bc.seed;
+    b.def.frequency_penalty = bc.frequency_penalty;
+    b.def.presence_penalty = bc.presence_penalty;
+    ga.auto_target = bc.blend.auto_target;
+    ga.auto_floor = bc.blend.auto_floor;
+    ga.auto_ceil = bc.blend.auto_ceil;
+    ga.auto_cost_keys = bc.blend.auto_cost_keys;
+    ga.sparse_keys = bc.blend.sparse_keys;
+    ga.check_layer = bc.blend.check_layer;
+    ga.metric = bc.blend.metric;
+    ga.lead_tokens = bc.blend.lead_tokens;
     cb_backend_kind_t bk;
     if (!cb_backend_kind_parse(backend, &bk)) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.backend = '%s': expected auto, cpu or cuda", backend);
         goto out;
     }
     cb_backend_set_default_kind(bk);
-    if (!cb_blend_metric_parse(metric)) {
-        cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected a, k or v", metric);
-        goto out;
-    }
     ga.cfg = cfg;
-    snprintf(ga.model_path, sizeof ga.model_path, "%s", model);
-    snprintf(ga.chat_template, sizeof ga.chat_template, "%s", chat_tmpl);
-    b.model_path = model;
-    snprintf(ga.system_prompt, sizeof ga.system_prompt, "%s", sys);
-    ga.ctx_size = (int)ctx;
-    ga.kv_pool_bytes = (size_t)pool;
-    ga.threads = (int)threads;
+    b.model_path = ga.session.model_path;
+    ga.session.kv_dir = ga.kv_dir;
     ga.max_seqs = b.max_seqs = (int)max_seqs;
     ga.max_batch_tokens = (int)max_batch;
     ga.fault_step_delay_ms = (int)fault_delay;
     if (fault_delay > 0) cb_log(CB_LOG_WARN, NULL, "fault injection: every busy step sleeps %lld ms", (long long)fault_delay);
-    ga.check_layer = (int)check;
-    ga.metric = metric[0];
-    ga.lead_tokens = (int)lead;
     ga.store_misses = store;
     static fetch_args_t fa;
     b.fa = &fa;
@@ -710,16 +655,16 @@ int main(int argc, char **argv) {
     }
     cb_diskhealth_watch(b.disk, "KV dir", ga.kv_dir);
     ga.disk = b.disk;
-    if (!(b.mem = cb_kvmem_new((size_t)hot))) {
+    if (!(b.mem = cb_kvmem_new(ga.session.mem_bytes))) {
         cb_log(CB_LOG_ERROR, NULL, "out of memory");
         goto out;
     }
-    ga.mem = b.mem;
+    ga.session.mem = b.mem;
     if (cb_kvremote_from_config(cfg, SECTION, &b.remote, err, sizeof err) != 0) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
-    ga.remote = b.remote;
+    ga.session.remote = b.remote;
     b.svc = cb_bus_service_from_config("cb-blend", cfg, SECTION, err, sizeof err);
     if (!b.svc) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);

@@ -19,6 +19,7 @@
 #include "model/tokenizer.h"
 #include "notify.h"
 #include "rag/ragprompt.h"
+#include "svc/session.h"
 #include "wire/msg.h"
 
 #define MAX_CONTEXT_BYTES 262144
@@ -89,11 +90,13 @@ typedef struct {
     const gen_args_t *a;
     bool term;
     zlist_t *fifo;                /* gen_query_t * received, not started */
+    cb_session_t *session;        /* model, tokenizer, prompt, engine, store and blend (svc/session.h); the
+                                     pointers below are its objects, borrowed */
     cb_model_t *model;
     cb_tokenizer_t *tok;
-    cb_ragprompt_t *rp;
+    const cb_ragprompt_t *rp;
     cb_engine_t *engine;          /* owns the KV pool */
-    cb_kvstore_t *store;          /* chunk KV: memory tier (a->mem) -> KV files (a->kv_dir) -> compute */
+    cb_kvstore_t *store;          /* chunk KV: memory tier -> KV files (a->kv_dir) -> Redis -> compute */
     cb_blend_t *blend;            /* one blend at a time, in slices (g->prefilling's) */
     query_t *slots;          /* [n_slots] the running queries (blend.max_seqs) */
     int n_slots;
@@ -184,7 +187,7 @@ static void gen_free(gen_t *g) {
     zactor_destroy(&g->notifier);
     cb_bus_client_destroy(&g->na.index); /* when the actor never took it over */
     cb_msg_writer_destroy(&g->w);
-    cb_blend_destroy(&g->blend); /* cancels a call in progress */
+    if (g->blend) cb_blend_cancel(g->blend); /* a call in progress ends before its sequence goes */
     for (int i = 0; g->slots && i < g->n_slots; i++) {
         query_reset(&g->slots[i]);
         cb_seq_destroy(&g->slots[i].seq);
@@ -195,11 +198,7 @@ static void gen_free(gen_t *g) {
     free(g->b_tok);
     free(g->b_pos);
     free(g->b_logits);
-    cb_kvstore_destroy(&g->store);
-    cb_engine_destroy(&g->engine);
-    cb_ragprompt_destroy(&g->rp);
-    cb_tokenizer_destroy(&g->tok);
-    cb_model_destroy(&g->model);
+    cb_session_destroy(&g->session); /* after every sequence of its engine */
     free(g->logits);
     zlist_destroy(&g->fifo);
 }
@@ -226,28 +225,23 @@ static int start_notifier(gen_t *g, char *err, size_t errlen) {
 
 static int gen_init(gen_t *g, char *err, size_t errlen) {
     const gen_args_t *a = g->a;
-    if (!(g->model = cb_model_load(a->model_path, err, errlen))) return -1;
-    if (!(g->tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(g->model), a->chat_template, err, errlen))) return -1;
-    if (!(g->rp = cb_ragprompt_new(g->tok, a->system_prompt, err, errlen))) return -1;
-    g->prefix = cb_ragprompt_prefix(g->rp, &g->n_prefix);
-    const cb_hparams_t *hp = cb_model_hparams(g->model);
-    int ctx = a->ctx_size < hp->n_ctx_train ? a->ctx_size : hp->n_ctx_train;
-    if (ctx <= g->n_prefix + 16) {
-        snprintf(err, errlen, "blend.ctx_size %d is too small for the prompt prefix (%d tokens)", ctx, g->n_prefix);
-        return -1;
-    }
     /* default pool: every slot a whole context, and one more for the store's context and chunk misses
-     * (address space; pages are touched as blocks are first used) */
-    cb_engine_opts_t eo = {.max_ctx = ctx, .kv_pool_bytes = a->kv_pool_bytes, .kv_pool_seqs = a->max_seqs + 1,
-                           .kv_dtype = a->engine_kv_dtype, .attn = a->engine_attn};
-    if (!(g->engine = cb_engine_new_opts(g->model, &eo, err, errlen))) return -1;
-    if (a->threads > 0) cb_engine_set_threads(g->engine, a->threads);
-    if (!(g->store = cb_kvstore_new(g->engine, a->kv_dir, a->mem, a->kv_dtype, err, errlen))) return -1;
-    cb_kvstore_set_remote(g->store, a->remote); /* memory -> file -> Redis -> compute */
-    if (!(g->blend = cb_blend_new(g->store, err, errlen))) return -1;
+     * (address space; pages are touched as blocks are first used); P's KV is computed now (its blocks are
+     * shared into every query's sequence), so the first query does not pay */
+    cb_session_opts_t so = a->session;
+    so.kv_pool_seqs = a->max_seqs + 1;
+    if (!(g->session = cb_session_new(&so, err, errlen))) return -1;
+    g->model = cb_session_model(g->session);
+    g->tok = cb_session_tokenizer(g->session);
+    g->rp = cb_session_prompt(g->session);
+    g->engine = cb_session_engine(g->session);
+    g->store = cb_session_store(g->session);
+    g->blend = cb_session_blend(g->session);
+    g->prefix = cb_session_prefix(g->session, &g->n_prefix);
+    const cb_hparams_t *hp = cb_model_hparams(g->model);
     g->n_vocab = hp->n_vocab;
     g->kv_bytes_per_token =
-        2u * (uint64_t)hp->n_layer * cb_kv_row_bytes(a->kv_dtype, (size_t)hp->n_head_kv * hp->head_dim);
+        2u * (uint64_t)hp->n_layer * cb_kv_row_bytes(a->session.kv_dtype, (size_t)hp->n_head_kv * hp->head_dim);
     g->w = cb_msg_writer_new();
     g->logits = cb_malloc((size_t)g->n_vocab * sizeof(float));
     g->fifo = zlist_new();
@@ -269,8 +263,6 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
             return -1;
         }
     if (start_notifier(g, err, errlen) != 0) return -1;
-    /* P's KV now (its blocks are shared into every query's sequence), so the first query does not pay */
-    if (cb_kvstore_set_context(g->store, g->prefix, g->n_prefix, err, errlen) != 0) return -1;
     publish_pool(g);
     return 0;
 }

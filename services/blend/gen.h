@@ -50,6 +50,7 @@
 #include "engine/engine.h"
 #include "kv/kvmem.h"
 #include "kv/kvremote.h"
+#include "svc/session.h"
 #include "wire/bus.h"
 #include "wire/config.h"
 #include "wire/diskhealth.h"
@@ -116,16 +117,11 @@ typedef struct {
 
 typedef struct {
     const cb_config_t *cfg;      /* borrowed; read-only lookups */
-    char model_path[4096];
-    char chat_template[32];    /* engine.chat_template: a template name, or "" = the GGUF's */
-    char kv_dir[4096];           /* must exist */
-    cb_kv_dtype_t kv_dtype;      /* payload of the KV files it writes for misses (kv_dtype) */
-    char system_prompt[2048];
-    int ctx_size;
-    size_t kv_pool_bytes;        /* engine KV pool budget; 0 = max_seqs + 1 sequences of ctx_size */
-    cb_engine_kv_dtype_t engine_kv_dtype; /* the pool's values (engine.kv_dtype: f16 or f32) */
-    cb_engine_attn_t engine_attn;         /* prefill attention (engine.attn: auto, bf16, int16 or f32) */
-    int threads;
+    cb_session_opts_t session;   /* the model, prompt, engine and tiers (svc/session.h; strings borrowed from cfg):
+                                    session.kv_dir is kv_dir below, session.mem the in-memory tier and
+                                    session.remote the shared tier on Redis (kvremote.h; NULL = off), both
+                                    borrowed and thread-safe; kv_pool_seqs is the worker's (max_seqs + 1) */
+    char kv_dir[4096];           /* must exist; KV files of session.kv_dtype for misses */
     int max_seqs;                /* queries running at once (slots), >= 1 */
     int max_batch_tokens;        /* prefill compute per step, in tokens (cb_blend_step's budget), >= 1 */
     int fault_step_delay_ms;     /* fault injection (tests): every busy step first sleeps this long; 0 = off */
@@ -136,8 +132,6 @@ typedef struct {
     double sparse_keys;          /* blend.h opts.sparse_keys (metric 'a'; 0 = dense) */
     bool store_misses;           /* `put` computed chunks into cb-cacheindex */
     int cacheindex_timeout_ms;   /* per touch/put of the notifier (one attempt) */
-    cb_kvmem_t *mem;             /* borrowed, thread-safe: the in-memory tier */
-    cb_kvremote_t *remote;       /* borrowed, thread-safe: the shared tier on Redis (kvremote.h); NULL = off */
     gen_stats_t *stats;          /* borrowed */
     cb_diskhealth_t *disk;       /* borrowed, thread-safe: told of KV files that could not be written for lack
                                   of room in kv_dir, and of those written (the service's ping); NULL = none */
