@@ -8,6 +8,7 @@
  */
 #ifndef CB_TEST_H
 #define CB_TEST_H
+#include "svc/svcconfig.h"
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,8 +44,7 @@ static inline int test_summary(void) { return test_n_fail_ ? 1 : 0; }
 
 /* Path of the default model for tests that need it; NULL when it is not there. */
 static inline const char *test_model_path(void) {
-    const char *p = getenv("CB_MODEL");
-    if (!p || !*p) p = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    const char *p = cb_svc_model_path(NULL);
     FILE *f = fopen(p, "rb");
     if (!f) return NULL;
     fclose(f);

@@ -335,8 +335,8 @@ void cb_cpu_matvec(const cb_weight_t *w, const float *x, int n, float *y, int ld
  * many activation rows (their int8 rows stay in L1/L2 while the slice's weight groups pass). */
 #define V16_GEMM_TILE 64
 
-/* Weights whose GEMM is the integer kernel (v16 copy, no f32 reference copy). */
-static bool use_v16_gemm(const cb_weight_t *w) { return !w->f32 && w->v16; }
+/* Weights whose GEMM is the integer kernel (cpu_quant.h). */
+static bool use_v16_gemm(const cb_weight_t *w) { return cb_cpu_qdot_gemm(w); }
 
 /* Y[:, r0:r1] = X · W[r0:r1]ᵀ: for v16 weights by the integer kernel on xq (x quantized by quantize_rows);
  * else one sgemm over the f32 rows when there are some (f32 copy or F32 tensor), else over tiles of weight

@@ -21,6 +21,7 @@
  * and add block by block, as the scalar kernels do.
  */
 #include "cpu/cpu_quant.h"
+#include "cpu/cpu_quant_internal.h"
 
 #include <assert.h>
 #include <math.h>
@@ -30,19 +31,6 @@
 
 #include "format/gguf.h"
 #include "format/quant.h"
-
-#define QROWS 4 /* activation rows per pass over a weight row */
-
-/* One quantized activation row (views into the cb_cpu_q8_quantize layout). */
-typedef struct {
-    const int8_t *q;    /* B32: [cols] */
-    const float *d;     /* [cols/32] block scales */
-    const float *ds;    /* [cols/32] d * sum of the block's q */
-    const int8_t *kq;   /* K: [cols] */
-    const float *kd;    /* [cols/256] super-block scales */
-    const int16_t *kbs; /* [cols/16] sums of q per 16 */
-    const int16_t *kbs32; /* [cols/32] sums of q per 32 */
-} xrow_t;
 
 static size_t b32_bytes(int cols) { return ((size_t)cols + 8 * (size_t)(cols / 32) + 63) / 64 * 64; }
 static size_t k_bytes(int cols) {
@@ -119,42 +107,14 @@ void cb_cpu_q8_quantize(const float *x, int cols, unsigned fmt, void *dst) {
     if ((fmt & CB_CPU_Q8_K) && cols % 256 == 0) g_quantize_k(x, cols, (uint8_t *)dst + b32_bytes(cols));
 }
 
-static inline float f16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return cb_f16_to_f32(h);
-}
-
 /* The 32 fifth bits of a Q5_0 block (bit j = element j), from the 4 little-endian qh bytes at p. */
 static inline uint32_t q5_hbits(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
 /* 6-bit scale and min of Q4_K sub-block k (0..7) from the 12 packed bytes. */
-static inline void q4k_scale_min(int k, const uint8_t *s, int *sc, int *mn) {
-    if (k < 4) {
-        *sc = s[k] & 63;
-        *mn = s[k + 4] & 63;
-    } else {
-        *sc = (s[k + 4] & 0xF) | ((s[k - 4] >> 6) << 4);
-        *mn = (s[k + 4] >> 4) | ((s[k] >> 6) << 4);
-    }
-}
-
-/* The 32 six-bit values (0..63) of Q6_K sub-block k (0..7) of a super-block, element order. */
-static inline void q6k_unpack(const uint8_t *blk, int k, uint8_t out[32]) {
-    const int h = k / 4, t = k % 4;
-    const uint8_t *ql = blk + 64 * h + (t & 1) * 32, *qh = blk + 128 + 32 * h;
-    for (int l = 0; l < 32; l++) {
-        int lo = t < 2 ? ql[l] & 0xF : ql[l] >> 4;
-        out[l] = (uint8_t)(lo | ((qh[l] >> (2 * t)) & 3) << 4);
-    }
-}
-
 /* ---------------------------------------------------------------- scalar kernels */
 
-/* Every kernel: y[r * ldy + o] = w[o] · x[r] for o in [o0, o1), r < R (1..QROWS). */
-typedef void (*qdot_fn)(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 
 /* The range form of a one-row kernel fn##_row(w row, cols, x, R, out[R]). */
 #define ROWS_LOOP(fn)                                                                                    \
@@ -300,12 +260,14 @@ static inline size_t x8_q4_1_nib(int s) { return 32 + 32 * (size_t)(s & 3) + 16 
 static inline size_t x8_q8_0_lo(int s) { return 16 + 64 * (size_t)(s & 3) + 16 * (size_t)(s >> 2); }
 
 size_t cb_cpu_x8_bytes(const cb_weight_t *w) {
+    if (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K) return cb_cpu_k8_bytes(w);
     if (w->type != CB_TYPE_Q4_1 && w->type != CB_TYPE_Q8_0) return 0;
     if (w->rows <= 0 || w->rows % 8 || w->cols <= 0 || w->cols % 32) return 0;
     return (size_t)w->rows * w->row_bytes;
 }
 
 bool cb_cpu_x8_pack(const cb_weight_t *w, void *dst) {
+    if (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K) return cb_cpu_k8_pack(w, dst);
     const size_t n = cb_cpu_x8_bytes(w);
     if (!n) return false;
     const int nb = w->cols / 32;
@@ -1039,18 +1001,19 @@ typedef struct {
     qdot_fn q4_0, q4_1, q5_0, q8_0, q4_k, q6_k;
     qdot_fn q4_1x8, q8_0x8; /* interleaved weights (w->x8) */
     int x8_rows;            /* activation rows per call of an x8 kernel */
+    qdot_fn k8;             /* interleaved Q4_K / Q6_K weights (w->x8), QROWS activation rows per call */
     void (*x8_dequant)(const cb_weight_t *w, int row, float *dst);
     qdot_fn q4_1v16; /* the 16-row layout (w->v16) */
     int v16_rows;
 } qdot_set_t;
 
-static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q5_0, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS, s_x8_dequant_row,
+static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q5_0, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS, cb_cpu_k8_scalar, s_x8_dequant_row,
                                    s_q4_1v16, QROWS};
 #ifdef CB_HAVE_X86
-static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, v_x8_dequant_row,
+static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, cb_cpu_k8_avx2, v_x8_dequant_row,
                                  s_q4_1v16, QROWS};
 /* AVX2 and, for the v16 layout, AVX-512 VNNI */
-static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS,
+static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, cb_cpu_k8_avx2,
                                 v_x8_dequant_row, w_q4_1v16, V16_MR};
 #endif
 
@@ -1133,9 +1096,20 @@ static const qdot_set_t *kernels(void) {
 
 const char *cb_cpu_qdot_isa(void) { return kernels()->name; }
 
-void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst) { kernels()->x8_dequant(w, row, dst); }
+void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
+    if (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K)
+        cb_cpu_k8_dequant_row(w, row, dst);
+    else
+        kernels()->x8_dequant(w, row, dst);
+}
 
 bool cb_cpu_v16_preferred(void) { return kernels()->q4_1v16 != s_q4_1v16; }
+
+bool cb_cpu_qdot_gemm(const cb_weight_t *w) {
+    if (w->f32) return false;
+    if (w->v16) return true;
+    return w->x8 && (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K) && kernels()->k8 != cb_cpu_k8_scalar;
+}
 
 static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
     switch (type) {
@@ -1165,6 +1139,8 @@ void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int 
     if (w->v16 && o0 % 16 == 0 && o1 % 16 == 0) {
         fn = k->q4_1v16;
         step = k->v16_rows;
+    } else if (w->x8 && o0 % 8 == 0 && o1 % 8 == 0 && (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K)) {
+        fn = k->k8;
     } else if (w->x8 && o0 % 8 == 0 && o1 % 8 == 0) {
         fn = w->type == CB_TYPE_Q4_1 ? k->q4_1x8 : k->q8_0x8;
         step = k->x8_rows;

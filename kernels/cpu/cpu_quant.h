@@ -96,6 +96,10 @@ bool cb_cpu_v16_pack(const cb_weight_t *w, void *dst);
 bool cb_cpu_v16_preferred(void);
 void cb_cpu_v16_dequant_row(const cb_weight_t *w, int row, float *dst);
 
+/* True when w's GEMMs (prefill) should run the integer kernel rather than f32 sgemm over dequantized rows:
+ * a v16 weight, or an x8 Q4_K / Q6_K weight where the AVX2 kernels run; never with an f32 copy. */
+bool cb_cpu_qdot_gemm(const cb_weight_t *w);
+
 /* The kernel set in use: "avx512vnni" (AVX2 plus the v16 kernel), "avx2" or "scalar". cb_cpu_qdot_use
  * selects one for the whole process ("avx512vnni", "avx2", "scalar" or NULL = best available); 0, or -1 when the CPU cannot run it. Not thread-safe against running
  * kernels: tests call it between runs. */

@@ -490,6 +490,34 @@ static bool dequant_supported(uint32_t type) {
     }
 }
 
+/* Drops the resident pages wholly inside [q, q + bytes) of the file mapping (madvise DONTNEED: the mapping
+ * refills them if anything reads them again). Advisory: a failure only costs memory. */
+static void give_back(const void *q, size_t bytes) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = ((uintptr_t)q + page - 1) / page * page, e = ((uintptr_t)q + bytes) / page * page;
+    if (e > a) (void)madvise((void *)a, e - a, MADV_DONTNEED);
+}
+
+/* Packs w into dst (v16 or x8 form) in slices of about PACK_SLICE stored bytes, giving each slice's stored
+ * pages back once copied, so that the copy and the stored rows are resident together for one slice only.
+ * Both forms are group-major (8 or 16 rows per group), so a slice of whole groups is the form of the weight
+ * made of those rows, at the same offset. */
+#define PACK_SLICE ((size_t)16 << 20)
+static bool pack_rows(const cb_weight_t *w, uint8_t *dst, bool v16) {
+    int step = (int)(PACK_SLICE / w->row_bytes) / 16 * 16;
+    if (step < 16) step = 16;
+    for (int r0 = 0; r0 < w->rows; r0 += step) {
+        cb_weight_t part = *w;
+        part.q = (const uint8_t *)w->q + (size_t)r0 * w->row_bytes;
+        part.rows = w->rows - r0 < step ? w->rows - r0 : step;
+        if (!(v16 ? cb_cpu_v16_pack(&part, dst) : cb_cpu_x8_pack(&part, dst)))
+            return false; /* (a Q8_0 slice holding -128): the weight stays stored; its copy's space is reused */
+        dst += v16 ? cb_cpu_v16_bytes(&part) : cb_cpu_x8_bytes(&part);
+        give_back(part.q, (size_t)part.rows * w->row_bytes);
+    }
+    return true;
+}
+
 /* The x8 or v16 copies (cpu/cpu_quant.h) of every weight that has such a form, in one huge-page-advised arena; the
  * stored pages of a packed weight are then given back (madvise DONTNEED: the file mapping refills them if
  * anything reads w->q again, e.g. a GPU upload), so the weights cost their size once. */
@@ -506,9 +534,9 @@ static bool pack_x8(cb_model_t *m, char *err, size_t errlen) {
         cb_weight_t *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (size_t k = 0; k < sizeof lw / sizeof lw[0]; k++) ws[n++] = lw[k];
     }
-    ws[n++] = &m->tok_embd;
-    if (!m->hp.tied_output) ws[n++] = &m->output;
-    /* per weight: v16 where the VNNI kernel runs (Q4_1), else x8 (Q4_1, Q8_0), else none */
+    /* the embedding matrix only when it is also the output matrix: a lookup reads a few stored rows */
+    ws[n++] = m->hp.tied_output ? &m->tok_embd : &m->output;
+    /* per weight: v16 where the VNNI kernel runs (Q4_1), else x8 (Q4_1, Q8_0, Q4_K, Q6_K), else none */
     const bool v16 = cb_cpu_v16_preferred();
     size_t total = 0;
     for (int i = 0; i < n; i++) {
@@ -523,14 +551,13 @@ static bool pack_x8(cb_model_t *m, char *err, size_t errlen) {
             ok = false;
         }
     }
-    const long page = sysconf(_SC_PAGESIZE);
     uint8_t *p = m->x8_arena;
     for (int i = 0; ok && i < n; i++) {
         size_t b = 0;
-        if (v16 && cb_cpu_v16_bytes(ws[i]) && cb_cpu_v16_pack(ws[i], p)) {
+        if (v16 && cb_cpu_v16_bytes(ws[i]) && pack_rows(ws[i], p, true)) {
             ws[i]->v16 = p;
             b = cb_cpu_v16_bytes(ws[i]);
-        } else if (cb_cpu_x8_bytes(ws[i]) && cb_cpu_x8_pack(ws[i], p)) {
+        } else if (cb_cpu_x8_bytes(ws[i]) && pack_rows(ws[i], p, false)) {
             ws[i]->x8 = p;
             b = cb_cpu_x8_bytes(ws[i]);
         } else {
@@ -538,10 +565,10 @@ static bool pack_x8(cb_model_t *m, char *err, size_t errlen) {
         }
         p += (b + 63) / 64 * 64;
         m->x8_bytes += b;
-        const uintptr_t a = ((uintptr_t)ws[i]->q + (uintptr_t)page - 1) / (uintptr_t)page * (uintptr_t)page;
-        const uintptr_t e = ((uintptr_t)ws[i]->q + b) / (uintptr_t)page * (uintptr_t)page;
-        if (e > a) (void)madvise((void *)a, e - a, MADV_DONTNEED); /* advisory: a failure only costs memory */
     }
+    /* the fingerprint read every stored page; an embedding matrix that is not the output is read a few rows
+     * at a time from here on */
+    if (ok && !m->hp.tied_output) give_back(m->tok_embd.q, (size_t)m->tok_embd.rows * m->tok_embd.row_bytes);
     if (ok && m->hp.tied_output) {
         m->output.x8 = m->tok_embd.x8;
         m->output.v16 = m->tok_embd.v16;

@@ -1,4 +1,4 @@
-/* qa.c: MuSiQue loading (jansson), the anchors' prompt pieces, answer extraction and F1 (see qa.h).
+/* qa.c: MuSiQue loading (jansson), answer extraction and F1 (see qa.h).
  *
  * Normalization mirrors the anchors' normalize_answer (SQuAD): lower -> remove punctuation -> remove
  * articles -> fold white space. Lowercasing (\L in a PCRE2 substitution), the \b of the article regex
@@ -23,17 +23,8 @@
 
 #define QA_MAX_FILE ((size_t)1 << 30)
 
-/* The anchors' strings (example/blend_musique.py: prefix_prompt, query_prompt), byte for byte,
- * including the doubled period of the prefix. */
-static const char QA_PREFIX[] =
-    "You will be asked a question after reading several passages. Please directly answer the question based "
-    "on the given passages. Do NOT repeat the question. The answer should be within 5 words..\nPassages:\n";
-static const char QA_QUERY[] =
-    "\n\nAnswer the question directly based on the given passages. Do NOT repeat the question. The answer "
-    "should be within 5 words. \nQuestion:";
 static const char QA_PUNCT[] = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"; /* Python string.punctuation */
 
-static pcre2_code *g_re_first;    /* the first character */
 static pcre2_code *g_re_all;      /* the whole string */
 static pcre2_code *g_re_articles; /* \b(a|an|the)\b */
 static pcre2_code *g_re_word;     /* \S+ */
@@ -79,7 +70,6 @@ static pcre2_code *compile(const char *pat) {
 }
 
 static void init_once(void) {
-    g_re_first = compile("^(?s).");
     g_re_all = compile("(?s).+");
     g_re_articles = compile("\\b(a|an|the)\\b");
     g_re_word = compile("\\S+");
@@ -296,55 +286,6 @@ double cb_qa_score(const char *output, const char *const *answers, int n) {
     double f = cb_qa_f1_best(p, answers, n);
     free(p);
     return f;
-}
-
-/* ---------------------------------------------------------------- prompt pieces */
-
-const char *cb_qa_prefix(void) { return QA_PREFIX; }
-
-char *cb_qa_chunk_text(const char *title, const char *text) {
-    if (!title) title = "";
-    if (!text) text = "";
-    size_t a = strlen(title), b = strlen(text);
-    char *s = cb_malloc(a + b + 5);
-    if (!s) return NULL;
-    memcpy(s, title, a);
-    memcpy(s + a, "\n\n", 2);
-    memcpy(s + a + 2, text, b);
-    memcpy(s + a + 2 + b, "\n\n", 3);
-    return s;
-}
-
-char *cb_qa_normalize_question(const char *question) {
-    pthread_once(&g_once, init_once);
-    if (!question) question = "";
-    size_t n = strlen(question);
-    int add_q = n == 0 || question[n - 1] != '?';
-    char *lowered = subst(g_re_first, question, n, "\\L$0", 0, 1);
-    if (!lowered) return NULL;
-    size_t m = strlen(lowered);
-    char *out = cb_malloc(m + 2);
-    if (out) {
-        memcpy(out, lowered, m);
-        if (add_q) out[m++] = '?';
-        out[m] = '\0';
-    }
-    free(lowered);
-    return out;
-}
-
-char *cb_qa_suffix(const char *question) {
-    char *q = cb_qa_normalize_question(question);
-    if (!q) return NULL;
-    size_t a = strlen(QA_QUERY), b = strlen(q);
-    char *s = cb_malloc(a + b + sizeof "\nAnswer:");
-    if (s) {
-        memcpy(s, QA_QUERY, a);
-        memcpy(s + a, q, b);
-        memcpy(s + a + b, "\nAnswer:", sizeof "\nAnswer:");
-    }
-    free(q);
-    return s;
 }
 
 /* ---------------------------------------------------------------- the data set */

@@ -1,7 +1,8 @@
 /* qa: evaluation helpers for the MuSiQue QA set (data/musique_dev.jsonl, see data/README.md):
- * loading and validating the jsonl, the anchors' prompt pieces, answer extraction and SQuAD-style F1.
+ * loading and validating the jsonl, answer extraction and SQuAD-style F1. The prompt (the anchors'
+ * instruction, passages and question) is rag/ragprompt.h's, the one the services use.
  *
- * The prompt strings and the answer handling follow the CacheBlend anchors (YaoJiayi/CacheBlend,
+ * The answer handling follows the CacheBlend anchors (YaoJiayi/CacheBlend,
  * example/blend_musique.py and example/utils.py) exactly; docs/qa.md lists each one and where ours
  * differ (word-level F1 by default; the anchors count tokenizer ids, which cb_qa_f1_ids reproduces).
  *
@@ -48,20 +49,6 @@ cb_qa_set_t *cb_qa_set_load(const char *path, char *err, size_t errlen);
 int cb_qa_set_size(const cb_qa_set_t *self);
 const cb_qa_example_t *cb_qa_set_get(const cb_qa_set_t *self, int i); /* NULL if out of range */
 void cb_qa_set_destroy(cb_qa_set_t **self_p);
-
-/* ---- prompt pieces (the anchors' strings; the caller adds the chat template) ------------------- */
-/* Each returns a new string (caller frees), or NULL when out of memory. The scoring functions below are the
- * evaluation's: they stop the program when out of memory. */
-
-/* The instruction prefix, ending in "\nPassages:\n" (static string). */
-const char *cb_qa_prefix(void);
-/* One passage chunk: "{title}\n\n{text}\n\n". */
-char *cb_qa_chunk_text(const char *title, const char *text);
-/* The query suffix: "\n\nAnswer the question directly ... within 5 words. \nQuestion:" then the question
- * with its first character lowercased and "?" appended when missing, then "\nAnswer:". */
-char *cb_qa_suffix(const char *question);
-/* The question as the anchors normalize it (first character lowercased, "?" appended if missing). */
-char *cb_qa_normalize_question(const char *question);
 
 /* ---- answers and scoring ------------------------------------------------------------------- */
 

@@ -1,16 +1,43 @@
 /* ragprompt.c: the RAG prompt's pieces as token arrays (see ragprompt.h). */
+#define PCRE2_CODE_UNIT_WIDTH 8
 #include "rag/ragprompt.h"
 #include "base/alloc.h"
 
+#include <pcre2.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/err.h"
+#include "base/log.h"
 #include "model/chat.h"
-#include "rag/qa.h"
 
 #define SEP "\n\n"
+
+/* The anchors' strings (example/blend_musique.py: prefix_prompt, query_prompt), byte for byte,
+ * including the doubled period of the instruction. */
+static const char INSTRUCTION[] =
+    "You will be asked a question after reading several passages. Please directly answer the question based "
+    "on the given passages. Do NOT repeat the question. The answer should be within 5 words..\nPassages:\n";
+static const char QUERY[] =
+    "\n\nAnswer the question directly based on the given passages. Do NOT repeat the question. The answer "
+    "should be within 5 words. \nQuestion:";
+static const char ANSWER[] = "\nAnswer:";
+
+static pcre2_code *g_re_first; /* the first character (UTF-8, Unicode case rules) */
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static void init_once(void) {
+    int ec;
+    PCRE2_SIZE eo;
+    g_re_first = pcre2_compile((PCRE2_SPTR) "^(?s).", PCRE2_ZERO_TERMINATED,
+                               PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &ec, &eo, NULL);
+    if (!g_re_first) { /* a constant pattern: an internal invariant */
+        CB_ERROR("ragprompt: cannot compile the first-character pattern (error %d)", ec);
+        abort();
+    }
+}
 
 struct cb_ragprompt {
     const cb_tokenizer_t *tok;
@@ -48,7 +75,7 @@ cb_ragprompt_t *cb_ragprompt_new(const cb_tokenizer_t *tok, const char *system, 
         return NULL;
     }
     nc = nc < 0 ? -nc : 0;
-    const char *qp = cb_qa_prefix();
+    const char *qp = INSTRUCTION;
     int nq = 0;
     int32_t *q = encode_text(tok, qp, strlen(qp), &nq);
     if (!q) goto oom;
@@ -118,7 +145,7 @@ int32_t *cb_ragprompt_chunk(const cb_ragprompt_t *self, const char *text, size_t
 int32_t *cb_ragprompt_suffix(const cb_ragprompt_t *self, const char *question, int *n) {
     *n = 0;
     if (!question) return NULL;
-    char *s = cb_qa_suffix(question);
+    char *s = cb_ragprompt_question(question);
     if (!s) return NULL;
     int nq = 0;
     int32_t *q = encode_text(self->tok, s, strlen(s), &nq);
@@ -143,5 +170,71 @@ char *cb_ragprompt_passage(const char *title, const char *text) {
     memcpy(s, title, a);
     memcpy(s + a, SEP, 2);
     memcpy(s + a + 2, text, b + 1);
+    return s;
+}
+
+const char *cb_ragprompt_instruction(void) { return INSTRUCTION; }
+
+char *cb_ragprompt_chunk_text(const char *title, const char *text) {
+    char *p = cb_ragprompt_passage(title, text);
+    if (!p) return NULL;
+    size_t n = strlen(p);
+    char *s = cb_realloc(p, n + sizeof SEP);
+    if (!s) {
+        free(p);
+        return NULL;
+    }
+    memcpy(s + n, SEP, sizeof SEP);
+    return s;
+}
+
+char *cb_ragprompt_normalize_question(const char *question) {
+    pthread_once(&g_once, init_once);
+    if (!question) question = "";
+    size_t n = strlen(question);
+    int add_q = n == 0 || question[n - 1] != '?';
+    /* the first character lowercased (\L in a PCRE2 substitution: Unicode-aware, as Python's str.lower) */
+    PCRE2_SIZE cap = n + n / 2 + 16;
+    char *out = cb_malloc(cap + 2);
+    for (int attempt = 0; out && attempt < 2; attempt++) {
+        PCRE2_SIZE outlen = cap;
+        int rc = pcre2_substitute(g_re_first, (PCRE2_SPTR)question, n, 0,
+                                  PCRE2_SUBSTITUTE_OVERFLOW_LENGTH | PCRE2_SUBSTITUTE_EXTENDED, NULL, NULL,
+                                  (PCRE2_SPTR) "\\L$0", PCRE2_ZERO_TERMINATED, (PCRE2_UCHAR *)out, &outlen);
+        if (rc >= 0) {
+            if (add_q) out[outlen++] = '?';
+            out[outlen] = '\0';
+            return out;
+        }
+        if (rc != PCRE2_ERROR_NOMEMORY) break;
+        cap = outlen + 1;
+        char *bigger = cb_realloc(out, cap + 2);
+        if (!bigger) {
+            free(out);
+            return NULL;
+        }
+        out = bigger;
+    }
+    if (!out) return NULL;
+    /* not expected with this pattern: the question as it is */
+    free(out);
+    if (!(out = cb_malloc(n + 2))) return NULL;
+    memcpy(out, question, n);
+    if (add_q) out[n++] = '?';
+    out[n] = '\0';
+    return out;
+}
+
+char *cb_ragprompt_question(const char *question) {
+    char *q = cb_ragprompt_normalize_question(question);
+    if (!q) return NULL;
+    size_t a = strlen(QUERY), b = strlen(q);
+    char *s = cb_malloc(a + b + sizeof ANSWER);
+    if (s) {
+        memcpy(s, QUERY, a);
+        memcpy(s + a, q, b);
+        memcpy(s + a + b, ANSWER, sizeof ANSWER);
+    }
+    free(q);
     return s;
 }

@@ -32,21 +32,13 @@
 #include "fetch.h"
 #include "gen.h"
 #include "kv/kvmem.h"
-#include "wire/engine_config.h"
-#include "wire/kvremote_config.h"
+#include "svc/kvremote_config.h"
+#include "svc/svcconfig.h"
 #include "base/log.h"
 #include "wire/msg.h"
 #include "wire/query.h"
 
 #define SECTION "blend"
-
-typedef struct {
-    cb_blend_mode_t mode;
-    double ratio, temperature, top_p;
-    bool ratio_auto;
-    double frequency_penalty, presence_penalty;
-    int64_t k, max_tokens, seed;
-} defaults_t;
 
 typedef struct {
     cb_bus_service_t *svc;
@@ -56,10 +48,8 @@ typedef struct {
     cb_kvremote_t *remote;    /* the shared KV tier (common.kv_remote), or NULL */
     cb_diskhealth_t *disk;    /* kv_dir's disk, for ping: ok or degraded (diskhealth.h) */
     gen_stats_t stats;
-    defaults_t def;            /* the config's query defaults (blend.*) */
-    cb_blend_opts_t blend;     /* the blend options each query starts from (query_defaults) */
-    float auto_target;         /* blend.auto_target: for a query asking ratio "auto" when blend.ratio is a number */
-    cb_sampler_params_t sampling; /* the sampling each query starts from */
+    cb_svc_blend_config_t def; /* the service's defaults (blend.*, svcconfig.h): the blend options, k,
+                                  max_tokens and sampling each query copies before its own fields */
     int64_t max_queue;
     int max_seqs;
     int64_t heartbeat_ms;
@@ -128,20 +118,20 @@ static gen_query_t *parse_query(blendsvc_t *b, const cb_msg_t *m, cb_err_t *code
         q->n_contexts = i + 1;
     }
     const unsigned set = in.set;
-    q->k = set & CB_QUERY_K ? in.k : (int)b->def.k;
-    q->max_tokens = set & CB_QUERY_MAX_TOKENS ? in.max_tokens : (int)b->def.max_tokens;
-    q->opts = b->blend;
+    q->k = set & CB_QUERY_K ? in.k : b->def.k;
+    q->max_tokens = set & CB_QUERY_MAX_TOKENS ? in.max_tokens : b->def.max_tokens;
+    q->opts = b->def.blend;
     q->ratio = b->def.ratio;
     if (set & CB_QUERY_MODE) q->opts.mode = (cb_blend_mode_t)cb_blend_mode_parse(in.mode); /* validated */
     if ((set & CB_QUERY_RATIO) && in.ratio_auto) {
-        q->opts.auto_target = b->auto_target;
+        q->opts.auto_target = b->def.auto_target;
     } else if (set & CB_QUERY_RATIO) {
         q->ratio = in.ratio;
         q->opts.ratio = (float)in.ratio;
         q->opts.auto_target = 0.0f;
     }
     cb_sampler_params_t *sp = &q->sampling;
-    *sp = b->sampling;
+    *sp = b->def.sampling;
     if (set & CB_QUERY_TEMPERATURE) sp->temperature = (float)in.temperature;
     if (set & CB_QUERY_TOP_P) sp->top_p = (float)in.top_p;
     if (set & CB_QUERY_SEED) sp->seed = (uint64_t)in.seed;
@@ -159,28 +149,6 @@ oom:
     snprintf(why, whylen, "out of memory");
     gen_query_free(&q);
     return NULL;
-}
-
-/* The per-query defaults, once from the config (blend.*): the blend options each query copies and the
- * sampling parameters; a query's own fields override them (parse_query). */
-static void query_defaults(blendsvc_t *b, const gen_args_t *ga) {
-    cb_blend_opts_t *o = &b->blend;
-    cb_blend_opts_default(o);
-    o->mode = b->def.mode;
-    o->ratio = (float)b->def.ratio;
-    b->auto_target = (float)ga->auto_target;
-    o->auto_target = b->def.ratio_auto ? b->auto_target : 0.0f;
-    o->auto_floor = (float)ga->auto_floor;
-    o->auto_ceil = (float)ga->auto_ceil;
-    o->auto_cost_keys = (float)ga->auto_cost_keys;
-    o->sparse_keys = (float)ga->sparse_keys;
-    o->check_layer = ga->check_layer;
-    o->metric = ga->metric;
-    o->lead_tokens = ga->lead_tokens;
-    b->sampling = (cb_sampler_params_t){.temperature = (float)b->def.temperature, .top_k = 0,
-                                        .top_p = (float)b->def.top_p, .seed = (uint64_t)b->def.seed,
-                                        .frequency_penalty = (float)b->def.frequency_penalty,
-                                        .presence_penalty = (float)b->def.presence_penalty};
 }
 
 static void on_query(cb_bus_service_t *svc, cb_bus_req_t *req, const cb_msg_t *m, void *arg) {
@@ -307,7 +275,7 @@ static void note_chunks(blendsvc_t *b, const void *done, size_t len) {
     if (!b->recent || b->resident_max <= 0) return;
     cb_msg_t *m = cb_msg_decode_ex(done, len, len + 1, NULL);
     size_t n = 0;
-    if (m && cb_msg_ok(m) && cb_msg_array_len(m, "chunk_ids", GEN_MAX_CONTEXTS, &n)) {
+    if (m && cb_msg_ok(m) && cb_msg_array_len(m, "chunk_ids", CB_QUERY_MAX_CONTEXTS, &n)) {
         for (size_t i = 0; i < n; i++) {
             const char *hex;
             size_t hl;
@@ -518,16 +486,6 @@ static void stats_extra(cb_bus_service_t *svc, cb_msg_writer_t *w, void *arg) {
 }
 
 /* blend.ratio: a number in [0, 1], or "auto" (chosen per request from blend.auto_target/floor/ceil). */
-static bool config_ratio(const cb_config_t *cfg, double *ratio, bool *is_auto, char *err, size_t errlen) {
-    const char *raw = cb_config_raw(cfg, SECTION, "ratio", NULL, NULL);
-    *is_auto = raw && !strcmp(raw, "auto");
-    if (*is_auto) {
-        *ratio = CB_BLEND_DEFAULT_RATIO;
-        return true;
-    }
-    return cb_config_double(cfg, SECTION, "ratio", 0.0, 1.0, CB_BLEND_DEFAULT_RATIO, ratio, err, errlen);
-}
-
 static void usage(FILE *f) {
     fprintf(f, "usage: cb-blend [--config PATH] [--blend.KEY=VALUE | --KEY VALUE]...\n"
                "  Serves query/ping/stats (docs/protocol.md §7) on blend.endpoint. Keys: endpoint, bind, mode, ratio,\n"
@@ -549,31 +507,11 @@ int main(int argc, char **argv) {
     static blendsvc_t b;
     static gen_args_t ga;
     int rc = 1;
-    const char *mode, *metric, *model, *sys, *backend, *kv_dtype_s = "f16", *chat_tmpl = "";
-    int64_t ctx, threads, check, lead, hot, pool, rt, ct, max_seqs, max_batch, fault_delay, resident;
+    const char *backend;
+    int64_t rt, ct, max_seqs, max_batch, fault_delay, resident;
     bool store;
-    if (!cb_config_str(cfg, SECTION, "mode", "blend", &mode, err, sizeof err) ||
-        !config_ratio(cfg, &b.def.ratio, &b.def.ratio_auto, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "auto_target", 1e-6, 1.0, CB_BLEND_DEFAULT_AUTO_TARGET, &ga.auto_target, err,
-                          sizeof err) ||
-        !cb_config_double(cfg, SECTION, "auto_floor", 0.0, 1.0, CB_BLEND_DEFAULT_AUTO_FLOOR, &ga.auto_floor, err,
-                          sizeof err) ||
-        !cb_config_double(cfg, SECTION, "auto_ceil", 0.0, 1.0, CB_BLEND_DEFAULT_AUTO_CEIL, &ga.auto_ceil, err,
-                          sizeof err) ||
-        !cb_config_double(cfg, SECTION, "auto_cost_keys", 0.0, CB_BLEND_AUTO_COST_KEYS_MAX,
-                          CB_BLEND_DEFAULT_AUTO_COST_KEYS, &ga.auto_cost_keys, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "sparse_keys", 0.0, 1.0, CB_BLEND_DEFAULT_SPARSE_KEYS, &ga.sparse_keys, err,
-                          sizeof err) ||
-        !cb_config_int(cfg, SECTION, "k", CB_QUERY_K_MIN, CB_QUERY_K_MAX, 3, &b.def.k, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "max_tokens", CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, 64, &b.def.max_tokens,
-                       err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "temperature", 0.0, 5.0, 0.0, &b.def.temperature, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "top_p", 1e-9, 1.0, 1.0, &b.def.top_p, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "seed", 0, INT64_MAX, 0, &b.def.seed, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "frequency_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX, 0.0,
-                          &b.def.frequency_penalty, err, sizeof err) ||
-        !cb_config_double(cfg, SECTION, "presence_penalty", -CB_SAMPLER_PENALTY_MAX, CB_SAMPLER_PENALTY_MAX, 0.0,
-                          &b.def.presence_penalty, err, sizeof err) ||
+    if (cb_svc_session_config(cfg, SECTION, &ga.session, err, sizeof err) != 0 ||
+        cb_svc_blend_config(cfg, &b.def, &ga.session, err, sizeof err) != 0 ||
         !cb_config_int(cfg, SECTION, "max_queue", 0, 100000, 16, &b.max_queue, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "heartbeat_ms", 50, 600000, 1000, &b.heartbeat_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "router_resident_keys", 0, 4096, 256, &resident, err, sizeof err) ||
@@ -581,73 +519,27 @@ int main(int argc, char **argv) {
         !cb_config_int(cfg, SECTION, "max_batch_tokens", 1, 1 << 20, 512, &max_batch, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "stuck_ms", 100, 3600000, 30000, &b.stuck_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "fault_step_delay_ms", 0, 600000, 0, &fault_delay, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "ctx_size", 64, 1 << 20, 2048, &ctx, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "check_layer", 0, 1024, CB_BLEND_DEFAULT_CHECK_LAYER, &check, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "metric", CB_BLEND_DEFAULT_METRIC_NAME, &metric, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "leading_tokens", 0, 1 << 20, CB_BLEND_DEFAULT_LEAD, &lead, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "hot_cache_bytes", 0, INT64_MAX, (int64_t)256 << 20, &hot, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "kv_pool_bytes", 0, INT64_MAX, 0, &pool, err, sizeof err) ||
         !cb_config_bool(cfg, SECTION, "store_misses", true, &store, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "system_prompt", "", &sys, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
-        !cb_config_str(cfg, "engine", "chat_template", "", &chat_tmpl, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "retriever_timeout_ms", 1, 3600000, 5000, &rt, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "cacheindex_timeout_ms", 1, 3600000, 2000, &ct, err, sizeof err) ||
-        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", ga.kv_dir, sizeof ga.kv_dir, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "kv_dtype", "f16", &kv_dtype_s, err, sizeof err)) {
+        !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", ga.kv_dir, sizeof ga.kv_dir, err, sizeof err)) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
-    if (ga.auto_floor > ga.auto_ceil) {
-        cb_log(CB_LOG_ERROR, NULL, "config blend.auto_floor %g > blend.auto_ceil %g", ga.auto_floor, ga.auto_ceil);
-        goto out;
-    }
-    int kvdt = cb_kv_dtype_parse(kv_dtype_s);
-    if (kvdt < 0) {
-        cb_log(CB_LOG_ERROR, NULL, "config kv_dtype = '%s': expected f16, bf16, f32 or q8_0", kv_dtype_s);
-        goto out;
-    }
-    ga.kv_dtype = (cb_kv_dtype_t)kvdt;
-    cb_engine_opts_t eo = {0};
-    if (cb_engine_opts_from_config(cfg, &eo, err, sizeof err) != 0) {
-        cb_log(CB_LOG_ERROR, NULL, "%s", err);
-        goto out;
-    }
-    ga.engine_kv_dtype = eo.kv_dtype;
-    ga.engine_attn = eo.attn;
-    int md = cb_blend_mode_parse(mode);
-    if (md < 0) {
-        cb_log(CB_LOG_ERROR, NULL, "config blend.mode = '%s': expected full, prefix, reuse or blend", mode);
-        goto out;
-    }
-    b.def.mode = (cb_blend_mode_t)md;
     cb_backend_kind_t bk;
     if (!cb_backend_kind_parse(backend, &bk)) {
         cb_log(CB_LOG_ERROR, NULL, "config blend.backend = '%s': expected auto, cpu or cuda", backend);
         goto out;
     }
     cb_backend_set_default_kind(bk);
-    if (!cb_blend_metric_parse(metric)) {
-        cb_log(CB_LOG_ERROR, NULL, "config blend.metric = '%s': expected a, k or v", metric);
-        goto out;
-    }
     ga.cfg = cfg;
-    snprintf(ga.model_path, sizeof ga.model_path, "%s", model);
-    snprintf(ga.chat_template, sizeof ga.chat_template, "%s", chat_tmpl);
-    b.model_path = model;
-    snprintf(ga.system_prompt, sizeof ga.system_prompt, "%s", sys);
-    ga.ctx_size = (int)ctx;
-    ga.kv_pool_bytes = (size_t)pool;
-    ga.threads = (int)threads;
+    b.model_path = ga.session.model_path;
+    ga.session.kv_dir = ga.kv_dir;
     ga.max_seqs = b.max_seqs = (int)max_seqs;
     ga.max_batch_tokens = (int)max_batch;
     ga.fault_step_delay_ms = (int)fault_delay;
     if (fault_delay > 0) cb_log(CB_LOG_WARN, NULL, "fault injection: every busy step sleeps %lld ms", (long long)fault_delay);
-    ga.check_layer = (int)check;
-    ga.metric = metric[0];
-    ga.lead_tokens = (int)lead;
     ga.store_misses = store;
     static fetch_args_t fa;
     b.fa = &fa;
@@ -655,7 +547,6 @@ int main(int argc, char **argv) {
     fa.timeout_ms = (int)rt;
     ga.cacheindex_timeout_ms = (int)ct;
     ga.stats = &b.stats;
-    query_defaults(&b, &ga);
     cb_config_log(cfg, SECTION);
     if (cb_db_mkdirs(ga.kv_dir, err, sizeof err) != 0 ||
         !(b.disk = cb_diskhealth_from_config(cfg, SECTION, err, sizeof err))) {
@@ -664,16 +555,16 @@ int main(int argc, char **argv) {
     }
     cb_diskhealth_watch(b.disk, "KV dir", ga.kv_dir);
     ga.disk = b.disk;
-    if (!(b.mem = cb_kvmem_new((size_t)hot))) {
+    if (!(b.mem = cb_kvmem_new(ga.session.mem_bytes))) {
         cb_log(CB_LOG_ERROR, NULL, "out of memory");
         goto out;
     }
-    ga.mem = b.mem;
+    ga.session.mem = b.mem;
     if (cb_kvremote_from_config(cfg, SECTION, &b.remote, err, sizeof err) != 0) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
-    ga.remote = b.remote;
+    ga.session.remote = b.remote;
     b.svc = cb_bus_service_from_config("cb-blend", cfg, SECTION, err, sizeof err);
     if (!b.svc) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);

@@ -33,7 +33,7 @@ static int retrieve(fetch_t *f, gen_query_t *q, cb_err_t *code, char *err, size_
         return -1;
     }
     size_t n = 0;
-    if (!cb_msg_array_len(r, "hits", (size_t)q->k < GEN_MAX_CONTEXTS ? (size_t)q->k : GEN_MAX_CONTEXTS, &n)) {
+    if (!cb_msg_array_len(r, "hits", (size_t)q->k < CB_QUERY_MAX_CONTEXTS ? (size_t)q->k : CB_QUERY_MAX_CONTEXTS, &n)) {
         snprintf(err, errlen, "cb-retriever: invalid reply: %s", cb_msg_last_error(r));
         *code = CB_ERR_INTERNAL;
         cb_msg_destroy(&r);

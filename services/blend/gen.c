@@ -19,9 +19,10 @@
 #include "model/tokenizer.h"
 #include "notify.h"
 #include "rag/ragprompt.h"
+#include "svc/session.h"
 #include "wire/msg.h"
 
-_Static_assert(NOTIFY_MAX_CHUNKS >= GEN_MAX_CONTEXTS, "one notice holds every chunk of a query");
+_Static_assert(NOTIFY_MAX_CHUNKS >= CB_QUERY_MAX_CONTEXTS, "one notice holds every chunk of a query");
 
 void gen_query_free(gen_query_t **q_p) {
     if (!q_p || !*q_p) return;
@@ -61,13 +62,13 @@ typedef struct query {
     char **texts;                            /* [n] the contexts (q's) */
     size_t *lens;
     int n;
-    int32_t *ctoks[GEN_MAX_CONTEXTS];        /* [n] chunk tokens (owned) */
-    int cn[GEN_MAX_CONTEXTS];
+    int32_t *ctoks[CB_QUERY_MAX_CONTEXTS];        /* [n] chunk tokens (owned) */
+    int cn[CB_QUERY_MAX_CONTEXTS];
     int32_t *suffix;                         /* [n_suffix] S (owned) */
     int n_suffix;
     int N;                                   /* prompt tokens */
     int max_new;
-    char hex[GEN_MAX_CONTEXTS][CB_KV_HEX_BYTES]; /* chunk keys (kvstore.h), for `chunk_ids` */
+    char hex[CB_QUERY_MAX_CONTEXTS][CB_KV_HEX_BYTES]; /* chunk keys (kvstore.h), for `chunk_ids` */
     notify_note_t note;                      /* what cb-cacheindex is told */
     bool prefilled, noted, noticed;
     char *text;                              /* the answer so far (owned) [text_cap], text_len bytes + NUL */
@@ -87,11 +88,13 @@ typedef struct {
     const gen_args_t *a;
     bool term;
     zlist_t *fifo;                /* gen_query_t * received, not started */
+    cb_session_t *session;        /* model, tokenizer, prompt, engine, store and blend (svc/session.h); the
+                                     pointers below are its objects, borrowed */
     cb_model_t *model;
     cb_tokenizer_t *tok;
-    cb_ragprompt_t *rp;
+    const cb_ragprompt_t *rp;
     cb_engine_t *engine;          /* owns the KV pool */
-    cb_kvstore_t *store;          /* chunk KV: memory tier (a->mem) -> KV files (a->kv_dir) -> compute */
+    cb_kvstore_t *store;          /* chunk KV: memory tier -> KV files (a->kv_dir) -> Redis -> compute */
     cb_blend_t *blend;            /* one blend at a time, in slices (g->prefilling's) */
     query_t *slots;          /* [n_slots] the running queries (blend.max_seqs) */
     int n_slots;
@@ -182,7 +185,7 @@ static void gen_free(gen_t *g) {
     zactor_destroy(&g->notifier);
     cb_bus_client_destroy(&g->na.index); /* when the actor never took it over */
     cb_msg_writer_destroy(&g->w);
-    cb_blend_destroy(&g->blend); /* cancels a call in progress */
+    if (g->blend) cb_blend_cancel(g->blend); /* a call in progress ends before its sequence goes */
     for (int i = 0; g->slots && i < g->n_slots; i++) {
         query_reset(&g->slots[i]);
         cb_seq_destroy(&g->slots[i].seq);
@@ -193,11 +196,7 @@ static void gen_free(gen_t *g) {
     free(g->b_tok);
     free(g->b_pos);
     free(g->b_logits);
-    cb_kvstore_destroy(&g->store);
-    cb_engine_destroy(&g->engine);
-    cb_ragprompt_destroy(&g->rp);
-    cb_tokenizer_destroy(&g->tok);
-    cb_model_destroy(&g->model);
+    cb_session_destroy(&g->session); /* after every sequence of its engine */
     free(g->logits);
     zlist_destroy(&g->fifo);
 }
@@ -224,28 +223,23 @@ static int start_notifier(gen_t *g, char *err, size_t errlen) {
 
 static int gen_init(gen_t *g, char *err, size_t errlen) {
     const gen_args_t *a = g->a;
-    if (!(g->model = cb_model_load(a->model_path, err, errlen))) return -1;
-    if (!(g->tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(g->model), a->chat_template, err, errlen))) return -1;
-    if (!(g->rp = cb_ragprompt_new(g->tok, a->system_prompt, err, errlen))) return -1;
-    g->prefix = cb_ragprompt_prefix(g->rp, &g->n_prefix);
-    const cb_hparams_t *hp = cb_model_hparams(g->model);
-    int ctx = a->ctx_size < hp->n_ctx_train ? a->ctx_size : hp->n_ctx_train;
-    if (ctx <= g->n_prefix + 16) {
-        snprintf(err, errlen, "blend.ctx_size %d is too small for the prompt prefix (%d tokens)", ctx, g->n_prefix);
-        return -1;
-    }
     /* default pool: every slot a whole context, and one more for the store's context and chunk misses
-     * (address space; pages are touched as blocks are first used) */
-    cb_engine_opts_t eo = {.max_ctx = ctx, .kv_pool_bytes = a->kv_pool_bytes, .kv_pool_seqs = a->max_seqs + 1,
-                           .kv_dtype = a->engine_kv_dtype, .attn = a->engine_attn};
-    if (!(g->engine = cb_engine_new_opts(g->model, &eo, err, errlen))) return -1;
-    if (a->threads > 0) cb_engine_set_threads(g->engine, a->threads);
-    if (!(g->store = cb_kvstore_new(g->engine, a->kv_dir, a->mem, a->kv_dtype, err, errlen))) return -1;
-    cb_kvstore_set_remote(g->store, a->remote); /* memory -> file -> Redis -> compute */
-    if (!(g->blend = cb_blend_new(g->store, err, errlen))) return -1;
+     * (address space; pages are touched as blocks are first used); P's KV is computed now (its blocks are
+     * shared into every query's sequence), so the first query does not pay */
+    cb_session_opts_t so = a->session;
+    so.kv_pool_seqs = a->max_seqs + 1;
+    if (!(g->session = cb_session_new(&so, err, errlen))) return -1;
+    g->model = cb_session_model(g->session);
+    g->tok = cb_session_tokenizer(g->session);
+    g->rp = cb_session_prompt(g->session);
+    g->engine = cb_session_engine(g->session);
+    g->store = cb_session_store(g->session);
+    g->blend = cb_session_blend(g->session);
+    g->prefix = cb_session_prefix(g->session, &g->n_prefix);
+    const cb_hparams_t *hp = cb_model_hparams(g->model);
     g->n_vocab = hp->n_vocab;
     g->kv_bytes_per_token =
-        2u * (uint64_t)hp->n_layer * cb_kv_row_bytes(a->kv_dtype, (size_t)hp->n_head_kv * hp->head_dim);
+        2u * (uint64_t)hp->n_layer * cb_kv_row_bytes(a->session.kv_dtype, (size_t)hp->n_head_kv * hp->head_dim);
     g->w = cb_msg_writer_new();
     g->logits = cb_malloc((size_t)g->n_vocab * sizeof(float));
     g->fifo = zlist_new();
@@ -267,8 +261,6 @@ static int gen_init(gen_t *g, char *err, size_t errlen) {
             return -1;
         }
     if (start_notifier(g, err, errlen) != 0) return -1;
-    /* P's KV now (its blocks are shared into every query's sequence), so the first query does not pay */
-    if (cb_kvstore_set_context(g->store, g->prefix, g->n_prefix, err, errlen) != 0) return -1;
     publish_pool(g);
     return 0;
 }
@@ -319,7 +311,7 @@ static size_t utf8_feed(utf8_stream_t *u, const unsigned char *in, size_t n, boo
 
 /* Frees what the query owns and clears it; the slot keeps its (empty) sequence. */
 static void query_reset(query_t *r) {
-    for (int i = 0; i < GEN_MAX_CONTEXTS; i++) free(r->ctoks[i]);
+    for (int i = 0; i < CB_QUERY_MAX_CONTEXTS; i++) free(r->ctoks[i]);
     free(r->suffix);
     free(r->text);
     cb_sampler_destroy(&r->sampler);
@@ -377,7 +369,7 @@ static int build_prompt(gen_t *g, query_t *r, cb_err_t *code, char *err, size_t 
 /* 3. The fused prefill starts (cb_blend_start): it then runs a slice per step (prefill_slice). 0, or -1
  * with err (bad arguments, out of memory: internal). */
 static int prefill_start(gen_t *g, query_t *r, char *err, size_t errlen) {
-    cb_blend_chunk_t chunks[GEN_MAX_CONTEXTS];
+    cb_blend_chunk_t chunks[CB_QUERY_MAX_CONTEXTS];
     for (int i = 0; i < r->n; i++) chunks[i] = (cb_blend_chunk_t){r->ctoks[i], r->cn[i]};
     r->t_blend0 = cb_now_ms();
     return cb_blend_start(g->blend, r->seq, g->prefix, g->n_prefix, chunks, r->n, r->suffix, r->n_suffix,
@@ -479,7 +471,7 @@ static int append_text(query_t *r, const char *piece, size_t pl) {
  * is cut there); otherwise false and *at = the start of the earliest tail that is a proper prefix of some
  * stop sequence (text_len when none): the bytes before it are final and may be sent, the tail is held
  * back until more text resolves it. Each stop sequence is valid UTF-8, so *at is a character boundary.
- * O((text_len - sent) * n_stop * GEN_MAX_STOP_BYTES) at most; nothing is allocated. */
+ * O((text_len - sent) * n_stop * CB_QUERY_MAX_STOP_BYTES) at most; nothing is allocated. */
 static bool stop_scan(const query_t *r, size_t *at) {
     const gen_query_t *q = r->q;
     size_t hold = r->text_len;

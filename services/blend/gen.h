@@ -51,14 +51,11 @@
 #include "engine/sampler.h"
 #include "kv/kvmem.h"
 #include "kv/kvremote.h"
+#include "svc/session.h"
 #include "wire/bus.h"
 #include "wire/config.h"
 #include "wire/diskhealth.h"
 #include "wire/query.h"
-
-#define GEN_MAX_CONTEXTS CB_QUERY_MAX_CONTEXTS
-#define GEN_MAX_STOP CB_QUERY_MAX_STOP             /* stop sequences a query may carry */
-#define GEN_MAX_STOP_BYTES CB_QUERY_MAX_STOP_BYTES /* bytes of one stop sequence (at least 1) */
 
 typedef struct gen_query {
     /* set by the loop before "QUERY"; read-only afterwards */
@@ -67,10 +64,10 @@ typedef struct gen_query {
     bool retrieve;                           /* neither `contexts` nor `retrieved`: cb-retriever's k chunks
                                                 (fetch.h) */
     int n_contexts;
-    char *contexts[GEN_MAX_CONTEXTS];        /* [n_contexts] each NUL-terminated (no NUL inside): the query's
+    char *contexts[CB_QUERY_MAX_CONTEXTS];        /* [n_contexts] each NUL-terminated (no NUL inside): the query's
                                                 own, cb-router's (`retrieved`), or, when retrieve, filled by
                                                 the fetch thread before "QUERY" */
-    size_t context_lens[GEN_MAX_CONTEXTS];
+    size_t context_lens[CB_QUERY_MAX_CONTEXTS];
     double retrieve_ms;                      /* set by the fetch thread, or cb-router's `retrieve_ms` */
     int k;
     cb_blend_opts_t opts;                    /* the service's blend options (blend.*), with the query's mode and
@@ -80,8 +77,8 @@ typedef struct gen_query {
     int max_tokens;
     cb_sampler_params_t sampling;            /* blend.temperature, top_p, seed and penalties, with the query's */
     int n_stop;                              /* stop sequences: the answer ends before the first one */
-    char stop[GEN_MAX_STOP][GEN_MAX_STOP_BYTES + 1]; /* [n_stop] NUL-terminated UTF-8, no NUL inside */
-    size_t stop_lens[GEN_MAX_STOP];          /* [n_stop] 1..GEN_MAX_STOP_BYTES */
+    char stop[CB_QUERY_MAX_STOP][CB_QUERY_MAX_STOP_BYTES + 1]; /* [n_stop] NUL-terminated UTF-8, no NUL inside */
+    size_t stop_lens[CB_QUERY_MAX_STOP];          /* [n_stop] 1..CB_QUERY_MAX_STOP_BYTES */
     double t_recv_ms;                        /* cb_now_ms() when the loop received it */
     /* shared */
     atomic_bool cancelled;                   /* set by the loop: the client is gone */
@@ -119,31 +116,16 @@ typedef struct {
 
 typedef struct {
     const cb_config_t *cfg;      /* borrowed; read-only lookups */
-    char model_path[4096];
-    char chat_template[32];    /* engine.chat_template: a template name, or "" = the GGUF's */
-    char kv_dir[4096];           /* must exist */
-    cb_kv_dtype_t kv_dtype;      /* payload of the KV files it writes for misses (kv_dtype) */
-    char system_prompt[2048];
-    int ctx_size;
-    size_t kv_pool_bytes;        /* engine KV pool budget; 0 = max_seqs + 1 sequences of ctx_size */
-    cb_engine_kv_dtype_t engine_kv_dtype; /* the pool's values (engine.kv_dtype: f16 or f32) */
-    cb_engine_attn_t engine_attn;         /* prefill attention (engine.attn: auto, bf16, int16 or f32) */
-    int threads;
+    cb_session_opts_t session;   /* the model, prompt, engine and tiers (svc/session.h; strings borrowed from cfg):
+                                    session.kv_dir is kv_dir below, session.mem the in-memory tier and
+                                    session.remote the shared tier on Redis (kvremote.h; NULL = off), both
+                                    borrowed and thread-safe; kv_pool_seqs is the worker's (max_seqs + 1) */
+    char kv_dir[4096];           /* must exist; KV files of session.kv_dtype for misses */
     int max_seqs;                /* queries running at once (slots), >= 1 */
     int max_batch_tokens;        /* prefill compute per step, in tokens (cb_blend_step's budget), >= 1 */
     int fault_step_delay_ms;     /* fault injection (tests): every busy step first sleeps this long; 0 = off */
-    /* the blend options of the config (blend.check_layer ... sparse_keys): cb-blend's loop folds them once
-     * into the service's cb_blend_opts_t, which each query copies (gen_query_t.opts); the worker reads the
-     * query's copy only */
-    int check_layer;
-    char metric;                 /* 'a', 'k' or 'v' (blend.h) */
-    int lead_tokens;
-    double auto_target, auto_floor, auto_ceil, auto_cost_keys; /* ratio = auto (blend.h opts.auto_*) */
-    double sparse_keys;          /* blend.h opts.sparse_keys (metric 'a'; 0 = dense) */
     bool store_misses;           /* `put` computed chunks into cb-cacheindex */
     int cacheindex_timeout_ms;   /* per touch/put of the notifier (one attempt) */
-    cb_kvmem_t *mem;             /* borrowed, thread-safe: the in-memory tier */
-    cb_kvremote_t *remote;       /* borrowed, thread-safe: the shared tier on Redis (kvremote.h); NULL = off */
     gen_stats_t *stats;          /* borrowed */
     cb_diskhealth_t *disk;       /* borrowed, thread-safe: told of KV files that could not be written for lack
                                   of room in kv_dir, and of those written (the service's ping); NULL = none */

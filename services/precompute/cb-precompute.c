@@ -42,8 +42,8 @@
 #include "wire/bus.h"
 #include "wire/config.h"
 #include "wire/db.h"
-#include "wire/engine_config.h"
-#include "wire/kvremote_config.h"
+#include "svc/kvremote_config.h"
+#include "svc/svcconfig.h"
 #include "ident.h"
 #include "jobs.h"
 #include "lease_client.h"
@@ -519,13 +519,12 @@ int main(int argc, char **argv) {
     p.wst = &wst;
     wa.stats = &wst;
     int rc = 1;
-    int64_t chunk_tokens, threads, rt, ct, vt, fault_delay, lease_ms, max_leases, max_lease_text;
-    const char *model, *sys, *backend, *chat_tmpl = "", *pull_ep = NULL, *pull_bind = NULL, *kv_dtype_s = "f16", *worker_name = "";
+    int64_t chunk_tokens, rt, ct, vt, fault_delay, lease_ms, max_leases, max_lease_text;
+    const char *backend, *pull_ep = NULL, *pull_bind = NULL, *worker_name = "";
     const char *forwarders = "gateway";
     wa.cfg = cfg;
     if (!cb_config_int(cfg, SECTION, "chunk_tokens", 16, 8192, 512, &chunk_tokens, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_doc_bytes", 1, (int64_t)1 << 30, 4 << 20, &p.max_doc_bytes, err, sizeof err) ||
-        !cb_config_int(cfg, SECTION, "threads", 1, 1024, 2, &threads, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "retriever_timeout_ms", 1, 3600000, 5000, &rt, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "cacheindex_timeout_ms", 1, 3600000, 5000, &ct, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "verify_timeout_ms", 1, 60000, 1000, &vt, err, sizeof err) ||
@@ -540,15 +539,11 @@ int main(int argc, char **argv) {
         !cb_config_str(cfg, SECTION, "trusted_forwarders", "gateway", &forwarders, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "stuck_ms", 100, 86400000, 120000, &p.stuck_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "fault_chunk_delay_ms", 0, 3600000, 0, &fault_delay, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", &model, err, sizeof err) ||
-        !cb_config_str(cfg, "engine", "chat_template", "", &chat_tmpl, err, sizeof err) ||
-        !cb_config_str(cfg, "blend", "system_prompt", "", &sys, err, sizeof err) ||
         !cb_config_str(cfg, SECTION, "backend", "auto", &backend, err, sizeof err) ||
         !cb_config_endpoint(cfg, SECTION, "pull_endpoint", NULL, &pull_ep, err, sizeof err) ||
         !cb_config_endpoint(cfg, SECTION, "pull_bind", NULL, &pull_bind, err, sizeof err) ||
         !cb_config_data_path(cfg, SECTION, "db", "precompute.db", wa.db_path, sizeof wa.db_path, err, sizeof err) ||
         !cb_config_data_path(cfg, SECTION, "kv_dir", "kv", wa.kv_dir, sizeof wa.kv_dir, err, sizeof err) ||
-        !cb_config_str(cfg, SECTION, "kv_dtype", "f16", &kv_dtype_s, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "workers", 0, 1, 1, &p.n_workers, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "lease_ms", 100, 3600000, 15000, &lease_ms, err, sizeof err) ||
         !cb_config_int(cfg, SECTION, "max_leases_per_worker", 0, 1024, 2, &max_leases, err, sizeof err) ||
@@ -559,19 +554,11 @@ int main(int argc, char **argv) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
-    int kvdt = cb_kv_dtype_parse(kv_dtype_s);
-    if (kvdt < 0) {
-        cb_log(CB_LOG_ERROR, NULL, "config kv_dtype = '%s': expected f16, bf16, f32 or q8_0", kv_dtype_s);
-        goto out;
-    }
-    wa.kv_dtype = (cb_kv_dtype_t)kvdt;
-    cb_engine_opts_t eo = {0};
-    if (cb_engine_opts_from_config(cfg, &eo, err, sizeof err) != 0) {
+    if (cb_svc_session_config(cfg, SECTION, &wa.session, err, sizeof err) != 0) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
-    wa.engine_kv_dtype = eo.kv_dtype;
-    wa.engine_attn = eo.attn;
+    wa.session.kv_dir = wa.kv_dir;
     cb_backend_kind_t bk;
     if (!cb_backend_kind_parse(backend, &bk)) {
         cb_log(CB_LOG_ERROR, NULL, "config precompute.backend = '%s': expected auto, cpu or cuda", backend);
@@ -580,7 +567,6 @@ int main(int argc, char **argv) {
     cb_backend_set_default_kind(bk);
     if (p.max_doc_bytes > (int64_t)1 << 30) p.max_doc_bytes = (int64_t)1 << 30;
     wa.chunk_tokens = (int)chunk_tokens;
-    wa.threads = (int)threads;
     wa.retriever_timeout_ms = (int)rt;
     wa.cacheindex_timeout_ms = (int)ct;
     wa.fault_chunk_delay_ms = (int)fault_delay;
@@ -588,9 +574,6 @@ int main(int argc, char **argv) {
         cb_log(CB_LOG_WARN, NULL, "fault injection: every chunk waits %lld ms first", (long long)fault_delay);
     va.cfg = cfg;
     va.timeout_ms = (int)vt;
-    snprintf(wa.model_path, sizeof wa.model_path, "%s", model);
-    snprintf(wa.chat_template, sizeof wa.chat_template, "%s", chat_tmpl);
-    snprintf(wa.system_prompt, sizeof wa.system_prompt, "%s", sys);
     cb_config_log(cfg, SECTION);
     wa.local_lease_ms = p.stuck_ms; /* a local turn that long is stuck: its job may go to a remote worker */
     wa.max_doc_bytes = p.max_doc_bytes;
@@ -680,7 +663,7 @@ int main(int argc, char **argv) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;
     }
-    wa.remote = p.remote;
+    wa.session.remote = p.remote;
     if (!(p.disk = cb_diskhealth_from_config(cfg, SECTION, err, sizeof err))) {
         cb_log(CB_LOG_ERROR, NULL, "%s", err);
         goto out;

@@ -22,6 +22,7 @@
 #include "model/model.h"
 #include "wire/msg.h"
 #include "rag/ragprompt.h"
+#include "svc/session.h"
 #include "model/tokenizer.h"
 
 #define BACKOFF_MIN_MS 1000
@@ -147,9 +148,11 @@ typedef struct {
     zsock_t *pipe;
     const pc_worker_args_t *a;
     bool term;                   /* $TERM received */
+    cb_session_t *session;       /* model, tokenizer, prompt, engine and store (svc/session.h); the pointers
+                                    below are its objects, borrowed */
     cb_model_t *model;
     cb_tokenizer_t *tok;
-    cb_ragprompt_t *rp;
+    const cb_ragprompt_t *rp;
     cb_engine_t *engine;
     cb_kvstore_t *store;         /* chunk keys, the context's KV, compute + KV file write */
     cb_chunker_t *chunker;
@@ -235,11 +238,7 @@ static void worker_free(worker_t *w) {
     cb_msg_writer_destroy(&w->w);
     if (w->src.destroy) w->src.destroy(&w->src.ctx);
     cb_chunker_destroy(&w->chunker);
-    cb_kvstore_destroy(&w->store);
-    cb_engine_destroy(&w->engine);
-    cb_ragprompt_destroy(&w->rp);
-    cb_tokenizer_destroy(&w->tok);
-    cb_model_destroy(&w->model);
+    cb_session_destroy(&w->session);
 }
 
 static void free_item(void **item) {
@@ -249,27 +248,22 @@ static void free_item(void **item) {
 
 static int worker_init(worker_t *w, char *err, size_t errlen) {
     const pc_worker_args_t *a = w->a;
-    if (!(w->model = cb_model_load(a->model_path, err, errlen))) return -1;
-    if (!(w->tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(w->model), a->chat_template, err, errlen))) return -1;
-    if (!(w->rp = cb_ragprompt_new(w->tok, a->system_prompt, err, errlen))) return -1;
-    w->prefix = cb_ragprompt_prefix(w->rp, &w->n_prefix);
+    /* the engine holds P + a chunk of chunk_tokens encoded alone + its separator (a few tokens of slack);
+     * the store (file -> Redis -> compute; it refills Redis) has P's KV from the start, so the first
+     * document does not pay for it (and a bad context fails at start) */
+    cb_session_opts_t so = a->session;
+    so.ctx_after_prefix = a->chunk_tokens + 16;
+    so.no_blend = true;
+    if (!(w->session = cb_session_new(&so, err, errlen))) return -1;
+    w->model = cb_session_model(w->session);
+    w->tok = cb_session_tokenizer(w->session);
+    w->rp = cb_session_prompt(w->session);
+    w->engine = cb_session_engine(w->session);
+    w->store = cb_session_store(w->session);
+    w->prefix = cb_session_prefix(w->session, &w->n_prefix);
+    w->max_ctx = cb_engine_max_ctx(w->engine);
     const cb_hparams_t *hp = cb_model_hparams(w->model);
-    /* P + a chunk of chunk_tokens encoded alone + its separator (a few tokens of slack) */
-    w->max_ctx = w->n_prefix + a->chunk_tokens + 16;
-    if (w->max_ctx > hp->n_ctx_train) {
-        snprintf(err, errlen, "precompute context (%d tokens) + chunk_tokens (%d) exceed the model's context (%d)",
-                 w->n_prefix, a->chunk_tokens, hp->n_ctx_train);
-        return -1;
-    }
-    const cb_engine_opts_t eo = {.max_ctx = w->max_ctx, .kv_dtype = a->engine_kv_dtype,
-                                 .attn = a->engine_attn};
-    if (!(w->engine = cb_engine_new_opts(w->model, &eo, err, errlen))) return -1;
-    if (a->threads > 0) cb_engine_set_threads(w->engine, a->threads);
-    if (!(w->store = cb_kvstore_new(w->engine, a->kv_dir, NULL, a->kv_dtype, err, errlen))) return -1;
-    cb_kvstore_set_remote(w->store, a->remote); /* ensure: file -> Redis -> compute; refills Redis */
-    w->bytes_per_token = 2u * (uint64_t)hp->n_layer * cb_kv_row_bytes(a->kv_dtype, (size_t)hp->n_head_kv * hp->head_dim);
-    /* P's KV now, so the first document does not pay for it (and a bad context fails at start) */
-    if (cb_kvstore_set_context(w->store, w->prefix, w->n_prefix, err, errlen) != 0) return -1;
+    w->bytes_per_token = 2u * (uint64_t)hp->n_layer * cb_kv_row_bytes(so.kv_dtype, (size_t)hp->n_head_kv * hp->head_dim);
     if (!(w->chunker = cb_chunker_new(w->tok, a->chunk_tokens, err, errlen))) return -1;
     if ((a->lease_from[0] ? pc_lease_source_new(a, &w->src, err, errlen)
                           : pc_local_source_new(a->db_path, a->local_lease_ms, a->disk, &w->src, err, errlen)) != 0)

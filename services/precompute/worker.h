@@ -40,6 +40,7 @@
 #include "format/kvfile.h"
 #include "jobs.h"
 #include "kv/kvremote.h"
+#include "svc/session.h"
 #include "wire/config.h"
 #include "wire/diskhealth.h"
 
@@ -91,26 +92,22 @@ typedef struct {
 
 typedef struct {
     const cb_config_t *cfg;      /* borrowed (read-only lookups are thread-safe); outlives the actor */
-    char model_path[4096];
-    char chat_template[32];    /* engine.chat_template: a template name, or "" = the GGUF's */
+    cb_session_opts_t session;   /* the model, prompt, engine and store (svc/session.h; strings borrowed from cfg):
+                                    session.kv_dir is kv_dir below, session.kv_dtype the KV files' payload,
+                                    session.remote the shared tier on Redis (kvremote.h; borrowed, thread-safe;
+                                    NULL = off); the worker sets the context (P + chunk_tokens + 16) */
     char kv_dir[4096];           /* must exist */
-    cb_kv_dtype_t kv_dtype;      /* the KV files' payload (kv_dtype: f16, bf16, f32 or q8_0) */
-    cb_engine_kv_dtype_t engine_kv_dtype; /* the engine's KV pool (engine.kv_dtype: f16 or f32) */
-    cb_engine_attn_t engine_attn;         /* prefill attention (engine.attn: auto, bf16, int16 or f32) */
     char db_path[4096];          /* local source: the job table */
     char lease_from[256];        /* remote role: the master's endpoint ("" = the local source) */
     char worker_name[CB_JOB_OWNER_MAX - 1]; /* remote role: how the master knows this worker */
     int64_t local_lease_ms;      /* local source: a turn's lease (precompute.stuck_ms: a turn that long is stuck) */
     int64_t max_doc_bytes;       /* remote role: the largest text a lease reply may carry */
-    char system_prompt[2048];
     int chunk_tokens;
-    int threads;
     int retriever_timeout_ms;
     int cacheindex_timeout_ms;
     int fault_chunk_delay_ms;    /* fault injection (tests): each chunk first waits this long, without a sign of
                                     progress; 0 = off */
     pc_worker_stats_t *stats;    /* borrowed; mu initialized by the owner */
-    cb_kvremote_t *remote;       /* borrowed, thread-safe: the shared tier on Redis (kvremote.h); NULL = off */
     cb_diskhealth_t *disk;       /* borrowed, thread-safe: told of KV file and job table writes that failed on a
                                     full disk and of those that succeeded (the service's ping); NULL = none */
 } pc_worker_args_t;

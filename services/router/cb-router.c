@@ -188,7 +188,7 @@ static void worker_lost(router_t *r, int wi, const char *why) {
 /* Chunk keys of the contexts' texts (a query that carries contexts): only for rendezvous hashing, since
  * the workers' keys are of token ids the router does not have. */
 static void context_keys(rt_flight_t *f, const cb_query_t *q) {
-    for (int i = 0; i < q->n_contexts && f->n_keys < RT_MAX_KEYS; i++) {
+    for (int i = 0; i < q->n_contexts && f->n_keys < CB_QUERY_MAX_CONTEXTS; i++) {
         const char *s = q->contexts[i];
         size_t len = q->context_lens[i];
         XXH128_hash_t a = XXH3_128bits_withSeed(s, len, 1), b = XXH3_128bits_withSeed(s, len, 2);
@@ -503,7 +503,7 @@ static int on_retriever(zloop_t *loop, zsock_t *sock, void *arg) {
     f->searching = false;
     size_t n = 0;
     if (cb_msg_ok(m) && cb_msg_array_len(m, "hits", SIZE_MAX, &n)) {
-        for (size_t i = 0; i < n && f->n_keys < RT_MAX_KEYS; i++) {
+        for (size_t i = 0; i < n && f->n_keys < CB_QUERY_MAX_CONTEXTS; i++) {
             const cb_msg_t *h = cb_msg_at_map(m, "hits", i);
             const char *hex;
             size_t hl;
@@ -699,7 +699,7 @@ static bool configure(router_t *r, const cb_config_t *cfg, const char **front, c
         !cb_config_int(cfg, SECTION, "retriever_timeout_ms", 1, 600000, 500, &rt, err, errlen) ||
         !cb_config_int(cfg, SECTION, "cache_max_imbalance", 0, 100000, 2, &imb, err, errlen) ||
         !cb_config_int(cfg, SECTION, "resident_keys", 0, 4096, 256, &res, err, errlen) ||
-        !cb_config_int(cfg, "blend", "k", 1, RT_MAX_KEYS, 3, &k, err, errlen))
+        !cb_config_int(cfg, "blend", "k", CB_QUERY_K_MIN, CB_QUERY_K_MAX, 3, &k, err, errlen))
         return false;
     if (rt_policy_parse(policy, &r->policy) != 0) {
         snprintf(err, errlen, "config router.policy = '%s': expected cache, least_loaded or round_robin", policy);

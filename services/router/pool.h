@@ -31,7 +31,6 @@
 #include "wire/query.h"
 
 #define RT_MAX_IDENT 255   /* a ZeroMQ routing id */
-#define RT_MAX_KEYS CB_QUERY_MAX_CONTEXTS /* chunk keys of one request: its contexts, or retrieved chunks */
 
 typedef enum { RT_POLICY_CACHE = 0, RT_POLICY_LEAST_LOADED, RT_POLICY_ROUND_ROBIN } rt_policy_t;
 /* "cache", "least_loaded", "round_robin" -> 0, or -1. */
@@ -70,7 +69,8 @@ typedef struct {
     double t_recv_ms, t_search_ms, last_sent_ms;
     double t_wait_ms;               /* since when it has been waiting for a worker (arrival or retry) */
     int n_keys;
-    uint8_t keys[RT_MAX_KEYS][32];  /* chunk keys for the cache policy */
+    uint8_t keys[CB_QUERY_MAX_CONTEXTS][32]; /* [n_keys] chunk keys for the cache policy: the request's contexts,
+                                                or the chunks retrieved for it */
     void *body;                     /* a copy of the request (owned; freed once started or finished) */
     size_t body_len;
     void *user;                     /* the front's detached request (cb_bus_req_t *), owned by the caller */

@@ -40,6 +40,7 @@ int main(void) {
 }
 #else
 #include "blend/blend.h"
+#include "svc/session.h"
 #include "cuda/cb_cuda.h"
 #include "cuda/cb_cuda_llama.h"
 #include "engine/backend_select.h"
@@ -299,9 +300,8 @@ static void part_device(const opts_t *o, verdict_t *v) {
 /* ---------------------------------------------------------------- part 2: the blend through the engine */
 
 typedef struct {
-    cb_model_t *model;
-    cb_engine_t *e;
-    cb_kvmem_t *mem;
+    cb_session_t *s;             /* model, engine, memory tier, store and blend (svc/session.h) */
+    cb_engine_t *e;              /* the session's, borrowed */
     cb_kvstore_t *store;
     cb_blend_t *b;
     cb_seq_t *seq;
@@ -309,15 +309,12 @@ typedef struct {
 
 static void eng_close(eng_t *g) {
     cb_seq_destroy(&g->seq);
-    cb_blend_destroy(&g->b);
-    cb_kvstore_destroy(&g->store);
-    cb_kvmem_destroy(&g->mem);
-    cb_engine_destroy(&g->e);
-    cb_model_destroy(&g->model);
+    cb_session_destroy(&g->s);
 }
 
-/* The engine model (shape with engine_layers layers) as a GGUF file in $TMPDIR, loaded, the file removed
- * (the mapping stays); then a CUDA engine, a memory tier, a store and a blend over it. */
+/* The engine model (shape with engine_layers layers) as a GGUF file in $TMPDIR; then a session over it (no
+ * vocabulary, so no prompt: the context is the caller's): the model loaded (the file removed, the mapping
+ * stays), a CUDA engine, a memory tier, a store and a blend. */
 static void eng_open(const opts_t *o, int max_ctx, size_t mem_budget, eng_t *g) {
     char err[512] = "", path[512];
     cb_synth_shape_t s = o->s;
@@ -328,23 +325,26 @@ static void eng_open(const opts_t *o, int max_ctx, size_t mem_budget, eng_t *g) 
     double t0 = now_ms();
     if (cb_synth_write(path, &s, CB_SYNTH_BF16, o->seed, err, sizeof err) != 0) DIE("synthetic model: %s", err);
     double t1 = now_ms();
-    g->model = cb_model_load(path, err, sizeof err);
-    unlink(path);
-    if (!g->model) DIE("load of the synthetic model: %s", err);
-    printf("  engine model: %s geometry with %d of its %d layers (bf16), written in %.1f s and loaded in %.1f s\n",
-           o->shape_name, s.n_layer, o->s.n_layer, (t1 - t0) / 1e3, (now_ms() - t1) / 1e3);
     cb_backend_set_default_kind(CB_BACKEND_CUDA);
-    cb_engine_opts_t eo = {.max_ctx = max_ctx};
-    g->e = cb_engine_new_opts(g->model, &eo, err, sizeof err);
-    if (!g->e) DIE("CUDA engine: %s", err);
+    cb_session_opts_t so;
+    cb_session_opts_default(&so);
+    so.model_path = path;
+    so.no_prompt = true;
+    so.ctx_size = max_ctx;
+    so.mem_bytes = mem_budget;
+    g->s = cb_session_new(&so, err, sizeof err);
+    unlink(path);
+    if (!g->s) DIE("the synthetic model's CUDA session: %s", err);
+    printf("  engine model: %s geometry with %d of its %d layers (bf16), written in %.1f s, loaded with its engine in %.1f s\n",
+           o->shape_name, s.n_layer, o->s.n_layer, (t1 - t0) / 1e3, (now_ms() - t1) / 1e3);
+    g->e = cb_session_engine(g->s);
+    g->store = cb_session_store(g->s);
+    g->b = cb_session_blend(g->s);
     if (strcmp(cb_engine_backend_name(g->e), "cuda") != 0) DIE("the engine got backend %s", cb_engine_backend_name(g->e));
     cb_engine_pool_stats_t ps;
     cb_engine_pool_stats(g->e, &ps);
     printf("  engine: backend %s, max_ctx %d, KV pool %d blocks of %d positions (%.2f GB on the device)\n",
            cb_engine_backend_name(g->e), max_ctx, ps.n_blocks, ps.block_tokens, (double)ps.n_blocks * ps.block_bytes / 1e9);
-    if (!(g->mem = cb_kvmem_new(mem_budget))) DIE("memory tier: out of memory");
-    if (!(g->store = cb_kvstore_new(g->e, NULL, g->mem, CB_KV_F16, err, sizeof err))) DIE("store: %s", err);
-    if (!(g->b = cb_blend_new(g->store, err, sizeof err))) DIE("blend: %s", err);
     if (!(g->seq = cb_seq_new(g->e))) DIE("sequence: out of memory");
 }
 

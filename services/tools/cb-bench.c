@@ -25,6 +25,7 @@
 #include <string.h>
 #include <sys/resource.h>
 
+#include "svc/svcconfig.h"
 #include "base/clock.h"
 #include "base/alloc.h"
 #include "cpu/cpu_ops.h"
@@ -106,8 +107,7 @@ out:
 
 int main(int argc, char **argv) {
     cb_log_set_component("cb-bench");
-    const char *model_path = getenv("CB_MODEL");
-    if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    const char *model_path = cb_svc_model_path(NULL);
     long threads = 0, n_decode = 128, reps = 1, lens[16], n_lens = 0, batch = 0;
     bool json = false, batch_private = false;
     for (int i = 1; i < argc; i++) {

@@ -5,11 +5,12 @@
  *           [--kv-dir DIR] [--kv-dtype f16|f32|bf16] [--mem-mb N] [--out DIR] [--threads N] [--max-new N]
  *           [--ref RESULTS.jsonl]
  *
- * For each example: prefix P = ChatML system turn (default system prompt) + user-turn opening + the anchors'
- * instruction ending in "Passages:\n"; the 10 chunks "{title}\n\n{text}\n\n"; suffix S = the anchors' query
- * text "...Question:{q}?\nAnswer:" + end of the user turn + assistant opening; each piece tokenized on its
- * own and concatenated (never the concatenated text). Missing chunk KV files are precomputed first (not
- * timed). Then for each mode: the prefill from the files, greedy decoding of at most --max-new (32) tokens,
+ * The served path: the model, prompt, engine, chunk store and blend are a RAG session (svc/session.h), the
+ * one cb-blend builds, and the prompt is ragprompt.h's: for each example prefix P = the chat template's
+ * system turn (default system prompt) + user-turn opening + the anchors' instruction ending in
+ * "Passages:\n"; the 10 chunks "{title}\n\n{text}\n\n"; suffix S = the anchors' query text
+ * "...Question:{q}?\nAnswer:" + end of the user turn + assistant opening; each piece tokenized on its own and
+ * concatenated (never the concatenated text). Missing chunk KV files are precomputed first (not timed). Then for each mode: the prefill from the files, greedy decoding of at most --max-new (32) tokens,
  * stopping at end-of-generation or at a newline after the first line's text. TTFT = from the start of the
  * request (chunk lookups and KV loads included) to the first sampled token.
  *
@@ -34,7 +35,7 @@
  * --ref takes the full-prefill answers, first tokens and TTFTs of an earlier run's results.jsonl instead of
  * running full again (when full is not among the modes): a "full" row is then filled from that file, and
  * agree_f1 / first_token_match / ttft_ratio are against it (TTFTs of two runs: a rougher ratio).
- * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf. Chat template: the GGUF's (recognised), or
+ * Model: --model, else $CB_MODEL, else the default model (svc/svcconfig.h). Chat template: the GGUF's (recognised), or
  * --chat-template NAME (smollm2, chatml, qwen2.5, llama3, mistral, gemma, completion).
  * Exit: 0 ok, 1 runtime error, 2 bad arguments.
  */
@@ -54,7 +55,6 @@
 #include "base/clock.h"
 #include "engine/backend_select.h"
 #include "blend/blend.h"
-#include "model/chat.h"
 #include "engine/engine.h"
 #include "kv/kvmem.h"
 #include "kv/kvstore.h"
@@ -62,6 +62,9 @@
 #include "base/utf8.h"
 #include "model/model.h"
 #include "rag/qa.h"
+#include "rag/ragprompt.h"
+#include "svc/session.h"
+#include "svc/svcconfig.h"
 #include "engine/sampler.h"
 #include "model/tokenizer.h"
 #include "wire/query.h"
@@ -114,7 +117,7 @@ static int usage(const char *why) {
             "  --ref FILE         full-mode answers and TTFTs from an earlier results.jsonl (instead of running full)\n"
             "  --summarize F...   only rebuild OUT/summary*.json from results.jsonl files (merging runs)\n"
             "  --dump-prompt      print the first example's prompt (pieces separated by |) and exit\n"
-            "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n",
+            "  model default: $CB_MODEL or " CB_SVC_DEFAULT_MODEL "\n",
             (double)CB_BLEND_DEFAULT_RATIO, CB_BLEND_DEFAULT_METRIC, CB_BLEND_DEFAULT_CHECK_LAYER,
             CB_BLEND_DEFAULT_LEAD, CB_BLEND_DEFAULT_PROBE_LAYERS, CB_BLEND_DEFAULT_PROBE_SUFFIX,
             (double)CB_BLEND_DEFAULT_SPARSE_KEYS);
@@ -216,27 +219,6 @@ static int mkdir_p(const char *path) {
         *p = '/';
     }
     if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
-    return 0;
-}
-
-/* Tokens of text (special parsing off) appended to a growing array. -1 on error. */
-static int append_text(const cb_tokenizer_t *tok, const char *text, int32_t **arr, int *n, int *cap) {
-    int k = 0;
-    int32_t *ids = cb_tokenizer_encode_alloc(tok, text, strlen(text), false, &k);
-    if (!ids) return -1;
-    if (*n + k > *cap) {
-        int nc = (*n + k) * 2 + 16;
-        int32_t *p = cb_realloc(*arr, sizeof(int32_t) * (size_t)nc);
-        if (!p) {
-            free(ids);
-            return -1;
-        }
-        *arr = p;
-        *cap = nc;
-    }
-    memcpy(*arr + *n, ids, sizeof(int32_t) * (size_t)k);
-    *n += k;
-    free(ids);
     return 0;
 }
 
@@ -470,506 +452,620 @@ static int summarize(const char *out, const cb_blend_opts_t *base, const char *o
     return 0;
 }
 
-int main(int argc, char **argv) {
-    cb_log_set_component("cb-eval");
-    const char *model_path = getenv("CB_MODEL");
-    const char *chat_tmpl = NULL; /* --chat-template NAME; NULL = the GGUF's */
-    if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    const char *data = NULL, *modes_arg = "full,prefix,reuse,blend", *kv_dir = "var/kv", *out = "results/eval";
-    long limit = -1, skip = 0, threads = 0, mem_mb = 0, max_new = 32;
-    cb_kv_dtype_t dtype = CB_KV_F16;
-    bool dump_prompt = false;
-    const char *ref_path = NULL;
-    int summarize_from = 0; /* argv index of the first results file */
-    bool modes_given = false;
-    cb_blend_opts_t base;
-    cb_blend_opts_default(&base);
+/* The command line. */
+typedef struct {
+    const char *model_path, *chat_tmpl;   /* chat_tmpl NULL = the GGUF's */
+    const char *data, *modes_arg, *kv_dir, *out, *ref_path;
+    long limit, skip, threads, mem_mb, max_new;
+    cb_kv_dtype_t dtype;
+    bool dump_prompt, modes_given;
+    int summarize_from;                  /* argv index of the first results file (--summarize), else 0 */
+    cb_blend_opts_t base;                /* the options of plain `blend` */
+} eval_args_t;
+
+/* The run: the session (model, prompt, engine, the first chunk store and its blend), the other stores
+ * (one per further chunk-file dtype in use), buffers and the output. */
+typedef struct {
+    const eval_args_t *a;
+    variant_t vs[MAX_VARIANTS];
+    int nv;
+    cb_session_t *s;
+    const cb_ragprompt_t *rp;
+    cb_tokenizer_t *tok;
+    cb_engine_t *eng;
+    int n_vocab;
+    const int32_t *prefix;               /* [n_prefix] P, the session's */
+    int n_prefix;
+    /* [0] the session's store (--kv-dtype's files in kv_dir); the others (mode key kv=) in kv_dir/<dtype>,
+     * since a file's name does not depend on its dtype, each with its own memory tier */
+    cb_kvmem_t *mem[MAX_STORES];
+    cb_kvstore_t *store[MAX_STORES];
+    cb_blend_t *bl[MAX_STORES];
+    cb_kv_dtype_t store_dt[MAX_STORES];
+    int n_stores;
+    cb_seq_t *seq;
+    float *logits;                       /* [n_vocab] */
+    double *lp_full, *lp_mode;           /* [n_vocab] first-token log-distributions */
+    int32_t *gen;                        /* [max_new] */
+    FILE *res;
+    json_t *config, *ref;                /* ref: id -> full line of the reference run */
+    char err[512];
+} eval_t;
+
+/* One example's prompt pieces (ragprompt.h). */
+typedef struct {
+    int nc;
+    int32_t *chunk_tok[CB_QA_MAX_CTXS];
+    int chunk_n[CB_QA_MAX_CTXS];
+    int32_t *suffix;
+    int n_suffix;
+    long long total;                     /* prompt tokens */
+} pieces_t;
+
+/* 0, or the exit code of a usage error (printed). */
+static int parse_args(int argc, char **argv, eval_args_t *a) {
+    memset(a, 0, sizeof *a);
+    a->model_path = cb_svc_model_path(NULL);
+    a->modes_arg = "full,prefix,reuse,blend";
+    a->kv_dir = "var/kv";
+    a->out = "results/eval";
+    a->limit = -1;
+    a->max_new = 32;
+    a->dtype = CB_KV_F16;
+    cb_blend_opts_default(&a->base);
+    cb_blend_opts_t *b = &a->base;
     for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
+        const char *o = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool has_v = true;
         long l;
-        if (!strcmp(a, "--no-overlap")) base.no_overlap = true, has_v = false;
-        else if (!strcmp(a, "--dump-prompt")) dump_prompt = true, has_v = false;
-        else if (!strcmp(a, "--summarize")) {
-            summarize_from = i + 1;
-            break;
+        if (!strcmp(o, "--no-overlap")) b->no_overlap = true, has_v = false;
+        else if (!strcmp(o, "--dump-prompt")) a->dump_prompt = true, has_v = false;
+        else if (!strcmp(o, "--summarize")) {
+            a->summarize_from = i + 1;
+            if (a->summarize_from >= argc) return usage("--summarize needs results files");
+            return 0;
         }
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
+        else if (!strcmp(o, "-h") || !strcmp(o, "--help")) return usage(NULL);
         else if (!v) return usage("missing value after an option");
-        else if (!strcmp(a, "--model")) model_path = v;
-        else if (!strcmp(a, "--chat-template")) chat_tmpl = v;
-        else if (!strcmp(a, "--data")) data = v;
-        else if (!strcmp(a, "--limit")) { if (!parse_long(v, 0, INT_MAX, &limit)) return usage("bad --limit"); }
-        else if (!strcmp(a, "--skip")) { if (!parse_long(v, 0, INT_MAX, &skip)) return usage("bad --skip"); }
-        else if (!strcmp(a, "--modes")) modes_arg = v, modes_given = true;
-        else if (!strcmp(a, "--ratio") && !strcmp(v, "auto")) base.auto_target = CB_BLEND_DEFAULT_AUTO_TARGET;
-        else if (!strcmp(a, "--ratio")) { if (!parse_float(v, 0.0f, 1.0f, &base.ratio)) return usage("bad --ratio"); }
-        else if (!strcmp(a, "--auto-target")) { if (!parse_float(v, 1e-6f, 1.0f, &base.auto_target)) return usage("bad --auto-target"); }
-        else if (!strcmp(a, "--metric")) {
+        else if (!strcmp(o, "--model")) a->model_path = v;
+        else if (!strcmp(o, "--chat-template")) a->chat_tmpl = v;
+        else if (!strcmp(o, "--data")) a->data = v;
+        else if (!strcmp(o, "--limit")) { if (!parse_long(v, 0, INT_MAX, &a->limit)) return usage("bad --limit"); }
+        else if (!strcmp(o, "--skip")) { if (!parse_long(v, 0, INT_MAX, &a->skip)) return usage("bad --skip"); }
+        else if (!strcmp(o, "--modes")) a->modes_arg = v, a->modes_given = true;
+        else if (!strcmp(o, "--ratio") && !strcmp(v, "auto")) b->auto_target = CB_BLEND_DEFAULT_AUTO_TARGET;
+        else if (!strcmp(o, "--ratio")) { if (!parse_float(v, 0.0f, 1.0f, &b->ratio)) return usage("bad --ratio"); }
+        else if (!strcmp(o, "--auto-target")) { if (!parse_float(v, 1e-6f, 1.0f, &b->auto_target)) return usage("bad --auto-target"); }
+        else if (!strcmp(o, "--metric")) {
             if (!cb_blend_metric_parse(v)) return usage("bad --metric");
-            base.metric = v[0];
-        } else if (!strcmp(a, "--check-layer")) {
+            b->metric = v[0];
+        } else if (!strcmp(o, "--check-layer")) {
             if (!parse_long(v, 0, 4096, &l)) return usage("bad --check-layer");
-            base.check_layer = (int)l;
-        } else if (!strcmp(a, "--gradual")) {
-            if (!parse_gradual(v, ':', &base.gradual_ratio, &base.gradual_end_layer)) return usage("bad --gradual");
-        } else if (!strcmp(a, "--lead")) {
+            b->check_layer = (int)l;
+        } else if (!strcmp(o, "--gradual")) {
+            if (!parse_gradual(v, ':', &b->gradual_ratio, &b->gradual_end_layer)) return usage("bad --gradual");
+        } else if (!strcmp(o, "--lead")) {
             if (!parse_long(v, 0, 1 << 20, &l)) return usage("bad --lead");
-            base.lead_tokens = (int)l;
-        } else if (!strcmp(a, "--probe-layers")) {
+            b->lead_tokens = (int)l;
+        } else if (!strcmp(o, "--probe-layers")) {
             if (!parse_long(v, 0, 4096, &l)) return usage("bad --probe-layers");
-            base.probe_layers = (int)l;
-        } else if (!strcmp(a, "--probe-suffix")) {
+            b->probe_layers = (int)l;
+        } else if (!strcmp(o, "--probe-suffix")) {
             if (!parse_long(v, 0, 4096, &l)) return usage("bad --probe-suffix");
-            base.probe_suffix = (int)l;
-        } else if (!strcmp(a, "--sparse-keys")) {
-            if (!parse_float(v, 0.0f, 1.0f, &base.sparse_keys)) return usage("bad --sparse-keys");
-        } else if (!strcmp(a, "--kv-dir")) kv_dir = v;
-        else if (!strcmp(a, "--kv-dtype")) {
+            b->probe_suffix = (int)l;
+        } else if (!strcmp(o, "--sparse-keys")) {
+            if (!parse_float(v, 0.0f, 1.0f, &b->sparse_keys)) return usage("bad --sparse-keys");
+        } else if (!strcmp(o, "--kv-dir")) a->kv_dir = v;
+        else if (!strcmp(o, "--kv-dtype")) {
             int dt = cb_kv_dtype_parse(v);
             if (dt < 0) return usage("bad --kv-dtype");
-            dtype = (cb_kv_dtype_t)dt;
-        } else if (!strcmp(a, "--mem-mb")) { if (!parse_long(v, 0, 1 << 20, &mem_mb)) return usage("bad --mem-mb"); }
-        else if (!strcmp(a, "--out")) out = v;
-        else if (!strcmp(a, "--ref")) ref_path = v;
-        else if (!strcmp(a, "--threads")) { if (!parse_long(v, 1, 256, &threads)) return usage("bad --threads"); }
-        else if (!strcmp(a, "--backend")) {
+            a->dtype = (cb_kv_dtype_t)dt;
+        } else if (!strcmp(o, "--mem-mb")) { if (!parse_long(v, 0, 1 << 20, &a->mem_mb)) return usage("bad --mem-mb"); }
+        else if (!strcmp(o, "--out")) a->out = v;
+        else if (!strcmp(o, "--ref")) a->ref_path = v;
+        else if (!strcmp(o, "--threads")) { if (!parse_long(v, 1, 256, &a->threads)) return usage("bad --threads"); }
+        else if (!strcmp(o, "--backend")) {
             cb_backend_kind_t bk;
             if (!cb_backend_kind_parse(v, &bk)) return usage("bad --backend (auto|cpu|cuda)");
             cb_backend_set_default_kind(bk);
         }
-        else if (!strcmp(a, "--max-new")) { if (!parse_long(v, CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, &max_new)) return usage("bad --max-new"); }
+        else if (!strcmp(o, "--max-new")) {
+            if (!parse_long(v, CB_QUERY_MAX_TOKENS_MIN, CB_QUERY_MAX_TOKENS_MAX, &a->max_new)) return usage("bad --max-new");
+        }
         else return usage("unknown option");
         if (has_v) i++;
     }
-    if (summarize_from) {
-        if (summarize_from >= argc) return usage("--summarize needs results files");
-        return summarize(out, &base, modes_given ? modes_arg : NULL, argv + summarize_from, argc - summarize_from);
-    }
-    if (!data) return usage("--data is required");
-    variant_t vs[MAX_VARIANTS];
-    memset(vs, 0, sizeof vs);
-    int nv = 0;
-    {
-        char buf[2048];
-        if (snprintf(buf, sizeof buf, "%s", modes_arg) >= (int)sizeof buf) return usage("--modes too long");
-        char *save = NULL;
-        for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-            if (nv == MAX_VARIANTS) return usage("too many modes");
-            if (!parse_variant(t, &base, &vs[nv])) {
-                fprintf(stderr, "cb-eval: bad mode \"%s\"\n", t);
-                return usage(NULL);
-            }
-            for (int j = 0; j < nv; j++)
-                if (!strcmp(vs[j].label, vs[nv].label)) return usage("a mode is listed twice");
-            nv++;
-        }
-        if (nv == 0) return usage("no modes");
-        if (ref_path) {
-            bool has_full = false;
-            for (int i = 0; i < nv; i++) has_full |= vs[i].o.mode == CB_BLEND_FULL;
-            if (has_full) return usage("--ref replaces the full mode: do not list full");
-            if (nv == MAX_VARIANTS) return usage("too many modes");
-            memmove(&vs[1], &vs[0], sizeof(variant_t) * (size_t)nv);
-            memset(&vs[0], 0, sizeof vs[0]);
-            snprintf(vs[0].label, sizeof vs[0].label, "full");
-            vs[0].o = base;
-            vs[0].o.mode = CB_BLEND_FULL;
-            vs[0].kv_dtype = -1;
-            nv++;
-        }
-        /* full first: the others are scored against its answer */
-        for (int i = 1; i < nv; i++)
-            if (vs[i].o.mode == CB_BLEND_FULL && vs[0].o.mode != CB_BLEND_FULL) {
-                variant_t t = vs[0];
-                vs[0] = vs[i];
-                vs[i] = t;
-            }
-    }
+    if (!a->data) return usage("--data is required");
+    return 0;
+}
 
-    int rc = 1;
-    char err[512] = "";
-    cb_model_t *model = NULL;
-    cb_tokenizer_t *tok = NULL;
-    cb_engine_t *eng = NULL;
-    /* one chunk store (and blend over it) per chunk-file dtype in use: [0] --kv-dtype's in kv_dir, the others
-     * (mode key kv=) in kv_dir/<dtype>, since a file's name does not depend on its dtype; each its own memory
-     * tier, which is keyed by chunk too */
-    cb_kvmem_t *mem[MAX_STORES] = {NULL};
-    cb_kvstore_t *store[MAX_STORES] = {NULL};
-    cb_blend_t *bl[MAX_STORES] = {NULL};
-    cb_kv_dtype_t store_dt[MAX_STORES] = {dtype};
-    int n_stores = 1;
+/* The variants of --modes (a "full" first: the others are scored against its answer; with --ref one read
+ * from that file), each with its chunk store's index. 0, or the exit code of a usage error. */
+static int build_variants(eval_t *ev) {
+    const eval_args_t *a = ev->a;
+    variant_t *vs = ev->vs;
+    memset(ev->vs, 0, sizeof ev->vs);
+    int nv = 0;
+    char buf[2048];
+    if (snprintf(buf, sizeof buf, "%s", a->modes_arg) >= (int)sizeof buf) return usage("--modes too long");
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (nv == MAX_VARIANTS) return usage("too many modes");
+        if (!parse_variant(t, &a->base, &vs[nv])) {
+            fprintf(stderr, "cb-eval: bad mode \"%s\"\n", t);
+            return usage(NULL);
+        }
+        for (int j = 0; j < nv; j++)
+            if (!strcmp(vs[j].label, vs[nv].label)) return usage("a mode is listed twice");
+        nv++;
+    }
+    if (nv == 0) return usage("no modes");
+    if (a->ref_path) {
+        bool has_full = false;
+        for (int i = 0; i < nv; i++) has_full |= vs[i].o.mode == CB_BLEND_FULL;
+        if (has_full) return usage("--ref replaces the full mode: do not list full");
+        if (nv == MAX_VARIANTS) return usage("too many modes");
+        memmove(&vs[1], &vs[0], sizeof(variant_t) * (size_t)nv);
+        memset(&vs[0], 0, sizeof vs[0]);
+        snprintf(vs[0].label, sizeof vs[0].label, "full");
+        vs[0].o = a->base;
+        vs[0].o.mode = CB_BLEND_FULL;
+        vs[0].kv_dtype = -1;
+        nv++;
+    }
+    for (int i = 1; i < nv; i++)
+        if (vs[i].o.mode == CB_BLEND_FULL && vs[0].o.mode != CB_BLEND_FULL) {
+            variant_t t = vs[0];
+            vs[0] = vs[i];
+            vs[i] = t;
+        }
+    /* one chunk store per chunk-file dtype in use, [0] --kv-dtype's */
+    ev->store_dt[0] = a->dtype;
+    ev->n_stores = 1;
     for (int i = 0; i < nv; i++) {
-        int dt = vs[i].kv_dtype < 0 ? (int)dtype : vs[i].kv_dtype, si = 0;
-        while (si < n_stores && (int)store_dt[si] != dt) si++;
-        if (si == n_stores) store_dt[n_stores++] = (cb_kv_dtype_t)dt; /* at most one per dtype */
+        int dt = vs[i].kv_dtype < 0 ? (int)a->dtype : vs[i].kv_dtype, si = 0;
+        while (si < ev->n_stores && (int)ev->store_dt[si] != dt) si++;
+        if (si == ev->n_stores) ev->store_dt[ev->n_stores++] = (cb_kv_dtype_t)dt; /* at most one per dtype */
         vs[i].store = si;
     }
-    cb_seq_t *seq = NULL;
-    cb_qa_set_t *set = NULL;
-    float *logits = NULL;
-    double *lp_full = NULL, *lp_mode = NULL; /* [n_vocab] first-token log-distributions */
-    int32_t *prefix = NULL, *suffix = NULL, *gen = NULL;
-    int32_t *chunk_tok[CB_QA_MAX_CTXS];
-    int chunk_n[CB_QA_MAX_CTXS];
-    memset(chunk_tok, 0, sizeof chunk_tok);
-    FILE *res = NULL;
-    json_t *config = NULL;
+    ev->nv = nv;
+    return 0;
+}
 
-    json_t *ref = NULL; /* id -> full line of the reference run */
-    if (ref_path) {
-        FILE *rf = fopen(ref_path, "r");
-        if (!rf) {
-            fprintf(stderr, "cb-eval: %s: %s\n", ref_path, strerror(errno));
-            goto done;
-        }
-        ref = json_object();
-        char *line = NULL;
-        size_t cap = 0;
-        while (getline(&line, &cap, rf) > 0) {
-            json_t *j = json_loads(line, 0, NULL);
-            const char *id = j ? json_string_value(json_object_get(j, "id")) : NULL;
-            const char *md = j ? json_string_value(json_object_get(j, "mode")) : NULL;
-            if (id && md && !strcmp(md, "full") && json_is_string(json_object_get(j, "answer")) &&
-                json_is_number(json_object_get(j, "ttft_ms")))
-                json_object_set(ref, id, j);
-            json_decref(j);
-        }
-        free(line);
-        fclose(rf);
-        if (json_object_size(ref) == 0) {
-            fprintf(stderr, "cb-eval: %s: no full-mode lines\n", ref_path);
-            goto done;
-        }
+/* The full-mode lines of an earlier results.jsonl, by id; NULL with a message. */
+static json_t *load_ref(const char *path) {
+    FILE *rf = fopen(path, "r");
+    if (!rf) {
+        fprintf(stderr, "cb-eval: %s: %s\n", path, strerror(errno));
+        return NULL;
     }
-    if (!(set = cb_qa_set_load(data, err, sizeof err))) {
-        fprintf(stderr, "cb-eval: %s\n", err);
-        goto done;
+    json_t *ref = json_object();
+    char *line = NULL;
+    size_t cap = 0;
+    while (getline(&line, &cap, rf) > 0) {
+        json_t *j = json_loads(line, 0, NULL);
+        const char *id = j ? json_string_value(json_object_get(j, "id")) : NULL;
+        const char *md = j ? json_string_value(json_object_get(j, "mode")) : NULL;
+        if (id && md && !strcmp(md, "full") && json_is_string(json_object_get(j, "answer")) &&
+            json_is_number(json_object_get(j, "ttft_ms")))
+            json_object_set(ref, id, j);
+        json_decref(j);
     }
-    if (!(model = cb_model_load(model_path, err, sizeof err))) {
-        fprintf(stderr, "cb-eval: %s: %s\n", model_path, err);
-        goto done;
+    free(line);
+    fclose(rf);
+    if (json_object_size(ref) == 0) {
+        fprintf(stderr, "cb-eval: %s: no full-mode lines\n", path);
+        json_decref(ref);
+        return NULL;
     }
-    const cb_hparams_t *hp = cb_model_hparams(model);
-    if (!(tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(model), chat_tmpl, err, sizeof err))) {
-        fprintf(stderr, "cb-eval: tokenizer: %s\n", err);
-        goto done;
+    return ref;
+}
+
+/* The session (the served path's objects, over the model's whole context), the other chunk stores, the
+ * sequence and the buffers. 0, or -1 with a message. */
+static int eval_open(eval_t *ev) {
+    const eval_args_t *a = ev->a;
+    if (mkdir_p(a->kv_dir) != 0 || mkdir_p(a->out) != 0) {
+        fprintf(stderr, "cb-eval: cannot create %s or %s: %s\n", a->kv_dir, a->out, strerror(errno));
+        return -1;
     }
-    if (!(eng = cb_engine_new(model, hp->n_ctx_train, err, sizeof err))) {
-        fprintf(stderr, "cb-eval: %s\n", err);
-        goto done;
+    cb_session_opts_t so;
+    cb_session_opts_default(&so);
+    so.model_path = a->model_path;
+    so.chat_template = a->chat_tmpl;
+    so.threads = (int)a->threads;
+    so.kv_dir = a->kv_dir;
+    so.kv_dtype = ev->store_dt[0];
+    so.mem_bytes = (size_t)a->mem_mb << 20;
+    if (!(ev->s = cb_session_new(&so, ev->err, sizeof ev->err))) {
+        fprintf(stderr, "cb-eval: %s: %s\n", a->model_path, ev->err);
+        return -1;
     }
-    if (threads > 0) cb_engine_set_threads(eng, (int)threads);
-    if (mkdir_p(kv_dir) != 0 || mkdir_p(out) != 0) {
-        fprintf(stderr, "cb-eval: cannot create %s or %s: %s\n", kv_dir, out, strerror(errno));
-        goto done;
-    }
-    for (int si = 0; si < n_stores; si++) {
+    ev->rp = cb_session_prompt(ev->s);
+    ev->tok = cb_session_tokenizer(ev->s);
+    ev->eng = cb_session_engine(ev->s);
+    ev->n_vocab = cb_session_hparams(ev->s)->n_vocab;
+    ev->prefix = cb_session_prefix(ev->s, &ev->n_prefix);
+    ev->store[0] = cb_session_store(ev->s);
+    ev->bl[0] = cb_session_blend(ev->s);
+    for (int si = 1; si < ev->n_stores; si++) {
         char dir[4096];
-        if (snprintf(dir, sizeof dir, si ? "%s/%s" : "%s", kv_dir, cb_kv_dtype_name(store_dt[si])) >= (int)sizeof dir ||
+        if (snprintf(dir, sizeof dir, "%s/%s", a->kv_dir, cb_kv_dtype_name(ev->store_dt[si])) >= (int)sizeof dir ||
             mkdir_p(dir) != 0) {
-            fprintf(stderr, "cb-eval: cannot create %s/%s\n", kv_dir, cb_kv_dtype_name(store_dt[si]));
-            goto done;
+            fprintf(stderr, "cb-eval: cannot create %s/%s\n", a->kv_dir, cb_kv_dtype_name(ev->store_dt[si]));
+            return -1;
         }
-        if (mem_mb > 0 && !(mem[si] = cb_kvmem_new((size_t)mem_mb << 20))) goto done;
-        if (!(store[si] = cb_kvstore_new(eng, dir, mem[si], store_dt[si], err, sizeof err)) ||
-            !(bl[si] = cb_blend_new(store[si], err, sizeof err))) {
-            fprintf(stderr, "cb-eval: %s\n", err);
-            goto done;
+        if (a->mem_mb > 0 && !(ev->mem[si] = cb_kvmem_new((size_t)a->mem_mb << 20))) return -1;
+        if (!(ev->store[si] = cb_kvstore_new(ev->eng, dir, ev->mem[si], ev->store_dt[si], ev->err, sizeof ev->err)) ||
+            !(ev->bl[si] = cb_blend_new(ev->store[si], ev->err, sizeof ev->err))) {
+            fprintf(stderr, "cb-eval: %s\n", ev->err);
+            return -1;
         }
     }
-    if (!(seq = cb_seq_new(eng)) || !(logits = cb_malloc(sizeof(float) * (size_t)hp->n_vocab)) || !(gen = cb_malloc(sizeof(int32_t) * (size_t)max_new)) ||
-        !(lp_full = cb_malloc(sizeof(double) * (size_t)hp->n_vocab)) || !(lp_mode = cb_malloc(sizeof(double) * (size_t)hp->n_vocab)))
-        goto done;
+    const size_t V = (size_t)ev->n_vocab;
+    if (!(ev->seq = cb_seq_new(ev->eng)) || !(ev->logits = cb_malloc(sizeof(float) * V)) ||
+        !(ev->gen = cb_malloc(sizeof(int32_t) * (size_t)a->max_new)) || !(ev->lp_full = cb_malloc(sizeof(double) * V)) ||
+        !(ev->lp_mode = cb_malloc(sizeof(double) * V)))
+        return -1;
+    return 0;
+}
 
-    /* the prefix: ChatML system turn + user opening, then the anchors' instruction */
-    int n_prefix = 0, cap_prefix = 0;
-    {
-        int k = cb_chat_encode_prefix(tok, NULL, NULL, 0);
-        if (k >= 0 || k == CB_TOKENIZER_EINVAL || k == CB_TOKENIZER_EINTERNAL) {
-            fprintf(stderr, "cb-eval: chat prefix failed\n");
-            goto done;
+static void eval_close(eval_t *ev) {
+    if (ev->res) fclose(ev->res);
+    json_decref(ev->config);
+    json_decref(ev->ref);
+    free(ev->gen);
+    free(ev->logits);
+    free(ev->lp_full);
+    free(ev->lp_mode);
+    cb_seq_destroy(&ev->seq);
+    for (int si = 1; si < MAX_STORES; si++) {
+        cb_blend_destroy(&ev->bl[si]);
+        cb_kvstore_destroy(&ev->store[si]);
+        cb_kvmem_destroy(&ev->mem[si]);
+    }
+    cb_session_destroy(&ev->s);
+}
+
+/* OUT/results.jsonl opened and the run's configuration (summary.json's "config"). 0, or -1. */
+static int open_results(eval_t *ev) {
+    const eval_args_t *a = ev->a;
+    const cb_blend_opts_t *b = &a->base;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/results.jsonl", a->out);
+    if (!(ev->res = fopen(path, "w"))) {
+        snprintf(ev->err, sizeof ev->err, "%s", strerror(errno));
+        fprintf(stderr, "cb-eval: %s: %s\n", path, ev->err);
+        return -1;
+    }
+    json_t *c = ev->config = json_object();
+    json_object_set_new(c, "model", json_string(a->model_path));
+    json_object_set_new(c, "data", json_string(a->data));
+    json_object_set_new(c, "skip", json_integer(a->skip));
+    json_object_set_new(c, "limit", json_integer(a->limit));
+    json_object_set_new(c, "modes", json_string(a->modes_arg));
+    json_object_set_new(c, "ratio", json_real(b->ratio));
+    char mt[2] = {b->metric, 0};
+    json_object_set_new(c, "metric", json_string(mt));
+    json_object_set_new(c, "check_layer", json_integer(b->check_layer));
+    json_object_set_new(c, "gradual_ratio", json_real(b->gradual_ratio));
+    json_object_set_new(c, "gradual_end_layer", json_integer(b->gradual_ratio != 0.0f ? b->gradual_end_layer : 0));
+    json_object_set_new(c, "lead_tokens", json_integer(b->lead_tokens));
+    json_object_set_new(c, "probe_layers", json_integer(b->probe_layers));
+    json_object_set_new(c, "probe_suffix", json_integer(b->probe_suffix));
+    json_object_set_new(c, "overlap", json_boolean(!b->no_overlap));
+    json_object_set_new(c, "threads", json_integer(cb_engine_threads(ev->eng)));
+    json_object_set_new(c, "kv_dtype", json_string(cb_kv_dtype_name(a->dtype)));
+    json_object_set_new(c, "mem_mb", json_integer(a->mem_mb));
+    json_object_set_new(c, "max_new_tokens", json_integer(a->max_new));
+    json_object_set_new(c, "prefix_tokens", json_integer(ev->n_prefix));
+    json_object_set_new(c, "ref", a->ref_path ? json_string(a->ref_path) : json_null());
+    return 0;
+}
+
+static void pieces_free(pieces_t *p) {
+    for (int c = 0; c < CB_QA_MAX_CTXS; c++) free(p->chunk_tok[c]);
+    free(p->suffix);
+    memset(p, 0, sizeof *p);
+}
+
+/* An example's chunks and suffix as the served path builds them (ragprompt.h: a passage's chunk text is
+ * "{title}\n\n{text}"). True when every piece tokenized. */
+static bool example_pieces(const eval_t *ev, const cb_qa_example_t *ex, pieces_t *p) {
+    p->nc = ex->n_ctxs;
+    p->total = ev->n_prefix;
+    bool ok = true;
+    for (int c = 0; c < p->nc; c++) {
+        char *t = cb_ragprompt_passage(ex->ctxs[c].title, ex->ctxs[c].text);
+        p->chunk_tok[c] = t ? cb_ragprompt_chunk(ev->rp, t, strlen(t), &p->chunk_n[c]) : NULL;
+        free(t);
+        if (!p->chunk_tok[c] || p->chunk_n[c] < 1) ok = false;
+        else p->total += p->chunk_n[c];
+    }
+    if (!(p->suffix = cb_ragprompt_suffix(ev->rp, ex->question, &p->n_suffix))) ok = false;
+    p->total += p->n_suffix;
+    return ok;
+}
+
+/* --dump-prompt: the pieces decoded, separated by '|', and their sizes. */
+static void dump_prompt(const eval_t *ev, const pieces_t *p) {
+    char *t = cb_tokenizer_decode_alloc(ev->tok, ev->prefix, (size_t)ev->n_prefix, true, NULL);
+    printf("%s", t ? t : "");
+    free(t);
+    for (int c = 0; c < p->nc; c++) {
+        t = cb_tokenizer_decode_alloc(ev->tok, p->chunk_tok[c], (size_t)p->chunk_n[c], true, NULL);
+        printf("|%s", t ? t : "");
+        free(t);
+    }
+    t = cb_tokenizer_decode_alloc(ev->tok, p->suffix, (size_t)p->n_suffix, true, NULL);
+    printf("|%s\n[prefix %d tokens, chunks", t ? t : "", ev->n_prefix);
+    free(t);
+    for (int c = 0; c < p->nc; c++) printf(" %d", p->chunk_n[c]);
+    printf(", suffix %d, total %lld]\n", p->n_suffix, p->total);
+}
+
+/* The missing chunk files of every store computed (not timed); the number computed, or -1 with a message. */
+static int precompute(eval_t *ev, const cb_qa_example_t *ex, const pieces_t *p) {
+    int n_computed = 0;
+    for (int si = 0; si < ev->n_stores; si++)
+        for (int c = 0; c < p->nc; c++) {
+            cb_kvstore_src_t src;
+            if (cb_kvstore_ensure(ev->store[si], ev->prefix, ev->n_prefix, p->chunk_tok[c], p->chunk_n[c], &src, NULL,
+                                  ev->err, sizeof ev->err)) {
+                fprintf(stderr, "cb-eval: %s: chunk %d (%s): %s\n", ex->id, c, cb_kv_dtype_name(ev->store_dt[si]), ev->err);
+                return -1;
+            }
+            n_computed += src == CB_KVSTORE_COMPUTED;
         }
-        cap_prefix = -k + 256;
-        prefix = cb_malloc(sizeof(int32_t) * (size_t)cap_prefix);
-        if (!prefix || (n_prefix = cb_chat_encode_prefix(tok, NULL, prefix, cap_prefix)) < 0) goto done;
-        if (append_text(tok, cb_qa_prefix(), &prefix, &n_prefix, &cap_prefix)) goto done;
-    }
-    int32_t chat_suffix[32];
-    int n_chat_suffix = cb_chat_encode_suffix(tok, chat_suffix, 32);
-    if (n_chat_suffix < 0) goto done;
+    return n_computed;
+}
 
-    snprintf(err, sizeof err, "%s/results.jsonl", out);
-    if (!(res = fopen(err, "w"))) {
-        fprintf(stderr, "cb-eval: %s: %s\n", err, strerror(errno));
-        goto done;
-    }
-    config = json_object();
-    json_object_set_new(config, "model", json_string(model_path));
-    json_object_set_new(config, "data", json_string(data));
-    json_object_set_new(config, "skip", json_integer(skip));
-    json_object_set_new(config, "limit", json_integer(limit));
-    json_object_set_new(config, "modes", json_string(modes_arg));
-    json_object_set_new(config, "ratio", json_real(base.ratio));
-    char mt[2] = {base.metric, 0};
-    json_object_set_new(config, "metric", json_string(mt));
-    json_object_set_new(config, "check_layer", json_integer(base.check_layer));
-    json_object_set_new(config, "gradual_ratio", json_real(base.gradual_ratio));
-    json_object_set_new(config, "gradual_end_layer", json_integer(base.gradual_ratio != 0.0f ? base.gradual_end_layer : 0));
-    json_object_set_new(config, "lead_tokens", json_integer(base.lead_tokens));
-    json_object_set_new(config, "probe_layers", json_integer(base.probe_layers));
-    json_object_set_new(config, "probe_suffix", json_integer(base.probe_suffix));
-    json_object_set_new(config, "overlap", json_boolean(!base.no_overlap));
-    json_object_set_new(config, "threads", json_integer(cb_engine_threads(eng)));
-    json_object_set_new(config, "kv_dtype", json_string(cb_kv_dtype_name(dtype)));
-    json_object_set_new(config, "mem_mb", json_integer(mem_mb));
-    json_object_set_new(config, "max_new_tokens", json_integer(max_new));
-    json_object_set_new(config, "prefix_tokens", json_integer(n_prefix));
-    json_object_set_new(config, "ref", ref_path ? json_string(ref_path) : json_null());
+/* The full answer and first token of the reference run for ex into *answer (owned) and *first (-2: none
+ * recorded), its figures added to the "full" variant. False when ex is not in the reference run. */
+static bool ref_full(eval_t *ev, const cb_qa_example_t *ex, char **answer, int32_t *first) {
+    json_t *r = json_object_get(ev->ref, ex->id);
+    if (!r) return false;
+    *answer = cb_strdup(json_string_value(json_object_get(r, "answer")));
+    json_t *ft = json_object_get(r, "first_token");
+    *first = json_is_integer(ft) ? (int32_t)json_integer_value(ft) : -2;
+    variant_t *fv = &ev->vs[0];
+    fv->n++;
+    fv->n_agree++;
+    fv->agree += 1.0;
+    if (*first != -2) fv->n_ftm++, fv->ftm += 1.0;
+    fv->f1 += json_number_value(json_object_get(r, "f1"));
+    fv->ttft += json_number_value(json_object_get(r, "ttft_ms"));
+    fv->ttft_cpu += json_number_value(json_object_get(r, "ttft_cpu_ms"));
+    fv->rfrac += 1.0;
+    return true;
+}
 
-    int n_set = cb_qa_set_size(set);
-    int first = (int)(skip < n_set ? skip : n_set);
-    int last = limit < 0 ? n_set : (int)(first + limit < n_set ? first + limit : n_set);
+/* What one mode answered for one example. */
+typedef struct {
+    cb_blend_stats_t bst;
+    double ttft, ttft_cpu, kl;           /* kl < 0: no full distribution to compare with */
+    int ng;                              /* tokens generated (ev->gen) */
+    char *clean;                         /* the output, valid UTF-8 (owned) */
+} answer_t;
+
+/* The prefill of v's blend (its first token greedy, timed) and the greedy decoding that follows: stop at end
+ * of generation or at a newline after the first line's text. 0, or -1 with a message. */
+static int answer(eval_t *ev, const char *id, const variant_t *v, const pieces_t *p, bool *have_full_lp, answer_t *r) {
+    cb_blend_chunk_t chunks[CB_QA_MAX_CTXS];
+    for (int c = 0; c < p->nc; c++) chunks[c] = (cb_blend_chunk_t){p->chunk_tok[c], p->chunk_n[c]};
+    double t0 = cb_now_ms(), c0 = cpu_ms();
+    if (cb_blend_prefill(ev->bl[v->store], ev->seq, ev->prefix, ev->n_prefix, chunks, p->nc, p->suffix, p->n_suffix,
+                         &v->o, ev->logits, &r->bst, ev->err, sizeof ev->err) != CB_ENGINE_OK) {
+        fprintf(stderr, "cb-eval: %s: %s: %s\n", id, v->label, ev->err);
+        return -1;
+    }
+    int32_t t = cb_argmax(ev->logits, ev->n_vocab);
+    r->ttft = cb_now_ms() - t0;
+    r->ttft_cpu = cpu_ms() - c0;
+    /* first-token distribution vs full's (same process only) */
+    r->kl = -1.0;
+    if (v->o.mode == CB_BLEND_FULL && !*have_full_lp) {
+        cb_log_softmax(ev->logits, ev->n_vocab, ev->lp_full);
+        *have_full_lp = true;
+    }
+    if (*have_full_lp) {
+        cb_log_softmax(ev->logits, ev->n_vocab, ev->lp_mode);
+        r->kl = cb_kl_div(ev->lp_full, ev->lp_mode, ev->n_vocab);
+    }
+    int ng = 0;
+    char *text = NULL;
+    size_t tlen = 0;
+    int pos = (int)p->total;
+    for (;;) {
+        if (cb_tokenizer_is_eog(ev->tok, t)) break;
+        ev->gen[ng++] = t;
+        free(text);
+        text = cb_tokenizer_decode_alloc(ev->tok, ev->gen, (size_t)ng, false, &tlen);
+        if (!text) return -1;
+        size_t a = 0;
+        while (a < tlen && text[a] == '\n') a++;
+        if (memchr(text + a, '\n', tlen - a) || ng >= ev->a->max_new) break;
+        if (cb_engine_decode(ev->eng, ev->seq, t, pos++, ev->logits) != CB_ENGINE_OK) {
+            free(text);
+            return -1;
+        }
+        t = cb_argmax(ev->logits, ev->n_vocab);
+    }
+    /* a NUL byte (a <0x00> token) would end the C string early: made an invalid byte, it becomes U+FFFD
+     * like the others */
+    for (size_t b = 0; text && b < tlen; b++)
+        if (text[b] == '\0') text[b] = (char)0xFF;
+    r->clean = cb_utf8_repair_n(text, text ? tlen : 0, NULL);
+    free(text);
+    r->ng = ng;
+    return r->clean ? 0 : -1;
+}
+
+/* One results line (and its progress line on stderr). */
+static void write_line(eval_t *ev, const cb_qa_example_t *ex, const variant_t *v, const answer_t *r, const char *ans,
+                       double f1, double agree, int ftm) {
+    const cb_blend_stats_t *b = &r->bst;
+    json_t *line = json_object();
+    json_object_set_new(line, "id", json_string(ex->id));
+    json_object_set_new(line, "mode", json_string(v->label));
+    json_object_set_new(line, "answer", json_string(ans));
+    json_object_set_new(line, "f1", json_real(f1));
+    json_object_set_new(line, "agree_f1", agree >= 0 ? json_real(agree) : json_null());
+    json_object_set_new(line, "first_token_match", ftm >= 0 ? json_boolean(ftm) : json_null());
+    json_object_set_new(line, "ttft_ms", json_real(r->ttft));
+    json_object_set_new(line, "ttft_cpu_ms", json_real(r->ttft_cpu));
+    json_object_set_new(line, "first_token", json_integer(r->ng > 0 ? ev->gen[0] : -1));
+    json_object_set_new(line, "kl_first", r->kl >= 0 ? json_real(r->kl) : json_null());
+    json_object_set_new(line, "tokens_reused", json_integer(b->tokens_reused));
+    json_object_set_new(line, "tokens_recomputed", json_integer(b->tokens_recomputed));
+    json_object_set_new(line, "ratio_chosen", json_real(b->ratio_chosen));
+    json_object_set_new(line, "n_tokens", json_integer(b->n_tokens));
+    json_object_set_new(line, "output", json_string(r->clean));
+    json_object_set_new(line, "load_ms", json_real(b->t_load_ms));
+    json_object_set_new(line, "load_wait_ms", json_real(b->t_load_wait_ms));
+    json_object_set_new(line, "select_ms", json_real(b->t_select_ms));
+    json_object_set_new(line, "probe_ms", json_real(b->t_probe_ms));
+    json_object_set_new(line, "compute_ms", json_real(b->t_compute_ms));
+    json_object_set_new(line, "resolve_ms", json_real(b->t_resolve_ms));
+    json_object_set_new(line, "restarts", json_integer(b->restarts));
+    char *s = json_dumps(line, JSON_COMPACT | JSON_REAL_PRECISION(6));
+    json_decref(line);
+    if (s) {
+        fprintf(ev->res, "%s\n", s);
+        fflush(ev->res);
+        free(s);
+    }
+    fprintf(stderr, "    %-24s ttft %8.1f ms  recomputed %5d/%d  f1 %.2f  agree %5.2f  \"%s\"\n", v->label, r->ttft,
+            b->tokens_recomputed, b->n_tokens, f1, agree, ans);
+}
+
+/* Adds one answer to its variant's sums. */
+static void tally(variant_t *v, const answer_t *r, double f1, double agree, int ftm) {
+    v->n++;
+    v->f1 += f1;
+    if (agree >= 0) v->n_agree++, v->agree += agree;
+    if (r->kl >= 0) v->n_kl++, v->kl += r->kl;
+    if (ftm >= 0) v->n_ftm++, v->ftm += ftm;
+    v->ttft += r->ttft;
+    v->ttft_cpu += r->ttft_cpu;
+    v->rfrac += (double)r->bst.tokens_recomputed / (double)r->bst.n_tokens;
+    v->rchosen += r->bst.ratio_chosen;
+    v->load += r->bst.t_load_ms;
+    v->wait += r->bst.t_load_wait_ms;
+    v->sel += r->bst.t_select_ms;
+    v->comp += r->bst.t_compute_ms;
+    v->resolve += r->bst.t_resolve_ms;
+}
+
+/* Every mode on one example (pieces built, chunk files present). 0, 1 (skipped), or -1 with a message. */
+static int eval_modes(eval_t *ev, const cb_qa_example_t *ex, const pieces_t *p) {
+    char *full_answer = NULL;
+    int32_t full_first = -1;
+    bool have_full_lp = false;
+    if (ev->ref && !ref_full(ev, ex, &full_answer, &full_first)) {
+        fprintf(stderr, "cb-eval: %s: not in the reference run; skipped\n", ex->id);
+        return 1;
+    }
+    int rc = 0;
+    for (int vi = ev->ref ? 1 : 0; vi < ev->nv && rc == 0; vi++) {
+        variant_t *v = &ev->vs[vi];
+        answer_t r = {0};
+        if (answer(ev, ex->id, v, p, &have_full_lp, &r) != 0) {
+            free(r.clean);
+            rc = -1;
+            break;
+        }
+        char *ans = cb_qa_parse_generation(r.clean);
+        double f1 = cb_qa_score(r.clean, (const char *const *)ex->answers, ex->n_answers), agree = -1;
+        int ftm = -1;
+        if (v->o.mode == CB_BLEND_FULL && !full_answer) {
+            full_answer = cb_strdup(ans);
+            full_first = r.ng > 0 ? ev->gen[0] : -1;
+        }
+        if (full_answer) {
+            agree = cb_qa_f1(ans, full_answer);
+            ftm = full_first == -2 ? -1 : (r.ng > 0 ? ev->gen[0] : -1) == full_first;
+        }
+        tally(v, &r, f1, agree, ftm);
+        write_line(ev, ex, v, &r, ans, f1, agree, ftm);
+        free(ans);
+        free(r.clean);
+    }
+    free(full_answer);
+    return rc;
+}
+
+/* Examples [first, last): pieces, precompute, every mode, the summaries rewritten after each. 0, 2 (the
+ * prompt dumped), or -1. */
+static int eval_examples(eval_t *ev, const cb_qa_set_t *set, int first, int last) {
+    const int max_ctx = cb_engine_max_ctx(ev->eng);
     for (int ei = first; ei < last; ei++) {
         const cb_qa_example_t *ex = cb_qa_set_get(set, ei);
-        /* pieces */
-        int nc = ex->n_ctxs, n_suffix = 0, cap_suffix = 0, ok = 1;
-        long long total = n_prefix;
-        for (int c = 0; c < nc; c++) {
-            char *t = cb_qa_chunk_text(ex->ctxs[c].title, ex->ctxs[c].text);
-            chunk_tok[c] = t ? cb_tokenizer_encode_alloc(tok, t, strlen(t), false, &chunk_n[c]) : NULL;
-            free(t);
-            if (!chunk_tok[c] || chunk_n[c] < 1) ok = 0;
-            else total += chunk_n[c];
-        }
-        char *st = cb_qa_suffix(ex->question);
-        if (!st || append_text(tok, st, &suffix, &n_suffix, &cap_suffix)) ok = 0;
-        free(st);
-        for (int i = 0; ok && i < n_chat_suffix; i++) {
-            if (n_suffix == cap_suffix) {
-                int32_t *p = cb_realloc(suffix, sizeof(int32_t) * (size_t)(cap_suffix + 64));
-                if (!p) {
-                    ok = 0;
-                    break;
-                }
-                suffix = p;
-                cap_suffix += 64;
-            }
-            suffix[n_suffix++] = chat_suffix[i];
-        }
-        total += n_suffix;
-        if (!ok || total + max_new > cb_engine_max_ctx(eng)) {
+        pieces_t p = {0};
+        bool ok = example_pieces(ev, ex, &p);
+        if (!ok || p.total + ev->a->max_new > max_ctx) {
             fprintf(stderr, "cb-eval: %s: skipped (%s, %lld tokens)\n", ex->id, ok ? "too long" : "tokenization failed",
-                    total);
-            goto next;
+                    p.total);
+            pieces_free(&p);
+            continue;
         }
-        if (dump_prompt) {
-            char *t = cb_tokenizer_decode_alloc(tok, prefix, (size_t)n_prefix, true, NULL);
-            printf("%s", t ? t : "");
-            free(t);
-            for (int c = 0; c < nc; c++) {
-                t = cb_tokenizer_decode_alloc(tok, chunk_tok[c], (size_t)chunk_n[c], true, NULL);
-                printf("|%s", t ? t : "");
-                free(t);
-            }
-            t = cb_tokenizer_decode_alloc(tok, suffix, (size_t)n_suffix, true, NULL);
-            printf("|%s\n[prefix %d tokens, chunks", t ? t : "", n_prefix);
-            free(t);
-            for (int c = 0; c < nc; c++) printf(" %d", chunk_n[c]);
-            printf(", suffix %d, total %lld]\n", n_suffix, total);
-            rc = 0;
-            goto done;
+        if (ev->a->dump_prompt) {
+            dump_prompt(ev, &p);
+            pieces_free(&p);
+            return 2;
         }
-        /* precompute missing chunk files (not timed) */
         double tp = cb_now_ms();
-        int n_computed = 0;
-        for (int si = 0; si < n_stores; si++)
-            for (int c = 0; c < nc; c++) {
-                cb_kvstore_src_t src;
-                if (cb_kvstore_ensure(store[si], prefix, n_prefix, chunk_tok[c], chunk_n[c], &src, NULL, err, sizeof err)) {
-                    fprintf(stderr, "cb-eval: %s: chunk %d (%s): %s\n", ex->id, c, cb_kv_dtype_name(store_dt[si]), err);
-                    goto done;
-                }
-                n_computed += src == CB_KVSTORE_COMPUTED;
-            }
-        fprintf(stderr, "[%d/%d] %s: %lld tokens, %d chunks (%d precomputed in %.1f s)\n", ei - first + 1, last - first,
-                ex->id, total, nc, n_computed, (cb_now_ms() - tp) / 1e3);
-        cb_blend_chunk_t chunks[CB_QA_MAX_CTXS];
-        for (int c = 0; c < nc; c++) chunks[c] = (cb_blend_chunk_t){chunk_tok[c], chunk_n[c]};
-        char *full_answer = NULL;
-        int32_t full_first = -1;
-        bool have_full_lp = false;
-        if (ref) {
-            json_t *r = json_object_get(ref, ex->id);
-            if (!r) {
-                fprintf(stderr, "cb-eval: %s: not in the reference run; skipped\n", ex->id);
-                goto next;
-            }
-            full_answer = cb_strdup(json_string_value(json_object_get(r, "answer")));
-            json_t *ft = json_object_get(r, "first_token");
-            full_first = json_is_integer(ft) ? (int32_t)json_integer_value(ft) : -2;
-            variant_t *fv = &vs[0];
-            fv->n++;
-            fv->n_agree++;
-            fv->agree += 1.0;
-            if (full_first != -2) fv->n_ftm++, fv->ftm += 1.0;
-            fv->f1 += json_number_value(json_object_get(r, "f1"));
-            fv->ttft += json_number_value(json_object_get(r, "ttft_ms"));
-            fv->ttft_cpu += json_number_value(json_object_get(r, "ttft_cpu_ms"));
-            fv->rfrac += 1.0;
-        }
-        for (int vi = ref ? 1 : 0; vi < nv; vi++) {
-            variant_t *v = &vs[vi];
-            cb_blend_stats_t bst;
-            double t0 = cb_now_ms(), c0 = cpu_ms();
-            if (cb_blend_prefill(bl[v->store], seq, prefix, n_prefix, chunks, nc, suffix, n_suffix, &v->o, logits, &bst, err,
-                                 sizeof err) != CB_ENGINE_OK) {
-                fprintf(stderr, "cb-eval: %s: %s: %s\n", ex->id, v->label, err);
-                goto done;
-            }
-            int32_t t = cb_argmax(logits, hp->n_vocab);
-            double ttft = cb_now_ms() - t0, ttft_cpu = cpu_ms() - c0;
-            /* first-token distribution vs full's (same process only) */
-            double kl = -1.0;
-            if (v->o.mode == CB_BLEND_FULL && !have_full_lp) {
-                cb_log_softmax(logits, hp->n_vocab, lp_full);
-                have_full_lp = true;
-            }
-            if (have_full_lp) {
-                cb_log_softmax(logits, hp->n_vocab, lp_mode);
-                kl = cb_kl_div(lp_full, lp_mode, hp->n_vocab);
-            }
-            /* greedy decoding: stop at end of generation or a newline after the first line's text */
-            int ng = 0;
-            char *text = NULL;
-            size_t tlen = 0;
-            int pos = (int)total;
-            for (;;) {
-                if (cb_tokenizer_is_eog(tok, t)) break;
-                gen[ng++] = t;
-                free(text);
-                text = cb_tokenizer_decode_alloc(tok, gen, (size_t)ng, false, &tlen);
-                if (!text) goto done;
-                size_t a = 0;
-                while (a < tlen && text[a] == '\n') a++;
-                if (memchr(text + a, '\n', tlen - a) || ng >= max_new) break;
-                if (cb_engine_decode(eng, seq, t, pos++, logits) != CB_ENGINE_OK) goto done;
-                t = cb_argmax(logits, hp->n_vocab);
-            }
-            /* a NUL byte (a <0x00> token) would end the C string early: made an invalid byte, it becomes
-             * U+FFFD like the others */
-            for (size_t b = 0; text && b < tlen; b++)
-                if (text[b] == '\0') text[b] = (char)0xFF;
-            char *clean = cb_utf8_repair_n(text, text ? tlen : 0, NULL);
-            free(text);
-            if (!clean) goto done;
-            char *answer = cb_qa_parse_generation(clean);
-            double f1 = cb_qa_score(clean, (const char *const *)ex->answers, ex->n_answers);
-            double agree = -1;
-            int ftm = -1;
-            if (v->o.mode == CB_BLEND_FULL && !full_answer) {
-                full_answer = cb_strdup(answer);
-                full_first = ng > 0 ? gen[0] : -1;
-            }
-            if (full_answer) {
-                agree = cb_qa_f1(answer, full_answer);
-                ftm = full_first == -2 ? -1 : (ng > 0 ? gen[0] : -1) == full_first;
-            }
-            v->n++;
-            v->f1 += f1;
-            if (agree >= 0) {
-                v->n_agree++;
-                v->agree += agree;
-            }
-            if (kl >= 0) {
-                v->n_kl++;
-                v->kl += kl;
-            }
-            if (ftm >= 0) {
-                v->n_ftm++;
-                v->ftm += ftm;
-            }
-            v->ttft += ttft;
-            v->ttft_cpu += ttft_cpu;
-            v->rfrac += (double)bst.tokens_recomputed / (double)bst.n_tokens;
-            v->rchosen += bst.ratio_chosen;
-            v->load += bst.t_load_ms;
-            v->wait += bst.t_load_wait_ms;
-            v->sel += bst.t_select_ms;
-            v->comp += bst.t_compute_ms;
-            v->resolve += bst.t_resolve_ms;
-            json_t *line = json_object();
-            json_object_set_new(line, "id", json_string(ex->id));
-            json_object_set_new(line, "mode", json_string(v->label));
-            json_object_set_new(line, "answer", json_string(answer));
-            json_object_set_new(line, "f1", json_real(f1));
-            json_object_set_new(line, "agree_f1", agree >= 0 ? json_real(agree) : json_null());
-            json_object_set_new(line, "first_token_match", ftm >= 0 ? json_boolean(ftm) : json_null());
-            json_object_set_new(line, "ttft_ms", json_real(ttft));
-            json_object_set_new(line, "ttft_cpu_ms", json_real(ttft_cpu));
-            json_object_set_new(line, "first_token", json_integer(ng > 0 ? gen[0] : -1));
-            json_object_set_new(line, "kl_first", kl >= 0 ? json_real(kl) : json_null());
-            json_object_set_new(line, "tokens_reused", json_integer(bst.tokens_reused));
-            json_object_set_new(line, "tokens_recomputed", json_integer(bst.tokens_recomputed));
-            json_object_set_new(line, "ratio_chosen", json_real(bst.ratio_chosen));
-            json_object_set_new(line, "n_tokens", json_integer(bst.n_tokens));
-            json_object_set_new(line, "output", json_string(clean));
-            json_object_set_new(line, "load_ms", json_real(bst.t_load_ms));
-            json_object_set_new(line, "load_wait_ms", json_real(bst.t_load_wait_ms));
-            json_object_set_new(line, "select_ms", json_real(bst.t_select_ms));
-            json_object_set_new(line, "probe_ms", json_real(bst.t_probe_ms));
-            json_object_set_new(line, "compute_ms", json_real(bst.t_compute_ms));
-            json_object_set_new(line, "resolve_ms", json_real(bst.t_resolve_ms));
-            json_object_set_new(line, "restarts", json_integer(bst.restarts));
-            char *s = json_dumps(line, JSON_COMPACT | JSON_REAL_PRECISION(6));
-            json_decref(line);
-            if (s) {
-                fprintf(res, "%s\n", s);
-                fflush(res);
-                free(s);
-            }
-            fprintf(stderr, "    %-24s ttft %8.1f ms  recomputed %5d/%d  f1 %.2f  agree %5.2f  \"%s\"\n", v->label, ttft,
-                    bst.tokens_recomputed, bst.n_tokens, f1, agree, answer);
-            free(answer);
-            free(clean);
-        }
-        free(full_answer);
-        if (write_summaries(out, vs, nv, config) != 0) fprintf(stderr, "cb-eval: writing the summary failed\n");
-    next:
-        for (int c = 0; c < nc; c++) {
-            free(chunk_tok[c]);
-            chunk_tok[c] = NULL;
-        }
+        int n_computed = precompute(ev, ex, &p);
+        if (n_computed >= 0)
+            fprintf(stderr, "[%d/%d] %s: %lld tokens, %d chunks (%d precomputed in %.1f s)\n", ei - first + 1,
+                    last - first, ex->id, p.total, p.nc, n_computed, (cb_now_ms() - tp) / 1e3);
+        int rc = n_computed < 0 ? -1 : eval_modes(ev, ex, &p);
+        pieces_free(&p);
+        if (rc < 0) return -1;
+        if (rc == 0 && write_summaries(ev->a->out, ev->vs, ev->nv, ev->config) != 0)
+            fprintf(stderr, "cb-eval: writing the summary failed\n");
     }
-    if (write_summaries(out, vs, nv, config) != 0) {
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    cb_log_set_component("cb-eval");
+    static eval_args_t a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc != 0) return rc;
+    if (a.summarize_from)
+        return summarize(a.out, &a.base, a.modes_given ? a.modes_arg : NULL, argv + a.summarize_from,
+                         argc - a.summarize_from);
+    static eval_t ev;
+    ev.a = &a;
+    if ((rc = build_variants(&ev)) != 0) return rc;
+    rc = 1;
+    cb_qa_set_t *set = NULL;
+    if (a.ref_path && !(ev.ref = load_ref(a.ref_path))) goto done;
+    if (!(set = cb_qa_set_load(a.data, ev.err, sizeof ev.err))) {
+        fprintf(stderr, "cb-eval: %s\n", ev.err);
+        goto done;
+    }
+    if (eval_open(&ev) != 0 || open_results(&ev) != 0) goto done;
+    int n_set = cb_qa_set_size(set);
+    int first = (int)(a.skip < n_set ? a.skip : n_set);
+    int last = a.limit < 0 ? n_set : (int)(first + a.limit < n_set ? first + a.limit : n_set);
+    int er = eval_examples(&ev, set, first, last);
+    if (er == 2) {
+        rc = 0;
+        goto done;
+    }
+    if (er != 0) goto done;
+    if (write_summaries(a.out, ev.vs, ev.nv, ev.config) != 0) {
         fprintf(stderr, "cb-eval: writing the summary failed\n");
         goto done;
     }
-    print_table(stdout, vs, nv);
+    print_table(stdout, ev.vs, ev.nv);
     rc = 0;
 done:
-    if (rc && err[0] == 0) fprintf(stderr, "cb-eval: failed (out of memory?)\n");
-    if (res) fclose(res);
-    json_decref(config);
-    json_decref(ref);
-    for (int c = 0; c < CB_QA_MAX_CTXS; c++) free(chunk_tok[c]);
-    free(prefix);
-    free(suffix);
-    free(gen);
-    free(logits);
-    free(lp_full);
-    free(lp_mode);
-    cb_seq_destroy(&seq);
-    for (int si = 0; si < MAX_STORES; si++) {
-        cb_blend_destroy(&bl[si]);
-        cb_kvstore_destroy(&store[si]);
-        cb_kvmem_destroy(&mem[si]);
-    }
-    cb_engine_destroy(&eng);
-    cb_tokenizer_destroy(&tok);
-    cb_model_destroy(&model);
+    if (rc && ev.err[0] == 0) fprintf(stderr, "cb-eval: failed (out of memory?)\n");
+    eval_close(&ev);
     cb_qa_set_destroy(&set);
     return rc;
 }

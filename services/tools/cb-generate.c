@@ -16,7 +16,7 @@
  * --dump-logits K (debugging / golden tests) prints the K largest logits of the last prompt position
  * as "id logit" lines on stdout before the completion (in --json: "top_logits": [[id, logit], ...]).
  * The prompt and its completion are one engine sequence (engine.h) in the default KV pool.
- * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf. Chat template: the GGUF's (recognised), or
+ * Model: --model, else $CB_MODEL, else the default model (svc/svcconfig.h). Chat template: the GGUF's (recognised), or
  * --chat-template NAME (smollm2, chatml, qwen2.5, llama3, mistral, gemma, completion).
  * Exit: 0 ok, 1 runtime error (model, prompt too long), 2 bad arguments (usage on stderr).
  */
@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "svc/svcconfig.h"
 #include "base/alloc.h"
 #include "base/clock.h"
 #include "model/chat.h"
@@ -57,7 +58,7 @@ static int usage(const char *why) {
             "  --ctx N           KV cache positions (default prompt + n, capped at the model's)\n"
             "  --json            print one JSON object with text, tokens and timings\n"
             "  --dump-logits K   print the K largest logits of the last prompt position\n"
-            "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n");
+            "  model default: $CB_MODEL or " CB_SVC_DEFAULT_MODEL "\n");
     return 2;
 }
 
@@ -110,9 +111,8 @@ static void top_logits(const float *l, int n, int k, top_t *top) {
 
 int main(int argc, char **argv) {
     cb_log_set_component("cb-generate");
-    const char *model_path = getenv("CB_MODEL");
+    const char *model_path = cb_svc_model_path(NULL);
     const char *chat_tmpl = NULL; /* --chat-template NAME; NULL = the GGUF's */
-    if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     const char *prompt = NULL, *ids_arg = NULL, *system = NULL;
     bool chat = false, json = false;
     long n_gen = 128, top_k = 0, seed = 0, threads = 0, ctx = 0, dump = 0;

@@ -29,6 +29,8 @@
 #include "model/model.h"
 #include "rag/qa.h"
 #include "rag/ragprompt.h"
+#include "svc/session.h"
+#include "svc/svcconfig.h"
 #include "engine/sampler.h"
 #include "model/tokenizer.h"
 
@@ -57,9 +59,8 @@ static int cmp_desc(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     cb_log_set_component("cb-kvdev");
-    const char *model_path = getenv("CB_MODEL"), *data = NULL, *kv_dir = "var/kv";
+    const char *model_path = cb_svc_model_path(NULL), *data = NULL, *kv_dir = "var/kv";
     const char *chat_tmpl = NULL; /* --chat-template NAME; NULL = the GGUF's */
-    if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     long skip = 0, limit = 5, lead = CB_BLEND_DEFAULT_LEAD;
     float ratio = CB_BLEND_DEFAULT_RATIO;
     for (int i = 1; i < argc; i++) {
@@ -86,13 +87,8 @@ int main(int argc, char **argv) {
     int rc = 1;
     char err[512] = "";
     cb_qa_set_t *set = NULL;
-    cb_model_t *model = NULL;
-    cb_tokenizer_t *tok = NULL;
-    cb_engine_t *eng = NULL;
-    cb_kvstore_t *store = NULL;
-    cb_blend_t *bl = NULL;
+    cb_session_t *ses = NULL;
     cb_seq_t *seq = NULL;
-    cb_ragprompt_t *rp = NULL;
     float *logits = NULL, *Vt = NULL;
     double *lp_full = NULL, *lp_mode = NULL, *dv = NULL; /* [n_vocab] first-token log-distributions */
     vr_t *order = NULL;
@@ -102,20 +98,22 @@ int main(int argc, char **argv) {
     double kl_sum[1 + sizeof METRICS - 1] = {0};
     int n_done = 0;
 
-    if (!(set = cb_qa_set_load(data, err, sizeof err)) || !(model = cb_model_load(model_path, err, sizeof err)) ||
-        !(tok = cb_tokenizer_new_from_gguf_opts(cb_model_gguf(model), chat_tmpl, err, sizeof err))) {
+    /* the served path's objects (svc/session.h) over the model's whole context, the chunk files in kv_dir */
+    cb_session_opts_t so;
+    cb_session_opts_default(&so);
+    so.model_path = model_path;
+    so.chat_template = chat_tmpl;
+    so.kv_dir = kv_dir;
+    if (!(set = cb_qa_set_load(data, err, sizeof err)) || !(ses = cb_session_new(&so, err, sizeof err))) {
         fprintf(stderr, "cb-kvdev: %s\n", err);
         goto done;
     }
-    const cb_hparams_t *hp = cb_model_hparams(model);
+    const cb_hparams_t *hp = cb_session_hparams(ses);
     const int L = hp->n_layer, KVD = hp->n_head_kv * hp->head_dim, V = hp->n_vocab;
-    if (!(eng = cb_engine_new(model, hp->n_ctx_train, err, sizeof err)) ||
-        !(store = cb_kvstore_new(eng, kv_dir, NULL, CB_KV_F16, err, sizeof err)) ||
-        !(bl = cb_blend_new(store, err, sizeof err)) ||
-        !(rp = cb_ragprompt_new(tok, NULL, err, sizeof err))) {
-        fprintf(stderr, "cb-kvdev: %s\n", err);
-        goto done;
-    }
+    cb_engine_t *eng = cb_session_engine(ses);
+    cb_kvstore_t *store = cb_session_store(ses);
+    cb_blend_t *bl = cb_session_blend(ses);
+    const cb_ragprompt_t *rp = cb_session_prompt(ses);
     const int C = cb_engine_max_ctx(eng);
     seq = cb_seq_new(eng);
     logits = cb_malloc(sizeof(float) * (size_t)V);
@@ -256,13 +254,8 @@ done:
     free(suffix);
     for (int s = 0; s < N_SETS; s++) free(in_set[s]);
     free(logits), free(lp_full), free(lp_mode), free(Vt), free(dv), free(order), free(cand), free(acc);
-    cb_ragprompt_destroy(&rp);
     cb_seq_destroy(&seq);
-    cb_blend_destroy(&bl);
-    cb_kvstore_destroy(&store);
-    cb_engine_destroy(&eng);
-    cb_tokenizer_destroy(&tok);
-    cb_model_destroy(&model);
+    cb_session_destroy(&ses);
     cb_qa_set_destroy(&set);
     return rc;
 }

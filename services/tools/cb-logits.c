@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "svc/svcconfig.h"
 #include "base/alloc.h"
 #include "engine/engine.h"
 #include "model/model.h"
@@ -50,9 +51,8 @@ static int read_ids(const char *path, int32_t *ids) {
 }
 
 int main(int argc, char **argv) {
-    const char *model_path = getenv("CB_MODEL"), *ids_path = NULL, *out_path = NULL;
+    const char *model_path = cb_svc_model_path(NULL), *ids_path = NULL, *out_path = NULL;
     long threads = 0;
-    if (!model_path || !*model_path) model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) return usage();

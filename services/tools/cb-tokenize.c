@@ -4,7 +4,7 @@
  *   cb-tokenize [--model PATH] [--special] --decode "1 2 3"   prints the text (--special renders
  *                                                      control tokens such as <|im_start|>)
  *   TEXT "-" reads the text from stdin (all bytes, no trailing-newline stripping).
- * Model: --model, else $CB_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf.
+ * Model: --model, else $CB_MODEL, else the default model (svc/svcconfig.h).
  * Exit: 0 ok, 1 model or tokenizer error, 2 bad arguments (usage on stderr).
  */
 #include <errno.h>
@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "svc/svcconfig.h"
 #include "format/gguf.h"
 #include "base/alloc.h"
 #include "model/tokenizer.h"
@@ -21,7 +22,7 @@ static int usage(void) {
             "usage: cb-tokenize [--model PATH] [--special] TEXT|-\n"
             "       cb-tokenize [--model PATH] [--special] --decode \"ID ID ...\"\n"
             "  --special  encode: parse special tokens (<|im_start|> -> 1); decode: render them\n"
-            "  model default: $CB_MODEL or models/SmolLM2-135M-Instruct.Q4_1.gguf\n");
+            "  model default: $CB_MODEL or " CB_SVC_DEFAULT_MODEL "\n");
     return 2;
 }
 
@@ -75,8 +76,7 @@ static long parse_ids(const char *s, int32_t **ids_out) {
 }
 
 int main(int argc, char **argv) {
-    const char *model = getenv("CB_MODEL");
-    if (!model || !*model) model = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    const char *model = cb_svc_model_path(NULL);
     bool special = false;
     const char *decode = NULL, *text = NULL;
     for (int i = 1; i < argc; i++) {

@@ -2,6 +2,7 @@
  * The input is parsed as one jsonl line; it is also split at its first NUL-free half into a
  * "generation" and an "answer" that are scored. Nothing may crash, leak or read out of bounds. */
 #include "rag/qa.h"
+#include "rag/ragprompt.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -13,8 +14,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char err[256];
     cb_qa_example_t *ex = cb_qa_example_parse((const char *)data, size, err, sizeof err);
     if (ex) {
-        char *suffix = cb_qa_suffix(ex->question);
-        for (int i = 0; i < ex->n_ctxs; i++) free(cb_qa_chunk_text(ex->ctxs[i].title, ex->ctxs[i].text));
+        char *suffix = cb_ragprompt_question(ex->question);
+        for (int i = 0; i < ex->n_ctxs; i++) free(cb_ragprompt_chunk_text(ex->ctxs[i].title, ex->ctxs[i].text));
         (void)cb_qa_score(ex->question, (const char *const *)ex->answers, ex->n_answers);
         free(suffix);
         cb_qa_example_destroy(&ex);
@@ -28,7 +29,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     s[half] = '\0';
     const char *answers[1] = {truth};
     (void)cb_qa_score(s, answers, 1);
-    free(cb_qa_normalize_question(s));
+    free(cb_ragprompt_normalize_question(s));
     free(truth);
     free(s);
     return 0;

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Integration test of scripts/check-layers: the real tree passes it; copies of libshared/ and kernels/
 # with one planted violation each fail it with a message naming the file: an upward include (format ->
-# blend), a direct kernel call in blend.c, an include without a layer folder, a kernel header included
-# from rag/, a kernels file including a layer above the two types it implements, and raw allocations
-# (malloc in a service, strdup in libshared) outside the allocation seam. A planted call in
-# a comment or a string is not a call. Needs only python3 (exit 77 without it).
+# blend, rag -> wire, wire -> svc), wire including a layer other than base (kv), a direct kernel call in
+# blend.c, an include without a layer folder, a kernel header included from rag/, a kernels file
+# including a layer above the two types it implements, and raw allocations (malloc in a service, strdup
+# in libshared) outside the allocation seam. A planted call in a comment or a string is not a call. Needs
+# only python3 (exit 77 without it).
 set -u
 cd "$(dirname "$0")/../.."
 command -v python3 >/dev/null || { echo "skip: no python3"; exit 77; }
@@ -38,6 +39,18 @@ expect_violation() {
 fresh
 out=$("$T/tree/scripts/check-layers" "$T/tree" 2>&1); rc=$?
 check "the copy checks like the real tree" "$rc" "$(scripts/check-layers >/dev/null 2>&1; echo $?)"
+
+fresh
+printf '#include "wire/msg.h"\n' >>"$T/tree/libshared/rag/qa.c"
+expect_violation "rag includes wire" '^libshared/rag/qa\.c:[0-9]+: rag includes wire \(wire/msg\.h\)$'
+
+fresh
+printf '#include "svc/session.h"\n' >>"$T/tree/libshared/wire/msg.c"
+expect_violation "wire includes svc" '^libshared/wire/msg\.c:[0-9]+: wire includes svc \(svc/session\.h\)$'
+
+fresh
+printf '#include "kv/kvremote.h"\n' >>"$T/tree/libshared/wire/config.c"
+expect_violation "wire includes kv" '^libshared/wire/config\.c:[0-9]+: wire includes kv \(kv/kvremote\.h\): wire/ includes only base/$'
 
 fresh
 printf '#include "blend/blend.h"\n' >>"$T/tree/libshared/format/quant.c"

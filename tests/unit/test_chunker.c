@@ -216,7 +216,7 @@ TEST(ragprompt_pieces) {
     const int32_t *p = cb_ragprompt_prefix(r, &np);
     char *ptxt = cb_tokenizer_decode_alloc(g_tok, p, (size_t)np, true, NULL);
     char want[1024];
-    snprintf(want, sizeof want, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n%s", cb_qa_prefix());
+    snprintf(want, sizeof want, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n%s", cb_ragprompt_instruction());
     CHECK_MSG(strcmp(ptxt, want) == 0, "prefix '%s'", ptxt);
     free(ptxt);
     /* a passage chunk is exactly the anchors' cb_qa_chunk_text */
@@ -224,7 +224,7 @@ TEST(ragprompt_pieces) {
     CHECK(strcmp(pass, "\n\nSome passage text.") == 0);
     int nc;
     int32_t *ct = cb_ragprompt_chunk(r, pass, strlen(pass), &nc);
-    char *qa = cb_qa_chunk_text("", "Some passage text.");
+    char *qa = cb_ragprompt_chunk_text("", "Some passage text.");
     CHECK(nc == ntok(qa, strlen(qa)));
     int32_t *ref = cb_tokenizer_encode_alloc(g_tok, qa, strlen(qa), false, &np);
     CHECK(memcmp(ref, ct, (size_t)nc * sizeof(int32_t)) == 0);

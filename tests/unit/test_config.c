@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include "wire/config.h"
-#include "wire/engine_config.h"
+#include "svc/engine_config.h"
+#include "svc/svcconfig.h"
 #include "test.h"
+#include "wire/query.h"
 
 static char s_path[64];
 
@@ -269,7 +271,7 @@ TEST(shipped_config) {
     CHECK(cb_config_double(cfg, "blend", "ratio", 0, 1, 0, &d, err, sizeof err) && d == 0.15);
     const char *s;
     CHECK(cb_config_str(cfg, "blend", "model", NULL, &s, err, sizeof err) &&
-          strcmp(s, "models/SmolLM2-135M-Instruct.Q4_1.gguf") == 0);
+          strcmp(s, CB_SVC_DEFAULT_MODEL) == 0);
     char path[256];
     CHECK(cb_config_data_path(cfg, "cacheindex", "kv_dir", NULL, path, sizeof path, err, sizeof err) &&
           strcmp(path, "var/kv") == 0);
@@ -312,6 +314,66 @@ TEST(engine_kv_dtype) {
     unlink(s_path);
 }
 
+/* svcconfig: the blend section's options and generation defaults, the session's keys from blend, common and
+ * engine; ratio = auto; clear errors for a bad mode, metric and auto bounds. */
+TEST(svc_config) {
+    clear_env();
+    char err[256];
+    write_cfg("common\n    model = \"m.gguf\"\n    threads = 3\n    kv_dtype = q8_0\nengine\n    chat_template = chatml\n"
+              "blend\n    mode = reuse\n    ratio = 0.25\n    metric = v\n    max_tokens = 9\n    ctx_size = 512\n"
+              "    hot_cache_bytes = 1M\n    system_prompt = \"S\"\n");
+    cb_config_t *cfg = cb_config_load(s_path, "blend", err, sizeof err);
+    CHECK_MSG(cfg, "%s", err);
+    cb_session_opts_t so;
+    cb_svc_blend_config_t bc;
+    CHECK_MSG(cb_svc_session_config(cfg, "blend", &so, err, sizeof err) == 0, "%s", err);
+    CHECK(!strcmp(so.model_path, "m.gguf") && !strcmp(so.chat_template, "chatml") && !strcmp(so.system_prompt, "S"));
+    CHECK(so.threads == 3 && so.kv_dtype == CB_KV_Q8_0 && so.engine_kv_dtype == CB_ENGINE_KV_F16);
+    CHECK_MSG(cb_svc_blend_config(cfg, &bc, &so, err, sizeof err) == 0, "%s", err);
+    CHECK(bc.blend.mode == CB_BLEND_REUSE && bc.ratio == 0.25 && bc.blend.ratio == 0.25f && bc.blend.metric == 'v');
+    CHECK(bc.max_tokens == 9 && bc.k == 3 && bc.sampling.top_p == 1.0f && bc.sampling.temperature == 0.0f &&
+          bc.sampling.top_k == 0 && bc.sampling.seed == 0);
+    CHECK(so.ctx_size == 512 && so.mem_bytes == (1u << 20) && so.kv_pool_bytes == 0);
+    /* a number: the requests' options are not auto, the target is kept for a query asking auto */
+    CHECK(bc.blend.auto_target == 0.0f && bc.auto_target == CB_BLEND_DEFAULT_AUTO_TARGET);
+    cb_config_set(cfg, "blend", "ratio", "auto");
+    cb_config_set(cfg, "blend", "seed", "7");
+    cb_config_set(cfg, "blend", "presence_penalty", "-1.5");
+    CHECK(cb_svc_blend_config(cfg, &bc, NULL, err, sizeof err) == 0 && bc.blend.ratio == CB_BLEND_DEFAULT_RATIO &&
+          bc.blend.auto_target == CB_BLEND_DEFAULT_AUTO_TARGET);
+    CHECK(bc.sampling.seed == 7 && bc.sampling.presence_penalty == -1.5f);
+    /* the generation defaults have the query's ranges (wire/query.h) */
+    char big[32];
+    snprintf(big, sizeof big, "%d", CB_QUERY_MAX_TOKENS_MAX + 1);
+    cb_config_set(cfg, "blend", "max_tokens", big);
+    CHECK(cb_svc_blend_config(cfg, &bc, NULL, err, sizeof err) == -1 && strstr(err, "max_tokens"));
+    cb_config_set(cfg, "blend", "max_tokens", "9");
+    snprintf(big, sizeof big, "%d", CB_QUERY_K_MAX + 1);
+    cb_config_set(cfg, "blend", "k", big);
+    CHECK(cb_svc_blend_config(cfg, &bc, NULL, err, sizeof err) == -1 && strstr(err, "blend.k"));
+    cb_config_set(cfg, "blend", "k", "3");
+    cb_config_set(cfg, "blend", "frequency_penalty", "2.5");
+    CHECK(cb_svc_blend_config(cfg, &bc, NULL, err, sizeof err) == -1 && strstr(err, "frequency_penalty"));
+    cb_config_set(cfg, "blend", "frequency_penalty", "0");
+    cb_config_set(cfg, "blend", "mode", "fast");
+    CHECK(cb_svc_blend_config(cfg, &bc, NULL, err, sizeof err) == -1 &&
+          strstr(err, "blend.mode = 'fast': expected full, prefix, reuse or blend"));
+    cb_config_set(cfg, "blend", "mode", "blend");
+    cb_config_set(cfg, "blend", "metric", "q");
+    CHECK(cb_svc_blend_config(cfg, &bc, NULL, err, sizeof err) == -1 && strstr(err, "blend.metric = 'q'"));
+    cb_config_set(cfg, "blend", "metric", "a");
+    cb_config_set(cfg, "blend", "auto_floor", "0.5");
+    cb_config_set(cfg, "blend", "auto_ceil", "0.4");
+    CHECK(cb_svc_blend_config(cfg, &bc, NULL, err, sizeof err) == -1 && strstr(err, "auto_floor"));
+    cb_config_set(cfg, "blend", "kv_dtype", "f8");
+    CHECK(cb_svc_session_config(cfg, "blend", &so, err, sizeof err) == -1 && strstr(err, "kv_dtype = 'f8'"));
+    cb_config_destroy(&cfg);
+    setenv("CB_MODEL", "x.gguf", 1);
+    CHECK(!strcmp(cb_svc_model_path(NULL), "x.gguf") && !strcmp(cb_svc_model_path("y"), "y"));
+    unsetenv("CB_MODEL");
+    CHECK(!strcmp(cb_svc_model_path(""), CB_SVC_DEFAULT_MODEL));
+}
+
 int main(void) {
     RUN(file_values_and_types);
     RUN(bad_values);
@@ -320,5 +382,6 @@ int main(void) {
     RUN(flag_errors);
     RUN(shipped_config);
     RUN(engine_kv_dtype);
+    RUN(svc_config);
     return test_summary();
 }

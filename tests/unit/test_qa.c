@@ -2,6 +2,7 @@
  * normalize_answer (tests list them), answer extraction, prompt strings, jsonl validation, and the
  * real data file (100 examples x 10 passages). */
 #include "rag/qa.h"
+#include "rag/ragprompt.h"
 #include "test.h"
 
 #include <unistd.h>
@@ -86,18 +87,18 @@ TEST(test_answer_extraction) {
 
 TEST(test_prompt_pieces) {
     /* The anchors' strings (example/blend_musique.py), byte for byte. */
-    CHECK(!strcmp(cb_qa_prefix(),
+    CHECK(!strcmp(cb_ragprompt_instruction(),
                   "You will be asked a question after reading several passages. Please directly answer the question "
                   "based on the given passages. Do NOT repeat the question. The answer should be within 5 words..\n"
                   "Passages:\n"));
-    CHECK(str_is(cb_qa_chunk_text("", "some text"), "\n\nsome text\n\n"));
-    CHECK(str_is(cb_qa_chunk_text("Title", "T"), "Title\n\nT\n\n"));
-    CHECK(str_is(cb_qa_chunk_text(NULL, NULL), "\n\n\n\n"));
-    CHECK(str_is(cb_qa_normalize_question("Who is X?"), "who is X?"));
-    CHECK(str_is(cb_qa_normalize_question("Where"), "where?"));
-    CHECK(str_is(cb_qa_normalize_question("Élan?"), "élan?"));
-    CHECK(str_is(cb_qa_normalize_question(""), "?"));
-    CHECK(str_is(cb_qa_suffix("Who is the child of the Victim of Romance performer?"),
+    CHECK(str_is(cb_ragprompt_chunk_text("", "some text"), "\n\nsome text\n\n"));
+    CHECK(str_is(cb_ragprompt_chunk_text("Title", "T"), "Title\n\nT\n\n"));
+    CHECK(str_is(cb_ragprompt_chunk_text(NULL, NULL), "\n\n\n\n"));
+    CHECK(str_is(cb_ragprompt_normalize_question("Who is X?"), "who is X?"));
+    CHECK(str_is(cb_ragprompt_normalize_question("Where"), "where?"));
+    CHECK(str_is(cb_ragprompt_normalize_question("Élan?"), "élan?"));
+    CHECK(str_is(cb_ragprompt_normalize_question(""), "?"));
+    CHECK(str_is(cb_ragprompt_question("Who is the child of the Victim of Romance performer?"),
                  "\n\nAnswer the question directly based on the given passages. Do NOT repeat the question. The "
                  "answer should be within 5 words. \nQuestion:who is the child of the Victim of Romance performer?"
                  "\nAnswer:"));
@@ -203,7 +204,7 @@ TEST(test_real_file) {
     CHECK(!strcmp(ex->id, "musique-001"));
     CHECK(!strcmp(ex->question, "In which county is Southern Maryland Electric Cooperative headquartered?"));
     CHECK(!strcmp(ex->answers[0], "Charles County"));
-    char *chunk = cb_qa_chunk_text(ex->ctxs[0].title, ex->ctxs[0].text);
+    char *chunk = cb_ragprompt_chunk_text(ex->ctxs[0].title, ex->ctxs[0].text);
     CHECK(!strncmp(chunk, "\n\ndistrict, champasak province", 30));
     free(chunk);
     const char *const *ans = (const char *const *)ex->answers;

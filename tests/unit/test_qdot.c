@@ -379,11 +379,81 @@ TEST(test_qdot_x8) {
         free(buf);
     }
     uint8_t *buf;
-    cb_weight_t k4 = random_weight(CB_TYPE_Q4_K, 8, 256, &buf);
-    CHECK(cb_cpu_x8_bytes(&k4) == 0 && !cb_cpu_x8_pack(&k4, buf));
+    cb_weight_t q5 = random_weight(CB_TYPE_Q5_0, 8, 256, &buf);
+    CHECK(cb_cpu_x8_bytes(&q5) == 0 && !cb_cpu_x8_pack(&q5, buf));
     free(buf);
     cb_cpu_qdot_use(NULL);
     free(x); free(y); free(ys); free(y1); free(row); free(ref); free(xq);
+}
+
+/* The K-quants' interleaved copies (x8 of Q4_K and Q6_K): exact dequantization; the same bits in the scalar
+ * and AVX2 sets; within the bound of the f32 reference and within f32 reordering of the stored rows' kernel;
+ * a row's bits not depending on the rows beside it or on the call size (decode = prefill); the aligned
+ * sub-ranges on the copy, the unaligned ones on the stored rows; the shapes without a copy. */
+TEST(test_qdot_k8) {
+    const uint32_t types[] = {CB_TYPE_Q4_K, CB_TYPE_Q6_K};
+    enum { R = 40, C = 768, N = 7 };
+    float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *ys = malloc(sizeof(float) * N * R);
+    float *y0 = malloc(sizeof(float) * N * R), *y1 = malloc(sizeof(float) * R), *row = malloc(sizeof(float) * C);
+    float *ref = malloc(sizeof(float) * C);
+    uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
+    random_x(x, N * C);
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        uint8_t *buf;
+        cb_weight_t w = random_weight(types[t], R, C, &buf);
+        const size_t nb = cb_cpu_x8_bytes(&w);
+        /* Q4_K: 32 bytes more per 8 rows and super-block (scales and mins unpacked); Q6_K: the stored size */
+        CHECK(nb == (size_t)R * w.row_bytes + (types[t] == CB_TYPE_Q4_K ? 32 * (size_t)(R / 8) * (C / 256) : 0));
+        uint8_t *x8 = aligned_alloc(64, (nb + 63) / 64 * 64);
+        CHECK(cb_cpu_x8_pack(&w, x8));
+        cb_weight_t wx = w;
+        wx.x8 = x8;
+        int n_run = 0;
+        for (size_t i = 0; i < N_ISAS; i++) {
+            if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
+            n_run++;
+            for (int o = 0; o < R; o++) { /* bit-identical dequantization */
+                cb_cpu_x8_dequant_row(&wx, o, row);
+                CHECK(cb_dequant(w.type, buf + (size_t)o * w.row_bytes, ref, C));
+                CHECK(memcmp(row, ref, sizeof(float) * C) == 0);
+            }
+            qmatvec(&w, x, N, ys, xq);
+            qmatvec(&wx, x, N, y, xq);
+            double worst = check_against_ref(&wx, x, N, 0, R, y, R);
+            fprintf(stderr, "  %-5s k8 %-6s worst error / bound %.3f\n", cb_type_name(w.type), ISAS[i], worst);
+            CHECK(worst <= 1.0);
+            for (int k = 0; k < N * R; k++) {
+                CHECK(fabsf(y[k] - ys[k]) <= 1e-5f * (1.0f + fabsf(ys[k])));
+                if (i == 0) y0[k] = y[k];
+                else CHECK(y[k] == y0[k]); /* every set: the scalar set's bits */
+            }
+            for (int r = 0; r < N; r++) { /* a row alone gets the bits it gets among others */
+                cb_cpu_qdot_rows(&wx, 0, R, xq + (size_t)r * cb_cpu_q8_row_bytes(C), 1, y1, R);
+                CHECK(memcmp(y1, y + (size_t)r * R, sizeof(float) * R) == 0);
+            }
+            float sub[N * R];
+            const int ranges[2][2] = {{8, 24}, {5, 9}}; /* aligned: the copy; unaligned: the stored rows */
+            for (int g = 0; g < 2; g++) {
+                for (int k = 0; k < N * R; k++) sub[k] = -7.0f;
+                const int a = ranges[g][0], e = ranges[g][1];
+                cb_cpu_qdot_rows(&wx, a, e, xq, N, sub, R);
+                for (int r = 0; r < N; r++)
+                    for (int o = 0; o < R; o++)
+                        CHECK(sub[r * R + o] == (o < a || o >= e ? -7.0f : g == 0 ? y[r * R + o] : ys[r * R + o]));
+            }
+        }
+        fprintf(stderr, "  %-5s k8 kernel sets run: %d\n", cb_type_name(w.type), n_run);
+        cb_weight_t odd = w;
+        odd.rows = R - 3;
+        CHECK(cb_cpu_x8_bytes(&odd) == 0 && !cb_cpu_x8_pack(&odd, x8));
+        odd = w;
+        odd.cols = C - 32;
+        CHECK(cb_cpu_x8_bytes(&odd) == 0);
+        free(x8);
+        free(buf);
+    }
+    cb_cpu_qdot_use(NULL);
+    free(x); free(y); free(ys); free(y0); free(y1); free(row); free(ref); free(xq);
 }
 
 /* The 16-row VNNI layout (v16, Q4_1): the stored rows' results (bit for bit in the scalar set, within f32
@@ -578,6 +648,7 @@ int main(void) {
     RUN(test_qdot_random);
     RUN(test_qdot_q5_0_extremes);
     RUN(test_qdot_x8);
+    RUN(test_qdot_k8);
     RUN(test_qdot_v16);
     RUN(test_qdot_multi_formats);
     RUN(test_qdot_real_model);

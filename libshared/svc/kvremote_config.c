@@ -1,5 +1,5 @@
 /* kvremote_config.c: the remote tier from config, its stats fields (see kvremote_config.h). */
-#include "wire/kvremote_config.h"
+#include "svc/kvremote_config.h"
 
 #include <stdint.h>
 #include <stdio.h>

@@ -1,5 +1,5 @@
 /* engine_config: engine options from the configuration (see engine_config.h). */
-#include "wire/engine_config.h"
+#include "svc/engine_config.h"
 
 #include <stdio.h>
 #include <string.h>
