@@ -1,13 +1,14 @@
 /* cb-eval: quality and speed of the four reuse modes (full, prefix, reuse, blend) on MuSiQue (docs/eval.md).
  *
- *   cb-eval [--model PATH] [--chat-template NAME] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R|auto] [--metric k|v|a]
+ *   cb-eval [--model PATH] [--chat-template NAME] [--system-prompt TEXT] --data FILE.jsonl [--limit N] [--skip N] [--modes LIST] [--ratio R|auto] [--metric k|v|a]
  *           [--check-layer L] [--gradual R1:L] [--lead N] [--probe-layers N] [--probe-suffix N] [--no-overlap]
  *           [--kv-dir DIR] [--kv-dtype f16|f32|bf16] [--mem-mb N] [--out DIR] [--threads N] [--max-new N]
  *           [--ref RESULTS.jsonl]
  *
  * The served path: the model, prompt, engine, chunk store and blend are a RAG session (svc/session.h), the
  * one cb-blend builds, and the prompt is ragprompt.h's: for each example prefix P = the chat template's
- * system turn (default system prompt) + user-turn opening + the anchors' instruction ending in
+ * system turn (the template's default system prompt, or --system-prompt's: cb-blend's is blend.system_prompt)
+ * + user-turn opening + the anchors' instruction ending in
  * "Passages:\n"; the 10 chunks "{title}\n\n{text}\n\n"; suffix S = the anchors' query text
  * "...Question:{q}?\nAnswer:" + end of the user turn + assistant opening; each piece tokenized on its own and
  * concatenated (never the concatenated text). Missing chunk KV files are precomputed first (not timed). Then for each mode: the prefill from the files, greedy decoding of at most --max-new (32) tokens,
@@ -86,7 +87,9 @@ typedef struct {
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-eval: %s\n", why);
     fprintf(stderr,
-            "usage: cb-eval [--model PATH] [--chat-template NAME] --data FILE.jsonl [options]\n"
+            "usage: cb-eval [--model PATH] [--chat-template NAME] [--system-prompt TEXT] --data FILE.jsonl [options]\n"
+            "  --system-prompt S  the system turn's text (default \"\": the template's own line; cb-blend's is\n"
+            "                     blend.system_prompt)\n"
             "  --limit N          first N examples (after --skip; default all)\n"
             "  --skip N           skip the first N examples\n"
             "  --modes LIST       comma list (default full,prefix,reuse,blend); a token may carry overrides,\n"
@@ -455,6 +458,7 @@ static int summarize(const char *out, const cb_blend_opts_t *base, const char *o
 /* The command line. */
 typedef struct {
     const char *model_path, *chat_tmpl;   /* chat_tmpl NULL = the GGUF's */
+    const char *system_prompt;           /* NULL or "" = the template's default line */
     const char *data, *modes_arg, *kv_dir, *out, *ref_path;
     long limit, skip, threads, mem_mb, max_new;
     cb_kv_dtype_t dtype;
@@ -530,6 +534,7 @@ static int parse_args(int argc, char **argv, eval_args_t *a) {
         else if (!v) return usage("missing value after an option");
         else if (!strcmp(o, "--model")) a->model_path = v;
         else if (!strcmp(o, "--chat-template")) a->chat_tmpl = v;
+        else if (!strcmp(o, "--system-prompt")) a->system_prompt = v;
         else if (!strcmp(o, "--data")) a->data = v;
         else if (!strcmp(o, "--limit")) { if (!parse_long(v, 0, INT_MAX, &a->limit)) return usage("bad --limit"); }
         else if (!strcmp(o, "--skip")) { if (!parse_long(v, 0, INT_MAX, &a->skip)) return usage("bad --skip"); }
@@ -674,6 +679,7 @@ static int eval_open(eval_t *ev) {
     cb_session_opts_default(&so);
     so.model_path = a->model_path;
     so.chat_template = a->chat_tmpl;
+    so.system_prompt = a->system_prompt;
     so.threads = (int)a->threads;
     so.kv_dir = a->kv_dir;
     so.kv_dtype = ev->store_dt[0];
@@ -741,6 +747,7 @@ static int open_results(eval_t *ev) {
     }
     json_t *c = ev->config = json_object();
     json_object_set_new(c, "model", json_string(a->model_path));
+    json_object_set_new(c, "system_prompt", json_string(a->system_prompt ? a->system_prompt : ""));
     json_object_set_new(c, "data", json_string(a->data));
     json_object_set_new(c, "skip", json_integer(a->skip));
     json_object_set_new(c, "limit", json_integer(a->limit));

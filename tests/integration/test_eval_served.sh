@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # test_eval_served: cb-eval measures the served path. For one answerable example (3 passages of ~60 words)
-# cb-eval's answer in each mode (full, prefix, blend; reuse is printed only, its answers differ; greedy, at most 8 tokens, ending at its first
+# cb-eval's answer in each mode (full, prefix, reuse, blend; greedy, at most 8 tokens, ending at its first
 # line) is the beginning of cb-blend's answer to `cbctl query --mode M --context P1 --context P2 ...` with
-# the same question and passages ("{title}\n\n{text}", as cb-eval builds a passage's chunk), token for token:
+# the same question and passages ("{title}\n\n{text}", as cb-eval builds a passage's chunk), token for token,
+# with the same prompt size and the same counts of reused and recomputed rows:
 # the same session (svc/session.h), prompt (ragprompt.h) and blend options, with every chunk's KV stored
-# first on both sides. One thread on both sides.
+# first on both sides. Both frame the prompt with the configuration's system prompt (blend.system_prompt,
+# given to cb-eval with --system-prompt): it is part of the prefix every chunk's KV is computed after, so
+# a different one changes the answers (reuse, which recomputes no chunk row, first). One thread on both sides.
 # Exit 0 pass, 77 skip (no model or python3).
 . "$(dirname "$0")/lib/stack.bash"
 command -v python3 >/dev/null || { echo "skip: no python3"; exit 77; }
@@ -12,6 +15,10 @@ stack_setup
 export CB_COMMON_THREADS=1
 export CB_BLEND_MAX_TOKENS=8
 export CB_BLEND_HOT_CACHE_BYTES=0   # chunks from their KV files on both sides (cb-eval's default: --mem-mb 0)
+# the served configuration's system prompt, on both sides
+SYS=$(sed -n 's/^ *system_prompt = "\(.*\)"$/\1/p' config/cacheblend.cfg | head -n 1)
+[ -n "$SYS" ] || SYS="You are a helpful assistant."
+export CB_BLEND_SYSTEM_PROMPT="$SYS"
 
 python3 - "$T" <<'PY' || { echo "FAIL: making the data"; exit 1; }
 import json, sys
@@ -26,7 +33,7 @@ for i, c in enumerate(ex["ctxs"]):
     open("%s/ctx%d" % (d, i), "w").write(c["title"] + "\n\n" + c["text"])
 PY
 
-build/bin/cb-eval --threads 1 --data "$T/data.jsonl" --modes full,prefix,reuse,blend --max-new 8 \
+build/bin/cb-eval --threads 1 --system-prompt "$SYS" --data "$T/data.jsonl" --modes full,prefix,reuse,blend --max-new 8 \
   --kv-dir "$T/evkv" --out "$T/ev" > "$T/eval.txt" 2> "$T/eval.err" ||
   { cat "$T/eval.err"; echo "FAIL: cb-eval"; exit 1; }
 
@@ -43,14 +50,16 @@ for mode in full prefix blend reuse; do
   python3 - "$T/ev/results.jsonl" "$mode" "$served" > "$T/cmp.txt" 2>&1 <<'PY'
 import json, sys
 ev = [json.loads(l) for l in open(sys.argv[1]) if json.loads(l)["mode"] == sys.argv[2]][0]
-served = json.loads(sys.argv[3])["text"]
+sv = json.loads(sys.argv[3])
+served, m = sv["text"], sv["metrics"]
 out = ev["output"]
-print("eval %r served %r" % (out, served))
-sys.exit(0 if out and served.startswith(out) else 1)
+# the same prompt, and the same rows loaded and recomputed
+shape = (ev["n_tokens"], ev["tokens_reused"], ev["tokens_recomputed"])
+sshape = (m["n_prompt_tokens"], m["tokens_reused"], m["tokens_recomputed"])
+print("eval %r served %r; prompt, reused, recomputed: eval %s served %s" % (out, served, shape, sshape))
+sys.exit(0 if out and served.startswith(out) and shape == sshape else 1)
 PY
   rc=$?
-  # reuse (every chunk row loaded, nothing recomputed) is reported, not checked: its answers still differ
-  if [ "$mode" = reuse ]; then echo "note: reuse: $(cat "$T/cmp.txt")"; continue; fi
   check "$mode: cb-eval's answer is the start of cb-blend's ($(cat "$T/cmp.txt"))" "$rc" "0"
 done
 svc_finish
