@@ -47,7 +47,7 @@ expect_violation "a ticket in a script" '^scripts/stack\.sh:[0-9]+: names a tick
 
 fresh
 printf 'Measured at %s.\n' "$STOP" >>"$T/tree/docs/engine.md"
-expect_violation "a history stop in a doc" '^docs/engine\.md:[0-9]+: tells history \(the fifth stop\)$'
+expect_violation "a history stop in a doc" '^docs/engine\.md:[0-9]+: tells history \(fifth stop\)$'
 
 fresh
 printf '{"text": "the %s of the %s"}\n' "$TICKET" "$NOTE" >>"$T/tree/data/musique_dev.jsonl"
