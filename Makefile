@@ -1,4 +1,4 @@
-# cacheblend: one entry point.  make | make test | make demo | make bench | make cuda
+# cacheblend: one entry point.  make | make check | make test | make demo | make bench | make cuda
 #
 # Layout conventions (so new files need no Makefile edit):
 #   libshared/<layer>/*.c, kernels/cpu/*.c -> build/lib/libshared.a (layers: scripts/check-layers)
@@ -64,7 +64,7 @@ endif
 # How each program gets the CUDA backend (default CUDA_DL).
 CUDA_LINK_cb-bench-gpu = $(CUDA_STATIC)
 
-.PHONY: all test test-models test-faults test-faults-inproc test-unit test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve bench-redis cuda fuzz clean model eval check-layers
+.PHONY: all check test test-models test-faults test-faults-inproc test-gpu demo bench bench-engine bench-stack bench-serve bench-gateway bench-curve bench-redis cuda fuzz clean model check-layers
 all: build/lib/libshared.a $(CUDA_LIB) $(CUDA_SO) $(PROGS)
 
 build/obj/%.o: %.c $(LIB_HDR)
@@ -139,6 +139,11 @@ model:
 
 test: all $(TESTS) $(ASAN_TESTS) model
 	@tests/run.sh
+
+# The fast tier for the edit-compile-test loop: the plain unit binaries only (no ASan build, no
+# integration scripts), about a minute; "N passed, N failed" like `make test`.
+check: $(TESTS)
+	@tests/run.sh --unit
 
 # The include graph follows the layers (tests/integration/test_layers.sh runs it in `make test` too).
 check-layers:

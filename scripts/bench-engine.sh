@@ -3,7 +3,8 @@
 # token ids and the same thread count, side by side (`make bench-engine`).
 #
 # Measures prefill tokens/s at each prompt length (default 512, 2048, 8000), decode tokens/s (greedy
-# steps after the first prompt) and peak RSS, and prints ours / llama.cpp ratios. llama.cpp runs with
+# steps after the first prompt) and peak RSS, and prints ours / llama.cpp ratios, then the decode bound of
+# this machine's memory bandwidth (cb-bench --bandwidth) and both decodes as a fraction of it. llama.cpp runs with
 # flash attention off and on (its default in llama-cpp-python is off; llama-cli's "auto" turns it on
 # for CPU) and, per row, the faster of the two is the reference. Its weight-repacking / AMX buffer
 # types are off unless BENCH_LLAMA_EXTRA_BUFTS=1: on VMs that advertise AMX without enabling it (this
@@ -32,7 +33,7 @@ mkdir -p "$(dirname "$OUT")"
 
 echo "bench-engine: $MODEL, $THREADS threads, prompt lengths $LENS, $DECODE decode steps" >&2
 echo "  ours ..." >&2
-ours=$(build/bin/cb-bench --model "$MODEL" --threads "$THREADS" --lens "$LENS" --decode "$DECODE" --reps "$REPS" --json)
+ours=$(build/bin/cb-bench --model "$MODEL" --threads "$THREADS" --lens "$LENS" --decode "$DECODE" --reps "$REPS" --bandwidth --json)
 base=null
 if [ -n "${BENCH_BASE:-}" ]; then
   echo "  base ($BENCH_BASE) ..." >&2
@@ -117,6 +118,12 @@ for name, a, b, fa, bb in rows:
 print("%-28s %12.0f %12s %8s%s" % ("peak RSS MB", ours["peak_rss_mb"], "%.0f" % rss_ref if rss_ref else "-",
                                    "%.2fx" % (ours["peak_rss_mb"] / rss_ref) if rss_ref else "-",
                                    bcols(ours["peak_rss_mb"], base["peak_rss_mb"]) if base else ""))
+if ours.get("decode_bound_tok_s"):
+    print("decode bound: triad %.1f GB/s over %.0f MB of weights + %.1f MB of KV per step = %.1f tok/s; ours at %.0f %%%s"
+          % (ours["triad_gbs"], ours["decode_weight_mb"], ours["decode_kv_mb"], ours["decode_bound_tok_s"],
+             100 * ours["decode_tok_s"] / ours["decode_bound_tok_s"],
+             ", llama.cpp at %.0f %%" % (100 * best(lambda r: r["decode_tok_s"])[0] / ours["decode_bound_tok_s"])
+             if runs else ""))
 py = min((r.get("python_rss_mb", 0) for r in runs), default=0)
 if runs:
     print("(llama.cpp's RSS includes the Python interpreter with numpy and llama_cpp imported: %.0f MB before the"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU benchmark (ISSUE 5), cb-bench-gpu: the device-resident reference on a synthetic llama3-8b built in
+# GPU benchmark, cb-bench-gpu: the device-resident reference on a synthetic llama3-8b built in
 # device memory (full-prefill TFLOP/s vs the cuBLAS peak, decode vs the HBM bound, peak memory), then the one
 # CacheBlend (libshared/blend) through an engine on the CUDA backend: engine full prefill vs blend TTFT at
 # 4K/8K/32K and a 64K-token blend, on the llama3-8b geometry with 4 layers by default (--engine-layers).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages cacheblend needs, and the PyPI packages its tests use as clients
 # (never a service dependency). Idempotent; quiet when everything is present.
-#   build and test: the compilers and libraries of DESIGN.md, libmicrohttpd (cb-gateway)
+#   build and test: the compilers and libraries the Makefile links, libmicrohttpd (cb-gateway)
 #   gateway tests:  curl, apache2-utils (ab), chromium + chromium-driver (the web page, headless)
 #   containers:     podman, podman-compose, debootstrap, runc (crun refuses hybrid cgroups here), the dnsname
 #                   CNI plugin (containers reach each other by service name) (make test-compose, base-image.sh)

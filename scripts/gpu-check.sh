@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU run, sized for a short lease: it covers ISSUE 11's cross-backend tests and ISSUE 5's benchmark.
+# One GPU run, sized for a short lease: it covers the cross-backend tests and the GPU benchmark.
 # Builds (make cuda, then the GPU test program), runs make test-gpu's tests (kernels vs CPU references,
 # causal limit, deterministic top-k and attention mass, OOM, pools, graphs; the backend table op by op, CUDA
 # vs the CPU reference, KV pool through shuffled block tables; whole forwards vs the CPU engine; and the one
@@ -52,7 +52,7 @@ timeout 140 tests/run-gpu.sh > "$R/test-gpu.log" 2>&1; rc=$?
 cp build/test-logs/gpu-*.err "$R/" 2>/dev/null
 say "tests: $(grep 'test-gpu:' "$R/test-gpu.log" | tail -1) (exit $rc)"
 grep -E '^\[test_.*FAIL' "$R/test-gpu.log" | sed 's/^/  /' | tee -a "$R/summary.txt"
-# the cross-backend blend (ISSUE 11): one line per mode; and the backend-table and forward comparisons
+# the cross-backend blend: one line per mode; and the backend-table and forward comparisons
 grep -hE 'selected overlap|backend kv:|forward vs CPU:|tie between' "$R"/gpu-*.err 2>/dev/null | sed 's/^ */  /' >> "$R/summary.txt"
 [ $rc -eq 0 ] || status=1
 

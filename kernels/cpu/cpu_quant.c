@@ -1,7 +1,7 @@
 /* cpu_quant.c: the integer kernels of cpu_quant.h: a portable scalar set, an AVX2 set and an AVX-512 VNNI
  * set (AVX2 plus the v16 kernel), over the stored rows and the interleaved copies (x8, v16).
  *
- * Block layouts (REFERENCE.md §3, format/quant.c): Q4_0 {f16 d; u8 qs[16]} w = (nibble - 8) d; Q4_1 {f16 d,
+ * Block layouts (format/quant.h, ggml's blocks): Q4_0 {f16 d; u8 qs[16]} w = (nibble - 8) d; Q4_1 {f16 d,
  * m; u8 qs[16]} w = nibble d + m (low nibbles are elements 0..15, high 16..31); Q5_0 {f16 d; u8 qh[4];
  * u8 qs[16]} w = ((nibble | bit j of the little-endian u32 qh << 4) - 16) d; Q8_0 {f16 d; i8 qs[32]};
  * Q4_K {f16 d, dmin; u8 scales[12]; u8 qs[128]}: 8 sub-blocks of 32 with 6-bit scale sc and min mn,

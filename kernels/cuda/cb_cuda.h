@@ -163,7 +163,7 @@ typedef enum { CB_CUDA_ROPE_NORM = 0, CB_CUDA_ROPE_NEOX = 2 } cb_cuda_rope_mode_
 
 /* How cb_cuda_rope turns a head of head_dim values: pair i (0 <= i < head_dim/2) at position p by
  *     theta_i = p * freq_scale * base^(-2i/head_dim) / (freq_factors ? freq_factors[i] : 1).
- * {CB_CUDA_ROPE_NORM, base, 1, NULL} is plain llama RoPE (REFERENCE.md §6). */
+ * {CB_CUDA_ROPE_NORM, base, 1, NULL} is plain llama RoPE. */
 typedef struct {
     cb_cuda_rope_mode_t mode;   /* NORM: pair i is (x[2i], x[2i+1]); NEOX: (x[i], x[i + head_dim/2]) */
     float base;                 /* > 0 (<arch>.rope.freq_base) */
@@ -223,7 +223,7 @@ typedef enum {
  * Query row r (0 <= r < n_q) sees keys [lo_r, L_r): L_r = limit[r] + limit_add clamped to [0, n_kv], and
  * lo_r = L_r - window when window > 0 and L_r > window, else 0 (a sliding window: the last `window` keys
  * below the limit; backend.h's cb_attn_key_lo of L_r). For a token at fused position p the exact causal
- * rule is limit = p + 1 (ALGORITHM.md §1.8). A row whose limit is <= 0 gets zeros. GQA: query head h reads
+ * rule is limit = p + 1. A row whose limit is <= 0 gets zeros. GQA: query head h reads
  * kv head h / (n_heads / n_kv_heads).
  * Contract: K/V rows [min lo_r, max L_r) (over the rows with L_r > 0) are initialized (finite); rows outside
  * may hold anything (never read, or read as zeros). */

@@ -1,4 +1,4 @@
-/* cb_cuda_attn.cu: attention with an exact per-row causal limit (ALGORITHM.md §1.8) and an optional sliding
+/* cb_cuda_attn.cu: attention with an exact per-row causal limit and an optional sliding
  * window: row r sees keys [lo_r, L_r), L_r its clamped limit, lo_r = L_r - window when window > 0 and
  * L_r > window, else 0 (cb_row_lo; every path applies the same rule).
  *

@@ -13,7 +13,7 @@
  * What still round-trips: activations. The table's contract keeps them in host buffers (host_alloc gives
  * pinned memory), so every dense operation (matmul, rmsnorm, rope, attention's q and output, swiglu, geglu,
  * scale, add, add_bias, embed) copies its inputs in and its outputs out, computing in bf16 operands with f32
- * accumulation (the CUDA backend's precision, DESIGN.md §5; add, add_bias and scale are f32 throughout).
+ * accumulation (the CUDA backend's precision; add, add_bias and scale are f32 throughout).
  * Weights of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K are dequantized to bf16. rope and kv_load's
  * re-rotation take the layer's cb_rope_t (NORM or NEOX pairing, base, linear scaling, Llama 3 frequency
  * factors); the factors, a host tensor of the model, are copied to the device once per tensor address, so,

@@ -30,7 +30,7 @@ __global__ void k_dequant_scalar(uint32_t type, const uint8_t *src, size_t n, T 
     }
 }
 
-/* One thread per 32-element block (Q4_0, Q4_1, Q5_0, Q8_0): REFERENCE.md §3; nibble j / j+16 order. */
+/* One thread per 32-element block (Q4_0, Q4_1, Q5_0, Q8_0): format/quant.h; nibble j / j+16 order. */
 template <typename T>
 __global__ void k_dequant_q32(uint32_t type, const uint8_t *src, size_t n_blocks, T *dst) {
     for (size_t b = blockIdx.x * (size_t)blockDim.x + threadIdx.x; b < n_blocks; b += (size_t)gridDim.x * blockDim.x) {

@@ -1,5 +1,5 @@
 /* blend: CacheBlend in the engine: a prompt assembled from a prefix, precomputed chunks and a suffix is
- * prefilled by fusing the chunks' cached KV with a selective recompute (ALGORITHM.md §1, DESIGN.md §7).
+ * prefilled by fusing the chunks' cached KV with a selective recompute (docs/engine.md, "One CacheBlend").
  *
  * Prompt = prefix P (chat scaffolding + instruction + "Passages:") + chunks C1..Ck + suffix S (question +
  * assistant opening), the concatenation of the pieces' token arrays; fused positions 0..N-1.

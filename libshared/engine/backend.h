@@ -1,5 +1,5 @@
 /* backend: the table of operations the engine runs, so that a CUDA backend can slot in behind the
- * same calls as the CPU one (STYLE.md habit 10, REFERENCE.md §12.2).
+ * same calls as the CPU one (docs/engine.md).
  *
  * A backend is a struct of function pointers (cb_backend_ops_t) plus a context. Activations (x, q, k, v,
  * logits, scores) are host buffers from the backend's own host_alloc (plain memory on the CPU, pinned

@@ -1,5 +1,5 @@
 /* engine: the llama forward pass over a cb_model_t, on sequences whose KV lives in a block pool owned by
- * the backend, for prefill (batched GEMMs) and decode (one token, quantized GEMVs); REFERENCE.md §12.
+ * the backend, for prefill (batched GEMMs) and decode (one token, quantized GEMVs); docs/engine.md.
  *
  * Memory. An engine owns its run state (all buffers allocated once in cb_engine_new; nothing is allocated
  * in the forward pass) and the KV pool: the backend allocates K and V of every layer as fixed-size blocks

@@ -1,4 +1,4 @@
-/* gguf.c: bounds-checked, read-only GGUF v2/v3 reader (see gguf.h and REFERENCE.md §1).
+/* gguf.c: bounds-checked, read-only GGUF v2/v3 reader (see gguf.h).
  *
  * The whole header (metadata and tensor infos) is parsed and validated at open; afterwards every
  * accessor is a lookup into tables built here. Nothing is allocated before the count that drives the

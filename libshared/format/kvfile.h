@@ -134,7 +134,7 @@ int cb_kvfile_rel_path(const uint8_t key[32], char *buf, size_t buflen);
  * (refused: nothing is written through one); at path, any non-directory is replaced and an empty directory
  * removed (logged), a non-empty directory makes the write fail. Returns 0 on success; -1 on failure with
  * nothing new under path (err says why); -2 when an fsync failed: nothing left under path, do not retry
- * and trust a later success, mark the disk tier degraded (RELIABILITY.md §4.1). Caller keeps ownership
+ * and trust a later success, mark the disk tier degraded (docs/kvfile.md). Caller keeps ownership
  * of all arguments. */
 int cb_kvfile_write(const char *path, const cb_kv_meta_t *meta, const int32_t *tokens, int n_tokens,
                     const float *k, const float *v, char *err, size_t errlen);

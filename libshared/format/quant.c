@@ -1,5 +1,5 @@
 /* quant.c: dequantization of F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks to f32, their
- * reference quantization (cb_quant), and binary16 / bfloat16 conversions (REFERENCE.md §3). Pure functions,
+ * reference quantization (cb_quant), and binary16 / bfloat16 conversions (ggml's block layouts). Pure functions,
  * no allocation, no state.
  *
  * Block structs mirror ggml's packed little-endian layouts; their sizes are pinned by _Static_assert.

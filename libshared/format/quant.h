@@ -1,6 +1,6 @@
 /* quant: dequantization and reference quantization of the GGUF tensor types the engine supports (F32, F16,
  * BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), and half-float conversions. Pure functions: no allocation,
- * no state, safe from any thread. Block layouts follow REFERENCE.md §3 (ggml's packed little-endian blocks;
+ * no state, safe from any thread. Block layouts are ggml's (its packed little-endian blocks;
  * Q5_0 = {f16 d; u8 qh[4]; u8 qs[16]}, element j = d * ((nibble | (bit j of qh) << 4) - 16), the nibble
  * order of Q4_0). */
 #ifndef CB_QUANT_H

@@ -1,5 +1,5 @@
 /* kvremote: the shared KV tier on Redis (or Valkey), through hiredis: chunk KV files as values, shared by
- * every host's cb-blend and cb-precompute (DESIGN.md §11, RELIABILITY.md §8(b); docs/kvremote.md).
+ * every host's cb-blend and cb-precompute (docs/kvremote.md, docs/scaleout.md).
  *
  * Keys: "<prefix>:<model fingerprint hex>:<chunk key hex>" (chunk key: format/kvfile.h cb_kvfile_key).
  * Values: the bytes of a whole KV file, exactly as on disk. This module moves bytes only: it never trusts

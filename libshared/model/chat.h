@@ -7,7 +7,7 @@
  * is hand-written after the family's published Jinja, checked against jinja2 renderings in
  * tests/fixtures/chat-*.jsonl):
  *
- *   "smollm2"   ChatML plus SmolLM2's default system line (REFERENCE.md §11):
+ *   "smollm2"   ChatML plus SmolLM2's default system line:
  *                 [<|im_start|>system\n{default}<|im_end|>\n when the first message is not a system one]
  *                 <|im_start|>{role}\n{content}<|im_end|>\n ...  generation prompt: <|im_start|>assistant\n
  *   "qwen2.5"   the same with Qwen2.5's default "You are Qwen, created by Alibaba Cloud. You are a helpful
@@ -36,7 +36,7 @@
  * template. Naming a template (cb_tokenizer_new_from_gguf_opts) overrides recognition: e.g. "llama3"
  * renders Llama 3.1+ in the 3.0 format, as llama.cpp's built-in llama3 template does.
  *
- * Encoding (the RAG prompt is a concatenation of token arrays, REFERENCE.md §10): the template's markers
+ * Encoding (the RAG prompt is a concatenation of token arrays, rag/ragprompt.h): the template's markers
  * (<|im_start|>, <|eot_id|>, <start_of_turn>, ...) are emitted as token ids when the vocabulary has them
  * as special tokens (else as text, e.g. Mistral v0.1's [INST]); BOS/EOS as the vocabulary's ids;
  * everything else, roles and contents, is tokenized with special-token parsing OFF, so user or document

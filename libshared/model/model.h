@@ -1,4 +1,4 @@
-/* model: a decoder-only transformer loaded from a GGUF file (REFERENCE.md §4-§9).
+/* model: a decoder-only transformer loaded from a GGUF file (docs/models.md).
  *
  * cb_model_load opens the file (mmap, via gguf.h), reads every hyperparameter from the metadata (never
  * hard-coded), checks that every tensor the forward pass needs is present with the right type and

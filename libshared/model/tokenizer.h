@@ -1,6 +1,6 @@
 /* tokenizer: the GGUF vocabularies llama.cpp tokenizes, token for token, for the model families we serve.
  *
- * Built once from a GGUF's tokenizer.ggml.* metadata (REFERENCE.md §5, §9, §10, §17); after that the
+ * Built once from a GGUF's tokenizer.ggml.* metadata; after that the
  * object is immutable and every function here may be called from any number of threads at once.
  *
  * Supported (anything else is refused at construction with a message naming the key and its value):

@@ -2,8 +2,8 @@
  *
  * A chunk is a TEXT, not a slice of the document's token array: the caller tokenizes each chunk text on
  * its own (ragprompt.h cb_ragprompt_chunk), so that the same text gives the same tokens, hence the same
- * content-addressed KV key, in whatever document and at whatever position it appears (REFERENCE.md §10,
- * "RAG consequence"). The tokenizer is used here only to measure.
+ * content-addressed KV key, in whatever document and at whatever position it appears (ragprompt.h:
+ * each piece is tokenized apart). The tokenizer is used here only to measure.
  *
  * Boundaries, in order of preference:
  *   1. paragraph ends (a blank line: two or more '\n' in a run of white space), when the chunk is then at

@@ -4,7 +4,7 @@
  * evaluation all use it, so that a chunk precomputed at ingest has exactly the tokens (hence the key) that
  * a query uses.
  *
- * The prompt is the concatenation of independently tokenized pieces (REFERENCE.md §10):
+ * The prompt is the concatenation of independently tokenized pieces:
  *   prefix P = cb_chat_encode_prefix(system)            e.g. ChatML "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
  *            + encode(cb_ragprompt_instruction())        "You will be asked a question ... \nPassages:\n"
  *   chunk  C = encode(text + "\n\n")                     one per passage / context / chunk text

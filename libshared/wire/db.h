@@ -2,7 +2,7 @@
  * cb-precompute): open with WAL, a busy timeout and a startup integrity check; run SQL scripts;
  * create directories; measure the database's files.
  *
- * RELIABILITY.md §2: one writer process per database; WAL (never on a network filesystem); never
+ * The rules: one writer process per database; WAL (never on a network filesystem); never
  * delete -wal/-shm by hand; `synchronous=NORMAL` where a lost last commit only costs a recompute
  * (cache index, retrieval), `FULL` where an acknowledgement must survive power loss (ingest queue).
  */

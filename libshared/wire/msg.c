@@ -4,7 +4,7 @@
  *
  * Why the pre-scan: msgpack-c 4.0 trusts array/map counts and allocates count x 24 bytes when it
  * reads a header (a 5-byte array32 header asks for up to 96 GiB), has a fixed 32-level stack and no
- * limits in its C API (REFERENCE.md §15). The pre-scan below walks the encoding without allocating,
+ * limits in its C API. The pre-scan below walks the encoding without allocating,
  * iteratively, with an explicit stack of CB_MSG_MAX_DEPTH frames, and proves that every count and
  * length fits in the bytes that remain. After it passes, the sum of all element counts is at most
  * the input length, so msgpack-c's allocation is bounded by the input size times a small constant.

@@ -4,7 +4,7 @@
  * A job's id is content-derived: the hex of BLAKE2b-128("cb-job-v1" || len(doc_id) as u32 LE || doc_id ||
  * text), so pushing the same doc_id with the same text again finds the same job (idempotent ingest).
  * cb_jobs_submit commits the row before it returns, and the caller acknowledges only after that: with
- * synchronous=FULL an acknowledged document survives a crash and a power loss (RELIABILITY.md §2).
+ * synchronous=FULL an acknowledged document survives a crash and a power loss.
  *
  * Job states: queued -> running (the worker picked it; its chunks get planned) -> done | failed. Chunk
  * rows carry a done flag so that a restarted worker resumes a job where it stopped (every step of a chunk

@@ -1,4 +1,4 @@
-/* cb-router: the load-balancing front of many cb-blend workers (docs/router.md; DESIGN.md §11).
+/* cb-router: the load-balancing front of many cb-blend workers (docs/router.md).
  *
  * Two ROUTER sockets in one zloop: the front (router.endpoint; a cb_bus service, so clients talk to it
  * exactly as to cb-blend, and it answers `ping` and `stats` itself) and the back (router.workers_endpoint),

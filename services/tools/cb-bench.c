@@ -1,7 +1,7 @@
 /* cb-bench: engine throughput on synthetic prompts (our side of scripts/bench-engine.sh).
  *
  *   cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--batch B]
- *            [--batch-private] [--json]
+ *            [--batch-private] [--bandwidth] [--json]
  *
  * For each prompt length L (ascending): prefill L pseudo-random token ids (the same ids the llama.cpp
  * side of the benchmark uses: id_i = (i * 7919) % 30000 + 100) at position 0 of one sequence (cleared
@@ -13,12 +13,18 @@
  * step (cb_engine_decode_batch) and once one sequence at a time, both reported as total tokens/s.
  * --batch-private: each of the B sequences gets its own copy of the prompt's KV (as B requests with
  * different documents would have) instead of sharing the blocks, so attention reads B times the KV.
+ * --bandwidth: this machine's memory bandwidth (a STREAM-style triad a = b + s c over three 256 MB f32
+ * arrays, the engine's thread count, best of 5; bytes counted as STREAM does, 12 per element) and the
+ * bound it puts on decode: a step reads every block weight and the output matrix once (in the form the
+ * kernels read: the interleaved copy where there is one) plus the sequence's KV (at the middle of the
+ * decode), so bound = bandwidth / those bytes; decode is reported as a fraction of it.
  * The KV pool is the engine's default, f16; CB_ENGINE_KV_DTYPE=f32 runs the f32 reference pool (the JSON
  * says which: "kv_dtype").
  * Exit: 0 ok, 1 runtime error, 2 bad arguments.
  */
 #include <errno.h>
 #include <jansson.h>
+#include <omp.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +35,7 @@
 #include "base/clock.h"
 #include "base/alloc.h"
 #include "cpu/cpu_ops.h"
+#include "cpu/cpu_quant.h"
 #include "engine/engine.h"
 #include "base/log.h"
 #include "model/model.h"
@@ -37,7 +44,7 @@
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-bench: %s\n", why);
     fprintf(stderr, "usage: cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] "
-                    "[--batch B] [--batch-private] [--json]\n");
+                    "[--batch B] [--batch-private] [--bandwidth] [--json]\n");
     return 2;
 }
 
@@ -105,15 +112,58 @@ out:
     return rc;
 }
 
+/* Bytes one decode step reads of w: its f32 copy, interleaved copy or stored rows, whichever the kernels
+ * read. */
+static size_t weight_bytes(const cb_weight_t *w) {
+    if (w->f32) return sizeof(float) * (size_t)w->rows * (size_t)w->cols;
+    if (w->v16) return cb_cpu_v16_bytes(w);
+    if (w->x8) return cb_cpu_x8_bytes(w);
+    return (size_t)w->rows * w->row_bytes;
+}
+
+static size_t decode_weight_bytes(const cb_model_t *m) {
+    size_t b = weight_bytes(cb_model_output(m));
+    for (int l = 0; l < cb_model_hparams(m)->n_layer; l++) {
+        const cb_layer_weights_t *L = cb_model_layer(m, l);
+        const cb_weight_t *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) b += weight_bytes(ws[k]);
+    }
+    return b;
+}
+
+/* STREAM-style triad on `threads` threads: GB/s (12 bytes per element), best of 5; 0 when out of memory. */
+static double triad_gbs(int threads) {
+    const size_t n = (size_t)64 << 20; /* 256 MB per array: far past any cache */
+    float *a = cb_aligned_alloc(64, n * sizeof(float)), *b = cb_aligned_alloc(64, n * sizeof(float));
+    float *c = cb_aligned_alloc(64, n * sizeof(float));
+    double best = 0.0;
+    if (a && b && c) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (size_t i = 0; i < n; i++) a[i] = 0.0f, b[i] = 1.0f, c[i] = 2.0f; /* first touch by the same threads */
+        for (int rep = 0; rep < 5; rep++) {
+            const double t0 = cb_now_ms();
+            #pragma omp parallel for num_threads(threads) schedule(static)
+            for (size_t i = 0; i < n; i++) a[i] = b[i] + 3.0f * c[i];
+            const double gbs = 12.0 * (double)n / ((cb_now_ms() - t0) * 1e6);
+            best = gbs > best ? gbs : best;
+        }
+    }
+    free(a);
+    free(b);
+    free(c);
+    return best;
+}
+
 int main(int argc, char **argv) {
     cb_log_set_component("cb-bench");
     const char *model_path = cb_svc_model_path(NULL);
     long threads = 0, n_decode = 128, reps = 1, lens[16], n_lens = 0, batch = 0;
-    bool json = false, batch_private = false;
+    bool json = false, batch_private = false, bandwidth = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json")) { json = true; continue; }
         if (!strcmp(a, "--batch-private")) { batch_private = true; continue; }
+        if (!strcmp(a, "--bandwidth")) { bandwidth = true; continue; }
         if (!v) return usage("missing value");
         if (!strcmp(a, "--model")) model_path = v;
         else if (!strcmp(a, "--threads")) { if (!parse_int(v, 1, 256, &threads)) return usage("bad --threads"); }
@@ -206,11 +256,26 @@ int main(int argc, char **argv) {
         printf("decode  %ld sequences x %ld steps%s: batched %.1f tok/s, one at a time %.1f tok/s (%.2fx)\n", batch,
                n_decode < 64 ? n_decode : 64, batch_private ? " (private KV)" : "", batch_tok_s, serial_tok_s,
                batch_tok_s / serial_tok_s);
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru); /* before the triad's arrays */
+    double rss_mb = ru.ru_maxrss / 1024.0;
+    double bw_gbs = 0.0, bound_tok_s = 0.0, w_mb = 0.0, kv_mb = 0.0;
+    if (bandwidth) {
+        bw_gbs = triad_gbs(cb_engine_threads(e));
+        const size_t kv_val = cb_engine_kv_dtype(e) == CB_ENGINE_KV_F32 ? 4 : 2;
+        const double kv_pos = (double)lens[0] + (double)n_decode / 2; /* keys and values read per step */
+        w_mb = (double)decode_weight_bytes(m) / 1e6;
+        kv_mb = kv_pos * 2.0 * kv_val * bhp->n_layer * bhp->n_head_kv * bhp->head_dim / 1e6;
+        bound_tok_s = bw_gbs * 1e3 / (w_mb + kv_mb);
+        if (!json) {
+            printf("bandwidth: triad %.1f GB/s on %d threads; a decode step reads %.0f MB of weights + %.1f MB of KV: "
+                   "bound %.1f tok/s", bw_gbs, cb_engine_threads(e), w_mb, kv_mb, bound_tok_s);
+            if (decode_tok_s > 0) printf(", decode at %.0f %% of it", 100.0 * decode_tok_s / bound_tok_s);
+            printf("\n");
+        }
+    }
     /* what ran: bf16 or int16 blocks need the CPU backend on a CPU with AMX-BF16 or AVX512-VNNI */
     const char *attn_name = cb_cpu_attn_name(cb_engine_attn_math(cb_engine_attn(e)));
-    struct rusage ru;
-    getrusage(RUSAGE_SELF, &ru);
-    double rss_mb = ru.ru_maxrss / 1024.0;
     if (json) {
         json_object_set_new(out, "engine", json_string("cacheblend"));
         json_object_set_new(out, "threads", json_integer(cb_engine_threads(e)));
@@ -222,6 +287,12 @@ int main(int argc, char **argv) {
         json_object_set_new(out, "decode_after", json_integer(lens[0]));
         json_object_set_new(out, "decode_tok_s", json_real(decode_tok_s));
         json_object_set_new(out, "peak_rss_mb", json_real(rss_mb));
+        if (bandwidth) {
+            json_object_set_new(out, "triad_gbs", json_real(bw_gbs));
+            json_object_set_new(out, "decode_weight_mb", json_real(w_mb));
+            json_object_set_new(out, "decode_kv_mb", json_real(kv_mb));
+            json_object_set_new(out, "decode_bound_tok_s", json_real(bound_tok_s));
+        }
         if (batch > 0) {
             json_object_set_new(out, "batch", json_integer(batch));
             json_object_set_new(out, "batch_private", json_boolean(batch_private));

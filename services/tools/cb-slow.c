@@ -1,4 +1,4 @@
-/* cb-slow: a client that never reads its stream (RELIABILITY.md §6 #10, tests/faults/slow.sh). It connects a
+/* cb-slow: a client that never reads its stream (tests/faults/slow.sh, docs/reliability.md). It connects a
  * raw DEALER with a tiny receive queue and socket buffer, sends one request (a cb-blend query, typically with
  * a large max_tokens), holds the socket open for --hold ms without receiving anything, and then reports
  * what had piled up for it: the service either kept the stream within its high-water mark and dropped this

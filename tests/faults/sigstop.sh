@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/faults/sigstop.sh: SIGSTOP / SIGCONT of every service (a frozen process: the socket stays open but
-# nothing answers), CB_FAULTS_ROUNDS rounds each (default 2), the stop 3-5 s long (seeded), while an ingest and
+# nothing answers), CB_FAULTS_ROUNDS rounds each (default 2), each freeze 3-5 s long (seeded), while an ingest and
 # a series of queries run. Checks:
 #   - while it is stopped, a health probe reports it down in bounded time (cbctl health exits non-zero within
 #     5 s; the gateway's own probe times out at the client), and the queries sent then end with a clear error

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/faults/slow.sh: clients that never read their stream (RELIABILITY.md §6 #10).
+# tests/faults/slow.sh: clients that never read their stream (docs/reliability.md).
 #   zmq   3 raw DEALERs (build/bin/cb-slow: receive HWM 1, a 1 KB socket buffer) send a query with a large
 #         max_tokens at temperature 5 (no early end of generation) and never receive;
 #   http  2 HTTP clients (tests/faults/lib/slowhttp.py) POST a streamed chat completion through cb-gateway and

@@ -6,7 +6,7 @@
  * through shuffled and consecutive block tables: writes, layer loads in f32/f16/bf16 under two rotations,
  * reads, block copies, attention, attention_rows and attention mass with and without a sliding window; and the
  * host-side deviation, top-k and compaction); whole forwards of a synthetic SmolLM2-shaped model (the
- * device-resident cb_cuda_llama) against the CPU engine; and the cross-backend test of ISSUE 11: the one
+ * device-resident cb_cuda_llama) against the CPU engine; and the cross-backend test: the one
  * CacheBlend (libshared/blend) in every mode on a CPU engine and a CUDA engine, for every synthetic
  * architecture (gemma3's windowed layers included), comparing selected rows, logits and greedy tokens
  * (test_blend_backends states its rules). Built by tests/run-gpu.sh (mk/cuda.mk); exits 0 with a "skip"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cb-gateway (issue 16) against the real stack, with clients no one here wrote:
+# cb-gateway (docs/gateway.md) against the real stack, with clients no one here wrote:
 #   1. POST /v1/documents ingests data/sample (job ids), GET /v1/documents/jobs/{job} reaches done;
 #   2. the `openai` Python package: a plain and a streamed chat completion with `documents` answer what
 #      `cbctl query --context ...` answers for the same question and contexts; without documents, what

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Remote precompute workers leasing jobs from one master (docs/leases.md; DESIGN.md §11):
+# Remote precompute workers leasing jobs from one master (docs/leases.md):
 #   - a master cb-precompute with no worker thread of its own (precompute.workers = 0) holds the job table;
 #   - two remote workers (precompute.lease_from = the master), each on its own "host": its own data dir,
 #     kv_dir and cb-cacheindex, one cb-retriever for all (the one the configuration names);

@@ -14,7 +14,7 @@ ENV=(CB_RETRIEVER_ENDPOINT=$EP CB_COMMON_MAX_MSG_BYTES=65536 CB_RETRIEVER_MAX_TE
 svc_start retriever build/bin/cb-retriever "${ENV[@]}"
 svc_wait_ping "$EP" || svc_finish
 
-# --- a small corpus whose query words are rare (BM25 needs that to rank, see ECOSYSTEM.md §5)
+# --- a small corpus whose query words are rare (BM25 needs that to rank)
 subjects=(
   "Hamlet is a tragedy written by William Shakespeare about a Danish prince."
   "The Eiffel Tower is a wrought-iron lattice tower in Paris, France."

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Integration test of cb-router with cb-blend workers (docs/router.md; RELIABILITY.md §6 #3, §8(a)), on
+# Integration test of cb-router with cb-blend workers (docs/router.md, docs/reliability.md), on
 # random loopback ports with a temporary data dir; every wait is bounded:
 #   - queries through the router (contexts, and retrieval) answer as a directly reached cb-blend and the
 #     in-process engine do; a routed query is retrieved once (the router's search, carried to the worker);

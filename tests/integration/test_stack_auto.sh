@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ratio = auto through the stack (issue 13): `ratio: "auto"` in a query (cbctl --ratio auto) makes cb-blend
+# ratio = auto through the stack: `ratio: "auto"` in a query (cbctl --ratio auto) makes cb-blend
 # choose the recompute ratio per request (blend.auto_target / auto_floor / auto_ceil); the done metrics
 # report it (ratio_auto, ratio = ratio_chosen, n_candidates) within the floor and the ceiling; the answer
 # equals the in-process one (cb-rag with blend.ratio = auto) and is the same asked twice; blend.ratio = auto

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Continuous batching in cb-blend (issue 12), through the real stack:
+# Continuous batching in cb-blend, through the real stack:
 #   1. 8 concurrent `cbctl query` clients (4 questions over ingested documents, each in blend and in full
 #      mode) get the answers 8 sequential ones got, and they really ran together (stats: batch_peak > 1,
 #      tokens per step > 1);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fault tests of the stack (RELIABILITY.md §6 #1, #3, #10):
+# Fault tests of the stack (docs/reliability.md):
 #   - kill -9 of cb-precompute while it processes acknowledged documents, then a restart: every document is
 #     processed exactly once (one job per document, all done; each chunk once in the retriever and the
 #     cache index; the worker resumes where it stopped);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The KV pool under a small budget (issue 11): cb-blend with blend.kv_pool_bytes of 12 blocks answers a
+# The KV pool under a small budget (docs/engine.md): cb-blend with blend.kv_pool_bytes of 12 blocks answers a
 # query that fits, answers `overloaded` (cbctl exit 3) for one whose blocks the pool cannot hold, returns
 # that query's blocks (stats: only the shared context's blocks stay used) and keeps answering, with the
 # same answer as before the refusal.

@@ -1,5 +1,5 @@
 /* test_blend_golden: the four blend modes give today the logits they gave before the sequences/KV pool
- * redesign (issue 11), on the real model.
+ * redesign, on the real model.
  *
  * tests/fixtures/blend_modes.txt was written by tests/fixtures/blend_modes_gen.c built against commit
  * 34607c8 (the engine's single host KV cache, the blend calling CPU kernels itself): for one fixed prompt
@@ -8,7 +8,7 @@
  * the rows recomputed, a hash of the selected positions, then for 4 greedy steps the argmax and every
  * 97th logit. This test runs the same prompt through the new API and requires the same selections and
  * argmaxes and every logit within a bound (at the commit it was written, the difference was 0; since the
- * int8 kernels of issue 13 the f32 matvec's dot product is compiled with FMA contraction: 3e-5). The
+ * int8 kernels, the f32 matvec's dot product is compiled with FMA contraction: 3e-5). The
  * bound is 5e-4: OpenBLAS picks its sgemm kernel per CPU model, and on an AVX-512 Sapphire-Rapids-class
  * Xeon commit ef1f21d already gives 1.34e-4 (f32 reassociation through 30 layers; logits ~10-20). Selections and
  * argmaxes must still be the same. The

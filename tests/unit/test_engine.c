@@ -772,7 +772,7 @@ static void ref_rmsnorm(const double *x, const float *w, int n, int E, double ep
     }
 }
 
-/* NORM RoPE at positions 0..n-1, straight from REFERENCE.md §6. */
+/* NORM RoPE at positions 0..n-1, straight from its definition. */
 static void ref_rope(double *x, int n, int H, int hd, double base) {
     for (int i = 0; i < n; i++)
         for (int h = 0; h < H; h++)
@@ -1445,7 +1445,7 @@ static int batch_prompt(int i, int base, int V, int32_t *prompt) {
     return n;
 }
 
-/* Batched decode (issue 12's engine step): N sequences of different prompt lengths (base + 3..31) decode
+/* Batched decode (cb-blend's continuous-batching step): N sequences of different prompt lengths (base + 3..31) decode
  * `steps` greedy tokens one batch per step; every sequence gets the tokens and, bit for bit, the logits it
  * gets decoding alone. Returns 0, or -1 after printing why. */
 static int batch_matches_alone(cb_model_t *m, int N, int steps, int base, int max_ctx) {

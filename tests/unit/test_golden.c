@@ -20,7 +20,7 @@
  * token 60 where the exact computation (and we) pick 504.
  * Under ASan only the first two prompts and 8 greedy steps run.
  *
- * Since issue 13 decode runs integer matvecs on int8 activations (engine.h) while prefill stays f32, so
+ * Decode runs integer matvecs on int8 activations (engine.h) while prefill stays f32, so
  * the greedy runs follow llama.cpp's noise at some steps and ours at others: the test runs twice. With the
  * native weights every prompt must meet the logit tolerance and every divergence must be at a near-tie
  * (measured: worst top-10 error 0.75, 3-4 of 10 greedy runs identical, every divergence a near-tie); with

@@ -233,7 +233,7 @@ TEST(test_roundtrip_dtypes) {
     chunk_init(&c, NL, NH, HD, NT, CB_KV_BF16);
     CHECK(roundtrip(&c, 1.0 / 256, 0)); /* bf16: 8-bit significand */
     chunk_free(&c);
-    /* SmolLM2-135M geometry (REFERENCE.md §8): 30 layers x 3 KV heads x 64, f16 by default. */
+    /* SmolLM2-135M geometry: 30 layers x 3 KV heads x 64, f16 by default. */
     int nt = TEST_SANITIZED ? 17 : 100;
     chunk_init(&c, 30, 3, 64, nt, CB_KV_F16);
     CHECK(roundtrip(&c, 1.0 / 2048, 0));
