@@ -43,7 +43,7 @@ typedef struct {
     cb_weight_t wv;          /* [n_head_kv*head_dim][n_embd] */
     cb_weight_t wo;          /* [n_embd][n_head*head_dim] */
     const float *post_attn_norm; /* [n_embd] RMSNorm of the attention output before the residual add, or NULL */
-    int window;              /* keys a row of this layer sees (sliding window, backend.h), 0 = all */
+    int window;              /* keys a row of this layer sees (sliding window, tensor.h cb_attn_geom_t), 0 = all */
     const float *ffn_norm;   /* [n_embd] */
     cb_weight_t w_gate;      /* [n_ff][n_embd] */
     cb_weight_t w_up;        /* [n_ff][n_embd] */

@@ -41,6 +41,10 @@
 #include "format/gguf.h"   /* cb_type_t: the type ids of stored tensors */
 #include "format/kvfile.h" /* cb_kv_dtype_t: the KV pool's value types */
 
+#ifdef __cplusplus
+extern "C" { /* the CUDA backend (C++) implements the table */
+#endif
+
 /* ---------------------------------------------------------------- rotation and geometry */
 
 /* RoPE pairing: NORM rotates adjacent pairs (x[2i], x[2i+1]) (llama GGUFs: the converter permuted Q and K);
@@ -336,4 +340,7 @@ typedef struct {
  * engine/backend_select.h; kernels/cpu/cpu_backend.h and kernels/cuda/cb_cuda_backend.h build one kind.) */
 void cb_backend_destroy(cb_backend_t **self_p);
 
+#ifdef __cplusplus
+}
+#endif
 #endif
