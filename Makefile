@@ -4,6 +4,9 @@
 #   libshared/<layer>/*.c, kernels/cpu/*.c -> build/lib/libshared.a (layers: scripts/check-layers)
 #   services/<dir>/cb*.c                 -> one program each, build/bin/<file stem>;
 #                                           the other .c files of <dir> link into each of them
+#   tools/<dir>/cb*.c, tests/tools/cb*.c -> the same (tools/: engine, eval, bench, wire; tests/tools: the
+#                                           test-only fault and fuzz clients); tools/common/*.c link into
+#                                           every program under tools/
 #   tests/unit/test_*.c                  -> build/tests/<stem> (and build/asan/tests/<stem>)
 #   tests/fuzz/fuzz_*.c                  -> build/fuzz/<stem> (clang libFuzzer, `make fuzz`)
 #   kernels/cuda/*.cu                    -> build/lib/libcbcuda.so (loaded at run time, only where a GPU is)
@@ -19,7 +22,7 @@ PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CFLAGS  ?= -O2 -g
 ALL_CFLAGS = $(CSTD) $(WARN) $(CFLAGS) $(ARCHFLAGS) -fopenmp -Ilibshared -Ikernels $(PKG_CFLAGS)
 LDLIBS  := $(PKG_LIBS) -lm -lpthread -fopenmp
-# Libraries only one service directory links (services/<dir> -> DIR_LIBS_<dir>).
+# Libraries only one program folder links (services/<dir>, tools/<dir> -> DIR_LIBS_<dir>).
 DIR_LIBS_gateway := $(shell pkg-config --libs libmicrohttpd 2>/dev/null)
 DIR_CFLAGS_gateway := $(shell pkg-config --cflags libmicrohttpd 2>/dev/null)
 
@@ -28,7 +31,8 @@ SAN_FLAGS := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sa
 LIB_SRC  := $(wildcard libshared/*/*.c kernels/cpu/*.c)
 LIB_HDR  := $(wildcard libshared/*/*.h kernels/cpu/*.h kernels/cuda/*.h)
 SVC_DIRS := $(wildcard services/*)
-PROG_SRC := $(foreach d,$(SVC_DIRS),$(wildcard $(d)/cb*.c))
+TOOL_DIRS := $(filter-out tools/common,$(wildcard tools/*)) tests/tools
+PROG_SRC := $(foreach d,$(SVC_DIRS) $(TOOL_DIRS),$(wildcard $(d)/cb*.c))
 PROGS    := $(foreach s,$(PROG_SRC),build/bin/$(basename $(notdir $(s))))
 TEST_SRC := $(wildcard tests/unit/test_*.c)
 TESTS    := $(patsubst tests/unit/%.c,build/tests/%,$(TEST_SRC))
@@ -103,11 +107,15 @@ build/lib/libcbcuda.needs: build/lib/libcbcuda.so build/lib/libshared.a
 	rm -f $@.u $@.d
 	mv $@.tmp $@
 
-# One program per services/<dir>/cb*.c, plus the dir's other sources.
+# One program per services/<dir>/cb*.c (tools/<dir>/cb*.c, tests/tools/cb*.c), plus the folder's other
+# sources; a program under tools/ also gets tools/common (its sources, its headers on the include path).
+prog_common = $(if $(filter tools/%,$(1)),tools/common/)
+prog_srcs = $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) $(if $(prog_common),$(wildcard $(prog_common)*.c))
+prog_deps = $(wildcard $(dir $(1))*.h $(dir $(1))www/*) $(if $(prog_common),$(wildcard $(prog_common)*.h))
 define prog_rule
-build/bin/$(basename $(notdir $(1))): $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) $(wildcard $(dir $(1))*.h $(dir $(1))www/*) build/lib/libshared.a $(CUDA_LIB) $(CUDA_NEEDS)
+build/bin/$(basename $(notdir $(1))): $(1) $(call prog_srcs,$(1)) $(call prog_deps,$(1)) build/lib/libshared.a $(CUDA_LIB) $(CUDA_NEEDS)
 	@mkdir -p build/bin
-	$$(CC) $$(ALL_CFLAGS) $$(DIR_CFLAGS_$(notdir $(patsubst %/,%,$(dir $(1))))) -I$(dir $(1)) $(1) $(filter-out $(wildcard $(dir $(1))cb*.c),$(wildcard $(dir $(1))*.c)) build/lib/libshared.a $$(or $$(CUDA_LINK_$(basename $(notdir $(1)))),$$(CUDA_DL)) $$(LDLIBS) $$(DIR_LIBS_$(notdir $(patsubst %/,%,$(dir $(1))))) -o $$@
+	$$(CC) $$(ALL_CFLAGS) $$(DIR_CFLAGS_$(notdir $(patsubst %/,%,$(dir $(1))))) -I$(dir $(1)) $(if $(call prog_common,$(1)),-I$(call prog_common,$(1))) $(1) $(call prog_srcs,$(1)) build/lib/libshared.a $$(or $$(CUDA_LINK_$(basename $(notdir $(1)))),$$(CUDA_DL)) $$(LDLIBS) $$(DIR_LIBS_$(notdir $(patsubst %/,%,$(dir $(1))))) -o $$@
 endef
 $(foreach s,$(PROG_SRC),$(eval $(call prog_rule,$(s))))
 

@@ -35,6 +35,8 @@
 # Environment (defaults):
 #   BENCH_SERVE_QUESTIONS (32)      distinct questions; their examples' passages are the documents
 #   BENCH_SERVE_DOC_EXAMPLES (= Q)  MuSiQue examples whose passages are ingested (more: distractors)
+#   BENCH_SERVE_PASSAGES (0 = all)  passages ingested per example, its first ones (a larger model's ingest
+#                                   is slow: 8 questions x 3 passages keeps a 1.5B model's to ~6 min)
 #   BENCH_SERVE_CLIENTS ("1 4 16")  concurrency levels N
 #   BENCH_SERVE_PER_CLIENT (= Q)    queries each client sends per point (N x this per point)
 #   BENCH_SERVE_MAX_TOKENS (32)     new tokens at most per answer (greedy)
@@ -71,6 +73,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 NQ=${BENCH_SERVE_QUESTIONS:-32}
 NDOCEX=${BENCH_SERVE_DOC_EXAMPLES:-$NQ}
+NPER=${BENCH_SERVE_PASSAGES:-0}
 CLIENTS=${BENCH_SERVE_CLIENTS:-1 4 16}
 PER=${BENCH_SERVE_PER_CLIENT:-$NQ}
 MAXTOK=${BENCH_SERVE_MAX_TOKENS:-32}
@@ -96,6 +99,7 @@ export CB_COMMON_MODEL=$CB_MODEL
 die() { echo "bench-serve: $*" >&2; exit 1; }
 isint() { [[ "$1" =~ ^[0-9]+$ ]] && [ "$1" -ge "${2:-1}" ]; }
 for v in NQ NDOCEX PER MAXTOK K CHUNK CTX PORT INGEST_TIMEOUT QBOUND; do isint "${!v}" || die "$v=${!v}: expected a positive integer"; done
+isint "$NPER" 0 || die "BENCH_SERVE_PASSAGES=$NPER: expected an integer >= 0"
 isint "$WARMUP" 0 || die "BENCH_SERVE_WARMUP=$WARMUP: expected an integer >= 0"
 for n in $CLIENTS; do isint "$n" && [ "$n" -le 256 ] || die "BENCH_SERVE_CLIENTS: $n is not in 1..256"; done
 [ -n "$CLIENTS" ] || die "BENCH_SERVE_CLIENTS is empty"
@@ -158,9 +162,10 @@ POINTS="$OUTDIR/points.jsonl"
 : >"$POINTS"
 
 # questions (distinct, first NQ) and the documents (the passages of the first NDOCEX examples)
-python3 - "$DATA" "$NQ" "$NDOCEX" "$TMP/queries.jsonl" "$TMP/docs.jsonl" <<'EOF' || die "cannot read $DATA"
+python3 - "$DATA" "$NQ" "$NDOCEX" "$TMP/queries.jsonl" "$TMP/docs.jsonl" "$NPER" <<'EOF' || die "cannot read $DATA"
 import json, sys
 path, nq, ndoc, qout, dout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+nper = int(sys.argv[6])
 exs = [json.loads(l) for l in open(path) if l.strip()]
 seen, qs, used = set(), [], 0
 for i, ex in enumerate(exs):
@@ -174,7 +179,7 @@ with open(qout, "w") as f:
     for q in qs: f.write(json.dumps({"question": q}) + "\n")
 with open(dout, "w") as f:
     for ex in exs[:max(used, ndoc)]:
-        f.write(json.dumps({"id": ex["id"], "ctxs": ex["ctxs"]}) + "\n")
+        f.write(json.dumps({"id": ex["id"], "ctxs": ex["ctxs"][:nper] if nper else ex["ctxs"]}) + "\n")
 EOF
 NPASS=$(python3 -c 'import json,sys; print(sum(len(json.loads(l)["ctxs"]) for l in open(sys.argv[1])))' "$TMP/docs.jsonl")
 

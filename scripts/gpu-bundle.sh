@@ -31,7 +31,7 @@ RP="-Wl,--disable-new-dtags -Wl,-rpath,\$ORIGIN/../lib -Wl,-rpath,/usr/local/cud
 # libcbcuda.so, absent from the bundle) then finds and uses this copy (Makefile: CUDA_STATIC).
 LIBS="$LIBS -Wl,-u,cb_backend_cuda_new -Wl,-u,cb_cuda_device_count -Wl,--export-dynamic"
 cc $CF -Itests tests/gpu/test_gpu.c "$B/libshared.a" build/lib/libcbcuda.a $LIBS $RP -o "$B/bin/test_gpu"
-cc $CF services/tools/cb-bench-gpu.c "$B/libshared.a" build/lib/libcbcuda.a $LIBS $RP -o "$B/bin/cb-bench-gpu"
+cc $CF tools/bench/cb-bench-gpu.c "$B/libshared.a" build/lib/libcbcuda.a $LIBS $RP -o "$B/bin/cb-bench-gpu"
 for bin in "$B"/bin/*; do
   ldd "$bin" | awk '/=>/ {print $1, $3}' | while read -r name path; do
     case "$name" in

@@ -5,7 +5,8 @@
 # blend.c and in model.c, an include without a layer folder, a kernel header included from rag/ and from
 # model.c (only the backend registry names a backend), kernels files including engine.h and model.h (above
 # the floor they implement, tensor/), tensor/ including model/, and raw allocations (malloc in a service,
-# strdup in libshared) outside the allocation seam. A planted call in a comment or a string is not a call. Needs
+# in a tool and in a test tool, strdup in libshared) outside the allocation seam. A planted call in a
+# comment or a string is not a call. Needs
 # only python3 (exit 77 without it).
 set -u
 cd "$(dirname "$0")/../.."
@@ -25,8 +26,9 @@ check "the real tree follows the layers" "$rc" "0"
 # fresh copy of the libraries (and the script) in $T/tree
 fresh() {
   rm -rf "$T/tree"
-  mkdir -p "$T/tree/scripts"
-  cp -r libshared kernels services "$T/tree/"
+  mkdir -p "$T/tree/scripts" "$T/tree/tests"
+  cp -r libshared kernels services tools "$T/tree/"
+  cp -r tests/tools "$T/tree/tests/"
   cp scripts/check-layers "$T/tree/scripts/"
 }
 # expect_violation DESCRIPTION PATTERN: check-layers on the copy fails, a line matches PATTERN
@@ -106,6 +108,16 @@ fresh
 printf 'static void *x_(void){return malloc(4);}\n' >>"$T/tree/services/precompute/jobs.c"
 expect_violation "a raw malloc in a service" \
   '^services/precompute/jobs\.c:[0-9]+: calls malloc outside the allocation seam \(base/alloc\.h: cb_malloc\)$'
+
+fresh
+printf 'static void *x_(void){return calloc(1, 4);}\n' >>"$T/tree/tools/common/args.c"
+expect_violation "a raw calloc in a tool" \
+  '^tools/common/args\.c:[0-9]+: calls calloc outside the allocation seam \(base/alloc\.h: cb_calloc\)$'
+
+fresh
+printf 'static void *x_(void *p){return realloc(p, 4);}\n' >>"$T/tree/tests/tools/cb-slow.c"
+expect_violation "a raw realloc in a test tool" \
+  '^tests/tools/cb-slow\.c:[0-9]+: calls realloc outside the allocation seam \(base/alloc\.h: cb_realloc\)$'
 
 fresh
 printf 'static char *y_(const char *s){return strdup(s);}\n' >>"$T/tree/libshared/rag/qa.c"

@@ -1,4 +1,4 @@
-/* args: strict parsing of numeric command-line values for the engine tools (services/tools/).
+/* args: strict parsing of numeric command-line values for the tools (tools/<dir>/, which all link it).
  * A value must be the whole string, in range, without overflow; false otherwise. */
 #ifndef CB_TOOLS_ARGS_H
 #define CB_TOOLS_ARGS_H
