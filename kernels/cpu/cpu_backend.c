@@ -45,6 +45,7 @@ typedef struct {
     size_t esz;             /* bytes per value: 4 or 2 */
     int n_layer, kvd, bt, n_blocks;
     cb_backend_t *be;       /* the table this context belongs to (kv_value_bytes is set at pool init) */
+    cb_weights_t *weights;  /* the model's weights this backend prepared (a reference, given back at destroy) */
 } cpu_ctx_t;
 
 /* ---------------------------------------------------------------- the KV pool */
@@ -420,9 +421,23 @@ static void cpu_set_threads(void *ctx, int n_threads) {
     c->nt = n_threads;
 }
 
+/* The interleaved (or f32) copies of the model's weights, built by the first CPU backend over the model and
+ * shared by the later ones (cb_weights_prepare). */
+static int cpu_prepare_weights(void *ctx, cb_weights_t *ws, char *err, size_t errlen) {
+    cpu_ctx_t *c = ctx;
+    if (c->weights) {
+        snprintf(err, errlen, "cpu backend: weights already prepared");
+        return -1;
+    }
+    if (cb_weights_prepare(ws, "cpu", cb_cpu_weights_build, NULL, err, errlen) != 0) return -1;
+    c->weights = ws;
+    return 0;
+}
+
 static void cpu_destroy(void *ctx) {
     cpu_ctx_t *c = ctx;
     if (!c) return;
+    cb_weights_release(c->weights);
     cb_pool_destroy(&c->pool);
     free(c->rope_cs);
     free(c->rope_rows);
@@ -439,6 +454,7 @@ static void cpu_destroy(void *ctx) {
 
 static const cb_backend_ops_t CPU_OPS = {
     .name = "cpu",
+    .prepare_weights = cpu_prepare_weights,
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,

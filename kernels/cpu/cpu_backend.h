@@ -6,7 +6,7 @@
 
 #include <stddef.h>
 
-#include "engine/backend.h"
+#include "tensor/tensor.h"
 
 /* CPU backend for model geometry hp: calls of up to max_rows rows, attention over up to max_keys keys,
  * n_threads threads (<= 0: one per online CPU). Returns NULL with a message on failure. hp->rope_freqs (the

@@ -1,4 +1,4 @@
-/* cpu_ops: the f32 CPU kernels of the engine (the reference backend, see backend.h); the KV pool they read
+/* cpu_ops: the f32 CPU kernels of the engine (the reference backend, see tensor/tensor.h); the KV pool they read
  * holds f32 or binary16 values (cb_cpu_kv_t), the arithmetic is f32 either way.
  *
  * Plain functions over host buffers; every shape is in the comment. Threading: functions with a `pool`
@@ -17,14 +17,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "engine/backend.h"
 #include "format/kvfile.h"
 #include "cpu/cpu_pool.h"
+#include "tensor/tensor.h"
 
 #ifdef __cplusplus
 extern "C" { /* the CUDA backend shares the host-side operations below */
 #endif
-#include "model/model.h"
 
 /* One-time process setup, idempotent and thread-safe: picks an AVX-512/AVX2 OpenBLAS kernel set when
  * OpenBLAS's runtime detection does not know this CPU (0.3.21 falls back to Prescott kernels on
@@ -40,7 +39,7 @@ void *cb_cpu_alloc_huge(size_t bytes, bool zero);
 /* y[i][:] = x[i][:] / sqrt(mean(x[i]^2) + eps) * w[:]; x [n][dim], w [dim], y [n][dim] (y may be x). */
 void cb_cpu_rmsnorm(const float *x, const float *w, int n, int dim, float eps, float *y);
 
-/* RoPE coefficients of one position under r (model.h cb_rope_t): cs[2i] = cos(theta_i), cs[2i+1] = sin(theta_i),
+/* RoPE coefficients of one position under r (tensor.h cb_rope_t): cs[2i] = cos(theta_i), cs[2i+1] = sin(theta_i),
  * theta_i = pos * freq_scale * base^(-2i/n_dims) / freq_factors[i], for i in 0..n_dims/2-1; computed in double
  * then rounded, so every caller gets bit-identical values. */
 void cb_cpu_rope_coeffs(int32_t pos, const cb_rope_t *r, float *cs /* [r->n_dims] */);
@@ -55,7 +54,7 @@ void cb_cpu_add_bias(float *x, const float *b, int n, int dim);
 
 /* out[i] = silu(gate[i]) * up[i] over n elements (out may alias gate or up). */
 void cb_cpu_swiglu(const float *gate, const float *up, size_t n, float *out);
-/* out = gelu(gate) * up, GELU's tanh form (backend.h geglu); out may alias either input. */
+/* out = gelu(gate) * up, GELU's tanh form (tensor.h geglu); out may alias either input. */
 void cb_cpu_geglu(const float *gate, const float *up, size_t n, float *out);
 /* x *= a over n. */
 void cb_cpu_scale(float *x, size_t n, float a);
@@ -190,7 +189,7 @@ size_t cb_cpu_attn_mass_scratch(const cb_attn_geom_t *g, int max_keys);
 void cb_cpu_attn_mass(const cb_attn_geom_t *g, const float *q, int n, const cb_cpu_kv_t *kv, const int32_t *key_limit,
                       float *mass, float *out, float *scratch, cb_pool_t *pool);
 
-/* The host-side CacheBlend operations of the backend table (backend.h: kv_deviation, topk, compact_rows),
+/* The host-side CacheBlend operations of the backend table (tensor.h: kv_deviation, topk, compact_rows),
  * written once for every backend whose scores and activations are host buffers.
  * dev[i] = sum_j (fresh[i][j] - f32(cached[i][j]))^2 over j < width in double, j in order; fresh [n][width],
  * cached [n] row pointers in dtype (CB_KV_Q8_0: rows of width % 32 == 0, each starting at a block); row: [width]

@@ -36,7 +36,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "model/model.h"
+#include "tensor/tensor.h"
 
 /* Activation formats (bit masks): blocks of 32, super-blocks of 256. */
 #define CB_CPU_Q8_B32 1u
@@ -105,4 +105,11 @@ bool cb_cpu_qdot_gemm(const cb_weight_t *w);
  * kernels: tests call it between runs. */
 const char *cb_cpu_qdot_isa(void);
 int cb_cpu_qdot_use(const char *isa);
+
+/* The CPU backend's copies of a model's weights (cpu_weights.c), a cb_weights_build_fn (tensor.h) that the
+ * backend's prepare_weights runs once per model: as ws->mode says, the x8 or v16 copy of every matrix that has
+ * one (native: v16 for Q4_1 where cb_cpu_v16_preferred, else x8; the stored pages of each copied matrix, and of
+ * an untied embedding table, given back to the mapping), f32 copies of every matrix (f32), or nothing (stored).
+ * arg is unused. 0, or -1 with err. */
+int cb_cpu_weights_build(cb_weights_t *ws, void *arg, char *err, size_t errlen);
 #endif

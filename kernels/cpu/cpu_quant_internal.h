@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "format/quant.h"
-#include "model/model.h"
+#include "tensor/tensor.h"
 
 #define QROWS 4 /* activation rows per pass over a weight row (at most this many per kernel call) */
 

@@ -158,7 +158,7 @@ int cb_cuda_embed(cb_cuda_t *self, const int32_t *dev_tokens, int n, const cb_bf
 int cb_cuda_rmsnorm(cb_cuda_t *self, int n, int dim, const float *x, int ldx, const int32_t *rows,
                     const float *w, float eps, cb_bf16_t *out, int ldo);
 
-/* RoPE pairing of cb_cuda_rope (the values of engine model.h's cb_rope_type_t). */
+/* RoPE pairing of cb_cuda_rope (the values of tensor.h's cb_rope_type_t). */
 typedef enum { CB_CUDA_ROPE_NORM = 0, CB_CUDA_ROPE_NEOX = 2 } cb_cuda_rope_mode_t;
 
 /* How cb_cuda_rope turns a head of head_dim values: pair i (0 <= i < head_dim/2) at position p by
@@ -222,7 +222,7 @@ typedef enum {
 /* Exact causal attention of an arbitrary subset of query rows against the full fused KV.
  * Query row r (0 <= r < n_q) sees keys [lo_r, L_r): L_r = limit[r] + limit_add clamped to [0, n_kv], and
  * lo_r = L_r - window when window > 0 and L_r > window, else 0 (a sliding window: the last `window` keys
- * below the limit; backend.h's cb_attn_key_lo of L_r). For a token at fused position p the exact causal
+ * below the limit; tensor.h's cb_attn_key_lo of L_r). For a token at fused position p the exact causal
  * rule is limit = p + 1. A row whose limit is <= 0 gets zeros. GQA: query head h reads
  * kv head h / (n_heads / n_kv_heads).
  * Contract: K/V rows [min lo_r, max L_r) (over the rows with L_r > 0) are initialized (finite); rows outside

@@ -696,6 +696,8 @@ cb_backend_ops_t make_ops() {
     cb_backend_ops_t o;
     memset(&o, 0, sizeof o);
     o.name = "cuda";
+    /* prepare_weights stays NULL: each weight is uploaded (dequantized to bf16) from its stored rows on first
+     * use (weight()), so a CUDA run builds no host copies of the weights */
     o.matmul = be_matmul;
     o.rmsnorm = be_rmsnorm;
     o.rope = be_rope;

@@ -38,7 +38,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "engine/backend.h"
+#include "tensor/tensor.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -247,11 +247,3 @@ cb_backend_t *cb_backend_select(cb_backend_kind_t kind, const cb_hparams_t *hp, 
     if (be && chosen) *chosen = got;
     return be;
 }
-
-void cb_backend_destroy(cb_backend_t **self_p) {
-    if (!self_p || !*self_p) return;
-    cb_backend_t *be = *self_p;
-    if (be->ops && be->ops->destroy) be->ops->destroy(be->ctx);
-    free(be);
-    *self_p = NULL;
-}

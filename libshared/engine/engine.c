@@ -209,6 +209,12 @@ cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t 
         goto fail;
     }
     e->be->ops->set_threads(e->be->ctx, e->nt);
+    /* the weights in the layouts the backend reads (once per model: later engines share them) */
+    if (e->be->ops->prepare_weights &&
+        e->be->ops->prepare_weights(e->be->ctx, cb_model_weights(model), berr, sizeof berr) != 0) {
+        cb_set_err(err, errlen, "engine: %s", berr);
+        goto fail;
+    }
     /* the pool: as many blocks as the budget holds (default: two sequences of max_ctx) */
     e->bt = bt;
     e->seq_max_blocks = (max_ctx + bt - 1) / bt;

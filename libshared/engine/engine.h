@@ -27,7 +27,7 @@
  * at new positions) gets bit-identical results wherever its inputs and row counts are the same. Every
  * primitive takes at most cb_engine_max_rows(e) rows per call (CB_ENGINE_MAX_ROWS); callers with more rows
  * split them (rows are independent in every primitive). Every primitive goes through the backend table
- * (engine/backend.h): nothing here calls a kernel directly.
+ * (tensor/tensor.h, via engine/backend.h): nothing here calls a kernel directly.
  *
  * Numerics (CPU backend). Calls of up to 8 rows (decode, small blend steps) run as integer matvecs on the
  * stored rows with the activations quantized to int8 per block of 32 (as llama.cpp does); larger calls
@@ -84,7 +84,7 @@ bool cb_engine_kv_dtype_parse(const char *s, cb_engine_kv_dtype_t *out);
 /* "f16", "f32", "default"; "?" otherwise. */
 const char *cb_engine_kv_dtype_name(cb_engine_kv_dtype_t dtype);
 
-/* The arithmetic of prefill attention (config engine.attn; backend.h cb_attn_math_t). DEFAULT (the zero)
+/* The arithmetic of prefill attention (config engine.attn; tensor.h cb_attn_math_t). DEFAULT (the zero)
  * means $CB_ENGINE_ATTN when set (auto, bf16, int16 or f32; anything else fails cb_engine_new_opts), else
  * AUTO. BF16: blocks of query rows run their products on bf16 tiles with f32 sums where the CPU has
  * AMX-BF16 (q, K, V as hi/lo bf16 pairs, the softmax weights rounded once; ~1.8x the f32 blocks at 8,000
@@ -116,8 +116,10 @@ typedef struct {
  * CPU. Memory: the pool (2 * n_layer * n_head_kv * head_dim * value bytes per position: 2 for f16 (the
  * default) and bf16 (CUDA), 4 for f32; SmolLM2: 22.5 KiB per position in f16, 45 KiB in f32; reserved address
  * space, touched as blocks are first used), ~15 MB of scratch and a RoPE table of max_ctx * head_dim floats.
+ * The backend prepares the model's weights here (tensor.h prepare_weights: on the CPU the interleaved or f32
+ * copies, built by the first engine over the model and shared by the others until the last one is destroyed).
  * NULL + err on failure (also for a kv_dtype the backend does not store, or a bad $CB_ENGINE_KV_DTYPE).
- * Caller owns the result (cb_engine_destroy), and destroys every sequence first. */
+ * Caller owns the result (cb_engine_destroy), and destroys every sequence first; the model outlives it. */
 cb_engine_t *cb_engine_new_opts(const cb_model_t *model, const cb_engine_opts_t *o, char *err, size_t errlen);
 /* The same with the default pool (kv_pool_bytes 0) and block size. */
 cb_engine_t *cb_engine_new(const cb_model_t *model, int max_ctx, char *err, size_t errlen);
@@ -134,7 +136,7 @@ cb_engine_kv_dtype_t cb_engine_kv_dtype(const cb_engine_t *self);
 /* The prefill attention asked for (DEFAULT resolved): AUTO, BF16, INT16 or F32 (what runs is the backend's:
  * cpu_ops.h cb_cpu_attn_name). */
 cb_engine_attn_t cb_engine_attn(const cb_engine_t *self);
-/* The backend arithmetic (backend.h cb_attn_math_t) of an attn value: F32, BF16, I16, or AUTO (for AUTO and
+/* The backend arithmetic (tensor.h cb_attn_math_t) of an attn value: F32, BF16, I16, or AUTO (for AUTO and
  * DEFAULT). */
 cb_attn_math_t cb_engine_attn_math(cb_engine_attn_t attn);
 
@@ -227,7 +229,7 @@ int cb_engine_kv_write(cb_engine_t *self, cb_seq_t *seq, int layer, const int32_
 int cb_engine_kv_load(cb_engine_t *self, cb_seq_t *seq, int layer, int pos0, int n, const void *k, const void *v,
                       cb_kv_dtype_t dtype);
 /* Whether cb_engine_kv_load and cb_engine_kv_deviation take rows of dtype: the element dtypes always, q8_0
- * where the backend dequantizes it in the load (backend.h kv_load_q8_0). */
+ * where the backend dequantizes it in the load (tensor.h kv_load_q8_0). */
 bool cb_engine_kv_load_takes(const cb_engine_t *self, cb_kv_dtype_t dtype);
 /* Layer l of seq at positions pos0..pos0+n-1 back as f32 (post-RoPE K): k, v [n][n_head_kv*head_dim] (either
  * may be NULL). For tests and diagnostics. Status. */
@@ -245,7 +247,7 @@ void cb_engine_layer_attn_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer,
  * window only (the key indices here are not positions). */
 void cb_engine_layer_attn_mlp_blocks(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q,
                                      int n, const int32_t *blk, int n_blk, const int32_t *key_limit);
-/* Attention mass of q [n][n_head*head_dim] over layer l of seq (backend.h attn_mass): mass [>= max
+/* Attention mass of q [n][n_head*head_dim] over layer l of seq (tensor.h attn_mass): mass [>= max
  * key_limit] accumulated. Status. */
 int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const float *q, int n,
                         const int32_t *key_limit, float *mass);
@@ -254,13 +256,13 @@ int cb_engine_attn_mass(cb_engine_t *self, const cb_seq_t *seq, int layer, const
  * engine.attn). Status. */
 int cb_engine_layer_attn_mass_mlp(cb_engine_t *self, const cb_seq_t *seq, int layer, float *x, const float *q, int n,
                                   const int32_t *key_limit, float *mass);
-/* KV deviation (backend.h kv_deviation) of fresh [n][n_head_kv*head_dim] against cached row pointers [n]
+/* KV deviation (tensor.h kv_deviation) of fresh [n][n_head_kv*head_dim] against cached row pointers [n]
  * in dtype: dev [n]. Status. */
 int cb_engine_kv_deviation(cb_engine_t *self, int n, const float *fresh, const void *const *cached,
                            cb_kv_dtype_t dtype, double *dev);
-/* Top-k (backend.h topk): out [min(k, n)]. Status. */
+/* Top-k (tensor.h topk): out [min(k, n)]. Status. */
 int cb_engine_topk(cb_engine_t *self, int n, const double *score, int k, int32_t *out);
-/* Row compaction (backend.h compact_rows). */
+/* Row compaction (tensor.h compact_rows). */
 void cb_engine_compact_rows(cb_engine_t *self, float *x, size_t row_len, const int32_t *keep, int n_keep);
 /* Final RMSNorm + LM head of one row: x_row [n_embd] -> logits [n_vocab]. */
 void cb_engine_logits(cb_engine_t *self, const float *x_row, float *logits);

@@ -32,7 +32,7 @@
 #include <stdint.h>
 
 #ifdef __cplusplus
-extern "C" { /* kernels/cuda includes it through engine/backend.h */
+extern "C" { /* kernels/cuda includes it through tensor/tensor.h */
 #endif
 
 #define CB_KV_KEY_BYTES 32       /* key and fingerprint size */

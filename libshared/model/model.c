@@ -1,8 +1,8 @@
 /* model.c: loads a GGUF of one of the architectures of model/arch.h into cb_model_t (see model.h).
  *
- * Owns: the GGUF reader (and so the mapping: the engine reads the stored weight rows there), f32 copies of
- * norm vectors that are not stored as F32, the fingerprint, and with CB_ENGINE_WEIGHTS=f32 one
- * huge-page-advised arena holding f32 copies of the block weight matrices (the f32 reference numerics).
+ * Owns: the GGUF reader (and so the mapping: the weight descriptors point at the stored rows there), f32
+ * copies of norm vectors that are not stored as F32, the fingerprint, and the weight set the backends prepare
+ * (tensor.h cb_weights_t: the list of matrices and its lock; the prepared copies are a backend's).
  * Fails (NULL + message) on anything it does not understand; never asserts on file content.
  */
 #include "model/model.h"
@@ -14,11 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
-#include "cpu/cpu_ops.h"
-#include "cpu/cpu_quant.h"
 #include "base/err.h"
 #include "base/log.h"
 #include "format/quant.h"
@@ -34,10 +29,8 @@ struct cb_model {
     cb_weight_t tok_embd;        /* [n_vocab][n_embd] */
     cb_weight_t output;          /* [n_vocab][n_embd]; a copy of tok_embd's view when tied */
     const float *output_norm;    /* [n_embd] */
-    float *arena;                /* f32 weight copies (CB_ENGINE_WEIGHTS=f32 only), huge-page advised */
-    size_t arena_floats;
-    uint8_t *x8_arena;           /* interleaved copies (CB_ENGINE_WEIGHTS=native, the default) */
-    size_t x8_bytes;
+    cb_weights_t weights;        /* the matrices as the backends prepare them (weights.w: [7 n_layer + 1]) */
+    bool weights_lock;           /* weights.lock initialised */
     const cb_arch_t *arch;       /* the architecture's table entry */
     float **norm_copies;         /* norm, bias and rope_freqs vectors converted from F16/BF16 (or unaligned) */
     int n_norm_copies;
@@ -481,7 +474,7 @@ static int compute_fingerprint(cb_model_t *m) {
 
 /* ---------------------------------------------------------------- load */
 
-/* Types cb_dequant (and so cb_cpu_dequant_row) handles. */
+/* Types cb_dequant (and so every backend's dequantization) handles. */
 static bool dequant_supported(uint32_t type) {
     switch (type) {
     case CB_TYPE_F32: case CB_TYPE_F16: case CB_TYPE_BF16: case CB_TYPE_Q4_0: case CB_TYPE_Q4_1:
@@ -490,98 +483,30 @@ static bool dequant_supported(uint32_t type) {
     }
 }
 
-/* Drops the resident pages wholly inside [q, q + bytes) of the file mapping (madvise DONTNEED: the mapping
- * refills them if anything reads them again). Advisory: a failure only costs memory. */
-static void give_back(const void *q, size_t bytes) {
-    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    const uintptr_t a = ((uintptr_t)q + page - 1) / page * page, e = ((uintptr_t)q + bytes) / page * page;
-    if (e > a) (void)madvise((void *)a, e - a, MADV_DONTNEED);
-}
-
-/* Packs w into dst (v16 or x8 form) in slices of about PACK_SLICE stored bytes, giving each slice's stored
- * pages back once copied, so that the copy and the stored rows are resident together for one slice only.
- * Both forms are group-major (8 or 16 rows per group), so a slice of whole groups is the form of the weight
- * made of those rows, at the same offset. */
-#define PACK_SLICE ((size_t)16 << 20)
-static bool pack_rows(const cb_weight_t *w, uint8_t *dst, bool v16) {
-    int step = (int)(PACK_SLICE / w->row_bytes) / 16 * 16;
-    if (step < 16) step = 16;
-    for (int r0 = 0; r0 < w->rows; r0 += step) {
-        cb_weight_t part = *w;
-        part.q = (const uint8_t *)w->q + (size_t)r0 * w->row_bytes;
-        part.rows = w->rows - r0 < step ? w->rows - r0 : step;
-        if (!(v16 ? cb_cpu_v16_pack(&part, dst) : cb_cpu_x8_pack(&part, dst)))
-            return false; /* (a Q8_0 slice holding -128): the weight stays stored; its copy's space is reused */
-        dst += v16 ? cb_cpu_v16_bytes(&part) : cb_cpu_x8_bytes(&part);
-        give_back(part.q, (size_t)part.rows * w->row_bytes);
-    }
-    return true;
-}
-
-/* The x8 or v16 copies (cpu/cpu_quant.h) of every weight that has such a form, in one huge-page-advised arena; the
- * stored pages of a packed weight are then given back (madvise DONTNEED: the file mapping refills them if
- * anything reads w->q again, e.g. a GPU upload), so the weights cost their size once. */
-static bool pack_x8(cb_model_t *m, char *err, size_t errlen) {
-    const int nw = 7 * m->hp.n_layer + 2;
-    cb_weight_t **ws = cb_calloc((size_t)nw, sizeof *ws);
-    if (!ws) {
+/* The weight set the backends prepare (tensor.h cb_weights_t): every block matrix in layer order, then the
+ * output matrix (the embedding table when tied: then the table is its alias; otherwise the table is only looked
+ * up); mode from CB_ENGINE_WEIGHTS (already checked). */
+static bool describe_weights(cb_model_t *m, const char *wmode, char *err, size_t errlen) {
+    cb_weights_t *ws = &m->weights;
+    const int L = m->hp.n_layer;
+    ws->w = cb_calloc((size_t)7 * L + 1, sizeof *ws->w);
+    if (!ws->w || pthread_mutex_init(&ws->lock, NULL) != 0) {
         cb_set_err(err, errlen, "out of memory");
         return false;
     }
-    int n = 0;
-    for (int l = 0; l < m->hp.n_layer; l++) {
-        cb_layer_weights_t *L = &m->layers[l];
-        cb_weight_t *lw[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-        for (size_t k = 0; k < sizeof lw / sizeof lw[0]; k++) ws[n++] = lw[k];
+    m->weights_lock = true;
+    for (int l = 0; l < L; l++) {
+        cb_layer_weights_t *Lw = &m->layers[l];
+        cb_weight_t *lw[] = {&Lw->wq, &Lw->wk, &Lw->wv, &Lw->wo, &Lw->w_gate, &Lw->w_up, &Lw->w_down};
+        for (size_t k = 0; k < sizeof lw / sizeof lw[0]; k++) ws->w[ws->n++] = lw[k];
     }
-    /* the embedding matrix only when it is also the output matrix: a lookup reads a few stored rows */
-    ws[n++] = m->hp.tied_output ? &m->tok_embd : &m->output;
-    /* per weight: v16 where the VNNI kernel runs (Q4_1), else x8 (Q4_1, Q8_0, Q4_K, Q6_K), else none */
-    const bool v16 = cb_cpu_v16_preferred();
-    size_t total = 0;
-    for (int i = 0; i < n; i++) {
-        const size_t b = v16 && cb_cpu_v16_bytes(ws[i]) ? cb_cpu_v16_bytes(ws[i]) : cb_cpu_x8_bytes(ws[i]);
-        total += (b + 63) / 64 * 64;
-    }
-    bool ok = true;
-    if (total) {
-        m->x8_arena = cb_cpu_alloc_huge(total, false);
-        if (!m->x8_arena) {
-            cb_set_err(err, errlen, "out of memory for %zu MB of interleaved weights", total >> 20);
-            ok = false;
-        }
-    }
-    uint8_t *p = m->x8_arena;
-    for (int i = 0; ok && i < n; i++) {
-        size_t b = 0;
-        if (v16 && cb_cpu_v16_bytes(ws[i]) && pack_rows(ws[i], p, true)) {
-            ws[i]->v16 = p;
-            b = cb_cpu_v16_bytes(ws[i]);
-        } else if (cb_cpu_x8_bytes(ws[i]) && pack_rows(ws[i], p, false)) {
-            ws[i]->x8 = p;
-            b = cb_cpu_x8_bytes(ws[i]);
-        } else {
-            continue; /* read where stored */
-        }
-        p += (b + 63) / 64 * 64;
-        m->x8_bytes += b;
-    }
-    /* the fingerprint read every stored page; an embedding matrix that is not the output is read a few rows
-     * at a time from here on */
-    if (ok && !m->hp.tied_output) give_back(m->tok_embd.q, (size_t)m->tok_embd.rows * m->tok_embd.row_bytes);
-    if (ok && m->hp.tied_output) {
-        m->output.x8 = m->tok_embd.x8;
-        m->output.v16 = m->tok_embd.v16;
-    }
-    free(ws);
-    return ok;
-}
-
-static void dequant_weight(cb_weight_t *w, float *dst) {
-    /* row-parallel: each row is a whole number of blocks; cb_cpu_dequant_row is bit-identical to cb_dequant */
-    #pragma omp parallel for schedule(static)
-    for (int r = 0; r < w->rows; r++) cb_cpu_dequant_row(w, r, dst + (size_t)r * w->cols);
-    w->f32 = dst;
+    ws->w[ws->n++] = &m->output;
+    ws->alias = m->hp.tied_output ? &m->tok_embd : NULL;
+    ws->lookup = m->hp.tied_output ? NULL : &m->tok_embd;
+    ws->mode = !wmode || !*wmode || !strcmp(wmode, "native") ? CB_WEIGHTS_NATIVE
+               : !strcmp(wmode, "f32")                        ? CB_WEIGHTS_F32
+                                                              : CB_WEIGHTS_STORED;
+    return true;
 }
 
 cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
@@ -671,8 +596,7 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
         }
     }
 
-    /* Weights are read where they are stored; CB_ENGINE_WEIGHTS=f32 keeps f32 copies of the block matrices
-     * (one arena, in layer order), which the CPU backend then uses instead (the f32 reference). */
+    /* What the backends are to prepare: CB_ENGINE_WEIGHTS (native, the default; stored; f32: the reference) */
     const char *wmode = getenv("CB_ENGINE_WEIGHTS");
     if (wmode && *wmode && strcmp(wmode, "f32") != 0 && strcmp(wmode, "native") != 0 && strcmp(wmode, "stored") != 0) {
         cb_set_err(err, errlen, "CB_ENGINE_WEIGHTS = '%s': expected native, stored or f32", wmode);
@@ -687,41 +611,15 @@ cb_model_t *cb_model_load(const char *path, char *err, size_t errlen) {
                 goto fail;
             }
     }
-    if (wmode && !strcmp(wmode, "f32")) {
-        size_t per_layer = (size_t)E * (QD + 2 * KVD) + (size_t)QD * E + (size_t)E * F * 3;
-        const size_t out_floats = (size_t)hp->n_vocab * E;
-        m->arena_floats = per_layer * (size_t)hp->n_layer + out_floats;
-        if (m->arena_floats > ((size_t)1 << 40) / sizeof(float)) {
-            cb_set_err(err, errlen, "model too large");
-            goto fail;
-        }
-        m->arena = cb_cpu_alloc_huge(m->arena_floats * sizeof(float), false);
-        if (!m->arena) {
-            cb_set_err(err, errlen, "out of memory for %zu MB of f32 weights", m->arena_floats * 4 >> 20);
-            goto fail;
-        }
-        float *p = m->arena;
-        for (int l = 0; l < hp->n_layer; l++) {
-            cb_layer_weights_t *L = &m->layers[l];
-            cb_weight_t *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-            for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) {
-                dequant_weight(ws[k], p);
-                p += (size_t)ws[k]->rows * ws[k]->cols;
-            }
-        }
-        /* the output matrix too (its matvec then runs in f32); the embedding lookup reads the stored rows */
-        dequant_weight(&m->output, p);
-    }
+    if (!describe_weights(m, wmode, err, errlen)) goto fail;
     if (compute_fingerprint(m) != 0) {
         cb_set_err(err, errlen, "libsodium initialisation failed");
         goto fail;
     }
-    /* native (the default): the x8 copies for the CPU kernels; stored: the file's rows only */
-    if ((!wmode || !*wmode || !strcmp(wmode, "native")) && !pack_x8(m, err, errlen)) goto fail;
     CB_DEBUG("model %s: %d layers, n_embd %d, %d/%d heads, head_dim %d, n_ff %d, vocab %d, rope base %g, "
-             "eps %g, %s output, f32 weights %zu MB", path, hp->n_layer, hp->n_embd, hp->n_head, hp->n_head_kv,
+             "eps %g, %s output, weights prepared %s", path, hp->n_layer, hp->n_embd, hp->n_head, hp->n_head_kv,
              hp->head_dim, hp->n_ff, hp->n_vocab, (double)hp->rope_base, (double)hp->rms_eps,
-             hp->tied_output ? "tied" : "separate", m->arena_floats * 4 >> 20);
+             hp->tied_output ? "tied" : "separate", wmode && *wmode ? wmode : "native");
     return m;
 fail:
     cb_model_destroy(&m);
@@ -733,8 +631,15 @@ void cb_model_destroy(cb_model_t **self_p) {
     cb_model_t *m = *self_p;
     for (int i = 0; i < m->n_norm_copies; i++) free(m->norm_copies[i]);
     free(m->norm_copies);
-    free(m->arena);
-    free(m->x8_arena);
+    if (m->weights_lock) {
+        /* every backend gave its reference back (the model outlives its engines); a last one is released */
+        if (m->weights.refs > 0) {
+            m->weights.refs = 1;
+            cb_weights_release(&m->weights);
+        }
+        pthread_mutex_destroy(&m->weights.lock);
+    }
+    free(m->weights.w);
     free(m->layers);
     cb_gguf_destroy(&m->gguf);
     free(m);
@@ -749,25 +654,12 @@ const cb_layer_weights_t *cb_model_layer(const cb_model_t *self, int layer) {
 const cb_weight_t *cb_model_tok_embd(const cb_model_t *self) { return &self->tok_embd; }
 const cb_weight_t *cb_model_output(const cb_model_t *self) { return &self->output; }
 const float *cb_model_output_norm(const cb_model_t *self) { return self->output_norm; }
-size_t cb_model_f32_bytes(const cb_model_t *self) { return self->arena_floats * sizeof(float); }
+cb_weights_t *cb_model_weights(const cb_model_t *self) { return (cb_weights_t *)&self->weights; }
 
 bool cb_model_is_eog(const cb_model_t *self, int32_t id) {
     for (int i = 0; i < self->hp.n_eog; i++)
         if (self->hp.eog_ids[i] == id) return true;
     return false;
-}
-
-bool cb_rope_equal(const cb_rope_t *a, const cb_rope_t *b) {
-    if (a->type != b->type || a->n_dims != b->n_dims || a->base != b->base || a->freq_scale != b->freq_scale ||
-        (!a->freq_factors) != (!b->freq_factors))
-        return false;
-    return !a->freq_factors || a->freq_factors == b->freq_factors ||
-           memcmp(a->freq_factors, b->freq_factors, sizeof(float) * (size_t)(a->n_dims / 2)) == 0;
-}
-
-cb_rope_t cb_hparams_rope(const cb_hparams_t *hp) {
-    float scale = hp->rope_freq_scale > 0.0f ? hp->rope_freq_scale : 1.0f; /* 0: a zeroed hparams */
-    return (cb_rope_t){hp->rope_type, hp->n_rot ? hp->n_rot : hp->head_dim, hp->rope_base, scale, hp->rope_freqs};
 }
 
 void cb_model_fingerprint(const cb_model_t *self, uint8_t out[32]) { memcpy(out, self->fingerprint, 32); }

@@ -2,9 +2,11 @@
 # Integration test of scripts/check-layers: the real tree passes it; copies of libshared/ and kernels/
 # with one planted violation each fail it with a message naming the file: an upward include (format ->
 # blend, rag -> wire, wire -> svc), wire including a layer other than base (kv), a direct kernel call in
-# blend.c, an include without a layer folder, a kernel header included from rag/, a kernels file
-# including a layer above the two types it implements, and raw allocations (malloc in a service, in a
-# tool and in a test tool, strdup in libshared) outside the allocation seam. A planted call in a comment or a string is not a call. Needs
+# blend.c and in model.c, an include without a layer folder, a kernel header included from rag/ and from
+# model.c (only the backend registry names a backend), kernels files including engine.h and model.h (above
+# the floor they implement, tensor/), tensor/ including model/, and raw allocations (malloc in a service,
+# in a tool and in a test tool, strdup in libshared) outside the allocation seam. A planted call in a
+# comment or a string is not a call. Needs
 # only python3 (exit 77 without it).
 set -u
 cd "$(dirname "$0")/../.."
@@ -71,8 +73,31 @@ printf '#include "cpu/cpu_ops.h"\n' >>"$T/tree/libshared/rag/qa.c"
 expect_violation "a kernel header in rag" '^libshared/rag/qa\.c:[0-9]+: rag includes kernels \(cpu/cpu_ops\.h\)'
 
 fresh
+printf '#include "cpu/cpu_quant.h"\n' >>"$T/tree/libshared/model/model.c"
+expect_violation "a kernel header in model.c" \
+  '^libshared/model/model\.c:[0-9]+: model includes kernels \(cpu/cpu_quant\.h\): only the backend registry'
+
+fresh
+printf 'static void x(void){cb_cpu_x8_pack(0,0);}\n' >>"$T/tree/libshared/model/model.c"
+expect_violation "a kernel call in model.c" \
+  '^libshared/model/model\.c:[0-9]+: model calls a kernel outside the backend table \(cb_cpu_x8_pack\)$'
+
+fresh
 printf '#include "engine/engine.h"\n' >>"$T/tree/kernels/cpu/cpu_pool.c"
 expect_violation "kernels include engine.h" '^kernels/cpu/cpu_pool\.c:[0-9]+: kernels includes engine \(engine/engine\.h\)'
+
+fresh
+printf '#include "model/model.h"\n' >>"$T/tree/kernels/cpu/cpu_quant.c"
+expect_violation "a kernel includes model.h" '^kernels/cpu/cpu_quant\.c:[0-9]+: kernels includes model \(model/model\.h\)'
+
+fresh
+printf '#include "engine/backend.h"\n' >>"$T/tree/kernels/cuda/cb_cuda_backend.cu"
+expect_violation "a CUDA kernel includes backend.h" \
+  '^kernels/cuda/cb_cuda_backend\.cu:[0-9]+: kernels includes engine \(engine/backend\.h\)'
+
+fresh
+printf '#include "model/model.h"\n' >>"$T/tree/libshared/tensor/tensor.h"
+expect_violation "tensor includes model" '^libshared/tensor/tensor\.h:[0-9]+: tensor includes model \(model/model\.h\)$'
 
 fresh
 printf '/* cb_cpu_add(0, 0, 0) */\nstatic const char *x_ = "cb_cuda_free(p)"; // cb_pool_run(p)\n' >>"$T/tree/libshared/kv/kvmem.c"

@@ -686,7 +686,9 @@ TEST(test_tiny_model_loads) {
     CHECK(!cb_model_is_eog(m, 1));
     CHECK(cb_model_output(m)->q == cb_model_tok_embd(m)->q);
     CHECK(!cb_model_layer(m, 0)->wq.f32 && !cb_model_tok_embd(m)->f32 && !cb_model_layer(m, TINY_L));
-    CHECK(cb_model_f32_bytes(m) == 0); /* weights are read where they are stored */
+    /* the model describes its weights and prepares nothing: a backend does (test_weights_prepared_once) */
+    CHECK(cb_model_weights(m)->refs == 0 && cb_model_weights(m)->n == 7 * TINY_L + 1);
+    CHECK(!cb_model_layer(m, 0)->wq.x8 && !cb_model_layer(m, 0)->wq.v16 && !cb_model_output(m)->x8);
     uint8_t fp1[32], fp2[32], fp3[32];
     cb_model_fingerprint(m, fp1);
     cb_model_destroy(&m);
@@ -967,6 +969,63 @@ TEST(test_tiny_vs_reference) {
         CHECK(d1 < tol && d2 < tol);
         cb_model_destroy(&m);
     }
+}
+
+/* The CPU backend prepares a model's weights once, however many engines share the model: the first engine
+ * builds the copies, the others share them, the last one destroyed frees them and empties the slots. */
+TEST(test_weights_prepared_once) {
+    char err[256];
+    cb_model_t *m = load_tiny_mode(false, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    const cb_weights_t *ws = cb_model_weights(m);
+    const cb_weight_t *wq = &cb_model_layer(m, 0)->wq, *out = cb_model_output(m), *te = cb_model_tok_embd(m);
+    CHECK(ws->mode == CB_WEIGHTS_NATIVE && ws->refs == 0 && !wq->x8 && !wq->v16);
+    cb_engine_t *e1 = cb_engine_new(m, 16, err, sizeof err);
+    CHECK_MSG(e1, "%s", err);
+    const void *form = wq->x8 ? wq->x8 : wq->v16;
+    CHECK(form && ws->refs == 1 && ws->bytes > 0 && !wq->f32);
+    CHECK(te->x8 == out->x8 && te->v16 == out->v16); /* tied: one copy (none here: its Q8_0 rows hold -128) */
+    cb_engine_t *e2 = cb_engine_new(m, 16, err, sizeof err);
+    CHECK_MSG(e2, "%s", err);
+    CHECK(ws->refs == 2 && (wq->x8 ? wq->x8 : wq->v16) == form); /* shared, not packed again */
+    cb_engine_destroy(&e1);
+    CHECK(ws->refs == 1 && (wq->x8 ? wq->x8 : wq->v16) == form);
+    int32_t tok[3] = {5, 6, 7};
+    float lg[80];
+    cb_seq_t *s = cb_seq_new(e2);
+    CHECK(s && cb_engine_prefill(e2, s, tok, 3, 0, lg) == CB_ENGINE_OK);
+    cb_seq_destroy(&s);
+    cb_engine_destroy(&e2);
+    CHECK(ws->refs == 0 && !wq->x8 && !wq->v16 && !out->x8 && !te->x8 && !te->v16 && ws->bytes == 0);
+    cb_model_destroy(&m);
+
+    /* f32: copies of the matrices (the output's too), not of the embedding table's lookups */
+    m = load_tiny_mode(true, err, sizeof err);
+    CHECK_MSG(m, "%s", err);
+    ws = cb_model_weights(m);
+    wq = &cb_model_layer(m, 0)->wq, out = cb_model_output(m), te = cb_model_tok_embd(m);
+    CHECK(ws->mode == CB_WEIGHTS_F32 && !wq->f32);
+    e1 = cb_engine_new(m, 16, err, sizeof err);
+    CHECK_MSG(e1, "%s", err);
+    CHECK(wq->f32 && out->f32 && !te->f32 && !wq->x8 && !wq->v16);
+    CHECK(ws->bytes == sizeof(float) * (size_t)TINY_L * (TINY_E * (TINY_H + 2 * TINY_HKV) * TINY_HD +
+                                                          TINY_H * TINY_HD * TINY_E + 3 * TINY_E * TINY_F) +
+                           sizeof(float) * 80 * TINY_E);
+    cb_engine_destroy(&e1);
+    CHECK(!wq->f32 && !out->f32);
+    cb_model_destroy(&m);
+
+    /* stored: the file's rows only */
+    setenv("CB_ENGINE_WEIGHTS", "stored", 1);
+    m = load_tiny(NULL, err, sizeof err);
+    unsetenv("CB_ENGINE_WEIGHTS");
+    CHECK_MSG(m, "%s", err);
+    e1 = cb_engine_new(m, 16, err, sizeof err);
+    CHECK_MSG(e1, "%s", err);
+    wq = &cb_model_layer(m, 0)->wq;
+    CHECK(cb_model_weights(m)->refs == 1 && !wq->x8 && !wq->v16 && !wq->f32 && cb_model_weights(m)->bytes == 0);
+    cb_engine_destroy(&e1);
+    cb_model_destroy(&m);
 }
 
 TEST(test_tiny_engine_properties) {
@@ -1643,6 +1702,7 @@ int main(void) {
     RUN(test_tiny_model_loads);
     RUN(test_loader_rejects);
     RUN(test_tiny_vs_reference);
+    RUN(test_weights_prepared_once);
     RUN(test_tiny_engine_properties);
     RUN(test_seq_share_prefix);
     RUN(test_pool_exhausted);

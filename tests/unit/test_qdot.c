@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/cpu_backend.h"
 #include "cpu/cpu_ops.h"
 #include "cpu/cpu_pool.h"
 #include "cpu/cpu_quant.h"
@@ -571,8 +572,8 @@ TEST(test_qdot_multi_formats) {
 }
 
 /* Checks weights of a real model against the reference with random activations of the real scale
- * (rms-normalised: |x| ~ 1, outliers included), on at most max_rows rows of each, in each form the load
- * gave it (x8 / v16, then the stored rows) and every kernel set. */
+ * (rms-normalised: |x| ~ 1, outliers included), on at most max_rows rows of each, in each form the CPU
+ * backend gave it (x8 / v16, then the stored rows) and every kernel set. */
 static void check_real_weights(const cb_weight_t *const *ws, int n_ws, int max_rows) {
     for (int k = 0; k < n_ws; k++) {
         cb_weight_t w = *ws[k];
@@ -600,6 +601,15 @@ static void check_real_weights(const cb_weight_t *const *ws, int n_ws, int max_r
     cb_cpu_qdot_use(NULL);
 }
 
+/* A CPU backend that has prepared m's weights (the interleaved copies the kernels read), or NULL. */
+static cb_backend_t *prepared_backend(const cb_model_t *m) {
+    char err[256];
+    cb_backend_t *be = cb_backend_cpu_new(cb_model_hparams(m), 4, 16, 1, err, sizeof err);
+    if (be && be->ops->prepare_weights(be->ctx, cb_model_weights(m), err, sizeof err) != 0) cb_backend_destroy(&be);
+    if (!be) fprintf(stderr, "  cpu backend: %s\n", err);
+    return be;
+}
+
 /* The default model's matrices (SmolLM2 Q4_1: a Q4_1 FFN matrix, the Q4_1 attention output and the Q8_0
  * embedding = tied output rows), as loaded (interleaved) and stored. */
 TEST(test_qdot_real_model) {
@@ -611,11 +621,14 @@ TEST(test_qdot_real_model) {
     const int nl = cb_model_hparams(m)->n_layer;
     const cb_layer_weights_t *L0 = cb_model_layer(m, 0), *Lm = cb_model_layer(m, nl / 3);
     const cb_weight_t *ws[] = {&L0->w_gate, &Lm->w_down, &Lm->wo, cb_model_output(m)};
-    for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) /* the default load interleaves Q4_1 and Q8_0 */
+    CHECK(!L0->w_gate.x8 && !L0->w_gate.v16); /* the model prepares nothing; the CPU backend does */
+    cb_backend_t *be = prepared_backend(m);
+    for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++) /* the default preparation interleaves Q4_1 and Q8_0 */
         if (ws[k]->type == CB_TYPE_Q4_1 || ws[k]->type == CB_TYPE_Q8_0)
             CHECK(ws[k]->type == CB_TYPE_Q4_1 && cb_cpu_v16_preferred() ? ws[k]->v16 && !ws[k]->x8
                                                                          : ws[k]->x8 && !ws[k]->v16);
     check_real_weights(ws, (int)(sizeof ws / sizeof ws[0]), 2048);
+    cb_backend_destroy(&be);
     cb_model_destroy(&m);
 }
 
@@ -638,7 +651,9 @@ TEST(test_qdot_real_kquant) {
     for (size_t k = 0; k < sizeof ws / sizeof ws[0]; k++)
         n_k += ws[k]->type == CB_TYPE_Q4_K || ws[k]->type == CB_TYPE_Q6_K;
     CHECK(n_k >= 6);
+    cb_backend_t *be = prepared_backend(m);
     check_real_weights(ws, (int)(sizeof ws / sizeof ws[0]), TEST_SANITIZED ? 256 : 2048);
+    cb_backend_destroy(&be);
     cb_model_destroy(&m);
 }
 

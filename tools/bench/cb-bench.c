@@ -7,7 +7,8 @@
  * side of the benchmark uses: id_i = (i * 7919) % 30000 + 100) at position 0 of one sequence (cleared
  * before each prefill) of an engine sized for the longest prompt; the best of R repetitions is reported. Decode: after a prompt of the first
  * length, N greedy steps. Peak RSS is the process's maximum resident set (getrusage), which includes
- * the model (its mapping; f32 copies too with CB_ENGINE_WEIGHTS=f32) and the KV pool blocks the longest
+ * the model (its mapping), the backend's weight copies (interleaved, or f32 with CB_ENGINE_WEIGHTS=f32) and the
+ * KV pool blocks the longest
  * prompt touched. --batch B (> 0): after
  * that, B sequences sharing the first prompt's blocks decode min(N, 64) greedy steps, once as one batch per
  * step (cb_engine_decode_batch) and once one sequence at a time, both reported as total tokens/s.
@@ -191,7 +192,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cb-bench: %s\n", err);
         return 1;
     }
-    double load_s = (cb_now_ms() - t0) / 1e3;
     const int V = cb_model_hparams(m)->n_vocab;
     long max_len = lens[n_lens - 1], ctx = max_len > lens[0] + n_decode ? max_len : lens[0] + n_decode;
     /* the default pool (two sequences of ctx), plus room for the batch's own blocks (f32 K/V: more than
@@ -203,6 +203,7 @@ int main(int argc, char **argv) {
         eo.kv_pool_bytes = per_pos * ((size_t)2 * ctx + (size_t)batch * ((batch_private ? lens[0] : 0) + 64 +
                                                                           2 * CB_ENGINE_BLOCK_TOKENS));
     cb_engine_t *e = cb_engine_new_opts(m, &eo, err, sizeof err);
+    const double load_s = (cb_now_ms() - t0) / 1e3; /* the model and its weights as the backend reads them */
     cb_seq_t *seq = e ? cb_seq_new(e) : NULL;
     int32_t *tok = cb_malloc(sizeof(int32_t) * (size_t)ctx);
     float *lg = cb_malloc(sizeof(float) * (size_t)V);
