@@ -13,6 +13,7 @@
 #include "base/err.h"
 #include "base/log.h"
 #include "base/utf8.h"
+#include "rag/regex.h"
 
 #include <jansson.h>
 #include <pcre2.h>
@@ -57,57 +58,15 @@ static char *xstrndup(const char *s, size_t n) {
     return d;
 }
 
-static pcre2_code *compile(const char *pat) {
-    int ec;
-    PCRE2_SIZE eo;
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED,
-                                   PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &ec, &eo, NULL);
-    if (!re) { /* a constant pattern: an internal invariant */
-        CB_ERROR("qa: cannot compile /%s/ (error %d at %zu)", pat, ec, (size_t)eo);
-        abort();
-    }
-    return re;
-}
-
 static void init_once(void) {
-    g_re_all = compile("(?s).+");
-    g_re_articles = compile("\\b(a|an|the)\\b");
-    g_re_word = compile("\\S+");
-}
-
-/* Substitutes repl for re's matches in s[0..len) (global when `global`); returns a new string, or NULL when
- * out of memory. */
-static char *subst(const pcre2_code *re, const char *s, size_t len, const char *repl, int global, int extended) {
-    uint32_t opts = PCRE2_SUBSTITUTE_OVERFLOW_LENGTH | (global ? PCRE2_SUBSTITUTE_GLOBAL : 0) |
-                    (extended ? PCRE2_SUBSTITUTE_EXTENDED : 0);
-    PCRE2_SIZE cap = len + len / 2 + 16;
-    char *out = cb_malloc(cap);
-    for (int attempt = 0; out && attempt < 2; attempt++) {
-        PCRE2_SIZE outlen = cap;
-        int rc = pcre2_substitute(re, (PCRE2_SPTR)s, len, 0, opts, NULL, NULL, (PCRE2_SPTR)repl,
-                                  PCRE2_ZERO_TERMINATED, (PCRE2_UCHAR *)out, &outlen);
-        if (rc >= 0) return out;
-        if (rc != PCRE2_ERROR_NOMEMORY) break;
-        cap = outlen + 1;
-        char *bigger = cb_realloc(out, cap);
-        if (!bigger) {
-            free(out);
-            return NULL;
-        }
-        out = bigger;
-    }
-    if (!out) return NULL;
-    /* Not expected with these patterns; keep the text unchanged rather than fail the evaluation. */
-    free(out);
-    if (!(out = cb_malloc(len + 1))) return NULL;
-    memcpy(out, s, len);
-    out[len] = '\0';
-    return out;
+    g_re_all = cb_regex_compile("(?s).+");
+    g_re_articles = cb_regex_compile("\\b(a|an|the)\\b");
+    g_re_word = cb_regex_compile("\\S+");
 }
 
 /* Scoring (the evaluation's, never a service's) stops the program when out of memory. */
 static char *xsubst(const pcre2_code *re, const char *s, size_t len, const char *repl, int global, int extended) {
-    char *out = subst(re, s, len, repl, global, extended);
+    char *out = cb_regex_subst(re, s, len, repl, global, extended, 0);
     if (!out) {
         CB_ERROR("qa: out of memory (%zu bytes)", len);
         abort();

@@ -11,6 +11,7 @@
 
 #include "base/err.h"
 #include "base/log.h"
+#include "rag/regex.h"
 #include "model/chat.h"
 
 #define SEP "\n\n"
@@ -28,16 +29,7 @@ static const char ANSWER[] = "\nAnswer:";
 static pcre2_code *g_re_first; /* the first character (UTF-8, Unicode case rules) */
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
-static void init_once(void) {
-    int ec;
-    PCRE2_SIZE eo;
-    g_re_first = pcre2_compile((PCRE2_SPTR) "^(?s).", PCRE2_ZERO_TERMINATED,
-                               PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &ec, &eo, NULL);
-    if (!g_re_first) { /* a constant pattern: an internal invariant */
-        CB_ERROR("ragprompt: cannot compile the first-character pattern (error %d)", ec);
-        abort();
-    }
-}
+static void init_once(void) { g_re_first = cb_regex_compile("^(?s)."); }
 
 struct cb_ragprompt {
     const cb_tokenizer_t *tok;
@@ -194,34 +186,9 @@ char *cb_ragprompt_normalize_question(const char *question) {
     size_t n = strlen(question);
     int add_q = n == 0 || question[n - 1] != '?';
     /* the first character lowercased (\L in a PCRE2 substitution: Unicode-aware, as Python's str.lower) */
-    PCRE2_SIZE cap = n + n / 2 + 16;
-    char *out = cb_malloc(cap + 2);
-    for (int attempt = 0; out && attempt < 2; attempt++) {
-        PCRE2_SIZE outlen = cap;
-        int rc = pcre2_substitute(g_re_first, (PCRE2_SPTR)question, n, 0,
-                                  PCRE2_SUBSTITUTE_OVERFLOW_LENGTH | PCRE2_SUBSTITUTE_EXTENDED, NULL, NULL,
-                                  (PCRE2_SPTR) "\\L$0", PCRE2_ZERO_TERMINATED, (PCRE2_UCHAR *)out, &outlen);
-        if (rc >= 0) {
-            if (add_q) out[outlen++] = '?';
-            out[outlen] = '\0';
-            return out;
-        }
-        if (rc != PCRE2_ERROR_NOMEMORY) break;
-        cap = outlen + 1;
-        char *bigger = cb_realloc(out, cap + 2);
-        if (!bigger) {
-            free(out);
-            return NULL;
-        }
-        out = bigger;
-    }
+    char *out = cb_regex_subst(g_re_first, question, n, "\\L$0", 0, 1, 1);
     if (!out) return NULL;
-    /* not expected with this pattern: the question as it is */
-    free(out);
-    if (!(out = cb_malloc(n + 2))) return NULL;
-    memcpy(out, question, n);
-    if (add_q) out[n++] = '?';
-    out[n] = '\0';
+    if (add_q) strcat(out, "?"); /* the one spare byte */
     return out;
 }
 
