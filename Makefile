@@ -217,9 +217,9 @@ build/fault/cb-faultpaths: $(wildcard tests/faults/inproc/*.c tests/faults/inpro
 	$(CC) $(filter-out -DCB_HAVE_CUDA=1,$(ALL_CFLAGS)) $(FAULT_FLAGS) -Iservices/precompute -Itests/faults/inproc \
 	    $(wildcard tests/faults/inproc/*.c) $(FAULT_SVC) build/fault/libshared.a $(LDLIBS) -o $@
 
-# Only the in-process failure points (tests/faults/inproc/run.sh), a few minutes.
+# Only the in-process failure points (the fault suite's first scenario, tests/faults/inproc.sh), a few minutes.
 test-faults-inproc: all model build/fault/cb-faultpaths
-	@tests/faults/inproc/run.sh
+	@tests/faults/run.sh inproc
 
 cuda:
 	$(MAKE) CB_CUDA=1 all
