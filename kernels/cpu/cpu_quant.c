@@ -260,14 +260,14 @@ static inline size_t x8_q4_1_nib(int s) { return 32 + 32 * (size_t)(s & 3) + 16 
 static inline size_t x8_q8_0_lo(int s) { return 16 + 64 * (size_t)(s & 3) + 16 * (size_t)(s >> 2); }
 
 size_t cb_cpu_x8_bytes(const cb_weight_t *w) {
-    if (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K) return cb_cpu_k8_bytes(w);
+    if (k_quant(w->type)) return cb_cpu_k8_bytes(w);
     if (w->type != CB_TYPE_Q4_1 && w->type != CB_TYPE_Q8_0) return 0;
     if (w->rows <= 0 || w->rows % 8 || w->cols <= 0 || w->cols % 32) return 0;
     return (size_t)w->rows * w->row_bytes;
 }
 
 bool cb_cpu_x8_pack(const cb_weight_t *w, void *dst) {
-    if (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K) return cb_cpu_k8_pack(w, dst);
+    if (k_quant(w->type)) return cb_cpu_k8_pack(w, dst);
     const size_t n = cb_cpu_x8_bytes(w);
     if (!n) return false;
     const int nb = w->cols / 32;
@@ -1097,7 +1097,7 @@ static const qdot_set_t *kernels(void) {
 const char *cb_cpu_qdot_isa(void) { return kernels()->name; }
 
 void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
-    if (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K)
+    if (k_quant(w->type))
         cb_cpu_k8_dequant_row(w, row, dst);
     else
         kernels()->x8_dequant(w, row, dst);
@@ -1108,7 +1108,7 @@ bool cb_cpu_v16_preferred(void) { return kernels()->q4_1v16 != s_q4_1v16; }
 bool cb_cpu_qdot_gemm(const cb_weight_t *w) {
     if (w->f32) return false;
     if (w->v16) return true;
-    return w->x8 && (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K) && kernels()->k8 != cb_cpu_k8_scalar;
+    return w->x8 && k_quant(w->type) && kernels()->k8 != cb_cpu_k8_scalar;
 }
 
 static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
@@ -1124,11 +1124,11 @@ static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
 }
 
 unsigned cb_cpu_qdot_format(const cb_weight_t *w) {
-    return w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K ? CB_CPU_Q8_K : CB_CPU_Q8_B32;
+    return k_quant(w->type) ? CB_CPU_Q8_K : CB_CPU_Q8_B32;
 }
 
 bool cb_cpu_qdot_supported(const cb_weight_t *w) {
-    const int blk = w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K ? 256 : 32;
+    const int blk = k_quant(w->type) ? 256 : 32;
     return kernel_of(&SCALAR, w->type) && w->cols > 0 && w->cols % blk == 0;
 }
 
@@ -1139,11 +1139,9 @@ void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int 
     if (w->v16 && o0 % 16 == 0 && o1 % 16 == 0) {
         fn = k->q4_1v16;
         step = k->v16_rows;
-    } else if (w->x8 && o0 % 8 == 0 && o1 % 8 == 0 && (w->type == CB_TYPE_Q4_K || w->type == CB_TYPE_Q6_K)) {
-        fn = k->k8;
     } else if (w->x8 && o0 % 8 == 0 && o1 % 8 == 0) {
-        fn = w->type == CB_TYPE_Q4_1 ? k->q4_1x8 : k->q8_0x8;
-        step = k->x8_rows;
+        fn = k_quant(w->type) ? k->k8 : w->type == CB_TYPE_Q4_1 ? k->q4_1x8 : k->q8_0x8;
+        step = k_quant(w->type) ? QROWS : k->x8_rows;
     }
     assert(fn && cb_cpu_qdot_supported(w));
     for (int r0 = 0; r0 < n; r0 += step) {

@@ -54,6 +54,9 @@ static inline void q6k_unpack(const uint8_t *blk, int k, uint8_t out[32]) {
     }
 }
 
+/* True for the K-quant types (super-blocks of 256, the K activation format, the k8 form of x8). */
+static inline bool k_quant(uint32_t type) { return type == CB_TYPE_Q4_K || type == CB_TYPE_Q6_K; }
+
 /* The K-quant rows interleaved by 8 (cpu_quant_k8.c; the layout is in cpu_quant.h). */
 size_t cb_cpu_k8_bytes(const cb_weight_t *w);
 bool cb_cpu_k8_pack(const cb_weight_t *w, void *dst);

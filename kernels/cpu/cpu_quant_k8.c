@@ -52,7 +52,7 @@ static const uint8_t *group_sb(const cb_weight_t *w, int g, int i) {
 }
 
 size_t cb_cpu_k8_bytes(const cb_weight_t *w) {
-    if (w->type != CB_TYPE_Q4_K && w->type != CB_TYPE_Q6_K) return 0;
+    if (!k_quant(w->type)) return 0;
     if (w->rows <= 0 || w->rows % 8 || w->cols <= 0 || w->cols % 256) return 0;
     return (size_t)(w->rows / 8) * (size_t)(w->cols / 256) * blk_bytes(w->type);
 }
