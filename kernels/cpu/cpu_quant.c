@@ -825,9 +825,14 @@ static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q5_0, s_q8_0, s_q4
 #ifdef CB_HAVE_X86
 static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_avx2, cb_cpu_k8_avx2,
                                  s_q4_1v16, QROWS};
-/* AVX2 and, for the v16 layout, AVX-512 VNNI */
-static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_avx2, cb_cpu_k8_avx2,
+/* AVX-512 VNNI for the interleaved layouts (x8 on 256-bit vectors, v16 on 512-bit ones), AVX2 for the stored
+ * rows */
+static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_vnni, cb_cpu_k8_vnni,
                                 w_q4_1v16, V16_MR};
+/* The x8 kernels of the VNNI set with their vpdpbusd emulated in AVX2 (and Q4_1 in x8, as v16 needs VNNI):
+ * for testing that set's arithmetic on any AVX2 CPU. */
+static const qdot_set_t VNNI_EMU = {"avx512vnni-emulated", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k,
+                                    cb_cpu_b8_vnni_emu, cb_cpu_k8_vnni_emu, s_q4_1v16, QROWS};
 #endif
 
 static const qdot_set_t *g_set;
@@ -896,6 +901,10 @@ int cb_cpu_qdot_use(const char *isa) {
     }
     if (!strcmp(isa, "avx512vnni") && have_avx2() && have_vnni()) {
         g_set = &VNNI;
+        return 0;
+    }
+    if (!strcmp(isa, "avx512vnni-emulated") && have_avx2()) {
+        g_set = &VNNI_EMU;
         return 0;
     }
 #endif

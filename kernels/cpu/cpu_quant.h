@@ -106,9 +106,12 @@ void cb_cpu_v16_dequant_row(const cb_weight_t *w, int row, float *dst);
  * a v16 weight, or an x8 weight where the AVX2 kernels run; never with an f32 copy. */
 bool cb_cpu_qdot_gemm(const cb_weight_t *w);
 
-/* The kernel set in use: "avx512vnni" (AVX2 plus the v16 kernel), "avx2" or "scalar". cb_cpu_qdot_use
- * selects one for the whole process ("avx512vnni", "avx2", "scalar" or NULL = best available); 0, or -1 when the CPU cannot run it. Not thread-safe against running
- * kernels: tests call it between runs. */
+/* The kernel set in use: "avx512vnni" (vpdpbusd kernels for the x8 and v16 copies, AVX2 for the stored rows),
+ * "avx2", "scalar", or "avx512vnni-emulated" (the avx512vnni set's x8 kernels with vpdpbusd emulated in AVX2,
+ * Q4_1 in x8: for testing that set's arithmetic on CPUs without VNNI; never chosen by default). Every set
+ * gives the scalar set's bits on the x8 copies. cb_cpu_qdot_use selects one for the whole process (one of
+ * those names, or NULL = the best available); 0, or -1 when the CPU cannot run it. Not thread-safe against
+ * running kernels: tests call it between runs. */
 const char *cb_cpu_qdot_isa(void);
 int cb_cpu_qdot_use(const char *isa);
 

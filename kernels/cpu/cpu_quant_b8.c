@@ -157,7 +157,7 @@ void cb_cpu_b8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
         }
 }
 
-/* ---------------------------------------------------------------- AVX2 */
+/* ---------------------------------------------------------------- AVX2 (and the VNNI arithmetic emulated) */
 
 #if defined(__x86_64__) || defined(__i386__)
 #if defined(__clang__)
@@ -169,135 +169,37 @@ void cb_cpu_b8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
 #include <immintrin.h>
 #endif
 
-/* 4 bytes at p, broadcast to the 8 int32 lanes. */
-static inline __m256i b4(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
 /* Decode streams each weight from DRAM once per token: prefetch this far ahead (a hint: the address may lie
  * past the copy's end). */
 #define B8_PREFETCH 4096
 
-/* One group of 8 weight rows of 4- or 5-bit codes against R activation rows, over nb blocks; out[r] = the 8
- * rows' dot products with activation row r. */
-static inline __attribute__((always_inline)) void v_nib_g(const uint32_t type, const uint8_t *blk, int nb,
-                                                           const xrow_t *x, const int R, __m256 *out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), b4bit = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
-    const size_t bb = blk_bytes(type), qs = qs_at(type);
-    const int off = code_offset(type);
-    __m256 acc[QROWS];
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, blk += bb) {
-        _mm_prefetch((const char *)(blk + B8_PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + B8_PREFETCH + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(blk + B8_PREFETCH + 128), _MM_HINT_T0);
-        __m256i si[QROWS], s16[QROWS];
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) si[r] = s16[r] = _mm256_setzero_si256();
-        const __m256i qh = type == CB_TYPE_Q5_0 ? _mm256_loadu_si256((const __m256i *)(blk + B8_QH)) : m4;
-        #pragma GCC unroll 4
-        for (int t = 0; t < 4; t++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qs + 32 * t));
-            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            if (type == CB_TYPE_Q5_0) { /* bit t of each qh byte, and bit 4 + t, to bit 4 */
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4 - t), b4bit));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(t == 0 ? qh : _mm256_srli_epi16(qh, t), b4bit));
-            }
-            #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const int8_t *xq = x[r].q + 32 * b;
-                s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, b4(xq + 4 * t)),
-                                                                   _mm256_maddubs_epi16(hi, b4(xq + 16 + 4 * t))));
-            }
-            if (type == CB_TYPE_Q5_0 ? t % 2 == 1 : t == 3) {
-                #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    si[r] = _mm256_add_epi32(si[r], _mm256_madd_epi16(s16[r], ones));
-                    s16[r] = _mm256_setzero_si256();
-                }
-            }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            if (off) si[r] = _mm256_sub_epi32(si[r], _mm256_set1_epi32(off * x[r].bs[b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
-            if (type == CB_TYPE_Q4_1)
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))),
-                                         _mm256_set1_ps(x[r].ds[b]), acc[r]);
-        }
-    }
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = acc[r];
-}
+#define X8_ISA_AVX2
+#include "cpu/cpu_quant_isa.h"
+#include "cpu/cpu_quant_b8_isa.h"
+#undef X8_ISA_AVX2
+#define X8_ISA_VNNI_EMU
+#include "cpu/cpu_quant_isa.h"
+#include "cpu/cpu_quant_b8_isa.h"
+#undef X8_ISA_VNNI_EMU
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 
-/* One Q8_0 group against R activation rows (as v_nib_g): |w| times q with w's sign, folded to int32 per
- * step (a pair reaches 2 * 128 * 127). */
-static inline __attribute__((always_inline)) void v_q8_g(const uint8_t *blk, int nb, const xrow_t *x, const int R,
-                                                          __m256 *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[QROWS];
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, blk += B8_Q8_0) {
-        for (int k = 0; k < 5; k++) _mm_prefetch((const char *)(blk + B8_PREFETCH + 64 * k), _MM_HINT_T0);
-        __m256i si[QROWS];
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) si[r] = _mm256_setzero_si256();
-        #pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) {
-            const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * t)), aw = _mm256_abs_epi8(wq);
-            #pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                si[r] = _mm256_add_epi32(
-                    si[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(b4(x[r].q + 32 * b + 4 * t), wq)),
-                                             ones));
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
-    }
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = acc[r];
-}
+/* ---------------------------------------------------------------- AVX-512 VNNI (256-bit vectors) */
 
-#define B8_CASE(call, RR)                                                                                \
-    for (int g = o0 / 8; g < o1 / 8; g++) {                                                              \
-        __m256 out[QROWS];                                                                               \
-        const uint8_t *blk = group_blk(w, g, 0);                                                         \
-        call;                                                                                            \
-        for (int r = 0; r < RR; r++) _mm256_storeu_ps(y + (size_t)r * ldy + 8 * g, out[r]);              \
-    }                                                                                                    \
-    break;
-#define B8_SWITCH(fn, ...)                                                                               \
-    switch (R) {                                                                                         \
-    case 1: B8_CASE(fn(__VA_ARGS__, blk, nb, x, 1, out), 1)                                             \
-    case 2: B8_CASE(fn(__VA_ARGS__, blk, nb, x, 2, out), 2)                                             \
-    case 3: B8_CASE(fn(__VA_ARGS__, blk, nb, x, 3, out), 3)                                             \
-    default: B8_CASE(fn(__VA_ARGS__, blk, nb, x, 4, out), 4)                                            \
-    }
-
-void cb_cpu_b8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
-    assert(o0 % 8 == 0 && o1 % 8 == 0 && R >= 1 && R <= QROWS);
-    const int nb = w->cols / 32;
-    switch (w->type) {
-    case CB_TYPE_Q4_0: B8_SWITCH(v_nib_g, CB_TYPE_Q4_0) break;
-    case CB_TYPE_Q4_1: B8_SWITCH(v_nib_g, CB_TYPE_Q4_1) break;
-    case CB_TYPE_Q5_0: B8_SWITCH(v_nib_g, CB_TYPE_Q5_0) break;
-    default:
-        switch (R) {
-        case 1: B8_CASE(v_q8_g(blk, nb, x, 1, out), 1)
-        case 2: B8_CASE(v_q8_g(blk, nb, x, 2, out), 2)
-        case 3: B8_CASE(v_q8_g(blk, nb, x, 3, out), 3)
-        default: B8_CASE(v_q8_g(blk, nb, x, 4, out), 4)
-        }
-        break;
-    }
-}
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
+#define X8_ISA_VNNI
+#include "cpu/cpu_quant_isa.h"
+#include "cpu/cpu_quant_b8_isa.h"
+#undef X8_ISA_VNNI
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -305,6 +207,12 @@ void cb_cpu_b8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
 #endif
 #else
 void cb_cpu_b8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    cb_cpu_b8_scalar(w, o0, o1, x, R, y, ldy);
+}
+void cb_cpu_b8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    cb_cpu_b8_scalar(w, o0, o1, x, R, y, ldy);
+}
+void cb_cpu_b8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
     cb_cpu_b8_scalar(w, o0, o1, x, R, y, ldy);
 }
 #endif

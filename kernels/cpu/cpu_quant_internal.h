@@ -65,6 +65,8 @@ bool cb_cpu_b8_pack(const cb_weight_t *w, void *dst);
 void cb_cpu_b8_dequant_row(const cb_weight_t *w, int row, float *dst);
 void cb_cpu_b8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_b8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_b8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 
 /* The K-quant rows interleaved by 8 (cpu_quant_k8.c; the layout is in cpu_quant.h). */
 size_t cb_cpu_k8_bytes(const cb_weight_t *w);
@@ -74,4 +76,8 @@ void cb_cpu_k8_dequant_row(const cb_weight_t *w, int row, float *dst);
  * target has no AVX2); the AVX2 ones give the scalar ones' bits. */
 void cb_cpu_k8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+/* The same on AVX-512 VNNI (vpdpbusd on 256-bit vectors), and its arithmetic emulated with AVX2 (for tests on
+ * CPUs without VNNI): the scalar kernels' bits too. */
+void cb_cpu_k8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_k8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 #endif

@@ -201,7 +201,7 @@ void cb_cpu_k8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
         }
 }
 
-/* ---------------------------------------------------------------- AVX2 */
+/* ---------------------------------------------------------------- AVX2 (and the VNNI arithmetic emulated) */
 
 #if defined(__x86_64__) || defined(__i386__)
 #if defined(__clang__)
@@ -213,184 +213,37 @@ void cb_cpu_k8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
 #include <immintrin.h>
 #endif
 
-/* Decode streams each weight from DRAM once per token: prefetch n cache lines this far ahead of p (the
- * same distance as the stored-row kernels; a hint, so the address may lie past the copy's end). */
+/* Decode streams each weight from DRAM once per token: the kernels prefetch this far ahead (the same distance
+ * as the stored-row kernels; a hint, so the address may lie past the copy's end). */
 #define K8_PREFETCH 4096
-static inline void v_prefetch(const uint8_t *p, int n) {
-    const uintptr_t a = (uintptr_t)p + K8_PREFETCH;
-    for (int k = 0; k < n; k++) _mm_prefetch((const char *)(a + 64 * (uintptr_t)k), _MM_HINT_T0);
-}
 
-/* 4 bytes at p, broadcast to the 8 int32 lanes. */
-static inline __m256i b4(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-/* One Q4_K group (8 weight rows) against R activation rows, over nsb super-blocks; out[r] = the 8 rows'
- * dot products with activation row r. */
-/* One Q4_K or Q5_K (q5) group (8 weight rows) against R activation rows, over nsb super-blocks; out[r] = the
- * 8 rows' dot products with activation row r. Q5_K's fifth bits come from its qh vectors (bit k of each
- * byte, k = the sub-block, moved to bit 4); its int16 sums are folded every 4 steps. */
-static inline __attribute__((always_inline)) void v_q4k_g(const bool q5, const uint8_t *blk, int nsb, const xrow_t *x,
-                                                           const int R, __m256 *out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m256 acc[K8_ROWS];
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const size_t qs = q5 ? Q5K_QS : Q4K_QS;
-    for (int i = 0; i < nsb; i++, blk += q5 ? K8_Q5K : K8_Q4K) {
-        __m256i si[K8_ROWS];
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) si[r] = _mm256_setzero_si256();
-        if (q5) v_prefetch(blk + Q5K_QH, 4);
-        for (int c = 0; c < 4; c++) {
-            v_prefetch(blk + qs + 256 * c, 4);
-            #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                const int k = 2 * c + h;
-                const __m256i sc = _mm256_cvtepu8_epi16(
-                    _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(blk + Q4K_SC + 8 * k)), dup));
-                __m256i s16[K8_ROWS];
-                #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
-                K8_UNROLL(K8_TUNROLL)
-                for (int t = 0; t < 8; t++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qs + 256 * c + 32 * t));
-                    __m256i q = h ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) : _mm256_and_si256(raw, m4);
-                    if (q5) {
-                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + Q5K_QH + 32 * t));
-                        const __m256i hb = k < 4 ? _mm256_slli_epi16(qh, 4 - k) : k > 4 ? _mm256_srli_epi16(qh, k - 4) : qh;
-                        q = _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
-                    }
-                    #pragma GCC unroll 4
-                    for (int r = 0; r < R; r++)
-                        s16[r] = _mm256_add_epi16(
-                            s16[r], _mm256_maddubs_epi16(q, b4(x[r].kq + 256 * i + 64 * c + 32 * h + 4 * t)));
-                    if (q5 && t == 3) { /* Q5_K: two int16 sums of 4 steps */
-                        #pragma GCC unroll 4
-                        for (int r = 0; r < R; r++) {
-                            si[r] = _mm256_add_epi32(si[r], _mm256_madd_epi16(s16[r], sc));
-                            s16[r] = _mm256_setzero_si256();
-                        }
-                    }
-                }
-                #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) si[r] = _mm256_add_epi32(si[r], _mm256_madd_epi16(s16[r], sc));
-            }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_D)));
-        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_DMIN)));
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            __m256i sm = _mm256_setzero_si256();
-            #pragma GCC unroll 4
-            for (int p = 0; p < 4; p++)
-                sm = _mm256_add_epi32(sm, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
-                                                                (const __m128i *)(blk + Q4K_MN + 16 * p))),
-                                                            b4(x[r].kbs32 + 8 * i + 2 * p)));
-            const __m256 dx = _mm256_set1_ps(x[r].kd[i]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[r]), _mm256_mul_ps(d, dx), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sm), _mm256_mul_ps(dm, dx), acc[r]);
-        }
-    }
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = acc[r];
-}
-
-static inline __attribute__((always_inline)) void v_q4k_g4(const uint8_t *blk, int nsb, const xrow_t *x, const int R,
-                                                            __m256 *out) {
-    v_q4k_g(false, blk, nsb, x, R, out);
-}
-static inline __attribute__((always_inline)) void v_q4k_g5(const uint8_t *blk, int nsb, const xrow_t *x, const int R,
-                                                            __m256 *out) {
-    v_q4k_g(true, blk, nsb, x, R, out);
-}
-
-/* One Q6_K group against R activation rows (as v_q4k_g). */
-static inline __attribute__((always_inline)) void v_q6k_g(const uint8_t *blk, int nsb, const xrow_t *x, const int R,
-                                                           __m256 *out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    const __m128i dup0 = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
-    const __m128i dup1 = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
-    __m256 acc[K8_ROWS];
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int i = 0; i < nsb; i++, blk += K8_Q6K) {
-        __m256i si[K8_ROWS];
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) si[r] = _mm256_setzero_si256();
-        K8_UNROLL(K8_GUNROLL)
-        for (int g = 0; g < 16; g++) {
-            const uint8_t *q = blk + Q6K_Q + 96 * g;
-            v_prefetch(q, 2);
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)q);
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(q + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 64));
-            const __m256i w0 = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-            const __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                               _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-            const __m256i w2 = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(qh, m30));
-            const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-            const __m128i sp = _mm_loadu_si128((const __m128i *)(blk + Q6K_SC + 16 * (g / 2)));
-            const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sp, g & 1 ? dup1 : dup0));
-            #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const int8_t *xq = x[r].kq + 256 * i + 16 * g;
-                const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w0, b4(xq)), _mm256_maddubs_epi16(w1, b4(xq + 4)));
-                const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(w2, b4(xq + 8)), _mm256_maddubs_epi16(w3, b4(xq + 12)));
-                si[r] = _mm256_add_epi32(si[r], _mm256_add_epi32(_mm256_madd_epi16(a, sc), _mm256_madd_epi16(b, sc)));
-            }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q6K_D)));
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            __m256i off = _mm256_setzero_si256();
-            #pragma GCC unroll 8
-            for (int p = 0; p < 8; p++)
-                off = _mm256_add_epi32(off, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(
-                                                                  (const __m128i *)(blk + Q6K_SC + 16 * p))),
-                                                              b4(x[r].kbs + 16 * i + 2 * p)));
-            const __m256i s = _mm256_sub_epi32(si[r], _mm256_slli_epi32(off, 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x[r].kd[i])), acc[r]);
-        }
-    }
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = acc[r];
-}
-
-#define K8_CASE(fn, RR)                                                                                  \
-    for (int g = o0 / 8; g < o1 / 8; g++) {                                                              \
-        __m256 out[K8_ROWS];                                                                             \
-        fn(group_sb(w, g, 0), nsb, x + r0, RR, out);                                                     \
-        for (int r = 0; r < RR; r++) _mm256_storeu_ps(y + (size_t)(r0 + r) * ldy + 8 * g, out[r]);       \
-    }                                                                                                    \
-    break;
-#if K8_ROWS == 2
-#define K8_SWITCH(fn) switch (m) { case 1: K8_CASE(fn, 1) default: K8_CASE(fn, 2) }
-#elif K8_ROWS == 3
-#define K8_SWITCH(fn) switch (m) { case 1: K8_CASE(fn, 1) case 2: K8_CASE(fn, 2) default: K8_CASE(fn, 3) }
+#define X8_ISA_AVX2
+#include "cpu/cpu_quant_isa.h"
+#include "cpu/cpu_quant_k8_isa.h"
+#undef X8_ISA_AVX2
+#define X8_ISA_VNNI_EMU
+#include "cpu/cpu_quant_isa.h"
+#include "cpu/cpu_quant_k8_isa.h"
+#undef X8_ISA_VNNI_EMU
+#if defined(__clang__)
+#pragma clang attribute pop
 #else
-#define K8_SWITCH(fn) switch (m) { case 1: K8_CASE(fn, 1) case 2: K8_CASE(fn, 2) case 3: K8_CASE(fn, 3) default: K8_CASE(fn, 4) }
+#pragma GCC pop_options
 #endif
 
-void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
-    assert(o0 % 8 == 0 && o1 % 8 == 0 && R >= 1 && R <= QROWS);
-    const int nsb = w->cols / 256;
-    for (int r0 = 0; r0 < R; r0 += K8_ROWS) {
-        const int m = R - r0 < K8_ROWS ? R - r0 : K8_ROWS;
-        if (w->type == CB_TYPE_Q4_K) {
-            K8_SWITCH(v_q4k_g4)
-        } else if (w->type == CB_TYPE_Q5_K) {
-            K8_SWITCH(v_q4k_g5)
-        } else {
-            K8_SWITCH(v_q6k_g)
-        }
-    }
-}
+/* ---------------------------------------------------------------- AVX-512 VNNI (256-bit vectors) */
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
+#define X8_ISA_VNNI
+#include "cpu/cpu_quant_isa.h"
+#include "cpu/cpu_quant_k8_isa.h"
+#undef X8_ISA_VNNI
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -398,6 +251,12 @@ void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
 #endif
 #else
 void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    cb_cpu_k8_scalar(w, o0, o1, x, R, y, ldy);
+}
+void cb_cpu_k8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    cb_cpu_k8_scalar(w, o0, o1, x, R, y, ldy);
+}
+void cb_cpu_k8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
     cb_cpu_k8_scalar(w, o0, o1, x, R, y, ldy);
 }
 #endif

@@ -128,8 +128,8 @@ static void qmatvec(const cb_weight_t *w, const float *x, int n, float *y, uint8
     cb_cpu_qdot_rows(w, 0, w->rows, xq, n, y, w->rows);
 }
 
-static const char *const ISAS[] = {"scalar", "avx2", "avx512vnni"};
-enum { N_ISAS = 3 };
+static const char *const ISAS[] = {"scalar", "avx2", "avx512vnni", "avx512vnni-emulated"};
+enum { N_ISAS = 4 };
 
 TEST(test_quantize_row) {
     enum { C = 2048 };
