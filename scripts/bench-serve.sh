@@ -179,7 +179,7 @@ print("bench-serve: estimate (2 CPU cores, one query at a time; a batching cb-bl
       % (npass, npass * 1.6 / 60.0, q, len(modes), " ".join(modes), t / 60.0))
 EOF
 
-jget() { python3 -c 'import json,sys
+jfield() { python3 -c 'import json,sys
 try: v=json.loads(sys.argv[1])
 except Exception: print(""); sys.exit()
 for k in sys.argv[2].split("."):
@@ -202,7 +202,7 @@ echo "bench-serve: $NPASS passages acknowledged; waiting for cb-precompute (chun
 last="" last_t=$SECONDS t_print=0
 while :; do
   js=$(stats_of "$CB_PRECOMPUTE_ENDPOINT")
-  q=$(jget "$js" jobs_queued) r=$(jget "$js" jobs_running) d=$(jget "$js" jobs_done) f=$(jget "$js" jobs_failed) c=$(jget "$js" chunks_done)
+  q=$(jfield "$js" jobs_queued) r=$(jfield "$js" jobs_running) d=$(jfield "$js" jobs_done) f=$(jfield "$js" jobs_failed) c=$(jfield "$js" chunks_done)
   if [ -n "$q" ] && [ -n "$r" ]; then
     [ "$q" -eq 0 ] && [ "$r" -eq 0 ] && break
     [ "$d $f $c" != "$last" ] && { last="$d $f $c"; last_t=$SECONDS; }
@@ -216,7 +216,7 @@ while :; do
 done
 INGEST_S=$((SECONDS - T0))
 RJS=$(stats_of "$CB_RETRIEVER_ENDPOINT")
-echo "bench-serve: ingest done in $INGEST_S s: $d documents, $c chunks (${f} failed); retriever: $(jget "$RJS" chunks) chunks"
+echo "bench-serve: ingest done in $INGEST_S s: $d documents, $c chunks (${f} failed); retriever: $(jfield "$RJS" chunks) chunks"
 [ "$f" -eq 0 ] || echo "bench-serve: warning: $f documents failed in cb-precompute" >&2
 echo "$NPASS" >"$TMP/ingested"
 fi

@@ -262,9 +262,9 @@ stack_stop_all() {
 
 # ------------------------------------------------------------------------------------------------ probes
 
-# jget JSON PATH: the value at PATH (dot-separated; numbers index arrays); strings raw, others as JSON;
-# "null" when absent.
-jget() {
+# stack_jget JSON PATH (also jget): the value at PATH (dot-separated; numbers index arrays); strings raw,
+# others as JSON; "null" when absent. The launcher calls stack_jget, so a script's own jget cannot change it.
+stack_jget() {
   local -; set +e
   if [ -n "$STACK_JQ" ]; then
     local path
@@ -287,12 +287,14 @@ for p in sys.argv[2].split(".") if sys.argv[2] else []:
 print(v if isinstance(v, str) else json.dumps(v, separators=(",", ":")))' "$1" "$2"
 }
 
+jget() { stack_jget "$@"; }
+
 # svc_stats ENDPOINT: the service's stats reply ({} when it does not answer in 3 s).
 svc_stats() { "$STACK_SEND" --timeout 3000 "$1" '{"type":"stats"}' 2>/dev/null || echo '{}'; }
 
 # stack_stats SERVICE: svc_stats of its endpoint; stack_stat SERVICE FIELD: one field ("null" if none).
 stack_stats() { svc_stats "$(stack_endpoint "$1")"; }
-stack_stat() { jget "$(stack_stats "$1")" "$2"; }
+stack_stat() { stack_jget "$(stack_stats "$1")" "$2"; }
 
 # svc_wait_ping ENDPOINT [SECONDS [PID]]: until the service answers ping (default 10 s); with PID, the
 # process with that pid must answer, and it fails as soon as that process exits (a service that could not
@@ -304,7 +306,7 @@ svc_wait_ping() {
   while :; do
     if out=$("$STACK_SEND" --timeout 200 "$ep" '{"type":"ping"}' 2>/dev/null); then
       [ -z "$pid" ] && return 0
-      [ "$(jget "$out" pid)" = "$pid" ] && return 0
+      [ "$(stack_jget "$out" pid)" = "$pid" ] && return 0
     fi
     if [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null; then
       stack_fail "the process for $ep (pid $pid) exited before it answered ping"; return 1
@@ -322,7 +324,7 @@ svc_wait_stat() {
   local name=$1 ep=$2 field=$3 want=$4 limit=${5:-${STACK_READY_S:-60}} end got=""
   end=$((SECONDS + limit))
   while :; do
-    got=$(jget "$(svc_stats "$ep")" "$field")
+    got=$(stack_jget "$(svc_stats "$ep")" "$field")
     [ "$got" = "$want" ] && return 0
     if ! svc_alive "$name"; then stack_fail "$name exited; the end of its log:"; svc_log_tail "$name"; return 1; fi
     [ "$SECONDS" -ge "$end" ] && break
