@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # bench-curve.sh (`make bench-curve`): what CURVE + ZAP cost, side by side in one run.
 #
-#   Two fresh stacks of the four services at once (scripts/stack.sh, no gateway), the same configuration but
-#   common.curve: "off" on ports BENCH_CURVE_PORT..+4, "on" on BENCH_CURVE_PORT+10..+14 with a key set made
-#   by `cbctl keys init`; state in a temporary directory removed on exit.
+#   Two fresh stacks of the four services at once (scripts/lib/stack.bash, no gateway), the same
+#   configuration but common.curve: "off" and "on" (with a key set made by `cbctl keys init`), each on free
+#   loopback ports (BENCH_CURVE_PORT=P: "off" on P..P+4, "on" on P+10..P+14); state in a temporary directory
+#   removed on exit.
 #   1. Ingest throughput: BENCH_CURVE_ROUNDS rounds; each round takes BENCH_CURVE_DOCS new MuSiQue passages
 #      (BENCH_CURVE_MUSIQUE, default /work/shared/data/musique_dev.jsonl; data/sample's documents when it
 #      is missing) and runs `cbctl ingest --wait` of them on one stack, then on the other, alternating which
@@ -19,7 +20,8 @@
 #      (`--fresh`: connect + handshake + request), alternating the stacks: medians of the p50s, and the CPU
 #      time per request of the client and of cb-retriever (robust to the other processes on the machine).
 # Output: a table on stdout and $BENCH_CURVE_OUT/summary.json (default results/bench-curve);
-# BENCH_CURVE_KEEP=1 keeps the services' logs (cb-precompute's "doc ... done in N ms" lines time the compute).
+# BENCH_CURVE_KEEP=1 keeps the services' logs (off-*.log, on-*.log; cb-precompute's "doc ... done in N ms"
+# lines time the compute).
 # A benchmark, not a test: timings on a shared machine are noisy; compare the columns of one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ ROUNDS=${BENCH_CURVE_ROUNDS:-2}
 NDOCS=${BENCH_CURVE_DOCS:-16}
 NQ=${BENCH_CURVE_QUERIES:-30}
 MAXTOK=${BENCH_CURVE_MAX_TOKENS:-4}
-PORT=${BENCH_CURVE_PORT:-5820}
+PORT=${BENCH_CURVE_PORT:-}
 MUSIQUE=${BENCH_CURVE_MUSIQUE:-/work/shared/data/musique_dev.jsonl}
 OUTDIR=${BENCH_CURVE_OUT:-results/bench-curve}
 die() { echo "bench-curve: $*" >&2; exit 1; }
@@ -35,48 +37,37 @@ for b in cb-retriever cb-cacheindex cb-precompute cb-blend cbctl; do [ -x build/
 export CB_MODEL=${CB_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 export CB_COMMON_MODEL=$CB_MODEL
 [ -f "$CB_COMMON_MODEL" ] || die "model $CB_COMMON_MODEL not found (make model)"
+. scripts/lib/stack.bash
+STACK_FAIL="bench-curve: "
 TMP=$(mktemp -d /tmp/cb-bench-curve.XXXXXX)
-export CB_COMMON_THREADS=${CB_COMMON_THREADS:-2} CB_LOG_LEVEL=${CB_LOG_LEVEL:-warn} CB_STACK_GATEWAY=0
-export CB_CBCTL_INGEST_TIMEOUT_MS=600000
-
-# env_for off|on: the environment of that stack (endpoints, data directory, curve), one VAR=VALUE a line
-env_for() {
-  local p=$PORT; [ "$1" = on ] && p=$((PORT + 10))
-  echo "CB_DATA_DIR=$TMP/$1"
-  echo "CB_RETRIEVER_ENDPOINT=tcp://127.0.0.1:$p"
-  echo "CB_CACHEINDEX_ENDPOINT=tcp://127.0.0.1:$((p + 1))"
-  echo "CB_PRECOMPUTE_ENDPOINT=tcp://127.0.0.1:$((p + 2))"
-  echo "CB_PRECOMPUTE_PULL_ENDPOINT=tcp://127.0.0.1:$((p + 3))"
-  echo "CB_BLEND_ENDPOINT=tcp://127.0.0.1:$((p + 4))"
-  echo "CB_COMMON_CURVE=$1"
-  echo "CB_COMMON_KEYS_DIR=$TMP/keys"
-}
-# on_stack off|on COMMAND...: runs COMMAND in that stack's environment
-on_stack() { local s=$1; shift; mapfile -t E < <(env_for "$s"); env "${E[@]}" "$@"; }
-
-stop_all() {
-  for s in off on; do on_stack $s scripts/stack.sh stop >/dev/null 2>&1 || true; done
-  if [ -n "${BENCH_CURVE_KEEP:-}" ]; then echo "bench-curve: logs kept in $TMP/{off,on}/log"; else rm -rf "$TMP"; fi
-}
-trap stop_all EXIT
+stack_init "$TMP/off" "$TMP/log"   # the services of both stacks are stopped at exit, then:
+stack_at_exit 'if [ -n "${BENCH_CURVE_KEEP:-}" ]; then echo "bench-curve: logs kept in $TMP/log"; else rm -rf "$TMP"; fi'
+export CB_COMMON_THREADS=${CB_COMMON_THREADS:-2} CB_LOG_LEVEL=${CB_LOG_LEVEL:-warn}
+export CB_CBCTL_INGEST_TIMEOUT_MS=600000 CB_COMMON_KEYS_DIR="$TMP/keys"
 build/bin/cbctl keys init "$TMP/keys" >/dev/null || die "cbctl keys init failed"
+
+# the two stacks, one after the other in this shell's environment (logs off-<service>, on-<service>); each
+# one's CB_* environment is kept in $TMP/<stack>.env for the measurements below
 for s in off on; do
-  on_stack $s scripts/stack.sh start >/dev/null || die "the curve-$s stack did not start (logs in $TMP/$s/log)"
+  export CB_DATA_DIR="$TMP/$s" CB_COMMON_CURVE=$s
+  mkdir -p "$CB_DATA_DIR"
+  base=""; [ -n "$PORT" ] && base=$PORT && [ $s = on ] && base=$((PORT + 10))
+  stack_ports $base
+  stack_start_all "$s-" || die "the curve-$s stack did not start (logs in $TMP/log)"
+  stack_env_file "$TMP/$s.env"
 done
 mkdir -p "$OUTDIR"
 
-python3 - "$TMP" "$ROUNDS" "$NDOCS" "$NQ" "$MAXTOK" "$MUSIQUE" "$OUTDIR" "$PORT" <<'PY'
+python3 - "$TMP" "$ROUNDS" "$NDOCS" "$NQ" "$MAXTOK" "$MUSIQUE" "$OUTDIR" "${SVC_PID[off-retriever]}" "${SVC_PID[on-retriever]}" <<'PY'
 import json, os, statistics, subprocess, sys, time
-tmp, rounds, ndocs, nq, maxtok, musique, outdir, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-    int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7], int(sys.argv[8])
+tmp, rounds, ndocs, nq, maxtok, musique, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+    int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
+rpid = {"off": int(sys.argv[8]), "on": int(sys.argv[9])}   # the cb-retriever of each stack
 
+# each stack's environment (endpoints, data dir, curve), as the launcher wrote it
+stack_env = {s: dict(l.rstrip("\n").split("=", 1) for l in open(f"{tmp}/{s}.env") if "=" in l) for s in ("off", "on")}
 def env(s):
-    p = port + (10 if s == "on" else 0)
-    e = dict(os.environ, CB_DATA_DIR=f"{tmp}/{s}", CB_COMMON_CURVE=s, CB_COMMON_KEYS_DIR=f"{tmp}/keys",
-             CB_RETRIEVER_ENDPOINT=f"tcp://127.0.0.1:{p}", CB_CACHEINDEX_ENDPOINT=f"tcp://127.0.0.1:{p + 1}",
-             CB_PRECOMPUTE_ENDPOINT=f"tcp://127.0.0.1:{p + 2}", CB_PRECOMPUTE_PULL_ENDPOINT=f"tcp://127.0.0.1:{p + 3}",
-             CB_BLEND_ENDPOINT=f"tcp://127.0.0.1:{p + 4}")
-    return e
+    return dict(os.environ, **stack_env[s])
 
 def cbctl(s, *args):
     return subprocess.run(["build/bin/cbctl", *args], env=env(s), capture_output=True, text=True, check=True).stdout
@@ -134,12 +125,10 @@ def cpu_children():
 def cpu_pid(pid):
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-rpid = {s: int(open(f"{tmp}/{s}/run/retriever.pid").read()) for s in ("off", "on")}
 def rtt(s, req, n, fresh):
-    p = port + (10 if s == "on" else 0)
     c0, s0 = cpu_children(), cpu_pid(rpid[s])
     r = subprocess.run(["build/bin/cb-send", "--repeat", str(n)] + (["--fresh"] if fresh else []) +
-                       [f"tcp://127.0.0.1:{p}", req], env=env(s), capture_output=True, text=True, check=True)
+                       [stack_env[s]["CB_RETRIEVER_ENDPOINT"], req], env=env(s), capture_output=True, text=True, check=True)
     c1, s1 = cpu_children(), cpu_pid(rpid[s])
     m = re.search(r"mean ([0-9.]+) ms, p50 ([0-9.]+) ms", r.stderr)
     return float(m.group(1)), float(m.group(2)), len(r.stdout), c1 - c0, s1 - s0, n

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # bench-gateway.sh (`make bench-gateway`): what cb-gateway adds, side by side in one run.
 #
-#   1. A fresh stack with the gateway (scripts/stack.sh, ports BENCH_GW_PORT..+4, HTTP on BENCH_GW_HTTP,
-#      state in a temporary directory removed on exit); data/sample ingested through POST /v1/documents.
+#   1. A fresh stack with the gateway (scripts/lib/stack.bash; free loopback ports, or BENCH_GW_PORT..+4 and
+#      HTTP on BENCH_GW_HTTP when set; state in a temporary directory removed on exit); data/sample ingested
+#      through POST /v1/documents.
 #   2. Added latency to the first token: BENCH_GW_ROUNDS rounds over the sample questions, each with the
 #      four sample documents as contexts (the same prompt both ways, its chunks cached after a warm-up),
 #      max_tokens BENCH_GW_MAX_TOKENS, mode blend; per question one `cbctl query --json` and one streamed
@@ -21,24 +22,23 @@ ROOT=$(pwd)
 ROUNDS=${BENCH_GW_ROUNDS:-10}
 MAXTOK=${BENCH_GW_MAX_TOKENS:-4}
 NREQ=${BENCH_GW_REQUESTS:-5000}
-PORT=${BENCH_GW_PORT:-5790}
-HTTP=${BENCH_GW_HTTP:-8790}
+PORT=${BENCH_GW_PORT:-}
+HTTP=${BENCH_GW_HTTP:-}
 OUTDIR=${BENCH_GW_OUT:-results/bench-gateway}
 die() { echo "bench-gateway: $*" >&2; exit 1; }
 for b in cb-retriever cb-cacheindex cb-precompute cb-blend cb-gateway cbctl; do [ -x build/bin/$b ] || die "build/bin/$b missing (make)"; done
 command -v ab >/dev/null || die "ab is missing (apt-get install apache2-utils; scripts/bootstrap.sh)"
 export CB_MODEL=${CB_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf} CB_COMMON_MODEL=${CB_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 [ -f "$CB_COMMON_MODEL" ] || die "model $CB_COMMON_MODEL not found (make model)"
+. scripts/lib/stack.bash
+STACK_FAIL="bench-gateway: "
 TMP=$(mktemp -d /tmp/cb-bench-gw.XXXXXX)
-export CB_DATA_DIR="$TMP/var" CB_COMMON_THREADS=${CB_COMMON_THREADS:-2}
-export CB_RETRIEVER_ENDPOINT=tcp://127.0.0.1:$PORT CB_CACHEINDEX_ENDPOINT=tcp://127.0.0.1:$((PORT + 1))
-export CB_PRECOMPUTE_ENDPOINT=tcp://127.0.0.1:$((PORT + 2)) CB_PRECOMPUTE_PULL_ENDPOINT=tcp://127.0.0.1:$((PORT + 3))
-export CB_BLEND_ENDPOINT=tcp://127.0.0.1:$((PORT + 4)) CB_GATEWAY_LISTEN=127.0.0.1:$HTTP
-export CB_LOG_LEVEL=${CB_LOG_LEVEL:-warn}
-trap 'scripts/stack.sh stop >/dev/null 2>&1 || true; rm -rf "$TMP"' EXIT
-scripts/stack.sh start >/dev/null || die "the stack did not start (logs in $CB_DATA_DIR/log)"
+stack_init "$TMP/var"                 # the services are stopped at exit, then the folder removed
+stack_at_exit 'rm -rf "$TMP"'
+export CB_COMMON_THREADS=${CB_COMMON_THREADS:-2} CB_LOG_LEVEL=${CB_LOG_LEVEL:-warn}
+stack_ports $PORT
+{ stack_start_all && stack_start_gateway ${HTTP:+127.0.0.1:$HTTP}; } || die "the stack did not start (logs in $STACK_LOGS)"
 mkdir -p "$OUTDIR"
-GW=http://127.0.0.1:$HTTP
 
 python3 - "$GW" "$ROUNDS" "$MAXTOK" "$OUTDIR" <<'PY'
 import http.client, json, os, statistics, subprocess, sys, time

@@ -9,8 +9,8 @@
 # Each repetition uses new passages (MuSiQue example r: its first BENCH_CONTEXTS passages), so that the
 # three cases are measured back to back on the same chunks; p50 (and min, max) of the client TTFT (cbctl
 # query: send -> first token) over BENCH_REPS (5) repetitions. cb-blend (hot_cache_bytes 0) and
-# cb-cacheindex on loopback ports from BENCH_PORT (5770..5771), redis-server on a Unix socket (persistence
-# off, allkeys-lru), state in a temporary directory. BENCH_REDIS_URL=redis://HOST:PORT uses a running
+# cb-cacheindex on free loopback ports (BENCH_PORT=P: P+1 and P+4), redis-server on a Unix socket
+# (persistence off, allkeys-lru), all started by scripts/lib/stack.bash; state in a temporary directory. BENCH_REDIS_URL=redis://HOST:PORT uses a running
 # Redis (another host) instead: its keys are written under a fresh prefix. Output: a table and
 # $BENCH_OUT (build/bench-redis.json). Timings on a shared machine are noisy: compare the columns of one run.
 set -euo pipefail
@@ -19,7 +19,7 @@ REPS=${BENCH_REPS:-5}
 NCTX=${BENCH_CONTEXTS:-3}
 MAXTOK=${BENCH_MAX_TOKENS:-8}
 OUT=${BENCH_OUT:-build/bench-redis.json}
-PORT=${BENCH_PORT:-5770}
+PORT=${BENCH_PORT:-}
 export CB_COMMON_THREADS=${CB_COMMON_THREADS:-2}
 export CB_MODEL=${CB_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 export CB_COMMON_MODEL=$CB_MODEL
@@ -28,14 +28,14 @@ for b in cb-cacheindex cb-blend cbctl cb-send; do
   [ -x build/bin/$b ] || { echo "bench-redis: build/bin/$b missing (make)" >&2; exit 1; }
 done
 
+. scripts/lib/stack.bash
+STACK_FAIL="bench-redis: "
 TMP=$(mktemp -d /tmp/cb-bench-redis.XXXXXX)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
-trap cleanup EXIT
-export CB_DATA_DIR="$TMP/var"
+stack_init "$TMP/var" "$TMP"          # the processes are stopped at exit, then the folder removed
+stack_at_exit 'rm -rf "$TMP"'
 mkdir -p "$CB_DATA_DIR/kv"
 KV="$CB_DATA_DIR/kv"
-export CB_CACHEINDEX_ENDPOINT=tcp://127.0.0.1:$PORT CB_BLEND_ENDPOINT=tcp://127.0.0.1:$((PORT + 1))
+stack_ports $PORT
 export CB_BLEND_MAX_TOKENS=$MAXTOK CB_BLEND_MODE=blend CB_BLEND_HOT_CACHE_BYTES=0 CB_LOG_LEVEL=warn
 export CB_COMMON_KV_REMOTE_PREFIX="bench$$"
 
@@ -43,17 +43,12 @@ if [ -n "${BENCH_REDIS_URL:-}" ]; then
   export CB_COMMON_KV_REMOTE=$BENCH_REDIS_URL
 else
   command -v redis-server >/dev/null || { echo "bench-redis: redis-server not installed" >&2; exit 1; }
-  redis-server --port 0 --unixsocket "$TMP/redis.sock" --unixsocketperm 700 --save '' --appendonly no \
-    --dir "$TMP" --maxmemory 1gb --maxmemory-policy allkeys-lru >"$TMP/redis.log" 2>&1 &
-  PIDS+=($!)
-  for _ in $(seq 1 50); do [ -S "$TMP/redis.sock" ] && break; sleep 0.1; done
-  export CB_COMMON_KV_REMOTE="unix://$TMP/redis.sock"
+  STACK_REDIS_MAXMEMORY=1gb
+  stack_start redis || exit 1
+  export CB_COMMON_KV_REMOTE="unix://$STACK_REDIS_SOCK"
 fi
-build/bin/cb-cacheindex >"$TMP/cacheindex.log" 2>&1 & PIDS+=($!)
-build/bin/cb-blend >"$TMP/blend.log" 2>&1 & PIDS+=($!)
-stat_of() { build/bin/cb-send --timeout 3000 "$CB_BLEND_ENDPOINT" '{"type":"stats"}' | python3 -c 'import json,sys; print(json.load(sys.stdin).get(sys.argv[1]))' "$1"; }
-for _ in $(seq 1 600); do [ "$(stat_of worker_ready 2>/dev/null)" = True ] && break; sleep 0.1; done
-[ "$(stat_of worker_ready)" = True ] || { echo "bench-redis: cb-blend did not start" >&2; tail "$TMP/blend.log" >&2; exit 1; }
+{ stack_start cacheindex && stack_start blend; } || exit 1
+stat_of() { jget "$(stack_stats blend)" "$1"; }
 [ "$(stat_of kv_remote_up)" = 1 ] || { echo "bench-redis: the Redis tier is not up ($CB_COMMON_KV_REMOTE)" >&2; exit 1; }
 
 # query R: the cbctl arguments for MuSiQue example R (+1: example 0 warms up)

@@ -13,7 +13,8 @@
 # BENCH_PARTS ("lb cache") runs only some of them (then no JSON is written).
 # Every run starts from an empty data directory (no KV files, no cache index), so the runs compare like
 # with like. BENCH_MAX_TOKENS (6) generated tokens, greedy, blend mode. Output: a table on stdout and
-# $BENCH_OUT (build/bench-router.json). Ports are free loopback ports; state in a temporary directory.
+# $BENCH_OUT (build/bench-router.json). The processes (scripts/lib/stack.bash) use free loopback ports;
+# state in a temporary directory (BENCH_KEEP=1 keeps it, with the logs).
 # Timings on a shared machine are noisy: compare the rows of one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,13 +32,11 @@ export CB_BLEND_MAX_TOKENS=$MAXTOK CB_LOG_LEVEL=${CB_LOG_LEVEL:-warn}
 for b in cb-cacheindex cb-blend cb-router cb-send cb-load; do
   [ -x "build/bin/$b" ] || { echo "bench-router: build/bin/$b missing (make)" >&2; exit 1; }
 done
+. scripts/lib/stack.bash
+STACK_FAIL="bench-router: "
 TMP=$(mktemp -d /tmp/cb-bench-router.XXXXXX)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; sleep 0.5
-            for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
-            if [ -n "${BENCH_KEEP:-}" ]; then echo "state and logs kept in $TMP"; else rm -rf "$TMP"; fi; }
-trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+stack_init "$TMP/var" "$TMP"          # the processes are stopped at exit, then:
+stack_at_exit 'if [ -n "${BENCH_KEEP:-}" ]; then echo "state and logs kept in $TMP"; else rm -rf "$TMP"; fi'
 stat() { build/bin/cb-send --timeout 3000 "$CB_BLEND_ENDPOINT" '{"type":"stats"}'; }
 
 # queries: SETS context sets x REPEAT, interleaved (set 0..SETS-1, then again)
@@ -56,25 +55,14 @@ EOF
 
 # stack NWORKERS POLICY: cacheindex, router and workers on fresh ports and a fresh data dir; waits for ready
 stack() {
-  local n=$1 policy=$2 i
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
-  PIDS=()
+  local n=$1 policy=$2
+  stack_stop_all
   export CB_DATA_DIR="$TMP/run-$n-$policy"
   mkdir -p "$CB_DATA_DIR"
-  export CB_CACHEINDEX_ENDPOINT="tcp://127.0.0.1:$(port)" CB_RETRIEVER_ENDPOINT="tcp://127.0.0.1:$(port)"
-  export CB_BLEND_ENDPOINT="tcp://127.0.0.1:$(port)"
-  export CB_ROUTER_ENDPOINT=$CB_BLEND_ENDPOINT CB_ROUTER_WORKERS_ENDPOINT="tcp://127.0.0.1:$(port)" CB_ROUTER_POLICY=$policy
-  build/bin/cb-cacheindex >>"$CB_DATA_DIR/cacheindex.log" 2>&1 & PIDS+=($!)
-  build/bin/cb-router >>"$CB_DATA_DIR/router.log" 2>&1 & PIDS+=($!)
-  for ((i = 1; i <= n; i++)); do
-    CB_BLEND_ROUTER=$CB_ROUTER_WORKERS_ENDPOINT build/bin/cb-blend >>"$CB_DATA_DIR/blend-$i.log" 2>&1 & PIDS+=($!)
-  done
-  for i in $(seq 1 300); do
-    [ "$(stat 2>/dev/null | jq .workers_ready 2>/dev/null)" = "$n" ] && return 0
-    sleep 0.2
-  done
-  echo "bench-router: $n workers not ready in 60 s" >&2; exit 1
+  stack_ports
+  unset CB_ROUTER_WORKERS_ENDPOINT
+  { stack_start cacheindex "cacheindex-$n-$policy" && stack_start_router "$n" "$policy"; } \
+    || { echo "bench-router: $n workers not ready" >&2; exit 1; }
 }
 load() { build/bin/cb-load --clients "$1" --queries "$2" --mode blend --max-tokens "$MAXTOK" --json "$CB_BLEND_ENDPOINT" "$3"; }
 

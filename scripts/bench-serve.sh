@@ -3,8 +3,8 @@
 # optionally the blend points again with another cb-blend binary (a baseline), side by side in one run.
 # A benchmark, not a test: it fails only when the stack cannot be set up; failed queries are counted.
 #
-#   1. A fresh stack (the four services, ports BENCH_SERVE_PORT..+4, state in a temporary directory removed
-#      on exit). Documents: every passage of the first MuSiQue examples (one document per passage,
+#   1. A fresh stack (the four services, scripts/lib/stack.bash: free loopback ports, or BENCH_SERVE_PORT..+4
+#      when set; state in a temporary directory removed on exit). Documents: every passage of the first MuSiQue examples (one document per passage,
 #      "{title}\n\n{text}", about 600 tokens) through `cbctl ingest`: cb-precompute chunks them
 #      (precompute.chunk_tokens = BENCH_SERVE_CHUNK_TOKENS, so a passage stays one chunk), computes each
 #      chunk's KV file and indexes its text in cb-retriever. The script polls cb-precompute's stats until
@@ -49,7 +49,7 @@
 #                                   git worktree add /tmp/cb-base HEAD && make -C /tmp/cb-base -j2 build/bin/cb-blend
 #   BENCH_SERVE_WARMUP (2)          unmeasured blend queries after each cb-blend start
 #   BENCH_SERVE_DATA (data/musique_dev.jsonl, else ../shared/data/musique_dev.jsonl)
-#   BENCH_SERVE_PORT (5760)         ports PORT..PORT+4
+#   BENCH_SERVE_PORT (unset)        ports PORT..PORT+4 (unset: free loopback ports)
 #   BENCH_SERVE_OUT (results/bench-serve)
 #   BENCH_SERVE_INGEST_TIMEOUT (3600)  seconds for the whole ingest
 #   BENCH_SERVE_STATE (unset)       keep the stack's state in this folder (not removed) and reuse a finished
@@ -84,7 +84,7 @@ MODES=${BENCH_SERVE_MODES:-full blend}
 BLEND_BIN=${BENCH_SERVE_BLEND:-build/bin/cb-blend}
 BASE_BIN=${BENCH_SERVE_BASE:-}
 WARMUP=${BENCH_SERVE_WARMUP:-2}
-PORT=${BENCH_SERVE_PORT:-5760}
+PORT=${BENCH_SERVE_PORT:-}
 OUTDIR=${BENCH_SERVE_OUT:-results/bench-serve}
 INGEST_TIMEOUT=${BENCH_SERVE_INGEST_TIMEOUT:-3600}
 QBOUND=${BENCH_SERVE_QUERY_BOUND_S:-60}
@@ -98,7 +98,8 @@ export CB_COMMON_MODEL=$CB_MODEL
 
 die() { echo "bench-serve: $*" >&2; exit 1; }
 isint() { [[ "$1" =~ ^[0-9]+$ ]] && [ "$1" -ge "${2:-1}" ]; }
-for v in NQ NDOCEX PER MAXTOK K CHUNK CTX PORT INGEST_TIMEOUT QBOUND; do isint "${!v}" || die "$v=${!v}: expected a positive integer"; done
+for v in NQ NDOCEX PER MAXTOK K CHUNK CTX INGEST_TIMEOUT QBOUND; do isint "${!v}" || die "$v=${!v}: expected a positive integer"; done
+[ -z "$PORT" ] || isint "$PORT" || die "BENCH_SERVE_PORT=$PORT: expected a positive integer"
 isint "$NPER" 0 || die "BENCH_SERVE_PASSAGES=$NPER: expected an integer >= 0"
 isint "$WARMUP" 0 || die "BENCH_SERVE_WARMUP=$WARMUP: expected an integer >= 0"
 for n in $CLIENTS; do isint "$n" && [ "$n" -le 256 ] || die "BENCH_SERVE_CLIENTS: $n is not in 1..256"; done
@@ -116,44 +117,26 @@ if [ -n "$BASE_BIN" ]; then BASE_BIN=$(abspath "$BASE_BIN"); [ -x "$BASE_BIN" ] 
 
 if [ -n "${BENCH_SERVE_STATE:-}" ]; then TMP=$(abspath "$BENCH_SERVE_STATE"); mkdir -p "$TMP"
 else TMP=$(mktemp -d /tmp/cb-bench-serve.XXXXXX); fi
-export CB_DATA_DIR="$TMP/var"
-export CB_RETRIEVER_ENDPOINT=tcp://127.0.0.1:$PORT CB_CACHEINDEX_ENDPOINT=tcp://127.0.0.1:$((PORT + 1))
-export CB_PRECOMPUTE_ENDPOINT=tcp://127.0.0.1:$((PORT + 2)) CB_PRECOMPUTE_PULL_ENDPOINT=tcp://127.0.0.1:$((PORT + 3))
-export CB_BLEND_ENDPOINT=tcp://127.0.0.1:$((PORT + 4))
-unset CB_RETRIEVER_BIND CB_CACHEINDEX_BIND CB_PRECOMPUTE_BIND CB_PRECOMPUTE_PULL_BIND CB_BLEND_BIND
+. scripts/lib/stack.bash
+STACK_FAIL="bench-serve: "
+STACK_READY_S=120
+stack_init "$TMP/var"   # the services are stopped at exit (then cleanup below)
+stack_ports $PORT
 export CB_PRECOMPUTE_CHUNK_TOKENS=$CHUNK
 export CB_BLEND_K=$K CB_BLEND_CTX_SIZE=$CTX CB_BLEND_MAX_TOKENS=$MAXTOK CB_BLEND_TEMPERATURE=0
 export CB_BLEND_MAX_QUEUE=${CB_BLEND_MAX_QUEUE:-64}
 export CB_CBCTL_QUERY_TIMEOUT_MS=600000 CB_CBCTL_INGEST_TIMEOUT_MS=120000
 EP=$CB_BLEND_ENDPOINT
-RUN="$CB_DATA_DIR/run" LOG="$CB_DATA_DIR/log"
-BLEND_PID="" CUR_BIN=""
+LOG=$STACK_LOGS
+CUR_BIN=""
 
-stop_blend() {
-  [ -n "$BLEND_PID" ] || return 0
-  kill -TERM "$BLEND_PID" 2>/dev/null || true
-  local t0=$SECONDS
-  while kill -0 "$BLEND_PID" 2>/dev/null && [ $((SECONDS - t0)) -lt 30 ]; do sleep 0.1; done
-  if kill -0 "$BLEND_PID" 2>/dev/null; then
-    echo "bench-serve: cb-blend (pid $BLEND_PID) ignored SIGTERM for 30 s: killing it" >&2
-    kill -KILL "$BLEND_PID" 2>/dev/null || true
-  fi
-  wait "$BLEND_PID" 2>/dev/null || true
-  rm -f "$RUN/blend.pid"
-  BLEND_PID="" CUR_BIN=""
-}
-cleanup() {
-  local rc=$?
-  set +e
+cleanup() {   # after the launcher has stopped the services
   [ -n "${LOADPID:-}" ] && kill -TERM "$LOADPID" 2>/dev/null
-  stop_blend
-  scripts/stack.sh stop >/dev/null 2>&1
-  if [ -d "$LOG" ]; then mkdir -p "$OUTDIR/logs" && cp "$LOG"/*.log "$OUTDIR/logs/" 2>/dev/null; fi
+  [ -d "$LOG" ] && mkdir -p "$OUTDIR/logs" && cp "$LOG"/*.log "$OUTDIR/logs/" 2>/dev/null
   [ -n "${BENCH_SERVE_STATE:-}" ] || rm -rf "$TMP"
-  exit $rc
+  return 0
 }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+stack_at_exit cleanup
 
 mkdir -p "$OUTDIR"
 rm -rf "$OUTDIR/logs"
@@ -196,7 +179,7 @@ print("bench-serve: estimate (2 CPU cores, one query at a time; a batching cb-bl
       % (npass, npass * 1.6 / 60.0, q, len(modes), " ".join(modes), t / 60.0))
 EOF
 
-jget() { python3 -c 'import json,sys
+jfield() { python3 -c 'import json,sys
 try: v=json.loads(sys.argv[1])
 except Exception: print(""); sys.exit()
 for k in sys.argv[2].split("."):
@@ -204,10 +187,9 @@ for k in sys.argv[2].split("."):
 print("" if v is None else v)' "$1" "$2"; }
 stats_of() { build/bin/cb-send --timeout 5000 --retries 0 "$1" '{"type":"stats"}' 2>/dev/null | tail -n 1; }
 
-echo "bench-serve: stack on ports $PORT..$((PORT + 4)), state in $TMP; $CB_COMMON_THREADS threads"
-scripts/stack.sh start >/dev/null || die "the stack did not start"
-CUR_BIN=$ROOT/build/bin/cb-blend
-BLEND_PID=$(cat "$RUN/blend.pid")
+echo "bench-serve: stack on ${PORT:+ports $PORT..$((PORT + 4)), }state in $TMP; $CB_COMMON_THREADS threads"
+stack_start_all || die "the stack did not start"
+CUR_BIN=$STACK_BIN/cb-blend
 
 # ---- ingest (skipped when BENCH_SERVE_STATE holds a finished one of the same documents)
 T0=$SECONDS
@@ -220,7 +202,7 @@ echo "bench-serve: $NPASS passages acknowledged; waiting for cb-precompute (chun
 last="" last_t=$SECONDS t_print=0
 while :; do
   js=$(stats_of "$CB_PRECOMPUTE_ENDPOINT")
-  q=$(jget "$js" jobs_queued) r=$(jget "$js" jobs_running) d=$(jget "$js" jobs_done) f=$(jget "$js" jobs_failed) c=$(jget "$js" chunks_done)
+  q=$(jfield "$js" jobs_queued) r=$(jfield "$js" jobs_running) d=$(jfield "$js" jobs_done) f=$(jfield "$js" jobs_failed) c=$(jfield "$js" chunks_done)
   if [ -n "$q" ] && [ -n "$r" ]; then
     [ "$q" -eq 0 ] && [ "$r" -eq 0 ] && break
     [ "$d $f $c" != "$last" ] && { last="$d $f $c"; last_t=$SECONDS; }
@@ -234,24 +216,15 @@ while :; do
 done
 INGEST_S=$((SECONDS - T0))
 RJS=$(stats_of "$CB_RETRIEVER_ENDPOINT")
-echo "bench-serve: ingest done in $INGEST_S s: $d documents, $c chunks (${f} failed); retriever: $(jget "$RJS" chunks) chunks"
+echo "bench-serve: ingest done in $INGEST_S s: $d documents, $c chunks (${f} failed); retriever: $(jfield "$RJS" chunks) chunks"
 [ "$f" -eq 0 ] || echo "bench-serve: warning: $f documents failed in cb-precompute" >&2
 echo "$NPASS" >"$TMP/ingested"
 fi
 
 # ---- cb-blend binaries
-start_blend() { # BIN: start it, wait for its worker, warm it up
-  local bin=$1 t0=$SECONDS
-  nohup "$bin" >>"$LOG/blend.log" 2>&1 </dev/null &
-  BLEND_PID=$!
-  echo "$BLEND_PID" >"$RUN/blend.pid"
-  CUR_BIN=$bin
-  while :; do
-    kill -0 "$BLEND_PID" 2>/dev/null || { tail -n 15 "$LOG/blend.log" >&2; die "$bin exited"; }
-    [ "$(jget "$(stats_of "$EP")" worker_ready)" = True ] && break
-    [ $((SECONDS - t0)) -ge 120 ] && die "$bin not ready in 120 s"
-    sleep 0.2
-  done
+start_blend() { # BIN: start it as cb-blend, wait for its worker
+  svc_start blend "$1" && stack_ready blend || die "$1 did not start"
+  CUR_BIN=$1
 }
 warmup() {
   [ "$WARMUP" -gt 0 ] || return 0
@@ -261,7 +234,8 @@ warmup() {
 use_blend() { # BIN
   if [ "$1" != "$CUR_BIN" ]; then
     echo "  (cb-blend: $1)"
-    stop_blend; start_blend "$1"; warmup
+    stack_stop blend 30 || echo "bench-serve: cb-blend ignored SIGTERM for 30 s: killed it" >&2
+    start_blend "$1"; warmup
   fi
 }
 if [ "$BLEND_BIN" = "$CUR_BIN" ]; then warmup; else use_blend "$BLEND_BIN"; fi

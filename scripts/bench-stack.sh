@@ -21,8 +21,9 @@
 # BENCH_CONTEXTS (2) passages as explicit contexts ("{title}\n\n{text}"), BENCH_MAX_TOKENS (16) generated
 # tokens, greedy. BENCH_REPS (3) measured runs per query and setting. BENCH_LOAD_QUERIES (16) queries per
 # throughput point (at least N). Threads: CB_COMMON_THREADS (2). Output: a table on stdout and
-# $BENCH_OUT (build/bench-stack.json). The stack runs on ports from BENCH_PORT (5750..5754) with its state in
-# a temporary directory. Timings on a shared machine are noisy: compare the columns of one run.
+# $BENCH_OUT (build/bench-stack.json). The stack (scripts/lib/stack.bash) runs on free loopback ports
+# (BENCH_PORT=P: P..P+4, the file-only cb-blend on P+5) with its state in a temporary directory. Timings on
+# a shared machine are noisy: compare the columns of one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -33,7 +34,7 @@ REPS=${BENCH_REPS:-3}
 CLIENTS=${BENCH_CLIENTS:-1 4 16}
 LOADQ=${BENCH_LOAD_QUERIES:-16}
 OUT=${BENCH_OUT:-build/bench-stack.json}
-PORT=${BENCH_PORT:-5750}
+PORT=${BENCH_PORT:-}
 export CB_COMMON_THREADS=${CB_COMMON_THREADS:-2}
 export CB_MODEL=${CB_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 export CB_COMMON_MODEL=$CB_MODEL
@@ -42,15 +43,14 @@ for b in cb-retriever cb-cacheindex cb-precompute cb-blend cbctl cb-rag cb-load;
   [ -x build/bin/$b ] || { echo "bench-stack: build/bin/$b missing (make)" >&2; exit 1; }
 done
 
+. scripts/lib/stack.bash
+STACK_FAIL="bench-stack: "
 TMP=$(mktemp -d /tmp/cb-bench.XXXXXX)
-export CB_DATA_DIR="$TMP/var"
-export CB_RETRIEVER_ENDPOINT=tcp://127.0.0.1:$PORT CB_CACHEINDEX_ENDPOINT=tcp://127.0.0.1:$((PORT + 1))
-export CB_PRECOMPUTE_ENDPOINT=tcp://127.0.0.1:$((PORT + 2)) CB_PRECOMPUTE_PULL_ENDPOINT=tcp://127.0.0.1:$((PORT + 3))
-export CB_BLEND_ENDPOINT=tcp://127.0.0.1:$((PORT + 4))
+stack_init "$TMP/var"                 # the services are stopped at exit, then the folder removed
+stack_at_exit 'rm -rf "$TMP"'
+stack_ports $PORT
 export CB_BLEND_MAX_TOKENS=$MAXTOK CB_BLEND_MODE=blend CB_BLEND_CTX_SIZE=${CB_BLEND_CTX_SIZE:-2048}
 export CB_BLEND_MAX_QUEUE=64 CB_CBCTL_QUERY_TIMEOUT_MS=600000
-cleanup() { scripts/stack.sh stop >/dev/null 2>&1 || true; rm -rf "$TMP"; }
-trap cleanup EXIT
 
 python3 - "$NQ" "$NCTX" >"$TMP/queries.jsonl" <<'EOF'
 import json, sys
@@ -94,14 +94,10 @@ done
 # Two cb-blend instances over the same cache: the stack's (memory tier on) and a second one without a memory
 # tier (every chunk read from its KV file), so that each repetition measures in process, memory tier and
 # files back to back (paired: the machine's load drifts less within a few seconds).
-scripts/stack.sh start >/dev/null
-FILE_EP=tcp://127.0.0.1:$((PORT + 5))
-CB_BLEND_ENDPOINT=$FILE_EP CB_BLEND_HOT_CACHE_BYTES=0 build/bin/cb-blend >"$TMP/blend-files.log" 2>&1 &
-FILE_PID=$!
-trap 'kill -TERM $FILE_PID 2>/dev/null; wait $FILE_PID 2>/dev/null; cleanup' EXIT
-for _ in $(seq 1 600); do
-  build/bin/cbctl "--blend.endpoint=$FILE_EP" stats blend 2>/dev/null | grep -q "worker_ready *true" && break; sleep 0.1
-done
+stack_start_all || exit 1
+if [ -n "$PORT" ]; then FILE_EP=tcp://127.0.0.1:$((PORT + 5)); else FILE_EP=tcp://127.0.0.1:$(stack_free_port); fi
+stack_launch blend blend-files CB_BLEND_ENDPOINT="$FILE_EP" CB_BLEND_HOT_CACHE_BYTES=0
+svc_wait_ping "$FILE_EP" 20 "${SVC_PID[blend-files]}" && svc_wait_stat blend-files "$FILE_EP" worker_ready true || exit 1
 # one query: in process (warm run of cb-rag), stack with memory tier, stack from files; appends the
 # stack's --json lines to $TMP/mem.jsonl and $TMP/file.jsonl; prints "in mem file"
 one_rep() {
@@ -127,7 +123,7 @@ for i in $(seq 0 $((NQ - 1))); do
   done
   IN_BLEND[$i]=$(median "${ins[@]}"); ST_MEM[$i]=$(median "${mems[@]}"); ST_FILE[$i]=$(median "${files[@]}")
 done
-kill -TERM $FILE_PID; wait $FILE_PID 2>/dev/null || true
+stack_stop blend-files
 
 echo "== throughput (cb-load, blend mode, memory tier on)"
 LOADJS=()

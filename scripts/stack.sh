@@ -12,21 +12,28 @@
 # the KV directory (the services' own config keys, relative to data_dir). Configuration: $CB_CONFIG or
 # config/cacheblend.cfg, with the usual CB_<SECTION>_<KEY> environment overrides (they are passed on).
 #
-#   start    starts the services that are not running, then waits until `cbctl health` passes (every service
-#            answers: ok, or degraded by a full data disk, which is then shown) and the
-#            model-loading workers (precompute, blend) are ready; exit 1 if they do not come up in
-#            $CB_STACK_START_TIMEOUT seconds (default 120), with the tail of the failing log
+#   start    starts the services that are not running, then waits until each answers (ping from that
+#            process; the gateway: its HTTP port listens) and the model-loading workers (precompute, blend; the
+#            router: all N workers) are ready, then shows a degraded service (a full data disk) from
+#            `cbctl health`; exit 1 if one does not come up within $CB_STACK_START_TIMEOUT seconds (default
+#            120), with the tail of its log
 #   stop     SIGTERM to each (blend, precompute, cacheindex, retriever), waits up to
 #            $CB_STACK_STOP_TIMEOUT seconds (default 30) each, then SIGKILL with a warning
 #   status   each service's pid (or "stopped"), then `cbctl health`; exit 0 only when all four answer ok
 #            (4: they answer, one or more degraded)
 #   restart  stop, then start
+#
+# A command line over the launcher the tests and benchmarks use too (scripts/lib/stack.bash), with its
+# processes detached from this shell and found again through their pid files.
 set -u
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
 export CB_DATA_DIR=${CB_DATA_DIR:-var}
-RUN="$CB_DATA_DIR/run"
-LOG="$CB_DATA_DIR/log"
+STACK_DETACH=1
+STACK_RUN="$CB_DATA_DIR/run"
+STACK_LOGS="$CB_DATA_DIR/log"
+STACK_FAIL="stack: "
+STACK_READY_S=${CB_STACK_START_TIMEOUT:-120}
+. scripts/lib/stack.bash
 SERVICES=(retriever cacheindex precompute blend)
 WORKERS=${CB_STACK_BLEND_WORKERS:-0}
 case "$WORKERS" in ''|*[!0-9]*) echo "stack: CB_STACK_BLEND_WORKERS must be a number" >&2; exit 2 ;; esac
@@ -36,70 +43,33 @@ if [ "$WORKERS" -gt 0 ]; then
   export CB_BLEND_ENDPOINT=${CB_BLEND_ENDPOINT:-tcp://127.0.0.1:5555}
   export CB_ROUTER_ENDPOINT=$CB_BLEND_ENDPOINT
   export CB_ROUTER_WORKERS_ENDPOINT=${CB_ROUTER_WORKERS_ENDPOINT:-tcp://127.0.0.1:5557}
+  STACK_ROUTER_WORKERS=$WORKERS
 fi
 [ "${CB_STACK_GATEWAY:-1}" != 0 ] && SERVICES+=(gateway)
-BIN="$ROOT/build/bin"
-CBCTL="$BIN/cbctl"
+CBCTL="$STACK_BIN/cbctl"
 
 die() { echo "stack: $*" >&2; exit 1; }
 
 # the program of a service name (blend-2 is a cb-blend worker)
 prog() { case "$1" in blend-*) echo blend ;; *) echo "$1" ;; esac; }
 
-# pid of a running service, or nothing (a stale pid file is removed)
-svc_pid() {
-  local f="$RUN/$1.pid" pid
-  [ -f "$f" ] || return 1
-  pid=$(cat "$f" 2>/dev/null)
-  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && grep -q "cb-$(prog "$1")" "/proc/$pid/cmdline" 2>/dev/null; then
-    echo "$pid"; return 0
-  fi
-  rm -f "$f"; return 1
-}
-
-# true once cb-gateway has a listening socket (ss from iproute2; without it, once it is running)
-gateway_listening() {
-  local pid
-  pid=$(svc_pid gateway) || return 1
-  command -v ss >/dev/null || return 0
-  ss -Hltnp 2>/dev/null | grep -q "pid=$pid,"
-}
-
 start() {
+  local s pid t0=$SECONDS hrc=0
   for s in "${SERVICES[@]}" cbctl; do
-    local b="$BIN/cb-$(prog "$s")"; [ "$s" = cbctl ] && b="$CBCTL"
+    local b="$STACK_BIN/cb-$(prog "$s")"; [ "$s" = cbctl ] && b="$CBCTL"
     [ -x "$b" ] || die "$b is missing: run make first"
   done
-  mkdir -p "$RUN" "$LOG" || die "cannot create $RUN and $LOG"
+  mkdir -p "$STACK_RUN" "$STACK_LOGS" || die "cannot create $STACK_RUN and $STACK_LOGS"
+  stack_config_endpoints   # the endpoints the services will bind, from the configuration
   for s in "${SERVICES[@]}"; do
     if pid=$(svc_pid "$s"); then echo "stack: cb-$s already running (pid $pid)"; continue; fi
-    if [[ $s == blend-* ]]; then
-      CB_BLEND_ROUTER=$CB_ROUTER_WORKERS_ENDPOINT nohup "$BIN/cb-blend" >>"$LOG/$s.log" 2>&1 </dev/null &
-    else
-      nohup "$BIN/cb-$s" >>"$LOG/$s.log" 2>&1 </dev/null &
-    fi
-    echo $! >"$RUN/$s.pid"
-    echo "stack: started cb-$s (pid $!, log $LOG/$s.log)"
+    stack_launch "$s"
+    echo "stack: started cb-$s (pid ${SVC_PID[$s]}, log $STACK_LOGS/$s.log)"
   done
-  local limit=${CB_STACK_START_TIMEOUT:-120} t0=$SECONDS hrc=0
-  while :; do
-    for s in "${SERVICES[@]}"; do
-      svc_pid "$s" >/dev/null || { echo "stack: cb-$s exited; the end of $LOG/$s.log:" >&2; tail -n 15 "$LOG/$s.log" >&2; exit 1; }
-    done
-    if [ "${SERVICES[-1]}" = gateway ] && ! gateway_listening; then
-      :  # the gateway has not bound its address yet
-    elif hrc=0; "$CBCTL" -q health 2>/dev/null || hrc=$?; [ "$hrc" = 0 ] || [ "$hrc" = 4 ]; then  # 4: degraded
-      local ready=0
-      for s in precompute blend; do
-        "$CBCTL" stats "$s" 2>/dev/null | grep -q "worker_ready *true" && ready=$((ready + 1))
-      done
-      # behind the router: every worker ready
-      [ "$WORKERS" -gt 0 ] && ! "$CBCTL" stats blend 2>/dev/null | grep -q "workers_ready *$WORKERS\$" && ready=0
-      [ $ready -eq 2 ] && break
-    fi
-    [ $((SECONDS - t0)) -ge "$limit" ] && { "$CBCTL" health >&2; die "the stack did not come up within $limit s (logs in $LOG)"; }
-    sleep 0.5
+  for s in "${SERVICES[@]}"; do
+    stack_ready "$s" || { "$CBCTL" health >&2; die "cb-$s did not come up (logs in $STACK_LOGS)"; }
   done
+  "$CBCTL" -q health 2>/dev/null || hrc=$?
   echo "stack: up in $((SECONDS - t0)) s (data in $CB_DATA_DIR)"
   [ "$hrc" = 4 ] && { echo "stack: warning: degraded (a full data disk):" >&2; "$CBCTL" health 2>&1 | grep degraded >&2; }
   return 0
@@ -110,16 +80,8 @@ stop() {
   for ((i = ${#SERVICES[@]} - 1; i >= 0; i--)); do
     s=${SERVICES[$i]}
     pid=$(svc_pid "$s") || { echo "stack: cb-$s not running"; continue; }
-    kill -TERM "$pid" 2>/dev/null
-    local t0=$SECONDS
-    while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 0.1; done
-    if kill -0 "$pid" 2>/dev/null; then
-      echo "stack: cb-$s (pid $pid) ignored SIGTERM for $limit s: killing it" >&2
-      kill -KILL "$pid" 2>/dev/null; rc=1
-    else
-      echo "stack: stopped cb-$s (pid $pid)"
-    fi
-    rm -f "$RUN/$s.pid"
+    if stack_stop "$s" "$limit"; then echo "stack: stopped cb-$s (pid $pid)"
+    else echo "stack: cb-$s (pid $pid) ignored SIGTERM for $limit s: killed it" >&2; rc=1; fi
   done
   return $rc
 }

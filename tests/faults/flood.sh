@@ -30,15 +30,10 @@ stack_start_all || faults_finish
 
 # start_gw NAME VAR=VALUE...: a gateway on a free port; sets GWPORT.
 start_gw() {
-  local name=$1 i; shift
+  local name=$1; shift
   GWPORT=$(svc_free_port)
   svc_start "$name" "$GW_BIN" CB_GATEWAY_LISTEN="127.0.0.1:$GWPORT" "$@"
-  for i in $(seq 1 100); do
-    curl -s -o /dev/null --max-time 2 "http://127.0.0.1:$GWPORT/metrics" && return 0
-    kill -0 "${SVC_PID[$name]}" 2>/dev/null || { fail "cb-gateway ($name) exited"; tail -5 "$T/$name.log"; return 1; }
-    sleep 0.1
-  done
-  fail "cb-gateway ($name) did not answer within 10 s"; return 1
+  svc_wait_http "$name" "http://127.0.0.1:$GWPORT/metrics" 10 || { fail "cb-gateway ($name) did not start"; return 1; }
 }
 start_gw gwa CB_GATEWAY_MAX_CONNECTIONS_PER_IP=0 CB_GATEWAY_REQUEST_TIMEOUT_S=60 || faults_finish
 PA=$GWPORT

@@ -159,7 +159,7 @@ else
     fail "the CURVE cb-retriever did not answer ping: $(tail -3 "$T/retriever-curve.log" | tr '\n' ' ')"
   fi
   if kill -0 "$cpid" 2>/dev/null; then
-    kill -TERM "$cpid"; wait "$cpid" 2>/dev/null
+    stack_stop retriever-curve
   else
     wait "$cpid" 2>/dev/null; rc=$?
     CRASHES=1 FZ_CRASHES=1

@@ -25,7 +25,7 @@ max=()
 [ "$FAULTS_QUICK" = 1 ] && max=(--max 200)
 # the work directories on tmpfs when there is one: thousands of SQLite and KV-file fsyncs
 work="$T/fp"
-[ -d /dev/shm ] && [ -w /dev/shm ] && work=$(mktemp -d /dev/shm/cb-faultpaths.XXXXXX) && trap 'rm -rf "$work"; faults_cleanup' EXIT
+[ -d /dev/shm ] && [ -w /dev/shm ] && work=$(mktemp -d /dev/shm/cb-faultpaths.XXXXXX) && stack_at_exit 'rm -rf "$work"'
 CB_LOG_LEVEL=warn "$BIN" --vocab-dir models/vocab --corpus tests/fuzz/corpus_msg --work "$work" "${max[@]}" \
   >"$FAULTS_OUT/inproc.md" 2>"$T/faultpaths.err"
 rc=$?

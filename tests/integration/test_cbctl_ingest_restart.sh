@@ -16,14 +16,7 @@ for s in retriever cacheindex precompute; do stack_start $s || svc_finish; done
 DB="$CB_DATA_DIR/precompute.db"
 
 # stop_precompute: SIGTERM, up to 10 s for it to exit (then SIGKILL), forgotten.
-stop_precompute() {
-  local pid=${SVC_PID[precompute]} i
-  kill -TERM "$pid" 2>/dev/null
-  for i in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$pid" 2>/dev/null
-  wait "$pid" 2>/dev/null
-  unset "SVC_PID[precompute]"
-}
+stop_precompute() { stack_stop precompute 10; }
 jobs_of() { sqlite3 "$DB" "SELECT count(*) FROM jobs WHERE doc_id LIKE '$1%'" 2>/dev/null || echo 0; }
 jobs_done() { sqlite3 "$DB" "SELECT count(*) FROM jobs WHERE doc_id LIKE '$1%' AND state = 2" 2>/dev/null || echo 0; }
 has_jobs() { [ "$(jobs_of "$1")" -ge "$2" ]; }

@@ -16,27 +16,16 @@ stack_setup
 if [ "$(id -u)" != 0 ]; then echo "skip: a tmpfs data disk needs root"; exit 77; fi
 DATA=$CB_DATA_DIR
 mount -t tmpfs -o size=16m tmpfs "$DATA" 2>/dev/null || { echo "skip: cannot mount a tmpfs on $DATA"; exit 77; }
-# the services first (their files are on the tmpfs), then the mount, then the temp dir
-cleanup() {
-  local n i
-  for n in "${!SVC_PID[@]}"; do kill -TERM "${SVC_PID[$n]}" 2>/dev/null; done
-  for n in "${!SVC_PID[@]}"; do
-    for i in $(seq 1 30); do kill -0 "${SVC_PID[$n]}" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "${SVC_PID[$n]}" 2>/dev/null; wait "${SVC_PID[$n]}" 2>/dev/null
-  done
-  SVC_PID=()
-  umount "$DATA" 2>/dev/null || umount -l "$DATA" 2>/dev/null
-  svc_cleanup
-}
-trap cleanup EXIT
+# at exit: the services first (their files are on the tmpfs: the launcher stops them), then the mount, then
+# the temp dir
+stack_at_exit 'umount "$DATA" 2>/dev/null || umount -l "$DATA" 2>/dev/null'
 svc_need build/bin/cb-gateway
 export CB_COMMON_MIN_FREE_MB=1 CB_PRECOMPUTE_WORKERS=0 CB_CBCTL_HEALTH_TIMEOUT_MS=3000 CB_GATEWAY_HEALTH_TIMEOUT_MS=3000
 
 # expect DESCRIPTION COMMAND...: the command must succeed
 expect() { local what=$1; shift; if "$@"; then echo "ok: $what"; else echo "FAIL: $what"; FAILS=$((FAILS + 1)); fi; }
 
-for s in retriever cacheindex precompute blend; do stack_launch $s; done
-for s in retriever cacheindex precompute blend; do stack_ready $s || exit 1; done
+stack_start_all || exit 1
 stack_start_gateway || exit 1
 
 ping_of() { "$SEND" --timeout 3000 "$(stack_endpoint "$1")" '{"type":"ping"}' 2>/dev/null; }

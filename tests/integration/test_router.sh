@@ -39,13 +39,13 @@ wdispatched() {
   send "$ROUTER" '{"type":"stats"}' 2>/dev/null | jq --arg p "$1" '[.worker_list[] | select(.pid == $p) | .dispatched] | add // 0'
 }
 # start_worker NAME [VAR=VALUE...]: a cb-blend worker of the router
-start_worker() { local n=$1; shift; svc_start "$n" build/bin/cb-blend CB_BLEND_ROUTER="$CB_ROUTER_WORKERS_ENDPOINT" "$@"; }
+start_worker() { local n=$1; shift; stack_launch worker "$n" "$@"; }
 ready_workers() { [ "$(rstat workers_ready)" = "$1" ]; }
 
-svc_start router build/bin/cb-router
+stack_launch router
 start_worker w1 CB_BLEND_FAULT_STEP_DELAY_MS=40
 start_worker w2 CB_BLEND_FAULT_STEP_DELAY_MS=40
-svc_start direct build/bin/cb-blend CB_BLEND_ENDPOINT="$DIRECT" CB_BLEND_ROUTER=
+stack_launch blend direct CB_BLEND_ENDPOINT="$DIRECT" CB_BLEND_ROUTER=
 svc_wait_ping "$DIRECT" 30 || svc_finish
 wait_until 30 ready_workers 2 || { echo "FAIL: 2 workers not ready within 30 s: $(send "$ROUTER" '{"type":"stats"}')"; svc_finish; }
 echo "ok: the router has 2 ready workers"
@@ -193,7 +193,7 @@ export CB_CACHEINDEX_ENDPOINT="tcp://127.0.0.1:$(svc_free_port)" CB_BLEND_ENDPOI
 export CB_ROUTER_ENDPOINT=$CB_BLEND_ENDPOINT CB_ROUTER_WORKERS_ENDPOINT="tcp://127.0.0.1:$(svc_free_port)"
 ROUTER=$CB_BLEND_ENDPOINT
 stack_launch cacheindex cacheindex2
-svc_start router2 build/bin/cb-router
+stack_launch router router2
 start_worker cw1
 start_worker plain CB_COMMON_CURVE=off
 wait_until 30 ready_workers 1 || { echo "FAIL: the CURVE worker did not join"; FAILS=$((FAILS+1)); }

@@ -15,20 +15,9 @@
 command -v redis-server >/dev/null 2>&1 || { echo "skip: redis-server is not installed"; exit 77; }
 stack_setup
 SOCK="$T/redis.sock"
-REDIS_PID=""
-redis_up() {
-  redis-server --port 0 --unixsocket "$SOCK" --unixsocketperm 700 --save '' --appendonly no --dir "$T" \
-    --maxmemory 256mb --maxmemory-policy allkeys-lru >>"$T/redis.log" 2>&1 &
-  REDIS_PID=$!
-  local i
-  for i in $(seq 1 50); do
-    [ "$(redis-cli -s "$SOCK" ping 2>/dev/null)" = PONG ] && return 0
-    sleep 0.1
-  done
-  echo "FAIL: redis-server did not answer within 5 s"; return 1
-}
-redis_down() { [ -n "$REDIS_PID" ] && { kill -KILL "$REDIS_PID" 2>/dev/null; wait "$REDIS_PID" 2>/dev/null; }; REDIS_PID=""; }
-trap 'redis_down; svc_cleanup' EXIT
+STACK_REDIS_SOCK=$SOCK
+redis_up() { stack_start redis; }        # the launcher's redis-server (log $T/redis.log), PING waited for
+redis_down() { stack_kill9 redis; }
 rcli() { redis-cli -s "$SOCK" "$@"; }
 redis_up || exit 1
 

@@ -34,23 +34,17 @@ declare -A QARGS=()                # cbctl query arguments, by label (one string
 
 FAULTS_MOUNTS=()
 
-# faults_cleanup: the EXIT trap: every started service is continued (a stopped one could not exit), sent
-# SIGTERM, then SIGKILL after 3 s; every tmpfs this scenario mounted is unmounted; the temp dir removed.
-faults_cleanup() {
-  local name pid m i
-  for name in "${!SVC_PID[@]}"; do kill -CONT "${SVC_PID[$name]}" 2>/dev/null; kill -TERM "${SVC_PID[$name]}" 2>/dev/null; done
-  for name in "${!SVC_PID[@]}"; do
-    pid=${SVC_PID[$name]}
-    for i in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
-  done
+# faults_at_exit: run by the launcher's exit trap once every started service is stopped (SIGCONT, SIGTERM,
+# SIGKILL after a bound: scripts/lib/stack.bash), before the temp dir goes: the services' logs are kept and
+# every tmpfs this scenario mounted is unmounted.
+faults_at_exit() {
+  local m
   if [ -n "$T" ] && [ -n "$SCEN" ]; then   # the services' logs outlive the run (build/faults/logs/SCENARIO/)
     rm -rf "$FAULTS_OUT/logs/$SCEN"; mkdir -p "$FAULTS_OUT/logs/$SCEN"
     cp "$T"/*.log "$FAULTS_OUT/logs/$SCEN/" 2>/dev/null
   fi
   for m in "${FAULTS_MOUNTS[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null; done
-  [ -n "$T" ] && rm -rf "$T"
+  return 0
 }
 
 # faults_mount_tmpfs DIR SIZE: a tmpfs of SIZE (e.g. 48m) on DIR, unmounted at exit; false when not allowed.
@@ -68,7 +62,7 @@ faults_begin() {
   h=$(printf '%s' "$SCEN" | cksum | cut -d' ' -f1)
   RANDOM=$(( (FAULTS_SEED * 7919 + h) % 32768 ))
   stack_setup
-  trap faults_cleanup EXIT
+  stack_at_exit faults_at_exit
   export CB_CBCTL_REQUEST_TIMEOUT_MS=3000 CB_CBCTL_REQUEST_RETRIES=1
   echo "scenario $SCEN (seed $FAULTS_SEED, dir $T)"
 }
@@ -130,23 +124,16 @@ svc_restart() {
   local name=$1
   unset "FAULTS_EXPECT_DEAD[$name]"
   if [ "$name" = gateway ]; then
-    svc_start gateway build/bin/cb-gateway
-    local i
-    for i in $(seq 1 100); do
-      curl -s -o /dev/null --max-time 2 "$GW/metrics" && return 0
-      sleep 0.1
-    done
-    fail "cb-gateway did not come back on $GW"; return 1
+    stack_start gateway || { fail "cb-gateway did not come back on $GW"; return 1; }
+    return 0
   fi
   stack_start "$name" "$name" || { fail "cb-$name did not come back"; return 1; }
 }
 
 # kill9 NAME: SIGKILL on purpose (not counted as a crash); reaped.
 kill9() {
-  local name=$1 pid=${SVC_PID[$1]:-}
-  FAULTS_EXPECT_DEAD[$name]=1
-  [ -n "$pid" ] && { kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; }
-  unset "SVC_PID[$name]"
+  FAULTS_EXPECT_DEAD[$1]=1
+  stack_kill9 "$1"
 }
 
 # crash_check: every started service that is not expected dead must still run; a dead one is a crash
