@@ -1,20 +1,23 @@
 /* cpu_quant.c: the integer kernels of cpu_quant.h: a portable scalar set, an AVX2 set and an AVX-512 VNNI
- * set (AVX2 plus the v16 kernel), over the stored rows and the interleaved copies (x8, v16).
+ * set (AVX2 plus the v16 kernel), over the stored rows and the v16 copies, the activation quantizers and
+ * the dispatch; the x8 copies' kernels are in cpu_quant_b8.c (blocks of 32) and cpu_quant_k8.c (K-quants).
  *
  * Block layouts (format/quant.h, ggml's blocks): Q4_0 {f16 d; u8 qs[16]} w = (nibble - 8) d; Q4_1 {f16 d,
  * m; u8 qs[16]} w = nibble d + m (low nibbles are elements 0..15, high 16..31); Q5_0 {f16 d; u8 qh[4];
  * u8 qs[16]} w = ((nibble | bit j of the little-endian u32 qh << 4) - 16) d; Q8_0 {f16 d; i8 qs[32]};
  * Q4_K {f16 d, dmin; u8 scales[12]; u8 qs[128]}: 8 sub-blocks of 32 with 6-bit scale sc and min mn,
  * w = d sc nibble - dmin mn, chunk c of 32 bytes holds sub-block 2c in its low and 2c+1 in its high
- * nibbles; Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: 16 scales of 16 elements, w = d sc (q - 32).
+ * nibbles; Q5_K {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}: Q4_K's with a fifth bit, bit k of qh[l]
+ * for element l of sub-block k (codes 0..31); Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: 16 scales of 16 elements, w = d sc (q - 32).
  *
  * Q4_0, Q4_1, Q5_0, Q8_0 read the B32 activations: a product of one weight block and one activation block is
  * an exact integer sum (|sum| < 2^23; Q5_0's signed 5-bit codes -16..15: |sum| <= 32 * 16 * 127 < 2^16),
- * scaled by d_w * d_x in f32 and accumulated in f32 (Q5_0 has no interleaved form, and no AVX-512 kernel:
- * the avx512vnni set runs its AVX2 kernel). Q4_K and Q6_K read the K activations: per super-block, the
- * integer sum of sc_k * dot_k over its sub-blocks (Q4_K: |sum| <= 8 * 63 * 32 * 15 * 127 < 2^25; Q6_K,
+ * scaled by d_w * d_x in f32 and accumulated in f32 (the avx512vnni set runs the AVX2 kernels of all types
+ * but Q4_1's v16). Q4_K, Q5_K and Q6_K read the K activations: per super-block, the
+ * integer sum of sc_k * dot_k over its sub-blocks (Q4_K: |sum| <= 8 * 63 * 32 * 15 * 127 < 2^25,
+ * Q5_K with 31 < 2^26; Q6_K,
  * whose unsigned q = w / (d sc) + 32 is multiplied as is and 32 * sum_g sc_g * bsum_g taken off:
- * |sum| <= 16 * 128 * 16 * 32 * 127 < 2^28) and, for Q4_K,
+ * |sum| <= 16 * 128 * 16 * 32 * 127 < 2^28) and, for Q4_K / Q5_K,
  * sum_k mn_k * bsum32_k, each converted to f32 once and scaled by d_x d (d_x dmin). The K kernels also
  * prefetch the weight rows ahead (K_PREFETCH). The AVX2 kernels on stored rows keep 8 lanes of partial sums per row
  * and add them at the end; the x8 and v16 kernels keep one lane per weight row (8 or 16 rows per vector)
@@ -32,7 +35,7 @@
 #include "format/gguf.h"
 #include "format/quant.h"
 
-static size_t b32_bytes(int cols) { return ((size_t)cols + 8 * (size_t)(cols / 32) + 63) / 64 * 64; }
+static size_t b32_bytes(int cols) { return ((size_t)cols + 10 * (size_t)(cols / 32) + 63) / 64 * 64; }
 static size_t k_bytes(int cols) {
     return ((size_t)cols + 4 * (size_t)(cols / 256) + 2 * (size_t)(cols / 16) + 2 * (size_t)(cols / 32) + 63) / 64 * 64;
 }
@@ -43,7 +46,8 @@ static xrow_t xrow(const void *base, int cols, int r) {
     const uint8_t *p = (const uint8_t *)base + (size_t)r * cb_cpu_q8_row_bytes(cols), *k = p + b32_bytes(cols);
     const float *d = (const float *)(p + cols), *kd = (const float *)(k + cols);
     const int16_t *kbs = (const int16_t *)(kd + cols / 256);
-    return (xrow_t){(const int8_t *)p, d, d + cols / 32, (const int8_t *)k, kd, kbs, kbs + cols / 16};
+    return (xrow_t){(const int8_t *)p, d, d + cols / 32, (const int16_t *)(d + 2 * (cols / 32)), (const int8_t *)k, kd, kbs,
+                    kbs + cols / 16};
 }
 
 /* Scalar in every kernel set, so that the quantized activations are the same bits everywhere:
@@ -53,6 +57,7 @@ static xrow_t xrow(const void *base, int cols, int r) {
 static void s_q8_quantize(const float *x, int cols, void *dst) {
     int8_t *q = dst;
     float *d = (float *)((uint8_t *)dst + cols), *ds = d + cols / 32;
+    int16_t *bs = (int16_t *)(ds + cols / 32);
     for (int b = 0; b < cols / 32; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
@@ -67,6 +72,7 @@ static void s_q8_quantize(const float *x, int cols, void *dst) {
         }
         d[b] = db;
         ds[b] = db * (float)sum;
+        bs[b] = (int16_t)sum;
     }
 }
 
@@ -188,13 +194,13 @@ static void s_q8_0_row(const uint8_t *w, int cols, const xrow_t *x, int R, float
     }
 }
 
-/* Q4_K on the K activations: per super-block sumi = sum_k sc_k dot_k and summ = sum_k mn_k bsum32_k in
+/* Q4_K (Q5_K: q5, the fifth bits from qh) on the K activations: per super-block sumi = sum_k sc_k dot_k and summ = sum_k mn_k bsum32_k in
  * int32; y = sum_i d_x d sumi - sum_i d_x dmin summ. */
-static void s_q4_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
+static inline void s_qk_row(const bool q5, const uint8_t *w, int cols, const xrow_t *x, int R, float *out) {
     for (int r = 0; r < R; r++) {
         float acc = 0.0f, accm = 0.0f;
         for (int i = 0; i < cols / 256; i++) {
-            const uint8_t *blk = w + 144 * i, *qs = blk + 16;
+            const uint8_t *blk = w + (q5 ? 176 : 144) * i, *qs = blk + (q5 ? 48 : 16), *qh = blk + 16;
             const int16_t *bs = x[r].kbs32 + 8 * i;
             int sumi = 0, summ = 0;
             for (int k = 0; k < 8; k++) {
@@ -203,7 +209,7 @@ static void s_q4_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float
                 const int shift = 4 * (k & 1);
                 int sc, mn, s = 0;
                 q4k_scale_min(k, blk + 4, &sc, &mn);
-                for (int l = 0; l < 32; l++) s += ((q[l] >> shift) & 0xF) * xq[l];
+                for (int l = 0; l < 32; l++) s += (((q[l] >> shift) & 0xF) | (q5 ? ((qh[l] >> k) & 1) << 4 : 0)) * xq[l];
                 sumi += sc * s;
                 summ += mn * bs[k];
             }
@@ -213,6 +219,8 @@ static void s_q4_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float
         out[r] = acc - accm;
     }
 }
+static void s_q4_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) { s_qk_row(false, w, cols, x, R, out); }
+static void s_q5_k_row(const uint8_t *w, int cols, const xrow_t *x, int R, float *out) { s_qk_row(true, w, cols, x, R, out); }
 
 /* Q6_K on the K activations: per super-block sumi = sum_g sc_g (dot_g(q) - 32 bsum_g) over its 16 groups
  * of 16 (q the unsigned 6-bit value) in int32; y = sum_i d_x d sumi. */
@@ -245,117 +253,23 @@ ROWS_LOOP(s_q4_1)
 ROWS_LOOP(s_q5_0)
 ROWS_LOOP(s_q8_0)
 ROWS_LOOP(s_q4_k)
+ROWS_LOOP(s_q5_k)
 ROWS_LOOP(s_q6_k)
 
 /* ---------------------------------------------------------------- interleaved rows (x8) */
 
-/* Offsets inside one x8 block (cpu_quant.h): row slot s (0..7) of a group sits in pair s & 3, lane s >> 2. */
-#define X8_Q4_1_BLK 160 /* 8 x 20 */
-#define X8_Q8_0_BLK 272 /* 8 x 34 */
-static inline size_t x8_blk_bytes(uint32_t type) { return type == CB_TYPE_Q4_1 ? X8_Q4_1_BLK : X8_Q8_0_BLK; }
-static inline const uint8_t *x8_block(const cb_weight_t *w, int g, int b) {
-    return (const uint8_t *)w->x8 + ((size_t)g * (size_t)(w->cols / 32) + (size_t)b) * x8_blk_bytes(w->type);
-}
-static inline size_t x8_q4_1_nib(int s) { return 32 + 32 * (size_t)(s & 3) + 16 * (size_t)(s >> 2); }
-static inline size_t x8_q8_0_lo(int s) { return 16 + 64 * (size_t)(s & 3) + 16 * (size_t)(s >> 2); }
-
-size_t cb_cpu_x8_bytes(const cb_weight_t *w) {
-    if (k_quant(w->type)) return cb_cpu_k8_bytes(w);
-    if (w->type != CB_TYPE_Q4_1 && w->type != CB_TYPE_Q8_0) return 0;
-    if (w->rows <= 0 || w->rows % 8 || w->cols <= 0 || w->cols % 32) return 0;
-    return (size_t)w->rows * w->row_bytes;
-}
+size_t cb_cpu_x8_bytes(const cb_weight_t *w) { return k_quant(w->type) ? cb_cpu_k8_bytes(w) : cb_cpu_b8_bytes(w); }
 
 bool cb_cpu_x8_pack(const cb_weight_t *w, void *dst) {
-    if (k_quant(w->type)) return cb_cpu_k8_pack(w, dst);
-    const size_t n = cb_cpu_x8_bytes(w);
-    if (!n) return false;
-    const int nb = w->cols / 32;
-    if (w->type == CB_TYPE_Q8_0) /* -128 has no |w| in int8: the AVX2 kernel's sign trick needs |q| <= 127 */
-        for (size_t o = 0; o < (size_t)w->rows; o++)
-            for (int b = 0; b < nb; b++) {
-                const int8_t *q = (const int8_t *)((const uint8_t *)w->q + o * w->row_bytes + 34 * (size_t)b + 2);
-                for (int j = 0; j < 32; j++)
-                    if (q[j] == -128) return false;
-            }
-    uint8_t *out = dst;
-    for (int g = 0; g < w->rows / 8; g++)
-        for (int b = 0; b < nb; b++) {
-            uint8_t *blk = out + ((size_t)g * (size_t)nb + (size_t)b) * x8_blk_bytes(w->type);
-            for (int s = 0; s < 8; s++) {
-                const uint8_t *src = (const uint8_t *)w->q + (size_t)(8 * g + s) * w->row_bytes;
-                if (w->type == CB_TYPE_Q4_1) {
-                    src += 20 * (size_t)b;
-                    memcpy(blk + 2 * s, src, 2);      /* d */
-                    memcpy(blk + 16 + 2 * s, src + 2, 2); /* m */
-                    memcpy(blk + x8_q4_1_nib(s), src + 4, 16);
-                } else {
-                    src += 34 * (size_t)b;
-                    memcpy(blk + 2 * s, src, 2);
-                    memcpy(blk + x8_q8_0_lo(s), src + 2, 16);
-                    memcpy(blk + x8_q8_0_lo(s) + 32, src + 18, 16);
-                }
-            }
-        }
-    return true;
+    return k_quant(w->type) ? cb_cpu_k8_pack(w, dst) : cb_cpu_b8_pack(w, dst);
 }
 
-/* Bit-identical to cb_dequant of the stored row (w = d q + m, or d q: one multiply, one add). */
-static void s_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
-    const int g = row / 8, s = row % 8;
-    for (int b = 0; b < w->cols / 32; b++) {
-        const uint8_t *blk = x8_block(w, g, b);
-        float *o = dst + 32 * b;
-        const float d = f16_at(blk + 2 * s);
-        if (w->type == CB_TYPE_Q4_1) {
-            const float m = f16_at(blk + 16 + 2 * s);
-            const uint8_t *q = blk + x8_q4_1_nib(s);
-            for (int j = 0; j < 16; j++) {
-                o[j] = (float)(q[j] & 0xF) * d + m;
-                o[j + 16] = (float)(q[j] >> 4) * d + m;
-            }
-        } else {
-            const int8_t *q = (const int8_t *)(blk + x8_q8_0_lo(s));
-            for (int j = 0; j < 16; j++) {
-                o[j] = (float)q[j] * d;
-                o[j + 16] = (float)q[j + 32] * d;
-            }
-        }
-    }
+void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
+    if (k_quant(w->type))
+        cb_cpu_k8_dequant_row(w, row, dst);
+    else
+        cb_cpu_b8_dequant_row(w, row, dst);
 }
-
-/* The scalar x8 kernels: the scalar kernels' arithmetic, in the same order, on the interleaved blocks (so
- * their results are the stored layout's bit for bit). o0, o1 multiples of 8. */
-static void s_q4_1x8(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
-    for (int o = o0; o < o1; o++)
-        for (int r = 0; r < R; r++) {
-            float acc = 0.0f;
-            for (int b = 0; b < w->cols / 32; b++) {
-                const uint8_t *blk = x8_block(w, o / 8, b), *q = blk + x8_q4_1_nib(o % 8);
-                const int8_t *xq = x[r].q + 32 * b;
-                int sum = 0;
-                for (int j = 0; j < 16; j++) sum += (q[j] & 0xF) * xq[j] + (q[j] >> 4) * xq[j + 16];
-                acc += f16_at(blk + 2 * (o % 8)) * x[r].d[b] * (float)sum + f16_at(blk + 16 + 2 * (o % 8)) * x[r].ds[b];
-            }
-            y[(size_t)r * ldy + o] = acc;
-        }
-}
-
-static void s_q8_0x8(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
-    for (int o = o0; o < o1; o++)
-        for (int r = 0; r < R; r++) {
-            float acc = 0.0f;
-            for (int b = 0; b < w->cols / 32; b++) {
-                const uint8_t *blk = x8_block(w, o / 8, b);
-                const int8_t *q = (const int8_t *)(blk + x8_q8_0_lo(o % 8)), *xq = x[r].q + 32 * b;
-                int sum = 0;
-                for (int j = 0; j < 16; j++) sum += q[j] * xq[j] + q[j + 32] * xq[j + 16];
-                acc += f16_at(blk + 2 * (o % 8)) * x[r].d[b] * (float)sum;
-            }
-            y[(size_t)r * ldy + o] = acc;
-        }
-}
-
 
 /* ---------------------------------------------------------------- 16-row VNNI layout (v16) */
 
@@ -606,23 +520,28 @@ static inline void v_prefetch_ahead(const uint8_t *p, int n) {
     for (int k = 0; k < n; k++) _mm_prefetch((const char *)(a + 64 * (uintptr_t)k), _MM_HINT_T0);
 }
 
+/* Each byte's bit k (0..7) moved to bit 4 (other bits are garbage: mask with 0x10). */
+static inline __m256i v_bit_to4(__m256i v, int k) {
+    return k < 4 ? _mm256_slli_epi16(v, 4 - k) : k > 4 ? _mm256_srli_epi16(v, k - 4) : v;
+}
+
 /* pshufb pattern broadcasting int16 lane l (0..7) of a 128-bit lane. */
 #define V_LANE16(l) ((short)(((2 * (l) + 1) << 8) | (2 * (l))))
 
-/* Q4_K: per super-block, the 4 chunks of 32 nibble bytes (sub-blocks 2c low, 2c+1 high) against the
+/* Q4_K (and Q5_K, its fifth bits ORed in from qh): per super-block, the 4 chunks of 32 nibble bytes (sub-blocks 2c low, 2c+1 high) against the
  * activation's int8 (maddubs: u8 x s8 pairs, |pair| <= 2 * 15 * 127), then madd with the sub-block's scale
  * as int16, so each row's 8 int32 lanes sum sc_k dot_k exactly (per lane < 2^22); one conversion and one
  * FMA by d_x d per super-block. The mins: one madd of the 8 mins with the activation's 8 sums per 32
  * (4 lanes), one conversion and FMA by d_x dmin. */
-static inline __attribute__((always_inline)) void v_q4_k_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
-                                                            float *out) {
+static inline __attribute__((always_inline)) void v_qk_r(const bool q5, const uint8_t *w, int cols, const xrow_t *x,
+                                                          const int R, float *out) {
     __m256 acc[QROWS];
     __m128 accm[QROWS];
     const __m256i m4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
     for (int i = 0; i < cols / 256; i++) {
-        const uint8_t *blk = w + 144 * i;
+        const uint8_t *blk = w + (q5 ? 176 : 144) * i;
         v_prefetch_ahead(blk, 3);
         uint32_t dpair;
         memcpy(&dpair, blk, 4);
@@ -635,8 +554,13 @@ static inline __attribute__((always_inline)) void v_q4_k_r(const uint8_t *w, int
         for (int r = 0; r < R; r++) sumi[r] = _mm256_setzero_si256();
         #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-            const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + (q5 ? 48 : 16) + 32 * c));
+            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (q5) { /* bits 2c and 2c + 1 of qh[l] to bit 4 */
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16)), b4 = _mm256_set1_epi8(0x10);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(v_bit_to4(qh, 2 * c), b4));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(v_bit_to4(qh, 2 * c + 1), b4));
+            }
             const __m256i sl = _mm256_shuffle_epi8(sc, _mm256_set1_epi16(V_LANE16(2 * c)));
             const __m256i sh = _mm256_shuffle_epi8(sc, _mm256_set1_epi16(V_LANE16(2 * c + 1)));
             #pragma GCC unroll 4
@@ -662,7 +586,16 @@ static inline __attribute__((always_inline)) void v_q4_k_r(const uint8_t *w, int
         out[r] = v_hsum(acc[r]) - _mm_cvtss_f32(m);
     }
 }
+static inline __attribute__((always_inline)) void v_q4_k_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
+                                                            float *out) {
+    v_qk_r(false, w, cols, x, R, out);
+}
+static inline __attribute__((always_inline)) void v_q5_k_r(const uint8_t *w, int cols, const xrow_t *x, const int R,
+                                                            float *out) {
+    v_qk_r(true, w, cols, x, R, out);
+}
 V_ROWS_SWITCH(v_q4_k)
+V_ROWS_SWITCH(v_q5_k)
 
 /* Q6_K: per super-block, the 8 sub-blocks of 32 unsigned 6-bit q (ql nibble | 2 qh bits << 4) against the
  * activation's int8 (maddubs, |pair| <= 2 * 63 * 127), then madd with the two groups' scales (lanes 0..7:
@@ -762,6 +695,7 @@ static void v_q8k_quantize(const float *x, int cols, void *dst) {
 static void v_q8_quantize(const float *x, int cols, void *dst) {
     int8_t *q = dst;
     float *d = (float *)((uint8_t *)dst + cols), *ds = d + cols / 32;
+    int16_t *bs = (int16_t *)(ds + cols / 32);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     for (int b = 0; b < cols / 32; b++) {
@@ -793,128 +727,10 @@ static void v_q8_quantize(const float *x, int cols, void *dst) {
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
         d[b] = db;
         ds[b] = db * (float)_mm_cvtsi128_si32(s4);
+        bs[b] = (int16_t)_mm_cvtsi128_si32(s4);
     }
 }
 
-/* x8 kernels: one group of 8 weight rows per step of a block. A 32-byte load holds 16 bytes of row p and
- * 16 of row p + 4; each activation half is broadcast to both lanes, so one maddubs multiplies two rows. Three
- * hadds fold the 4 pairs' int32 partials into the 8 rows' block sums, in row order, which are scaled by the
- * 8 d (one F16C conversion) times the activation's d, and accumulated in one vector per activation row. */
-#define XROWS 2 /* activation rows per pass over a group (the unpacked weights stay in registers) */
-static inline __attribute__((always_inline)) __m256i v_fold8(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-}
-
-static inline __attribute__((always_inline)) void v_q4_1x8_g(const uint8_t *blk, int nb, const xrow_t *x, const int R,
-                                                              __m256 *out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[XROWS], accm[XROWS];
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, blk += X8_Q4_1_BLK) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        __m256i lo[4], hi[4];
-        #pragma GCC unroll 4
-        for (int p = 0; p < 4; p++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * p));
-            lo[p] = _mm256_and_si256(raw, m4);
-            hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-        }
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b)));
-            const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b + 16)));
-            __m256i v[4];
-            #pragma GCC unroll 4
-            for (int p = 0; p < 4; p++) /* nibble x int8 pairs: |sum| <= 2 * 2 * 15 * 127, no int16 saturation */
-                v[p] = _mm256_madd_epi16(
-                    _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh)), ones);
-            const __m256 sum = _mm256_cvtepi32_ps(v_fold8(v[0], v[1], v[2], v[3]));
-            acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
-            accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].ds[b]), accm[r]);
-        }
-    }
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = _mm256_add_ps(acc[r], accm[r]);
-}
-
-static inline __attribute__((always_inline)) void v_q8_0x8_g(const uint8_t *blk, int nb, const xrow_t *x, const int R,
-                                                              __m256 *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[XROWS];
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, blk += X8_Q8_0_BLK) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        __m256i wl[4], wh[4];
-        #pragma GCC unroll 4
-        for (int p = 0; p < 4; p++) {
-            wl[p] = _mm256_loadu_si256((const __m256i *)(blk + 16 + 64 * p));
-            wh[p] = _mm256_loadu_si256((const __m256i *)(blk + 48 + 64 * p));
-        }
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b)));
-            const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x[r].q + 32 * b + 16)));
-            const __m256i axl = _mm256_sign_epi8(xl, xl), axh = _mm256_sign_epi8(xh, xh);
-            __m256i v[4];
-            #pragma GCC unroll 4
-            for (int p = 0; p < 4; p++) /* |x| times w with x's sign (|w|, |x| <= 127: the pack checked) */
-                v[p] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(axl, _mm256_sign_epi8(wl[p], xl)), ones),
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(axh, _mm256_sign_epi8(wh[p], xh)), ones));
-            const __m256 sum = _mm256_cvtepi32_ps(v_fold8(v[0], v[1], v[2], v[3]));
-            acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
-        }
-    }
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = acc[r];
-}
-
-#define V_X8_CASE(fn, RR)                                                                                \
-    for (int g = o0 / 8; g < o1 / 8; g++) {                                                              \
-        __m256 out[XROWS];                                                                               \
-        fn##_g(x8_block(w, g, 0), w->cols / 32, x, RR, out);                                             \
-        for (int r = 0; r < RR; r++) _mm256_storeu_ps(y + (size_t)r * ldy + 8 * g, out[r]);              \
-    }                                                                                                    \
-    break;
-#define V_X8_SWITCH(fn)                                                                                  \
-    static void fn(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {   \
-        switch (R) {                                                                                     \
-        case 1: V_X8_CASE(fn, 1)                                                                         \
-        default: V_X8_CASE(fn, 2)                                                                        \
-        }                                                                                                \
-    }
-V_X8_SWITCH(v_q4_1x8)
-V_X8_SWITCH(v_q8_0x8)
-/* The x8 row dequantization, as s_x8_dequant_row (one multiply, one add per element: the same bits). */
-static void v_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
-    const int g = row / 8, s = row % 8;
-    for (int b = 0; b < w->cols / 32; b++) {
-        const uint8_t *blk = x8_block(w, g, b);
-        float *o = dst + 32 * b;
-        const __m256 d = _mm256_set1_ps(v_f16(blk + 2 * s));
-        __m128i q[2];
-        __m256 m = _mm256_setzero_ps();
-        if (w->type == CB_TYPE_Q4_1) {
-            m = _mm256_set1_ps(v_f16(blk + 16 + 2 * s));
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + x8_q4_1_nib(s))), m4 = _mm_set1_epi8(0x0F);
-            q[0] = _mm_and_si128(raw, m4);
-            q[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-        } else {
-            q[0] = _mm_loadu_si128((const __m128i *)(blk + x8_q8_0_lo(s)));
-            q[1] = _mm_loadu_si128((const __m128i *)(blk + x8_q8_0_lo(s) + 32));
-        }
-        for (int h = 0; h < 2; h++)
-            for (int k = 0; k < 2; k++) {
-                const __m128i b8 = k ? _mm_srli_si128(q[h], 8) : q[h];
-                const __m256i i32 = w->type == CB_TYPE_Q4_1 ? _mm256_cvtepu8_epi32(b8) : _mm256_cvtepi8_epi32(b8);
-                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(i32), d);
-                if (w->type == CB_TYPE_Q4_1) v = _mm256_add_ps(v, m);
-                _mm256_storeu_ps(o + 16 * h + 8 * k, v);
-            }
-    }
-}
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -998,23 +814,20 @@ static void w_q4_1v16(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
 
 typedef struct {
     const char *name;
-    qdot_fn q4_0, q4_1, q5_0, q8_0, q4_k, q6_k;
-    qdot_fn q4_1x8, q8_0x8; /* interleaved weights (w->x8) */
-    int x8_rows;            /* activation rows per call of an x8 kernel */
-    qdot_fn k8;             /* interleaved Q4_K / Q6_K weights (w->x8), QROWS activation rows per call */
-    void (*x8_dequant)(const cb_weight_t *w, int row, float *dst);
+    qdot_fn q4_0, q4_1, q5_0, q8_0, q4_k, q5_k, q6_k;
+    qdot_fn b8, k8; /* interleaved weights (w->x8): Q4_0 / Q4_1 / Q5_0 / Q8_0, K-quants; QROWS rows per call */
     qdot_fn q4_1v16; /* the 16-row layout (w->v16) */
     int v16_rows;
 } qdot_set_t;
 
-static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q5_0, s_q8_0, s_q4_k, s_q6_k, s_q4_1x8, s_q8_0x8, QROWS, cb_cpu_k8_scalar, s_x8_dequant_row,
+static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q5_0, s_q8_0, s_q4_k, s_q5_k, s_q6_k, cb_cpu_b8_scalar, cb_cpu_k8_scalar,
                                    s_q4_1v16, QROWS};
 #ifdef CB_HAVE_X86
-static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, cb_cpu_k8_avx2, v_x8_dequant_row,
+static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_avx2, cb_cpu_k8_avx2,
                                  s_q4_1v16, QROWS};
 /* AVX2 and, for the v16 layout, AVX-512 VNNI */
-static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q6_k, v_q4_1x8, v_q8_0x8, XROWS, cb_cpu_k8_avx2,
-                                v_x8_dequant_row, w_q4_1v16, V16_MR};
+static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_avx2, cb_cpu_k8_avx2,
+                                w_q4_1v16, V16_MR};
 #endif
 
 static const qdot_set_t *g_set;
@@ -1096,19 +909,12 @@ static const qdot_set_t *kernels(void) {
 
 const char *cb_cpu_qdot_isa(void) { return kernels()->name; }
 
-void cb_cpu_x8_dequant_row(const cb_weight_t *w, int row, float *dst) {
-    if (k_quant(w->type))
-        cb_cpu_k8_dequant_row(w, row, dst);
-    else
-        kernels()->x8_dequant(w, row, dst);
-}
-
 bool cb_cpu_v16_preferred(void) { return kernels()->q4_1v16 != s_q4_1v16; }
 
 bool cb_cpu_qdot_gemm(const cb_weight_t *w) {
     if (w->f32) return false;
     if (w->v16) return true;
-    return w->x8 && k_quant(w->type) && kernels()->k8 != cb_cpu_k8_scalar;
+    return w->x8 && kernels()->k8 != cb_cpu_k8_scalar;
 }
 
 static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
@@ -1118,6 +924,7 @@ static qdot_fn kernel_of(const qdot_set_t *k, uint32_t type) {
     case CB_TYPE_Q5_0: return k->q5_0;
     case CB_TYPE_Q8_0: return k->q8_0;
     case CB_TYPE_Q4_K: return k->q4_k;
+    case CB_TYPE_Q5_K: return k->q5_k;
     case CB_TYPE_Q6_K: return k->q6_k;
     default: return NULL;
     }
@@ -1140,8 +947,7 @@ void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int 
         fn = k->q4_1v16;
         step = k->v16_rows;
     } else if (w->x8 && o0 % 8 == 0 && o1 % 8 == 0) {
-        fn = k_quant(w->type) ? k->k8 : w->type == CB_TYPE_Q4_1 ? k->q4_1x8 : k->q8_0x8;
-        step = k_quant(w->type) ? QROWS : k->x8_rows;
+        fn = k_quant(w->type) ? k->k8 : k->b8;
     }
     assert(fn && cb_cpu_qdot_supported(w));
     for (int r0 = 0; r0 < n; r0 += step) {

@@ -6,12 +6,12 @@
  *   B32 (Q4_0, Q4_1, Q5_0, Q8_0; as ggml's Q8_0 / Q8_1, whose scales are f16): one d per block of 32, and
  *       ds = d * sum(q) per block. A weight block times an activation block is an exact integer sum, scaled
  *       once by the two block scales in f32; the Q4_1 min term uses ds.
- *   K (Q4_K, Q6_K; as ggml's Q8_K): one d per super-block of 256 and the integer sum of q per 16. A weight
+ *   K (Q4_K, Q5_K, Q6_K; as ggml's Q8_K): one d per super-block of 256 and the integer sum of q per 16. A weight
  *       super-block times an activation super-block is one exact integer sum: the sub-block dots times the
- *       weight's 6- or 8-bit sub-block scales, less the Q4_K mins times the activation's sums per 32 (and
+ *       weight's 6- or 8-bit sub-block scales, less the Q4_K / Q5_K mins times the activation's sums per 32 (and
  *       the Q6_K offset 32 times its sums per 16), scaled once by d_w * d_x in f32.
- * Supported weight types: Q4_0, Q4_1, Q5_0, Q8_0 (blocks of 32 along a row), Q4_K and Q6_K (super-blocks
- * of 256; cols must be a multiple of 256). Q5_0's codes are signed 5-bit (-16..15) and its block dot is the
+ * Supported weight types: Q4_0, Q4_1, Q5_0, Q8_0 (blocks of 32 along a row), Q4_K, Q5_K and Q6_K
+ * (super-blocks of 256; cols must be a multiple of 256). Q5_0's codes are signed 5-bit (-16..15) and its block dot is the
  * exact integer sum of (q - 16) * q_x, as Q4_0's.
  *
  * Error against the exact f32 product: the activation rounding only (the weight's own values are used
@@ -44,7 +44,7 @@
 
 /* Bytes of one quantized activation row of cols elements (cols % 32 == 0), a multiple of 64 and
  * non-decreasing in cols: room for both formats. B32 at offset 0: int8 q [cols], then f32 d [cols/32]
- * (block scales), then f32 ds [cols/32] (d * sum of the block's q). K (cols % 256 == 0) at the next
+ * (block scales), then f32 ds [cols/32] (d * sum of the block's q), then int16 bs [cols/32] (the sums). K (cols % 256 == 0) at the next
  * multiple of 64: int8 q [cols], then f32 d [cols/256], then int16 bsum [cols/16] and int16 bsum32 [cols/32]
  * (sums of q per 16 and per 32). */
 size_t cb_cpu_q8_row_bytes(int cols);
@@ -62,19 +62,25 @@ unsigned cb_cpu_qdot_format(const cb_weight_t *w);
  * w must be supported. Rows of x go four at a time over each weight block (unpacked once for the four). */
 void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int n, float *y, int ldy);
 
-/* Interleaved rows ("x8"), the layout the matvecs read fastest: Q4_1 and Q8_0 weights with rows % 8 == 0
- * copied so that one block position of 8 consecutive rows is contiguous. Group g (rows 8g..8g+7), block b
- * is at (g * cols/32 + b) * 8 * block bytes:
- *   Q4_1: f16 d[8], f16 m[8], then 4 pairs of 32 bytes: pair p = the 16 nibble bytes of row 8g+p, then
- *         those of row 8g+p+4 (160 bytes);
- *   Q8_0: f16 d[8], then 4 pairs of 64 bytes: pair p = q[0..15] of row 8g+p, q[0..15] of row 8g+p+4,
- *         q[16..31] of row 8g+p, q[16..31] of row 8g+p+4 (272 bytes).
- * The same bytes as the stored rows, so the same size; a 32-byte load is half a block of two rows, and
- * the 8 rows' scales convert in one instruction. Results are those of the stored layout within f32
- * rounding (the integer block sums are the same; the scalar set is bit-identical).
- * cb_cpu_x8_bytes: the copy's size, or 0 when w has no x8 form (type, rows % 8, cols % 32).
+/* Interleaved rows ("x8"), the layout the integer kernels read fastest: weights with rows % 8 == 0 of the
+ * types Q4_0, Q4_1, Q5_0, Q8_0 (cols % 32 == 0) and Q4_K, Q5_K, Q6_K (cols % 256 == 0), copied so that one block
+ * (super-block) position of 8 consecutive rows is one contiguous group block, in which every 32-byte
+ * vector holds 4 consecutive elements of each of the 8 rows (row slot s at bytes 4s..4s+3): one maddubs
+ * against the activation's matching 4 bytes, broadcast, multiplies all 8 rows, with no horizontal sums.
+ * Group g (rows 8g..8g+7), block b at (g * blocks per row + b) * group block bytes:
+ *   Q4_0 (144 = 8 x 18): f16 d[8], then qs[4 steps t][8 rows][4]: row s's stored nibble bytes 4t..4t+3
+ *         (low nibbles: elements 4t.., high: 16 + 4t..);
+ *   Q4_1 (160 = 8 x 20): f16 d[8], f16 m[8], then qs as Q4_0's;
+ *   Q5_0 (176 = 8 x 22): f16 d[8], qs as Q4_0's, then qh[8 rows][4]: byte 4s + j holds the fifth bits of
+ *         row s's elements 4t + j (bit t) and 16 + 4t + j (bit 4 + t), t = 0..3;
+ *   Q8_0 (272 = 8 x 34): f16 d[8], then q[8 steps t][8 rows][4]: row s's elements 4t..4t+3;
+ *   Q4_K (1184 = 8 x 144 + 32), Q5_K (1440 = 8 x 176 + 32) and Q6_K (1680 = 8 x 210): cpu_quant_k8.c
+ *         (the 6-bit scales and mins unpacked to bytes).
+ * The integer sums per block are the stored rows' (the same exact integers), so results are the stored
+ * layout's within f32 reordering, and the scalar and AVX2 kernels on a copy give the same bits.
+ * cb_cpu_x8_bytes: the copy's size, or 0 when w has no x8 form (type, rows % 8, cols).
  * cb_cpu_x8_pack: writes w's rows (w->q) interleaved into dst (cb_cpu_x8_bytes(w) bytes); false when w has
- * no x8 form or is a Q8_0 holding -128 (the AVX2 kernel needs |q| <= 127; ggml's quantizer never writes it).
+ * no x8 form.
  * A weight with w->x8 set is read there by cb_cpu_qdot_rows (ranges aligned to 8 rows) and by
  * cb_cpu_x8_dequant_row (bit-identical to dequantizing the stored row). */
 size_t cb_cpu_x8_bytes(const cb_weight_t *w);
@@ -97,7 +103,7 @@ bool cb_cpu_v16_preferred(void);
 void cb_cpu_v16_dequant_row(const cb_weight_t *w, int row, float *dst);
 
 /* True when w's GEMMs (prefill) should run the integer kernel rather than f32 sgemm over dequantized rows:
- * a v16 weight, or an x8 Q4_K / Q6_K weight where the AVX2 kernels run; never with an f32 copy. */
+ * a v16 weight, or an x8 weight where the AVX2 kernels run; never with an f32 copy. */
 bool cb_cpu_qdot_gemm(const cb_weight_t *w);
 
 /* The kernel set in use: "avx512vnni" (AVX2 plus the v16 kernel), "avx2" or "scalar". cb_cpu_qdot_use

@@ -18,6 +18,7 @@ typedef struct {
     const int8_t *q;      /* B32: [cols] */
     const float *d;       /* [cols/32] block scales */
     const float *ds;      /* [cols/32] d * sum of the block's q */
+    const int16_t *bs;    /* [cols/32] sum of the block's q */
     const int8_t *kq;     /* K: [cols] */
     const float *kd;      /* [cols/256] super-block scales */
     const int16_t *kbs;   /* [cols/16] sums of q per 16 */
@@ -55,13 +56,21 @@ static inline void q6k_unpack(const uint8_t *blk, int k, uint8_t out[32]) {
 }
 
 /* True for the K-quant types (super-blocks of 256, the K activation format, the k8 form of x8). */
-static inline bool k_quant(uint32_t type) { return type == CB_TYPE_Q4_K || type == CB_TYPE_Q6_K; }
+static inline bool k_quant(uint32_t type) { return type == CB_TYPE_Q4_K || type == CB_TYPE_Q5_K || type == CB_TYPE_Q6_K; }
+
+/* The rows of the types with blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) interleaved by 8 (cpu_quant_b8.c; the
+ * layout in cpu_quant.h) and their kernels (o0, o1 multiples of 8), as the K-quants' below. */
+size_t cb_cpu_b8_bytes(const cb_weight_t *w);
+bool cb_cpu_b8_pack(const cb_weight_t *w, void *dst);
+void cb_cpu_b8_dequant_row(const cb_weight_t *w, int row, float *dst);
+void cb_cpu_b8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_b8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 
 /* The K-quant rows interleaved by 8 (cpu_quant_k8.c; the layout is in cpu_quant.h). */
 size_t cb_cpu_k8_bytes(const cb_weight_t *w);
 bool cb_cpu_k8_pack(const cb_weight_t *w, void *dst);
 void cb_cpu_k8_dequant_row(const cb_weight_t *w, int row, float *dst);
-/* The kernels on w->x8 of a Q4_K / Q6_K weight (o0, o1 multiples of 8): scalar and AVX2 (NULL where the
+/* The kernels on w->x8 of a Q4_K / Q5_K / Q6_K weight (o0, o1 multiples of 8): scalar and AVX2 (NULL where the
  * target has no AVX2); the AVX2 ones give the scalar ones' bits. */
 void cb_cpu_k8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);

@@ -1,4 +1,4 @@
-/* cpu_quant_k8.c: Q4_K and Q6_K weight rows interleaved by 8 ("k8", the x8 form of the K-quants; layout in
+/* cpu_quant_k8.c: Q4_K, Q5_K and Q6_K weight rows interleaved by 8 ("k8", the x8 form of the K-quants; layout in
  * cpu_quant.h) and their integer kernels, scalar and AVX2.
  *
  * Each 32-byte vector of a group holds 4 consecutive elements of each of the 8 rows (row slot s at bytes
@@ -6,14 +6,16 @@
  * sums at once: no horizontal sums, and one unpacked weight vector serves up to K8_ROWS activation rows.
  * Integer sums per super-block and row are exact (as cpu_quant.c's): Q4_K sums sc_k dot_k over its 8
  * sub-blocks (each sub-block's 8 maddubs results added in int16 first: per lane <= 8 * 2 * 15 * 127 =
- * 30480) and mn_k bsum32_k apart; Q6_K sums sc_g (dot_g - 32 bsum_g) over its 16 groups (two maddubs
+ * 30480; Q5_K's codes 0..31 in two halves of 4, <= 4 * 2 * 31 * 127 = 31496) and mn_k bsum32_k apart; Q6_K sums sc_g (dot_g - 32 bsum_g) over its 16 groups (two maddubs
  * results added in int16: <= 2 * 2 * 63 * 127 = 32004). Then per super-block and row, in f32:
- * acc = fma(sumi, d_w d_x, acc), and for Q4_K acc = fma(-summ, dmin_w d_x, acc). The scalar kernels do the
+ * acc = fma(sumi, d_w d_x, acc), and for Q4_K / Q5_K acc = fma(-summ, dmin_w d_x, acc). The scalar kernels do the
  * same operations in the same order, so both sets give the same bits. */
 #include "cpu/cpu_quant_internal.h"
 
 #include <assert.h>
 #include <math.h>
+
+#include "format/gguf.h"
 
 #ifndef K8_TUNROLL
 #define K8_TUNROLL 2
@@ -24,6 +26,7 @@
 #define K8_PRAGMA(x) _Pragma(#x)
 #define K8_UNROLL(n) K8_PRAGMA(GCC unroll n)
 #define K8_Q4K 1184 /* bytes of one group super-block: 8 x 144 + 32 (the scales and mins unpacked) */
+#define K8_Q5K 1440 /* 8 x 176 + 32 */
 #define K8_Q6K 1680 /* 8 x 210 */
 #ifndef K8_ROWS
 #define K8_ROWS 4 /* activation rows per pass over a group */
@@ -37,6 +40,10 @@
 #define Q4K_SC 32
 #define Q4K_MN 96
 #define Q4K_QS 160
+/* Q5_K group super-block: Q4_K's first 160 bytes, then qh[8 steps t][8 rows][4]: row s's stored qh bytes
+ * 4t..4t+3 (bit k of qh[l]: the fifth bit of element l of sub-block k), then qs as Q4_K's. */
+#define Q5K_QH 160
+#define Q5K_QS 416
 /* Q6_K group super-block: f16 d[8], i8 sc[8 pairs][8 rows][2], then per group of 16 elements g (0..15) 96
  * bytes: ql0, ql1, qh of 32 bytes (4 per row): ql0's low nibbles are elements 16g + b (b = 0..3) of the
  * row, its high nibbles 16g + 4 + b; ql1's 16g + 8 + b and 16g + 12 + b; qh's bit pairs 0-1, 2-3, 4-5, 6-7
@@ -45,7 +52,10 @@
 #define Q6K_SC 16
 #define Q6K_Q 144
 
-static size_t blk_bytes(uint32_t type) { return type == CB_TYPE_Q4_K ? K8_Q4K : K8_Q6K; }
+static size_t blk_bytes(uint32_t type) {
+    return type == CB_TYPE_Q4_K ? K8_Q4K : type == CB_TYPE_Q5_K ? K8_Q5K : K8_Q6K;
+}
+
 
 static const uint8_t *group_sb(const cb_weight_t *w, int g, int i) {
     return (const uint8_t *)w->x8 + ((size_t)g * (size_t)(w->cols / 256) + (size_t)i) * blk_bytes(w->type);
@@ -57,7 +67,8 @@ size_t cb_cpu_k8_bytes(const cb_weight_t *w) {
     return (size_t)(w->rows / 8) * (size_t)(w->cols / 256) * blk_bytes(w->type);
 }
 
-static void pack_q4k(const uint8_t *src, int s, uint8_t *dst) {
+/* Q4_K (q5 false) or Q5_K row slot s of the stored super-block src into dst. */
+static void pack_q4k(const bool q5, const uint8_t *src, int s, uint8_t *dst) {
     memcpy(dst + Q4K_D + 2 * s, src, 2);
     memcpy(dst + Q4K_DMIN + 2 * s, src + 2, 2);
     for (int k = 0; k < 8; k++) {
@@ -66,8 +77,11 @@ static void pack_q4k(const uint8_t *src, int s, uint8_t *dst) {
         dst[Q4K_SC + 8 * k + s] = (uint8_t)sc;
         dst[Q4K_MN + 16 * (k / 2) + 2 * s + (k & 1)] = (uint8_t)mn;
     }
+    const size_t qs = q5 ? Q5K_QS : Q4K_QS, sq = q5 ? 48 : 16;
     for (int c = 0; c < 4; c++)
-        for (int t = 0; t < 8; t++) memcpy(dst + Q4K_QS + 256 * c + 32 * t + 4 * s, src + 16 + 32 * c + 4 * t, 4);
+        for (int t = 0; t < 8; t++) memcpy(dst + qs + 256 * c + 32 * t + 4 * s, src + sq + 32 * c + 4 * t, 4);
+    if (q5)
+        for (int t = 0; t < 8; t++) memcpy(dst + Q5K_QH + 32 * t + 4 * s, src + 16 + 4 * t, 4);
 }
 
 static void pack_q6k(const uint8_t *src, int s, uint8_t *dst) {
@@ -89,7 +103,7 @@ static void pack_q6k(const uint8_t *src, int s, uint8_t *dst) {
 bool cb_cpu_k8_pack(const cb_weight_t *w, void *dst) {
     if (!cb_cpu_k8_bytes(w)) return false;
     const int nsb = w->cols / 256;
-    const size_t sb = w->type == CB_TYPE_Q4_K ? 144 : 210;
+    const size_t sb = (size_t)cb_type_block_bytes(w->type);
     /* groups in parallel: the copy's first touch (page faults, zeroing) is most of the cost */
     #pragma omp parallel for schedule(static)
     for (int g = 0; g < w->rows / 8; g++)
@@ -97,8 +111,8 @@ bool cb_cpu_k8_pack(const cb_weight_t *w, void *dst) {
             uint8_t *o = (uint8_t *)dst + ((size_t)g * (size_t)nsb + (size_t)i) * blk_bytes(w->type);
             for (int s = 0; s < 8; s++) {
                 const uint8_t *src = (const uint8_t *)w->q + (size_t)(8 * g + s) * w->row_bytes + sb * (size_t)i;
-                if (w->type == CB_TYPE_Q4_K)
-                    pack_q4k(src, s, o);
+                if (w->type != CB_TYPE_Q6_K)
+                    pack_q4k(w->type == CB_TYPE_Q5_K, src, s, o);
                 else
                     pack_q6k(src, s, o);
             }
@@ -106,11 +120,13 @@ bool cb_cpu_k8_pack(const cb_weight_t *w, void *dst) {
     return true;
 }
 
-/* Element e (0..255) of row slot s in a group super-block: the 4-bit Q4_K nibble, or the 6-bit Q6_K q. */
-static inline int q4k_at(const uint8_t *blk, int s, int e) {
+/* Element e (0..255) of row slot s in a group super-block: the 4-bit Q4_K nibble, the 5-bit Q5_K code, or
+ * the 6-bit Q6_K q. */
+static inline int q4k_at(const bool q5, const uint8_t *blk, int s, int e) {
     const int c = e / 64, h = (e % 64) / 32, t = (e % 32) / 4, b = e % 4;
-    const uint8_t v = blk[Q4K_QS + 256 * c + 32 * t + 4 * s + b];
-    return h ? v >> 4 : v & 0xF;
+    const uint8_t v = blk[(q5 ? Q5K_QS : Q4K_QS) + 256 * c + 32 * t + 4 * s + b];
+    const int hb = q5 ? ((blk[Q5K_QH + 32 * t + 4 * s + b] >> (e / 32)) & 1) << 4 : 0;
+    return (h ? v >> 4 : v & 0xF) | hb;
 }
 static inline int q6k_at(const uint8_t *blk, int s, int e) {
     const int g = e / 16, u = (e % 16) / 4, b = e % 4; /* u: quarter of the group */
@@ -125,11 +141,12 @@ void cb_cpu_k8_dequant_row(const cb_weight_t *w, int row, float *dst) {
     for (int i = 0; i < w->cols / 256; i++) {
         const uint8_t *blk = group_sb(w, g, i);
         float *y = dst + 256 * i;
-        if (w->type == CB_TYPE_Q4_K) {
+        if (w->type != CB_TYPE_Q6_K) {
+            const bool q5 = w->type == CB_TYPE_Q5_K;
             const float d = f16_at(blk + Q4K_D + 2 * s), dmin = f16_at(blk + Q4K_DMIN + 2 * s);
             for (int k = 0; k < 8; k++) {
                 const float d1 = d * blk[Q4K_SC + 8 * k + s], m1 = dmin * blk[Q4K_MN + 16 * (k / 2) + 2 * s + (k & 1)];
-                for (int l = 0; l < 32; l++) y[32 * k + l] = d1 * (float)q4k_at(blk, s, 32 * k + l) - m1;
+                for (int l = 0; l < 32; l++) y[32 * k + l] = d1 * (float)q4k_at(q5, blk, s, 32 * k + l) - m1;
             }
         } else {
             const float d = f16_at(blk + Q6K_D + 2 * s);
@@ -143,12 +160,12 @@ void cb_cpu_k8_dequant_row(const cb_weight_t *w, int row, float *dst) {
 
 /* ---------------------------------------------------------------- scalar */
 
-static void s_q4k_sb(const uint8_t *blk, int s, const xrow_t *x, int i, float *acc) {
+static void s_q4k_sb(const bool q5, const uint8_t *blk, int s, const xrow_t *x, int i, float *acc) {
     int sumi = 0, summ = 0;
     for (int k = 0; k < 8; k++) {
         const int8_t *xq = x->kq + 256 * i + 32 * k;
         int dot = 0;
-        for (int l = 0; l < 32; l++) dot += q4k_at(blk, s, 32 * k + l) * xq[l];
+        for (int l = 0; l < 32; l++) dot += q4k_at(q5, blk, s, 32 * k + l) * xq[l];
         sumi += blk[Q4K_SC + 8 * k + s] * dot;
         summ += blk[Q4K_MN + 16 * (k / 2) + 2 * s + (k & 1)] * x->kbs32[8 * i + k];
     }
@@ -175,8 +192,8 @@ void cb_cpu_k8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
         for (int r = 0; r < R; r++) {
             float acc = 0.0f;
             for (int i = 0; i < w->cols / 256; i++) {
-                if (w->type == CB_TYPE_Q4_K)
-                    s_q4k_sb(group_sb(w, o / 8, i), o % 8, &x[r], i, &acc);
+                if (w->type != CB_TYPE_Q6_K)
+                    s_q4k_sb(w->type == CB_TYPE_Q5_K, group_sb(w, o / 8, i), o % 8, &x[r], i, &acc);
                 else
                     s_q6k_sb(group_sb(w, o / 8, i), o % 8, &x[r], i, &acc);
             }
@@ -213,36 +230,53 @@ static inline __m256i b4(const void *p) {
 
 /* One Q4_K group (8 weight rows) against R activation rows, over nsb super-blocks; out[r] = the 8 rows'
  * dot products with activation row r. */
-static inline __attribute__((always_inline)) void v_q4k_g(const uint8_t *blk, int nsb, const xrow_t *x, const int R,
-                                                           __m256 *out) {
+/* One Q4_K or Q5_K (q5) group (8 weight rows) against R activation rows, over nsb super-blocks; out[r] = the
+ * 8 rows' dot products with activation row r. Q5_K's fifth bits come from its qh vectors (bit k of each
+ * byte, k = the sub-block, moved to bit 4); its int16 sums are folded every 4 steps. */
+static inline __attribute__((always_inline)) void v_q4k_g(const bool q5, const uint8_t *blk, int nsb, const xrow_t *x,
+                                                           const int R, __m256 *out) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     __m256 acc[K8_ROWS];
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int i = 0; i < nsb; i++, blk += K8_Q4K) {
+    const size_t qs = q5 ? Q5K_QS : Q4K_QS;
+    for (int i = 0; i < nsb; i++, blk += q5 ? K8_Q5K : K8_Q4K) {
         __m256i si[K8_ROWS];
         #pragma GCC unroll 4
         for (int r = 0; r < R; r++) si[r] = _mm256_setzero_si256();
+        if (q5) v_prefetch(blk + Q5K_QH, 4);
         for (int c = 0; c < 4; c++) {
-            v_prefetch(blk + Q4K_QS + 256 * c, 4);
+            v_prefetch(blk + qs + 256 * c, 4);
             #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
+                const int k = 2 * c + h;
+                const __m256i sc = _mm256_cvtepu8_epi16(
+                    _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(blk + Q4K_SC + 8 * k)), dup));
                 __m256i s16[K8_ROWS];
                 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
                 K8_UNROLL(K8_TUNROLL)
                 for (int t = 0; t < 8; t++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + Q4K_QS + 256 * c + 32 * t));
-                    const __m256i q = h ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) : _mm256_and_si256(raw, m4);
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qs + 256 * c + 32 * t));
+                    __m256i q = h ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) : _mm256_and_si256(raw, m4);
+                    if (q5) {
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + Q5K_QH + 32 * t));
+                        const __m256i hb = k < 4 ? _mm256_slli_epi16(qh, 4 - k) : k > 4 ? _mm256_srli_epi16(qh, k - 4) : qh;
+                        q = _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+                    }
                     #pragma GCC unroll 4
                     for (int r = 0; r < R; r++)
                         s16[r] = _mm256_add_epi16(
                             s16[r], _mm256_maddubs_epi16(q, b4(x[r].kq + 256 * i + 64 * c + 32 * h + 4 * t)));
+                    if (q5 && t == 3) { /* Q5_K: two int16 sums of 4 steps */
+                        #pragma GCC unroll 4
+                        for (int r = 0; r < R; r++) {
+                            si[r] = _mm256_add_epi32(si[r], _mm256_madd_epi16(s16[r], sc));
+                            s16[r] = _mm256_setzero_si256();
+                        }
+                    }
                 }
-                const int k = 2 * c + h;
-                const __m256i sc = _mm256_cvtepu8_epi16(
-                    _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(blk + Q4K_SC + 8 * k)), dup));
                 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) si[r] = _mm256_add_epi32(si[r], _mm256_madd_epi16(s16[r], sc));
             }
@@ -264,6 +298,15 @@ static inline __attribute__((always_inline)) void v_q4k_g(const uint8_t *blk, in
     }
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+static inline __attribute__((always_inline)) void v_q4k_g4(const uint8_t *blk, int nsb, const xrow_t *x, const int R,
+                                                            __m256 *out) {
+    v_q4k_g(false, blk, nsb, x, R, out);
+}
+static inline __attribute__((always_inline)) void v_q4k_g5(const uint8_t *blk, int nsb, const xrow_t *x, const int R,
+                                                            __m256 *out) {
+    v_q4k_g(true, blk, nsb, x, R, out);
 }
 
 /* One Q6_K group against R activation rows (as v_q4k_g). */
@@ -340,7 +383,9 @@ void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
     for (int r0 = 0; r0 < R; r0 += K8_ROWS) {
         const int m = R - r0 < K8_ROWS ? R - r0 : K8_ROWS;
         if (w->type == CB_TYPE_Q4_K) {
-            K8_SWITCH(v_q4k_g)
+            K8_SWITCH(v_q4k_g4)
+        } else if (w->type == CB_TYPE_Q5_K) {
+            K8_SWITCH(v_q4k_g5)
         } else {
             K8_SWITCH(v_q6k_g)
         }

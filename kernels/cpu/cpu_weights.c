@@ -1,7 +1,7 @@
 /* cpu_weights.c: the CPU backend's layouts of a model's weights (cb_cpu_weights_build, see cpu_quant.h).
  *
  * One arena per model, shared by every CPU backend over it (tensor.h cb_weights_t), huge-page advised:
- *   native: per matrix the v16 copy where the VNNI kernel runs (Q4_1), else the x8 copy (Q4_1, Q8_0, Q4_K,
+ *   native: per matrix the v16 copy where the VNNI kernel runs (Q4_1), else the x8 copy (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
  *           Q6_K), else nothing (read where stored); a copied matrix's stored pages are given back slice by
  *           slice as they are copied, and an untied embedding table's (a lookup reads a few rows), so the
  *           weights cost their size once;

@@ -400,6 +400,7 @@ static bool cb_type_traits_(uint32_t type, size_t *blk_elems, size_t *blk_bytes)
     case 6: *blk_elems = 32; *blk_bytes = 22; return true;    /* Q5_0 */
     case 8: *blk_elems = 32; *blk_bytes = 34; return true;    /* Q8_0 */
     case 12: *blk_elems = 256; *blk_bytes = 144; return true; /* Q4_K */
+    case 13: *blk_elems = 256; *blk_bytes = 176; return true; /* Q5_K */
     case 14: *blk_elems = 256; *blk_bytes = 210; return true; /* Q6_K */
     default: return false;
     }

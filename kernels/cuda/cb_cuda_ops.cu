@@ -73,15 +73,16 @@ __global__ void k_dequant_q32(uint32_t type, const uint8_t *src, size_t n_blocks
     }
 }
 
-/* One thread per 256-element super-block (Q4_K, Q6_K). */
+/* One thread per 256-element super-block (Q4_K, Q5_K, Q6_K). */
 template <typename T>
 __global__ void k_dequant_k(uint32_t type, const uint8_t *src, size_t n_blocks, T *dst) {
     for (size_t b = blockIdx.x * (size_t)blockDim.x + threadIdx.x; b < n_blocks; b += (size_t)gridDim.x * blockDim.x) {
         T *y = dst + b * 256;
-        if (type == 12) {           /* Q4_K: d, dmin, scales[12], qs[128] */
-            const uint8_t *p = src + b * 144;
+        if (type == 12 || type == 13) { /* Q4_K: d, dmin, scales[12], qs[128]; Q5_K: qh[32] before qs */
+            const bool q5 = type == 13;
+            const uint8_t *p = src + b * (q5 ? 176 : 144);
             float d = cb_h2f(p), dmin = cb_h2f(p + 2);
-            const uint8_t *sc = p + 4, *qs = p + 16;
+            const uint8_t *sc = p + 4, *qh = p + 16, *qs = p + (q5 ? 48 : 16);
             for (int c = 0; c < 4; c++) {
                 float dd[2], mm[2];
                 for (int h = 0; h < 2; h++) {
@@ -93,8 +94,9 @@ __global__ void k_dequant_k(uint32_t type, const uint8_t *src, size_t n_blocks, 
                 }
                 for (int l = 0; l < 32; l++) {
                     uint8_t q = qs[c * 32 + l];
-                    cb_store<T>(y, c * 64 + l, dd[0] * (float)(q & 0xF) - mm[0]);
-                    cb_store<T>(y, c * 64 + 32 + l, dd[1] * (float)(q >> 4) - mm[1]);
+                    int h0 = q5 ? ((qh[l] >> (2 * c)) & 1) << 4 : 0, h1 = q5 ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+                    cb_store<T>(y, c * 64 + l, dd[0] * (float)((q & 0xF) | h0) - mm[0]);
+                    cb_store<T>(y, c * 64 + 32 + l, dd[1] * (float)((q >> 4) | h1) - mm[1]);
                 }
             }
         } else {                    /* Q6_K: ql[128], qh[64], scales[16] int8, d */
@@ -135,7 +137,7 @@ static int cb_dequant_t(cb_cuda_t *self, uint32_t type, const void *src, size_t 
         k_dequant_q32<T><<<cb_blocks(n / 32, 128) > 65535 ? 65535 : cb_blocks(n / 32, 128), 128, 0, self->stream>>>(
             type, s, n / 32, dst);
         break;
-    case 12: case 14:
+    case 12: case 13: case 14:        /* Q4_K, Q5_K, Q6_K */
         if (n % 256) return cb_cuda_inval_(self, "dequant: n %% 256 != 0");
         k_dequant_k<T><<<cb_blocks(n / 256, 64) > 65535 ? 65535 : cb_blocks(n / 256, 64), 64, 0, self->stream>>>(
             type, s, n / 256, dst);

@@ -24,7 +24,7 @@ typedef enum {
 /* ggml tensor type ids (the subset of enum ggml_type we know; others are rejected at open). */
 typedef enum {
     CB_TYPE_F32 = 0, CB_TYPE_F16 = 1, CB_TYPE_Q4_0 = 2, CB_TYPE_Q4_1 = 3, CB_TYPE_Q5_0 = 6, CB_TYPE_Q8_0 = 8,
-    CB_TYPE_Q4_K = 12, CB_TYPE_Q6_K = 14, CB_TYPE_BF16 = 30
+    CB_TYPE_Q4_K = 12, CB_TYPE_Q5_K = 13, CB_TYPE_Q6_K = 14, CB_TYPE_BF16 = 30
 } cb_type_t;
 
 typedef struct {

@@ -20,12 +20,14 @@ typedef struct PACKED { uint16_t d, m; uint8_t qs[16]; } block_q4_1;            
 typedef struct PACKED { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } block_q5_0;  /* d fp16; qh a LE u32 */
 typedef struct PACKED { uint16_t d; int8_t qs[32]; } block_q8_0;                 /* d fp16 */
 typedef struct PACKED { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } block_q4_k;
+typedef struct PACKED { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } block_q5_k;
 typedef struct PACKED { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } block_q6_k; /* d last */
 _Static_assert(sizeof(block_q4_0) == 18, "Q4_0 block is 18 bytes");
 _Static_assert(sizeof(block_q4_1) == 20, "Q4_1 block is 20 bytes");
 _Static_assert(sizeof(block_q5_0) == 22, "Q5_0 block is 22 bytes");
 _Static_assert(sizeof(block_q8_0) == 34, "Q8_0 block is 34 bytes");
 _Static_assert(sizeof(block_q4_k) == 144, "Q4_K block is 144 bytes");
+_Static_assert(sizeof(block_q5_k) == 176, "Q5_K block is 176 bytes");
 _Static_assert(sizeof(block_q6_k) == 210, "Q6_K block is 210 bytes");
 _Static_assert(sizeof(float) == 4, "f32 is 4 bytes");
 
@@ -154,6 +156,25 @@ static void dq_q4_k(const block_q4_k *b, float *y, size_t nb) {
     }
 }
 
+/* Q5_K: Q4_K's sub-blocks, scales and mins, with a fifth bit per element: bit k of qh[l] is element l of
+ * sub-block k's (w = d sc q - dmin mn, q = nibble | bit << 4, 0..31). */
+static void dq_q5_k(const block_q5_k *b, float *y, size_t nb) {
+    for (size_t i = 0; i < nb; i++) {
+        float d = rd_f16(&b[i].d), dmin = rd_f16(&b[i].dmin);
+        const uint8_t *q = b[i].qs, *qh = b[i].qh;
+        for (int c = 0; c < 4; c++, q += 32) {
+            uint8_t sc, mn;
+            scale_min_k4(2 * c, b[i].scales, &sc, &mn);
+            float d1 = d * sc, m1 = dmin * mn;
+            scale_min_k4(2 * c + 1, b[i].scales, &sc, &mn);
+            float d2 = d * sc, m2 = dmin * mn;
+            for (int l = 0; l < 32; l++) y[l] = d1 * (float)((q[l] & 0xF) | ((qh[l] >> (2 * c)) & 1) << 4) - m1;
+            for (int l = 0; l < 32; l++) y[l + 32] = d2 * (float)((q[l] >> 4) | ((qh[l] >> (2 * c + 1)) & 1) << 4) - m2;
+            y += 64;
+        }
+    }
+}
+
 static void dq_q6_k(const block_q6_k *b, float *y, size_t nb) {
     for (size_t i = 0; i < nb; i++) {
         float d = rd_f16(&b[i].d);
@@ -210,6 +231,7 @@ bool cb_dequant(uint32_t type, const void *src, float *dst, size_t n) {
     case CB_TYPE_Q5_0: dq_q5_0(src, dst, nb); return true;
     case CB_TYPE_Q8_0: dq_q8_0(src, dst, nb); return true;
     case CB_TYPE_Q4_K: dq_q4_k(src, dst, nb); return true;
+    case CB_TYPE_Q5_K: dq_q5_k(src, dst, nb); return true;
     case CB_TYPE_Q6_K: dq_q6_k(src, dst, nb); return true;
     default: return false;
     }
@@ -322,83 +344,108 @@ static void qz_q4_1(const float *x, block_q4_1 *b, size_t nb) {
     }
 }
 
-/* Q4_K, per super-block of 8 sub-blocks of 32 (w = d sc q - dmin mn):
+/* Q4_K and Q5_K, per super-block of 8 sub-blocks of 32 (w = d sc q - dmin mn, q in 0..Q with Q = 15 or 31):
  *   mins: m_k = -min(0, min x_k); dmin = max m_k / 63 rounded to f16; a sub-block with the largest m_k
- *     takes mn = 63 and its min element code 0; the others the largest mn_k <= 63 with dmin mn_k <= m_k,
+ *     takes mn = 63 and its min elements code 0; the others the largest mn_k <= 63 with dmin mn_k <= m_k,
  *     so their grid starts at or above their min (whose code is then 0);
- *   scales: r_k = max x_k + dmin mn_k (the range above the grid's start); d = max r_k / (15 * 63) rounded
- *     to f16; a sub-block with the largest r_k takes sc = 63 and its max element code 15; the others
- *     sc_k = floor(r_k / (15 d) (1 + 2^-10)), at most 63, so their grid ends at or just below their max
- *     (whose code is then 15).
- * Dequantized, sub-block k spans exactly -dmin mn_k .. 15 d sc_k - dmin mn_k (up to the f32 rounding of
+ *   scales: r_k = max x_k + dmin mn_k (the range above the grid's start); d = max r_k / (Q * 63) rounded
+ *     to f16; a sub-block with the largest r_k takes sc = 63 and its max elements code Q; the others
+ *     sc_k = floor(r_k / (Q d) (1 + 2^-10)), at most 63, so their grid ends at or just below their max
+ *     (whose code is then Q).
+ * Dequantized, sub-block k spans exactly -dmin mn_k .. Q d sc_k - dmin mn_k (up to the f32 rounding of
  * that top), and these rules give back the same dmin, mn_k, d and sc_k: the largest span is 63 dmin
- * (945 d) again, and the floors of the exact ratios mn_k, sc_k (1 + 2^-10) are mn_k and sc_k. */
+ * (63 Q d) again, and the floors of the exact ratios mn_k, sc_k (1 + 2^-10) are mn_k and sc_k.
+ * qz_kminmax writes one super-block's f16 d and dmin, its 12 packed scale bytes and its 256 codes. */
+static void qz_kminmax(const float *x, int Q, uint16_t *d_out, uint16_t *dmin_out, uint8_t s[12], uint8_t q[256]) {
+    float mneg[8], hi[8], mmax = 0.0f;
+    int kmin[8], kmax[8];
+    for (int k = 0; k < 8; k++) {
+        const float *xs = x + 32 * k;
+        kmin[k] = kmax[k] = 0;
+        for (int l = 1; l < 32; l++) {
+            if (xs[l] < xs[kmin[k]]) kmin[k] = l;
+            if (xs[l] > xs[kmax[k]]) kmax[k] = l;
+        }
+        mneg[k] = xs[kmin[k]] < 0.0f ? -xs[kmin[k]] : 0.0f;
+        hi[k] = xs[kmax[k]];
+        mmax = fmaxf(mmax, mneg[k]);
+    }
+    const uint16_t hdm = f16_sat(mmax / 63.0f);
+    const float dmin = cb_f16_to_f32(hdm);
+    int mn[8], sc[8];
+    float off[8], rng[8], rmax = 0.0f;
+    for (int k = 0; k < 8; k++) {
+        int c = 0;
+        if (dmin > 0.0f && mneg[k] == mmax) {
+            c = 63;
+        } else if (dmin > 0.0f) {
+            c = (int)fminf(63.0f, floorf(mneg[k] / dmin));
+            while (c > 0 && dmin * (float)c > mneg[k]) c--;
+            while (c < 63 && dmin * (float)(c + 1) <= mneg[k]) c++;
+        }
+        mn[k] = c;
+        off[k] = dmin * (float)c;
+        rng[k] = fmaxf(0.0f, hi[k] + off[k]);
+        rmax = fmaxf(rmax, rng[k]);
+    }
+    const uint16_t hd = f16_sat(rmax / (float)(63 * Q));
+    const float d = cb_f16_to_f32(hd);
+    for (int k = 0; k < 8; k++) {
+        if (d == 0.0f) sc[k] = 0;
+        else if (rng[k] == rmax) sc[k] = 63;
+        else sc[k] = (int)fminf(63.0f, floorf(rng[k] / ((float)Q * d) * (1.0f + 0x1p-10f)));
+    }
+    *d_out = hd;
+    *dmin_out = hdm;
+    memset(s, 0, 12);
+    for (int k = 0; k < 8; k++) { /* the inverse of scale_min_k4 */
+        if (k < 4) {
+            s[k] |= (uint8_t)sc[k];
+            s[k + 4] |= (uint8_t)mn[k];
+        } else {
+            s[k + 4] = (uint8_t)((sc[k] & 0xF) | (mn[k] & 0xF) << 4);
+            s[k - 4] |= (uint8_t)((sc[k] >> 4) << 6);
+            s[k] |= (uint8_t)((mn[k] >> 4) << 6);
+        }
+    }
+    for (int k = 0; k < 8; k++) {
+        const float step = d * (float)sc[k];
+        for (int l = 0; l < 32; l++) {
+            int c = step > 0.0f ? round_clamp((x[32 * k + l] + off[k]) / step, 0, Q) : 0;
+            if (step > 0.0f && rng[k] == rmax && x[32 * k + l] == hi[k]) c = Q;
+            if (mn[k] && mneg[k] == mmax && x[32 * k + l] == -mneg[k]) c = 0;
+            q[32 * k + l] = (uint8_t)c;
+        }
+    }
+}
+
 static void qz_q4_k(const float *x, block_q4_k *b, size_t nb) {
     for (size_t i = 0; i < nb; i++, x += 256) {
-        float mneg[8], hi[8], mmax = 0.0f;
-        int kmin[8], kmax[8];
-        for (int k = 0; k < 8; k++) {
-            const float *xs = x + 32 * k;
-            kmin[k] = kmax[k] = 0;
-            for (int l = 1; l < 32; l++) {
-                if (xs[l] < xs[kmin[k]]) kmin[k] = l;
-                if (xs[l] > xs[kmax[k]]) kmax[k] = l;
-            }
-            mneg[k] = xs[kmin[k]] < 0.0f ? -xs[kmin[k]] : 0.0f;
-            hi[k] = xs[kmax[k]];
-            mmax = fmaxf(mmax, mneg[k]);
-        }
-        const uint16_t hdm = f16_sat(mmax / 63.0f);
-        const float dmin = cb_f16_to_f32(hdm);
-        int mn[8], sc[8];
-        float off[8], rng[8], rmax = 0.0f;
-        for (int k = 0; k < 8; k++) {
-            int c = 0;
-            if (dmin > 0.0f && mneg[k] == mmax) {
-                c = 63;
-            } else if (dmin > 0.0f) {
-                c = (int)fminf(63.0f, floorf(mneg[k] / dmin));
-                while (c > 0 && dmin * (float)c > mneg[k]) c--;
-                while (c < 63 && dmin * (float)(c + 1) <= mneg[k]) c++;
-            }
-            mn[k] = c;
-            off[k] = dmin * (float)c;
-            rng[k] = fmaxf(0.0f, hi[k] + off[k]);
-            rmax = fmaxf(rmax, rng[k]);
-        }
-        const uint16_t hd = f16_sat(rmax / 945.0f);
-        const float d = cb_f16_to_f32(hd);
-        for (int k = 0; k < 8; k++) {
-            if (d == 0.0f) sc[k] = 0;
-            else if (rng[k] == rmax) sc[k] = 63;
-            else sc[k] = (int)fminf(63.0f, floorf(rng[k] / (15.0f * d) * (1.0f + 0x1p-10f)));
-        }
-        b[i].d = hd;
-        b[i].dmin = hdm;
-        memset(b[i].scales, 0, sizeof b[i].scales);
-        uint8_t *s = b[i].scales;
-        for (int k = 0; k < 8; k++) { /* the inverse of scale_min_k4 */
-            if (k < 4) {
-                s[k] |= (uint8_t)sc[k];
-                s[k + 4] |= (uint8_t)mn[k];
-            } else {
-                s[k + 4] = (uint8_t)((sc[k] & 0xF) | (mn[k] & 0xF) << 4);
-                s[k - 4] |= (uint8_t)((sc[k] >> 4) << 6);
-                s[k] |= (uint8_t)((mn[k] >> 4) << 6);
-            }
-        }
+        uint8_t q[256];
+        uint16_t d, dmin;
+        qz_kminmax(x, 15, &d, &dmin, b[i].scales, q);
+        b[i].d = d;
+        b[i].dmin = dmin;
         for (int c = 0; c < 4; c++) /* chunk c: sub-block 2c in the low nibbles, 2c+1 in the high */
-            for (int l = 0; l < 32; l++) {
-                int q2[2];
-                for (int h = 0; h < 2; h++) {
-                    const int k = 2 * c + h;
-                    const float step = d * (float)sc[k];
-                    q2[h] = step > 0.0f ? round_clamp((x[32 * k + l] + off[k]) / step, 0, 15) : 0;
-                    if (step > 0.0f && rng[k] == rmax && l == kmax[k]) q2[h] = 15;
-                    if (mn[k] && mneg[k] == mmax && l == kmin[k]) q2[h] = 0;
-                }
-                b[i].qs[32 * c + l] = (uint8_t)(q2[0] | q2[1] << 4);
-            }
+            for (int l = 0; l < 32; l++) b[i].qs[32 * c + l] = (uint8_t)(q[64 * c + l] | q[64 * c + 32 + l] << 4);
+    }
+}
+
+static void qz_q5_k(const float *x, block_q5_k *b, size_t nb) {
+    for (size_t i = 0; i < nb; i++, x += 256) {
+        uint8_t q[256];
+        uint16_t d, dmin;
+        qz_kminmax(x, 31, &d, &dmin, b[i].scales, q);
+        b[i].d = d;
+        b[i].dmin = dmin;
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++)
+                b[i].qs[32 * c + l] = (uint8_t)((q[64 * c + l] & 0xF) | (q[64 * c + 32 + l] & 0xF) << 4);
+        for (int l = 0; l < 32; l++) {
+            unsigned h = 0;
+            for (int k = 0; k < 8; k++) h |= (unsigned)(q[32 * k + l] >> 4) << k;
+            b[i].qh[l] = (uint8_t)h;
+        }
     }
 }
 
@@ -470,6 +517,7 @@ bool cb_quant(uint32_t type, const float *src, void *dst, size_t n) {
     case CB_TYPE_Q5_0: qz_q5_0(src, dst, nb); return true;
     case CB_TYPE_Q8_0: qz_q8_0(src, dst, nb); return true;
     case CB_TYPE_Q4_K: qz_q4_k(src, dst, nb); return true;
+    case CB_TYPE_Q5_K: qz_q5_k(src, dst, nb); return true;
     case CB_TYPE_Q6_K: qz_q6_k(src, dst, nb); return true;
     default: return false;
     }

@@ -478,7 +478,8 @@ static int compute_fingerprint(cb_model_t *m) {
 static bool dequant_supported(uint32_t type) {
     switch (type) {
     case CB_TYPE_F32: case CB_TYPE_F16: case CB_TYPE_BF16: case CB_TYPE_Q4_0: case CB_TYPE_Q4_1:
-    case CB_TYPE_Q8_0: case CB_TYPE_Q5_0: case CB_TYPE_Q4_K: case CB_TYPE_Q6_K: return true;
+    case CB_TYPE_Q8_0: case CB_TYPE_Q5_0: case CB_TYPE_Q4_K: case CB_TYPE_Q5_K: case CB_TYPE_Q6_K:
+        return true;
     default: return false;
     }
 }

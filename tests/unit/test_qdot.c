@@ -1,6 +1,6 @@
 /* test_qdot: the integer matvec kernels (kernels/cpu/cpu_quant.h) against the f32 reference (each weight
  * row dequantized exactly by cb_dequant, products summed in double), for every supported type (Q4_0, Q4_1,
- * Q5_0, Q8_0, Q4_K, Q6_K), on random blocks, on Q5_0 blocks of extreme codes, and on the real models'
+ * Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), on random blocks, on Q5_0 blocks of extreme codes, and on the real models'
  * tensors (the default SmolLM2 Q4_1 / Q8_0 model, and Qwen2.5-Coder-1.5B Q4_K_M's Q4_K / Q6_K ones when
  * present), in every kernel set this CPU can run (scalar, AVX2).
  *
@@ -52,6 +52,7 @@ static cb_weight_t random_weight(uint32_t t, int rows, int cols, uint8_t **buf) 
         case CB_TYPE_Q4_1: put_f16(blk, d); put_f16(blk + 2, -0.1f * fabsf(frand())); break;
         case CB_TYPE_Q8_0: put_f16(blk, d / 8); break;
         case CB_TYPE_Q4_K: put_f16(blk, d / 16); put_f16(blk + 2, d / 32); break;
+        case CB_TYPE_Q5_K: put_f16(blk, d / 32); put_f16(blk + 2, d / 32); break;
         case CB_TYPE_Q6_K: put_f16(blk + 208, d / 64); break;
         }
     }
@@ -140,6 +141,7 @@ TEST(test_quantize_row) {
     cb_cpu_q8_quantize(x, C, CB_CPU_Q8_B32, q);
     const int8_t *qs = (const int8_t *)q;
     const float *d = (const float *)(q + C), *ds = d + C / 32;
+    const int16_t *bs = (const int16_t *)(ds + C / 32);
     for (int b = 0; b < C / 32; b++) {
         float amax = 0;
         int sum = 0;
@@ -156,6 +158,7 @@ TEST(test_quantize_row) {
             sum += qs[32 * b + j];
         }
         CHECK(ds[b] == amax / 127.0f * (float)sum);
+        CHECK(bs[b] == sum);
     }
     free(q);
 }
@@ -168,7 +171,7 @@ TEST(test_quantize_row_k) {
     random_x(x, C);
     for (int j = 256; j < 512; j++) x[j] = 0.0f;                   /* a zero super-block: d = 0, q = 0 */
     for (int j = 512; j < 768; j++) x[j] = (float)(j - 640) * 0.25f; /* a ramp from -32 = -amax: q = -127 */
-    const size_t rb = cb_cpu_q8_row_bytes(C), kofs = (C + 8 * (C / 32) + 63) / 64 * 64;
+    const size_t rb = cb_cpu_q8_row_bytes(C), kofs = (C + 10 * (C / 32) + 63) / 64 * 64;
     CHECK(rb % 64 == 0 && rb >= kofs + C + 4 * (C / 256) + 2 * (C / 16) + 2 * (C / 32));
     uint8_t *q = aligned_alloc(64, rb), *q2 = aligned_alloc(64, rb);
     cb_cpu_q8_quantize(x, C, CB_CPU_Q8_B32 | CB_CPU_Q8_K, q);
@@ -198,7 +201,7 @@ TEST(test_quantize_row_k) {
         memset(q2, 0xA5, rb);
         cb_cpu_q8_quantize(x, C, fmts[f], q2);
         const size_t a = f ? kofs : 0;
-        const size_t used = f ? kofs + C + 4 * (C / 256) + 2 * (C / 16) + 2 * (C / 32) : (size_t)C + 8 * (C / 32);
+        const size_t used = f ? kofs + C + 4 * (C / 256) + 2 * (C / 16) + 2 * (C / 32) : (size_t)C + 10 * (C / 32);
         CHECK(memcmp(q2 + a, q + a, used - a) == 0);
         for (size_t k = 0; k < rb; k++)
             if (k < a || k >= used) CHECK(q2[k] == 0xA5);
@@ -214,7 +217,7 @@ TEST(test_quantize_row_k) {
 }
 
 TEST(test_qdot_random) {
-    const uint32_t types[] = {CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q5_0, CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q6_K};
+    const uint32_t types[] = {CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q5_0, CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q5_K, CB_TYPE_Q6_K};
     enum { R = 37, C = 768, N = 7 };
     float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *ys = malloc(sizeof(float) * N * R);
     float *y1 = malloc(sizeof(float) * R);
@@ -271,7 +274,7 @@ TEST(test_qdot_random) {
 /* Q5_0 at the ends of its codes: all -16 (every fifth bit clear, nibbles 0), all 15 (every fifth bit set,
  * nibbles 15), alternating, and d < 0, against activations at +-127 (the largest integer block sums,
  * 32 * 16 * 127), in every kernel set: the same integer sums as the reference, so the results agree within
- * f32 rounding of sum |w x|; the weight has no x8 form. */
+ * f32 rounding of sum |w x|; on the stored rows and on the x8 copy (its fifth bits regrouped). */
 TEST(test_qdot_q5_0_extremes) {
     enum { R = 8, C = 128, N = 5 };
     uint8_t *buf = malloc((size_t)R * (C / 32) * 22);
@@ -287,15 +290,19 @@ TEST(test_qdot_q5_0_extremes) {
         }
     cb_weight_t w = {.name = "q5", .type = CB_TYPE_Q5_0, .q = buf, .row_bytes = (size_t)(C / 32) * 22, .rows = R,
                      .cols = C};
-    CHECK(cb_cpu_qdot_supported(&w) && cb_cpu_qdot_format(&w) == CB_CPU_Q8_B32 && cb_cpu_x8_bytes(&w) == 0);
+    CHECK(cb_cpu_qdot_supported(&w) && cb_cpu_qdot_format(&w) == CB_CPU_Q8_B32);
+    CHECK(cb_cpu_x8_bytes(&w) == (size_t)R * w.row_bytes);
+    uint8_t *x8 = aligned_alloc(64, cb_cpu_x8_bytes(&w));
+    CHECK(cb_cpu_x8_pack(&w, x8));
     float x[N * C], y[N * R];
     for (int r = 0; r < N; r++)
         for (int j = 0; j < C; j++) /* rows 0..2 +-1: every q is +-127, exactly x * 127 */
             x[r * C + j] = r == 0 ? 1.0f : r == 1 ? -1.0f : r == 2 ? (j & 1 ? 1.0f : -1.0f)
                          : r == 3 ? (j < 64 ? 2.0f : -3.0f) : (float)((j * 7) % 5) - 2.0f;
     uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
-    for (size_t i = 0; i < N_ISAS; i++) {
-        if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
+    for (size_t i = 0; i < 2 * N_ISAS; i++) {
+        if (cb_cpu_qdot_use(ISAS[i % N_ISAS]) != 0) continue;
+        w.x8 = i < N_ISAS ? NULL : x8;
         qmatvec(&w, x, N, y, xq);
         CHECK(check_against_ref(&w, x, N, 0, R, y, R) <= 1.0);
         float row[C];
@@ -304,44 +311,46 @@ TEST(test_qdot_q5_0_extremes) {
             for (int r = 0; r < 3; r++) {
                 double ref = 0;
                 for (int j = 0; j < C; j++) ref += (double)row[j] * x[r * C + j];
-                CHECK_MSG(fabs(y[r * R + o] - ref) <= 1e-6 * fabs(ref) + 1e-6, "%s row %d x %d: %g vs %g", ISAS[i], o,
-                          r, (double)y[r * R + o], ref);
+                CHECK_MSG(fabs(y[r * R + o] - ref) <= 1e-6 * fabs(ref) + 1e-6, "%s%s row %d x %d: %g vs %g",
+                          ISAS[i % N_ISAS], w.x8 ? " x8" : "", o, r, (double)y[r * R + o], ref);
             }
         }
     }
     cb_cpu_qdot_use(NULL);
     free(xq);
+    free(x8);
     free(buf);
 }
 
-/* The interleaved copies (x8): the same results as the stored rows (bit for bit in the scalar set, within
- * f32 reordering in AVX2), row independence, aligned sub-ranges, the fallback for unaligned ranges, the
- * exact dequantization, and the weights without an x8 form. */
+/* The interleaved copies (x8) of the types with blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0, with Q8_0's -128):
+ * the stored size; exact dequantization; the same bits in the scalar and AVX2 sets; within the bound of the
+ * f32 reference and within f32 reordering of the stored rows' kernel; a row's bits not depending on the rows
+ * beside it or on the call size; the aligned sub-ranges on the copy, the unaligned ones on the stored rows;
+ * the shapes without a copy. */
 TEST(test_qdot_x8) {
-    const uint32_t types[] = {CB_TYPE_Q4_1, CB_TYPE_Q8_0};
+    const uint32_t types[] = {CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q5_0, CB_TYPE_Q8_0};
     enum { R = 40, C = 512, N = 7 };
     float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *ys = malloc(sizeof(float) * N * R);
-    float *y1 = malloc(sizeof(float) * R), *row = malloc(sizeof(float) * C), *ref = malloc(sizeof(float) * C);
+    float *y0 = malloc(sizeof(float) * N * R), *y1 = malloc(sizeof(float) * R), *row = malloc(sizeof(float) * C);
+    float *ref = malloc(sizeof(float) * C);
+    double *mag = malloc(sizeof(double) * N * R);
     uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
     random_x(x, N * C);
     for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
         uint8_t *buf;
         cb_weight_t w = random_weight(types[t], R, C, &buf);
-        if (types[t] == CB_TYPE_Q8_0) /* random bytes hold -128, which the pack refuses (checked below) */
-            for (int o = 0; o < R; o++)
-                for (int b = 0; b < C / 32; b++)
-                    for (int j = 0; j < 32; j++) {
-                        int8_t *q = (int8_t *)(buf + (size_t)o * w.row_bytes + 34 * b + 2 + j);
-                        if (*q == -128) *q = -127;
-                    }
+        if (types[t] == CB_TYPE_Q8_0) buf[34 * 3 + 2 + 17] = 0x80; /* at least one -128 */
         const size_t nb = cb_cpu_x8_bytes(&w);
         CHECK(nb == (size_t)R * w.row_bytes);
         uint8_t *x8 = aligned_alloc(64, (nb + 63) / 64 * 64);
         CHECK(cb_cpu_x8_pack(&w, x8));
+        out_mags(&w, x, N, mag);
         cb_weight_t wx = w;
         wx.x8 = x8;
+        int n_run = 0;
         for (size_t i = 0; i < N_ISAS; i++) {
             if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
+            n_run++;
             for (int o = 0; o < R; o++) { /* bit-identical dequantization */
                 cb_cpu_x8_dequant_row(&wx, o, row);
                 CHECK(cb_dequant(w.type, buf + (size_t)o * w.row_bytes, ref, C));
@@ -352,14 +361,17 @@ TEST(test_qdot_x8) {
             double worst = check_against_ref(&wx, x, N, 0, R, y, R);
             fprintf(stderr, "  %-5s x8 %-6s worst error / bound %.3f\n", cb_type_name(w.type), ISAS[i], worst);
             CHECK(worst <= 1.0);
-            for (int k = 0; k < N * R; k++)
-                CHECK(i == 0 ? y[k] == ys[k] : fabsf(y[k] - ys[k]) <= 1e-5f * (1.0f + fabsf(ys[k])));
+            for (int k = 0; k < N * R; k++) {
+                CHECK(fabs((double)y[k] - ys[k]) <= 1e-6 * mag[k] + 1e-6); /* f32 reordering */
+                if (i == 0) y0[k] = y[k];
+                else CHECK(y[k] == y0[k]); /* every set: the scalar set's bits */
+            }
             for (int r = 0; r < N; r++) { /* a row alone gets the bits it gets among others */
                 cb_cpu_qdot_rows(&wx, 0, R, xq + (size_t)r * cb_cpu_q8_row_bytes(C), 1, y1, R);
                 CHECK(memcmp(y1, y + (size_t)r * R, sizeof(float) * R) == 0);
             }
             float sub[N * R];
-            const int ranges[2][2] = {{8, 24}, {5, 9}}; /* aligned: x8 kernel; unaligned: the stored rows */
+            const int ranges[2][2] = {{8, 24}, {5, 9}}; /* aligned: the copy; unaligned: the stored rows */
             for (int g = 0; g < 2; g++) {
                 for (int k = 0; k < N * R; k++) sub[k] = -7.0f;
                 const int a = ranges[g][0], e = ranges[g][1];
@@ -369,22 +381,21 @@ TEST(test_qdot_x8) {
                         CHECK(sub[r * R + o] == (o < a || o >= e ? -7.0f : g == 0 ? y[r * R + o] : ys[r * R + o]));
             }
         }
-        if (types[t] == CB_TYPE_Q8_0) {
-            buf[34 * 3 + 2 + 17] = 0x80; /* one -128 */
-            CHECK(!cb_cpu_x8_pack(&w, x8));
-        }
+        fprintf(stderr, "  %-5s x8 kernel sets run: %d\n", cb_type_name(w.type), n_run);
         cb_weight_t odd = w;
         odd.rows = R - 3;
-        CHECK(cb_cpu_x8_bytes(&odd) == 0);
+        CHECK(cb_cpu_x8_bytes(&odd) == 0 && !cb_cpu_x8_pack(&odd, x8));
         free(x8);
         free(buf);
     }
     uint8_t *buf;
-    cb_weight_t q5 = random_weight(CB_TYPE_Q5_0, 8, 256, &buf);
-    CHECK(cb_cpu_x8_bytes(&q5) == 0 && !cb_cpu_x8_pack(&q5, buf));
+    cb_weight_t f16 = random_weight(CB_TYPE_Q4_0, 8, 256, &buf);
+    f16.type = CB_TYPE_F16;
+    CHECK(cb_cpu_x8_bytes(&f16) == 0 && !cb_cpu_x8_pack(&f16, buf));
     free(buf);
+    free(mag);
     cb_cpu_qdot_use(NULL);
-    free(x); free(y); free(ys); free(y1); free(row); free(ref); free(xq);
+    free(x); free(y); free(ys); free(y0); free(y1); free(row); free(ref); free(xq);
 }
 
 /* The K-quants' interleaved copies (x8 of Q4_K and Q6_K): exact dequantization; the same bits in the scalar
@@ -392,21 +403,23 @@ TEST(test_qdot_x8) {
  * a row's bits not depending on the rows beside it or on the call size (decode = prefill); the aligned
  * sub-ranges on the copy, the unaligned ones on the stored rows; the shapes without a copy. */
 TEST(test_qdot_k8) {
-    const uint32_t types[] = {CB_TYPE_Q4_K, CB_TYPE_Q6_K};
+    const uint32_t types[] = {CB_TYPE_Q4_K, CB_TYPE_Q5_K, CB_TYPE_Q6_K};
     enum { R = 40, C = 768, N = 7 };
     float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *ys = malloc(sizeof(float) * N * R);
     float *y0 = malloc(sizeof(float) * N * R), *y1 = malloc(sizeof(float) * R), *row = malloc(sizeof(float) * C);
     float *ref = malloc(sizeof(float) * C);
+    double *mag = malloc(sizeof(double) * N * R);
     uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
     random_x(x, N * C);
     for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
         uint8_t *buf;
         cb_weight_t w = random_weight(types[t], R, C, &buf);
         const size_t nb = cb_cpu_x8_bytes(&w);
-        /* Q4_K: 32 bytes more per 8 rows and super-block (scales and mins unpacked); Q6_K: the stored size */
-        CHECK(nb == (size_t)R * w.row_bytes + (types[t] == CB_TYPE_Q4_K ? 32 * (size_t)(R / 8) * (C / 256) : 0));
+        /* Q4_K, Q5_K: 32 bytes more per 8 rows and super-block (scales and mins unpacked); Q6_K: the stored size */
+        CHECK(nb == (size_t)R * w.row_bytes + (types[t] != CB_TYPE_Q6_K ? 32 * (size_t)(R / 8) * (C / 256) : 0));
         uint8_t *x8 = aligned_alloc(64, (nb + 63) / 64 * 64);
         CHECK(cb_cpu_x8_pack(&w, x8));
+        out_mags(&w, x, N, mag);
         cb_weight_t wx = w;
         wx.x8 = x8;
         int n_run = 0;
@@ -424,7 +437,7 @@ TEST(test_qdot_k8) {
             fprintf(stderr, "  %-5s k8 %-6s worst error / bound %.3f\n", cb_type_name(w.type), ISAS[i], worst);
             CHECK(worst <= 1.0);
             for (int k = 0; k < N * R; k++) {
-                CHECK(fabsf(y[k] - ys[k]) <= 1e-5f * (1.0f + fabsf(ys[k])));
+                CHECK(fabs((double)y[k] - ys[k]) <= 1e-6 * mag[k] + 1e-6); /* f32 reordering */
                 if (i == 0) y0[k] = y[k];
                 else CHECK(y[k] == y0[k]); /* every set: the scalar set's bits */
             }
@@ -453,6 +466,7 @@ TEST(test_qdot_k8) {
         free(x8);
         free(buf);
     }
+    free(mag);
     cb_cpu_qdot_use(NULL);
     free(x); free(y); free(ys); free(y0); free(y1); free(row); free(ref); free(xq);
 }
@@ -532,13 +546,6 @@ TEST(test_qdot_multi_formats) {
     random_x(x, N * C);
     for (int p = 0; p < P; p++) {
         w[p] = random_weight(types[p], rows[p], C, &buf[p]);
-        if (types[p] == CB_TYPE_Q8_0) /* -128: the x8 pack refuses it; keep the weight ordinary */
-            for (int o = 0; o < rows[p]; o++)
-                for (int b = 0; b < C / 32; b++)
-                    for (int j = 0; j < 32; j++) {
-                        int8_t *q = (int8_t *)(buf[p] + (size_t)o * w[p].row_bytes + 34 * b + 2 + j);
-                        if (*q == -128) *q = -127;
-                    }
         y[p] = malloc(sizeof(float) * N * rows[p]);
         ref[p] = malloc(sizeof(float) * N * rows[p]);
     }

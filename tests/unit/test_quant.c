@@ -290,6 +290,40 @@ TEST(test_dequant_q4_k) {
     }
 }
 
+/* Q5_K: Q4_K's scales and mins (the same 12 bytes), nibbles as Q4_K's, the fifth bit of element l of
+ * sub-block k in bit k of qh[l]. */
+TEST(test_dequant_q5_k) {
+    uint8_t sc[8] = {63, 1, 30, 17, 8, 45, 2, 60}, mn[8] = {12, 63, 0, 33, 7, 21, 50, 4};
+    uint8_t b[176] = {0};
+    put16(b, 0x3800);     /* d = 0.5 */
+    put16(b + 2, 0x3400); /* dmin = 0.25 */
+    uint8_t *s = b + 4, *qh = b + 16, *qs = b + 48;
+    for (int k = 0; k < 8; k++) {
+        if (k < 4) {
+            s[k] |= sc[k];
+            s[k + 4] |= mn[k];
+        } else {
+            s[k + 4] = (uint8_t)((sc[k] & 0xF) | ((mn[k] & 0xF) << 4));
+            s[k - 4] |= (uint8_t)((sc[k] >> 4) << 6);
+            s[k] |= (uint8_t)((mn[k] >> 4) << 6);
+        }
+    }
+    uint8_t q[256];
+    for (int e = 0; e < 256; e++) q[e] = (uint8_t)((e * 13 + e / 32 + 5) & 31);
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) qs[32 * c + l] = (uint8_t)((q[64 * c + l] & 15) | ((q[64 * c + 32 + l] & 15) << 4));
+    for (int l = 0; l < 32; l++)
+        for (int k = 0; k < 8; k++) qh[l] |= (uint8_t)((q[32 * k + l] >> 4) << k);
+    float y[256];
+    CHECK(cb_dequant(CB_TYPE_Q5_K, b, y, 256));
+    for (int e = 0; e < 256; e++) {
+        int sub = e / 32;
+        float want = 0.5f * (float)sc[sub] * (float)q[e] - 0.25f * (float)mn[sub];
+        CHECK_MSG(y[e] == want, "e=%d got %g want %g", e, (double)y[e], (double)want);
+    }
+    CHECK(cb_type_block_elems(CB_TYPE_Q5_K) == 256 && cb_type_block_bytes(CB_TYPE_Q5_K) == 176);
+}
+
 TEST(test_dequant_q6_k) {
     uint8_t b[210] = {0};
     uint8_t *ql = b, *qh = b + 128;
@@ -331,7 +365,7 @@ TEST(test_dequant_args) {
 /* ---------------------------------------------------------------- cb_quant */
 
 static const uint32_t QTYPES[] = {CB_TYPE_F32, CB_TYPE_F16, CB_TYPE_BF16, CB_TYPE_Q4_0, CB_TYPE_Q4_1,
-                                  CB_TYPE_Q5_0, CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q6_K};
+                                  CB_TYPE_Q5_0, CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q5_K, CB_TYPE_Q6_K};
 enum { N_QTYPES = sizeof QTYPES / sizeof QTYPES[0] };
 
 static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
@@ -359,13 +393,14 @@ static grid_t grid_of(uint32_t t, const uint8_t *q, size_t e) {
         g = (grid_t){rd16(b), rd16(b + 2), 0, 15, 0, 0};
         break;
     }
-    case CB_TYPE_Q4_K: {
-        const uint8_t *b = q + 144 * (e / 256), *s = b + 4;
+    case CB_TYPE_Q4_K:
+    case CB_TYPE_Q5_K: {
+        const uint8_t *b = q + (t == CB_TYPE_Q4_K ? 144 : 176) * (e / 256), *s = b + 4;
         const int k = (int)(e % 256) / 32;
         const int sc = k < 4 ? s[k] & 63 : (s[k + 4] & 0xF) | (s[k - 4] >> 6) << 4;
         const int mn = k < 4 ? s[k + 4] & 63 : (s[k + 4] >> 4) | (s[k] >> 6) << 4;
         const float d = rd16(b), dmin = rd16(b + 2);
-        g = (grid_t){d * (float)sc, -dmin * (float)mn, 0, 15, d, dmin};
+        g = (grid_t){d * (float)sc, -dmin * (float)mn, 0, t == CB_TYPE_Q4_K ? 15 : 31, d, dmin};
         break;
     }
     case CB_TYPE_Q6_K: {
@@ -388,8 +423,8 @@ static double h16(double v) {
 /* Checks the dequantized row y of x (n elements, type t, quantized q) element by element against the bounds
  * format/quant.h states for cb_quant, h(v) being half the f16 spacing at a stored scale v:
  *   Q8_0 d/2 + 127 h(d); Q4_0, Q5_0 d/2 inside the grid, d beyond it, + 8 (16) h(d); Q4_1 d/2 + h(m) +
- *   15 h(d) (+ 2^-10 max|x| for a block stored as a constant); Q4_K max(d sc/2, 15 d, dmin, 945 h(d),
- *   63 h(dmin)); Q6_K |d sc|/2 inside the grid, |d sc| + 32 |d| + 4096 h(d) beyond it;
+ *   15 h(d) (+ 2^-10 max|x| for a block stored as a constant); Q4_K (Q5_K) max(d sc/2, 15 d (31 d), dmin,
+ *   945 h(d) (1953 h(d)), 63 h(dmin)); Q6_K |d sc|/2 inside the grid, |d sc| + 32 |d| + 4096 h(d) beyond it;
  * and that y is the grid point nearest to x, up to those h terms (the f16 rounding of a scale can move a
  * block's extreme element, whose code is fixed, off the nearest point) and f32 rounding. Returns the
  * number of failures (the first few printed). */
@@ -417,8 +452,9 @@ static int check_quant_error(uint32_t t, const float *x, const uint8_t *q, const
                 bound = step != 0 ? 0.5 * step : 0x1p-10 * amax;
                 break;
             case CB_TYPE_Q4_K:
-                fixed = 945 * h16(g.d1) + 63 * h16(g.d2);
-                bound = fmax(fmax(0.5 * step, 15.0 * g.d1), g.d2);
+            case CB_TYPE_Q5_K:
+                fixed = 63 * g.hi * h16(g.d1) + 63 * h16(g.d2);
+                bound = fmax(fmax(0.5 * step, g.hi * g.d1), g.d2);
                 break;
             default: /* Q6_K */
                 fixed = 4096 * h16(g.d1);
@@ -639,6 +675,7 @@ int main(void) {
     RUN(test_q5_0_gguf_py);
     RUN(test_dequant_q8_0);
     RUN(test_dequant_q4_k);
+    RUN(test_dequant_q5_k);
     RUN(test_dequant_q6_k);
     RUN(test_dequant_args);
     RUN(test_quant_random);
