@@ -10,7 +10,8 @@
  * sign (|w| <= 128, so a pair is at most 2 * 128 * 127 and -128 needs no special case).
  * int16 partial sums before the int32 fold: 4-bit codes, 8 maddubs (<= 8 * 2 * 15 * 127 = 30480); Q5_0, 4
  * (<= 4 * 2 * 31 * 127 = 31496); Q8_0, 1. Then per block and row, in f32:
- * acc = fma(sumi, d_w d_x, acc), and for Q4_1 acc = fma(m_w, ds_x, acc). The scalar kernels do the same
+ * acc = fma(sumi, d_w d_x, acc), and for Q4_1 accm = fma(m_w, ds_x, accm) (a second chain, so that a
+ * block's two FMAs do not wait on each other), y = acc + accm. The scalar kernels do the same
  * operations in the same order, so both sets give the same bits. */
 #include "cpu/cpu_quant_internal.h"
 
@@ -143,7 +144,7 @@ void cb_cpu_b8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
     for (int o = o0; o < o1; o++)
         for (int r = 0; r < R; r++) {
             const int s = o % 8;
-            float acc = 0.0f;
+            float acc = 0.0f, accm = 0.0f; /* the d terms; Q4_1's min terms */
             for (int b = 0; b < w->cols / 32; b++) {
                 const uint8_t *blk = group_blk(w, o / 8, b);
                 const int8_t *xq = x[r].q + 32 * b;
@@ -151,9 +152,9 @@ void cb_cpu_b8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
                 for (int e = 0; e < 32; e++) sumi += code_at(w->type, blk, s, e) * xq[e];
                 sumi -= off * x[r].bs[b];
                 acc = fmaf((float)sumi, f16_at(blk + 2 * s) * x[r].d[b], acc);
-                if (w->type == CB_TYPE_Q4_1) acc = fmaf(f16_at(blk + 16 + 2 * s), x[r].ds[b], acc);
+                if (w->type == CB_TYPE_Q4_1) accm = fmaf(f16_at(blk + 16 + 2 * s), x[r].ds[b], accm);
             }
-            y[(size_t)r * ldy + o] = acc;
+            y[(size_t)r * ldy + o] = acc + accm;
         }
 }
 

@@ -18,9 +18,9 @@ static inline __attribute__((always_inline)) void X8_NAME(v_nib_g)(const uint32_
     const __m256i m4 = _mm256_set1_epi8(0x0F), b4bit = _mm256_set1_epi8(0x10);
     const size_t bb = blk_bytes(type), qs = qs_at(type);
     const int off = code_offset(type);
-    __m256 acc[QROWS];
+    __m256 acc[QROWS], accm[QROWS]; /* the d terms; Q4_1's min terms (a second chain) */
     #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, blk += bb) {
         _mm_prefetch((const char *)(blk + B8_PREFETCH), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + B8_PREFETCH + 64), _MM_HINT_T0);
@@ -56,12 +56,12 @@ static inline __attribute__((always_inline)) void X8_NAME(v_nib_g)(const uint32_
             if (off) si[r] = _mm256_sub_epi32(si[r], _mm256_set1_epi32(off * x[r].bs[b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
             if (type == CB_TYPE_Q4_1)
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))),
-                                         _mm256_set1_ps(x[r].ds[b]), acc[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))),
+                                          _mm256_set1_ps(x[r].ds[b]), accm[r]);
         }
     }
     #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = acc[r];
+    for (int r = 0; r < R; r++) out[r] = _mm256_add_ps(acc[r], accm[r]);
 }
 
 /* One Q8_0 group against R activation rows (as v_nib_g): |w| times q with w's sign, folded to int32 per

@@ -232,7 +232,8 @@ TEST(test_type_traits) {
     CHECK(cb_type_block_elems(CB_TYPE_Q8_0) == 32 && cb_type_block_bytes(CB_TYPE_Q8_0) == 34);
     CHECK(cb_type_block_elems(CB_TYPE_Q4_K) == 256 && cb_type_block_bytes(CB_TYPE_Q4_K) == 144);
     CHECK(cb_type_block_elems(CB_TYPE_Q6_K) == 256 && cb_type_block_bytes(CB_TYPE_Q6_K) == 210);
-    CHECK(cb_type_block_elems(7) == 0 && cb_type_block_bytes(6) == 22 && cb_type_block_bytes(13) == 0 && cb_type_block_elems(1000) == 0);
+    CHECK(cb_type_block_elems(CB_TYPE_Q5_K) == 256 && cb_type_block_bytes(CB_TYPE_Q5_K) == 176);
+    CHECK(cb_type_block_elems(7) == 0 && cb_type_block_bytes(6) == 22 && cb_type_block_bytes(11) == 0 && cb_type_block_elems(1000) == 0);
     CHECK(strcmp(cb_type_name(CB_TYPE_Q4_1), "Q4_1") == 0 && strcmp(cb_type_name(6), "Q5_0") == 0);
     CHECK(strcmp(cb_type_name(31), "unknown") == 0 && strcmp(cb_type_name(1u << 31), "unknown") == 0);
 }
