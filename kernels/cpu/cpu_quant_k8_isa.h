@@ -38,6 +38,7 @@ static inline __attribute__((always_inline)) void X8_NAME(v_q4k_g)(const bool q5
         #pragma GCC unroll 4
         for (int r = 0; r < R; r++) si[r] = _mm256_setzero_si256();
         if (q5) v_prefetch(blk + Q5K_QH, 4);
+        #pragma GCC unroll 4 /* c constant: Q5_K's bit positions 2c, 2c + 1 become immediate shifts */
         for (int c = 0; c < 4; c++) {
             v_prefetch(blk + qs + 256 * c, 4);
             #pragma GCC unroll 2
