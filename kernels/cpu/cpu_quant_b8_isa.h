@@ -51,13 +51,12 @@ static inline __attribute__((always_inline)) void X8_NAME(v_nib_g)(const uint32_
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 m = type == CB_TYPE_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
         #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             if (off) si[r] = _mm256_sub_epi32(si[r], _mm256_set1_epi32(off * x[r].bs[b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
-            if (type == CB_TYPE_Q4_1)
-                accm[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))),
-                                          _mm256_set1_ps(x[r].ds[b]), accm[r]);
+            if (type == CB_TYPE_Q4_1) accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].ds[b]), accm[r]);
         }
     }
     #pragma GCC unroll 4

@@ -317,51 +317,57 @@ svc_wait_ping() {
   stack_fail "no ping answer from $ep${pid:+ by pid $pid} within ${limit}s"; return 1
 }
 
+# svc_poll NAME SECONDS COMMAND...: runs COMMAND every 0.1 s until it succeeds (0); 1 as soon as the process
+# NAME has exited (said, with the end of its log); 2 after SECONDS (the caller says what did not happen).
+svc_poll() {
+  local name=$1 limit=$2 end; shift 2
+  end=$((SECONDS + limit))
+  while :; do
+    "$@" && return 0
+    if ! svc_alive "$name"; then stack_fail "$name exited; the end of its log:"; svc_log_tail "$name"; return 1; fi
+    [ "$SECONDS" -ge "$end" ] && return 2
+    sleep 0.1
+  done
+}
+
+# The probes svc_poll runs: a stats field equal to a value (the last one read in SVC_GOT); a listening TCP
+# socket of NAME's running process (ss from iproute2; without it, that it runs).
+svc_stat_is() { SVC_GOT=$(stack_jget "$(svc_stats "$1")" "$2"); [ "$SVC_GOT" = "$3" ]; }
+svc_listening() {
+  local pid
+  pid=$(svc_pid "$1") && kill -0 "$pid" 2>/dev/null || return 1
+  command -v ss >/dev/null || return 0
+  ss -Hltnp 2>/dev/null | grep -q "pid=$pid,"
+}
+
 # svc_wait_stat NAME ENDPOINT FIELD VALUE [SECONDS]: until FIELD of the stats at ENDPOINT is VALUE; fails at
 # once when the process NAME exits (then the end of its log).
 svc_wait_stat() {
   local -; set +e
-  local name=$1 ep=$2 field=$3 want=$4 limit=${5:-${STACK_READY_S:-60}} end got=""
-  end=$((SECONDS + limit))
-  while :; do
-    got=$(stack_jget "$(svc_stats "$ep")" "$field")
-    [ "$got" = "$want" ] && return 0
-    if ! svc_alive "$name"; then stack_fail "$name exited; the end of its log:"; svc_log_tail "$name"; return 1; fi
-    [ "$SECONDS" -ge "$end" ] && break
-    sleep 0.1
-  done
-  stack_fail "$name: stats $field is '$got', not '$want', after ${limit}s"; return 1
+  local name=$1 ep=$2 field=$3 want=$4 limit=${5:-${STACK_READY_S:-60}} rc
+  SVC_GOT=""
+  svc_poll "$name" "$limit" svc_stat_is "$ep" "$field" "$want"; rc=$?
+  [ "$rc" -eq 2 ] && stack_fail "$name: stats $field is '$SVC_GOT', not '$want', after ${limit}s"
+  [ "$rc" -eq 0 ]
 }
 
 # svc_wait_http NAME URL [SECONDS]: until URL answers HTTP at all (any status); fails when NAME exits.
 svc_wait_http() {
   local -; set +e
-  local name=$1 url=$2 limit=${3:-10} end
-  end=$((SECONDS + limit))
-  while :; do
-    curl -s -o /dev/null --max-time 2 "$url" && return 0
-    if ! svc_alive "$name"; then stack_fail "$name exited; the end of its log:"; svc_log_tail "$name"; return 1; fi
-    [ "$SECONDS" -ge "$end" ] && break
-    sleep 0.1
-  done
-  stack_fail "$name did not answer on $url within ${limit}s"; return 1
+  local name=$1 url=$2 limit=${3:-10} rc
+  svc_poll "$name" "$limit" curl -s -o /dev/null --max-time 2 "$url"; rc=$?
+  [ "$rc" -eq 2 ] && stack_fail "$name did not answer on $url within ${limit}s"
+  [ "$rc" -eq 0 ]
 }
 
 # svc_wait_listen NAME [SECONDS]: until the process has a listening TCP socket (ss from iproute2; without
 # it, as soon as it runs).
 svc_wait_listen() {
   local -; set +e
-  local name=$1 limit=${2:-10} end pid
-  end=$((SECONDS + limit))
-  while :; do
-    pid=$(svc_pid "$name") && kill -0 "$pid" 2>/dev/null \
-      || { stack_fail "$name exited; the end of its log:"; svc_log_tail "$name"; return 1; }
-    command -v ss >/dev/null || return 0
-    ss -Hltnp 2>/dev/null | grep -q "pid=$pid," && return 0
-    [ "$SECONDS" -ge "$end" ] && break
-    sleep 0.1
-  done
-  stack_fail "$name has no listening socket after ${limit}s"; return 1
+  local name=$1 limit=${2:-10} rc
+  svc_poll "$name" "$limit" svc_listening "$name"; rc=$?
+  [ "$rc" -eq 2 ] && stack_fail "$name has no listening socket after ${limit}s"
+  [ "$rc" -eq 0 ]
 }
 
 # ------------------------------------------------------------------------------------------------ services

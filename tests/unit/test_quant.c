@@ -259,13 +259,8 @@ TEST(test_dequant_q8_0) {
     for (int j = 0; j < 32; j++) CHECK(y[j] == (float)(j * 8 - 128) * 2.0f);
 }
 
-TEST(test_dequant_q4_k) {
-    /* choose 6-bit scales and mins, pack them the way ggml's quantizer does, check the decode */
-    uint8_t sc[8] = {1, 63, 17, 32, 45, 7, 60, 33}, mn[8] = {0, 5, 63, 40, 19, 48, 2, 61};
-    uint8_t b[144] = {0};
-    put16(b, 0x3800);     /* d = 0.5 */
-    put16(b + 2, 0x3400); /* dmin = 0.25 (subtracted) */
-    uint8_t *s = b + 4, *qs = b + 16;
+/* Packs 8 six-bit scales and mins into the 12 bytes s (zeroed) the way ggml's quantizer does. */
+static void pack_scale_min(const uint8_t sc[8], const uint8_t mn[8], uint8_t *s) {
     for (int k = 0; k < 8; k++) {
         if (k < 4) {
             s[k] |= sc[k];
@@ -276,6 +271,16 @@ TEST(test_dequant_q4_k) {
             s[k] |= (uint8_t)((mn[k] >> 4) << 6);
         }
     }
+}
+
+TEST(test_dequant_q4_k) {
+    /* choose 6-bit scales and mins, pack them the way ggml's quantizer does, check the decode */
+    uint8_t sc[8] = {1, 63, 17, 32, 45, 7, 60, 33}, mn[8] = {0, 5, 63, 40, 19, 48, 2, 61};
+    uint8_t b[144] = {0};
+    put16(b, 0x3800);     /* d = 0.5 */
+    put16(b + 2, 0x3400); /* dmin = 0.25 (subtracted) */
+    uint8_t *s = b + 4, *qs = b + 16;
+    pack_scale_min(sc, mn, s);
     uint8_t q[256];
     for (int e = 0; e < 256; e++) q[e] = (uint8_t)((e * 7 + e / 32) & 15);
     /* chunk c of 64: low nibbles = elements 64c..64c+31, high nibbles = 64c+32..64c+63 */
@@ -298,16 +303,7 @@ TEST(test_dequant_q5_k) {
     put16(b, 0x3800);     /* d = 0.5 */
     put16(b + 2, 0x3400); /* dmin = 0.25 */
     uint8_t *s = b + 4, *qh = b + 16, *qs = b + 48;
-    for (int k = 0; k < 8; k++) {
-        if (k < 4) {
-            s[k] |= sc[k];
-            s[k + 4] |= mn[k];
-        } else {
-            s[k + 4] = (uint8_t)((sc[k] & 0xF) | ((mn[k] & 0xF) << 4));
-            s[k - 4] |= (uint8_t)((sc[k] >> 4) << 6);
-            s[k] |= (uint8_t)((mn[k] >> 4) << 6);
-        }
-    }
+    pack_scale_min(sc, mn, s);
     uint8_t q[256];
     for (int e = 0; e < 256; e++) q[e] = (uint8_t)((e * 13 + e / 32 + 5) & 31);
     for (int c = 0; c < 4; c++)
