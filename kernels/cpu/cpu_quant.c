@@ -31,6 +31,10 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "format/gguf.h"
 #include "format/quant.h"
@@ -337,10 +341,10 @@ static void s_q4_1v16(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
 
 #if defined(__x86_64__) || defined(__i386__)
 #define CB_HAVE_X86 1
+#include <cpuid.h>
 /* Each kernel set is compiled for its ISA whatever -march says; clang (the fuzz build) has no GCC target
  * pragmas, so it gives every function of the region the same target attribute instead. */
 #if defined(__clang__)
-#include <cpuid.h>
 #include <immintrin.h>
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
@@ -818,21 +822,31 @@ typedef struct {
     qdot_fn b8, k8; /* interleaved weights (w->x8): Q4_0 / Q4_1 / Q5_0 / Q8_0, K-quants; QROWS rows per call */
     qdot_fn q4_1v16; /* the 16-row layout (w->v16) */
     int v16_rows;
+    qdot_fn x8_amx; /* w->x8 in tiles of 16 weight rows by 16..AMX_ROWS activation rows; NULL: none */
 } qdot_set_t;
 
 static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q5_0, s_q8_0, s_q4_k, s_q5_k, s_q6_k, cb_cpu_b8_scalar, cb_cpu_k8_scalar,
-                                   s_q4_1v16, QROWS};
+                                   s_q4_1v16, QROWS, NULL};
 #ifdef CB_HAVE_X86
 static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_avx2, cb_cpu_k8_avx2,
-                                 s_q4_1v16, QROWS};
+                                 s_q4_1v16, QROWS, NULL};
 /* AVX-512 VNNI for the interleaved layouts (x8 on 256-bit vectors, v16 on 512-bit ones), AVX2 for the stored
  * rows */
 static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_vnni, cb_cpu_k8_vnni,
-                                w_q4_1v16, V16_MR};
+                                w_q4_1v16, V16_MR, NULL};
 /* The x8 kernels of the VNNI set with their vpdpbusd emulated in AVX2 (and Q4_1 in x8, as v16 needs VNNI):
  * for testing that set's arithmetic on any AVX2 CPU. */
 static const qdot_set_t VNNI_EMU = {"avx512vnni-emulated", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k,
-                                    cb_cpu_b8_vnni_emu, cb_cpu_k8_vnni_emu, s_q4_1v16, QROWS};
+                                    cb_cpu_b8_vnni_emu, cb_cpu_k8_vnni_emu, s_q4_1v16, QROWS, NULL};
+/* AMX-INT8 tiles for the x8 copies' products of 16 activation rows or more (prefill), the VNNI set's x8
+ * kernels for fewer (decode) and for what the 16-row tiles leave. Q4_1 is copied as x8 (no v16) so that its
+ * prefill takes the tiles too. */
+static const qdot_set_t AMX = {"amx", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_vnni, cb_cpu_k8_vnni,
+                               s_q4_1v16, QROWS, cb_cpu_x8_amx};
+/* The amx set's kernel with the tile unit emulated in C, the AVX2 x8 kernels beside it: for testing its logic
+ * on any AVX2 CPU (slow: the emulation is plain loops). */
+static const qdot_set_t AMX_EMU = {"amx-emulated", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_avx2,
+                                   cb_cpu_k8_avx2, s_q4_1v16, QROWS, cb_cpu_x8_amx_emu};
 #endif
 
 static const qdot_set_t *g_set;
@@ -846,6 +860,22 @@ static bool have_vnni(void) {
 #else
     return false;
 #endif
+}
+
+/* AMX-INT8 (CPUID.(7,0):EDX bits 24 and 25) with the kernel's leave to use the tile data (Linux: arch_prctl
+ * ARCH_REQ_XCOMP_PERM, asked once per process), beside the VNNI set the amx set falls back on. */
+static bool g_amx;
+static pthread_once_t g_amx_once = PTHREAD_ONCE_INIT;
+static void amx_init(void) {
+#if defined(CB_HAVE_X86) && defined(__linux__)
+    unsigned a, b, c, d;
+    if (have_vnni() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1))
+        g_amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
+}
+static bool have_amx(void) {
+    pthread_once(&g_amx_once, amx_init);
+    return g_amx;
 }
 
 static bool have_avx2(void) {
@@ -884,7 +914,7 @@ static void init_once(void) {
 int cb_cpu_qdot_use(const char *isa) {
     if (!isa) {
 #ifdef CB_HAVE_X86
-        g_set = have_avx2() && have_vnni() ? &VNNI : have_avx2() ? &AVX2 : &SCALAR;
+        g_set = have_avx2() && have_vnni() ? &VNNI : have_avx2() ? &AVX2 : &SCALAR; /* amx: opt-in until measured */
 #else
         g_set = &SCALAR;
 #endif
@@ -905,6 +935,14 @@ int cb_cpu_qdot_use(const char *isa) {
     }
     if (!strcmp(isa, "avx512vnni-emulated") && have_avx2()) {
         g_set = &VNNI_EMU;
+        return 0;
+    }
+    if (!strcmp(isa, "amx") && have_avx2() && have_amx()) {
+        g_set = &AMX;
+        return 0;
+    }
+    if (!strcmp(isa, "amx-emulated") && have_avx2()) {
+        g_set = &AMX_EMU;
         return 0;
     }
 #endif
@@ -948,6 +986,18 @@ bool cb_cpu_qdot_supported(const cb_weight_t *w) {
     return kernel_of(&SCALAR, w->type) && w->cols > 0 && w->cols % blk == 0;
 }
 
+/* Rows [r0, r1) of a call by fn, step rows at a time (at most AMX_ROWS). */
+static void run_rows(qdot_fn fn, int step, const cb_weight_t *w, int o0, int o1, const void *xq, int r0, int r1, float *y,
+                     int ldy) {
+    assert(step <= AMX_ROWS);
+    for (; r0 < r1; r0 += step) {
+        const int R = r1 - r0 < step ? r1 - r0 : step;
+        xrow_t xs[AMX_ROWS];
+        for (int r = 0; r < R; r++) xs[r] = xrow(xq, w->cols, r0 + r);
+        fn(w, o0, o1, xs, R, y + (size_t)r0 * ldy, ldy);
+    }
+}
+
 void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int n, float *y, int ldy) {
     const qdot_set_t *k = kernels();
     qdot_fn fn = kernel_of(k, w->type);
@@ -957,12 +1007,14 @@ void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int 
         step = k->v16_rows;
     } else if (w->x8 && o0 % 8 == 0 && o1 % 8 == 0) {
         fn = k_quant(w->type) ? k->k8 : k->b8;
+        if (k->x8_amx && n >= 16 && o1 - o0 >= 16) { /* tiles of 16 x 16; the rest by the x8 kernel */
+            const int n16 = n / 16 * 16, om = o0 + (o1 - o0) / 16 * 16;
+            run_rows(k->x8_amx, AMX_ROWS, w, o0, om, xq, 0, n16, y, ldy);
+            if (om < o1) run_rows(fn, QROWS, w, om, o1, xq, 0, n16, y, ldy);
+            run_rows(fn, QROWS, w, o0, o1, xq, n16, n, y, ldy);
+            return;
+        }
     }
     assert(fn && cb_cpu_qdot_supported(w));
-    for (int r0 = 0; r0 < n; r0 += step) {
-        const int R = n - r0 < step ? n - r0 : step;
-        xrow_t xs[QROWS];
-        for (int r = 0; r < R; r++) xs[r] = xrow(xq, w->cols, r0 + r);
-        fn(w, o0, o1, xs, R, y + (size_t)r0 * ldy, ldy);
-    }
+    run_rows(fn, step, w, o0, o1, xq, 0, n, y, ldy);
 }

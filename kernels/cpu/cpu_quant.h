@@ -108,7 +108,10 @@ bool cb_cpu_qdot_gemm(const cb_weight_t *w);
 
 /* The kernel set in use: "avx512vnni" (vpdpbusd kernels for the x8 and v16 copies, AVX2 for the stored rows),
  * "avx2", "scalar", or "avx512vnni-emulated" (the avx512vnni set's x8 kernels with vpdpbusd emulated in AVX2,
- * Q4_1 in x8: for testing that set's arithmetic on CPUs without VNNI; never chosen by default). Every set
+ * Q4_1 in x8: for testing that set's arithmetic on CPUs without VNNI; never chosen by default); "amx" (the x8
+ * products of 16 activation rows or more on the AMX-INT8 tile unit, the rest as avx512vnni, Q4_1 in x8; not
+ * chosen by default until its speed is measured) and "amx-emulated" (that kernel with the tile unit emulated in
+ * C: for tests). Every set
  * gives the scalar set's bits on the x8 copies. cb_cpu_qdot_use selects one for the whole process (one of
  * those names, or NULL = the best available); 0, or -1 when the CPU cannot run it. Not thread-safe against
  * running kernels: tests call it between runs. */

@@ -20,38 +20,10 @@
 
 #include "format/gguf.h"
 
-/* Group block offsets: f16 d[8] at 0; Q4_1's f16 m[8] at 16; the codes; Q5_0's fifth bits. */
-#define B8_Q4_0 144 /* d, qs[4 steps][8 rows][4] */
-#define B8_Q4_1 160 /* d, m, qs[4][8][4] */
-#define B8_Q5_0 176 /* d, qs[4][8][4], qh[8 rows][4] */
-#define B8_Q8_0 272 /* d, q[8 steps][8 rows][4] */
-/* 4-bit codes: step t (0..3) holds row s's stored nibble bytes 4t..4t+3: low nibbles elements 4t + j,
- * high nibbles 16 + 4t + j (j = 0..3). Q5_0's fifth bits: byte 4s + j, bit t = element 4t + j's, bit 4 + t
- * = element 16 + 4t + j's. Q8_0: step t (0..7) holds row s's elements 4t..4t+3. */
-static size_t qs_at(uint32_t type) { return type == CB_TYPE_Q4_1 ? 32 : 16; }
-#define B8_QH 144
-
-static bool b8_type(uint32_t type) {
-    return type == CB_TYPE_Q4_0 || type == CB_TYPE_Q4_1 || type == CB_TYPE_Q5_0 || type == CB_TYPE_Q8_0;
-}
-
-static size_t blk_bytes(uint32_t type) {
-    switch (type) {
-    case CB_TYPE_Q4_0: return B8_Q4_0;
-    case CB_TYPE_Q4_1: return B8_Q4_1;
-    case CB_TYPE_Q5_0: return B8_Q5_0;
-    default: return B8_Q8_0;
-    }
-}
-
-static const uint8_t *group_blk(const cb_weight_t *w, int g, int b) {
-    return (const uint8_t *)w->x8 + ((size_t)g * (size_t)(w->cols / 32) + (size_t)b) * blk_bytes(w->type);
-}
-
 size_t cb_cpu_b8_bytes(const cb_weight_t *w) {
     if (!b8_type(w->type)) return 0;
     if (w->rows <= 0 || w->rows % 8 || w->cols <= 0 || w->cols % 32) return 0;
-    return (size_t)(w->rows / 8) * (size_t)(w->cols / 32) * blk_bytes(w->type);
+    return (size_t)(w->rows / 8) * (size_t)(w->cols / 32) * b8_blk_bytes(w->type);
 }
 
 /* Row slot s of the stored block src into the group block dst. */
@@ -89,7 +61,7 @@ bool cb_cpu_b8_pack(const cb_weight_t *w, void *dst) {
     #pragma omp parallel for schedule(static)
     for (int g = 0; g < w->rows / 8; g++)
         for (int b = 0; b < nb; b++) {
-            uint8_t *o = (uint8_t *)dst + ((size_t)g * (size_t)nb + (size_t)b) * blk_bytes(w->type);
+            uint8_t *o = (uint8_t *)dst + ((size_t)g * (size_t)nb + (size_t)b) * b8_blk_bytes(w->type);
             for (int s = 0; s < 8; s++)
                 pack_blk(w->type, (const uint8_t *)w->q + (size_t)(8 * g + s) * w->row_bytes + sb * (size_t)b, s, o);
         }
@@ -101,7 +73,7 @@ bool cb_cpu_b8_pack(const cb_weight_t *w, void *dst) {
 static inline int code_at(uint32_t type, const uint8_t *blk, int s, int e) {
     if (type == CB_TYPE_Q8_0) return (int8_t)blk[16 + 32 * (e / 4) + 4 * s + e % 4];
     const int hi = e >= 16, t = (e % 16) / 4, j = e % 4;
-    const uint8_t v = blk[qs_at(type) + 32 * (size_t)t + 4 * (size_t)s + (size_t)j];
+    const uint8_t v = blk[b8_qs_at(type) + 32 * (size_t)t + 4 * (size_t)s + (size_t)j];
     int c = hi ? v >> 4 : v & 0xF;
     if (type == CB_TYPE_Q5_0) c |= ((blk[B8_QH + 4 * s + j] >> (4 * hi + t)) & 1) << 4;
     return c;
@@ -111,7 +83,7 @@ static inline int code_at(uint32_t type, const uint8_t *blk, int s, int e) {
 void cb_cpu_b8_dequant_row(const cb_weight_t *w, int row, float *dst) {
     const int g = row / 8, s = row % 8;
     for (int b = 0; b < w->cols / 32; b++) {
-        const uint8_t *blk = group_blk(w, g, b);
+        const uint8_t *blk = b8_group_blk(w, g, b);
         const float d = f16_at(blk + 2 * s);
         float *y = dst + 32 * b;
         switch (w->type) {
@@ -133,20 +105,18 @@ void cb_cpu_b8_dequant_row(const cb_weight_t *w, int row, float *dst) {
     }
 }
 
-/* The offset of the unsigned codes (taken off through the activation block's sum). */
-static inline int code_offset(uint32_t type) { return type == CB_TYPE_Q4_0 ? 8 : type == CB_TYPE_Q5_0 ? 16 : 0; }
 
 /* ---------------------------------------------------------------- scalar */
 
 void cb_cpu_b8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
     assert(o0 % 8 == 0 && o1 % 8 == 0 && R >= 1 && R <= QROWS);
-    const int off = code_offset(w->type);
+    const int off = b8_code_offset(w->type);
     for (int o = o0; o < o1; o++)
         for (int r = 0; r < R; r++) {
             const int s = o % 8;
             float acc = 0.0f, accm = 0.0f; /* the d terms; Q4_1's min terms */
             for (int b = 0; b < w->cols / 32; b++) {
-                const uint8_t *blk = group_blk(w, o / 8, b);
+                const uint8_t *blk = b8_group_blk(w, o / 8, b);
                 const int8_t *xq = x[r].q + 32 * b;
                 int sumi = 0;
                 for (int e = 0; e < 32; e++) sumi += code_at(w->type, blk, s, e) * xq[e];

@@ -16,8 +16,8 @@ static inline __m256i X8_NAME(b4)(const void *p) {
 static inline __attribute__((always_inline)) void X8_NAME(v_nib_g)(const uint32_t type, const uint8_t *blk, int nb,
                                                            const xrow_t *x, const int R, __m256 *out) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), b4bit = _mm256_set1_epi8(0x10);
-    const size_t bb = blk_bytes(type), qs = qs_at(type);
-    const int off = code_offset(type);
+    const size_t bb = b8_blk_bytes(type), qs = b8_qs_at(type);
+    const int off = b8_code_offset(type);
     __m256 acc[QROWS], accm[QROWS]; /* the d terms; Q4_1's min terms (a second chain) */
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
@@ -95,7 +95,7 @@ static inline __attribute__((always_inline)) void X8_NAME(v_q8_g)(const uint8_t 
 #define B8_CASE(call, RR)                                                                                \
     for (int g = o0 / 8; g < o1 / 8; g++) {                                                              \
         __m256 out[QROWS];                                                                               \
-        const uint8_t *blk = group_blk(w, g, 0);                                                         \
+        const uint8_t *blk = b8_group_blk(w, g, 0);                                                         \
         call;                                                                                            \
         for (int r = 0; r < RR; r++) _mm256_storeu_ps(y + (size_t)r * ldy + 8 * g, out[r]);              \
     }                                                                                                    \

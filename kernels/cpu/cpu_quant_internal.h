@@ -12,6 +12,7 @@
 #include "tensor/tensor.h"
 
 #define QROWS 4 /* activation rows per pass over a weight row (at most this many per kernel call) */
+#define AMX_ROWS 64 /* activation rows per call of the AMX kernels (a multiple of 16) */
 
 /* One quantized activation row (views into the cb_cpu_q8_quantize layout). */
 typedef struct {
@@ -58,6 +59,72 @@ static inline void q6k_unpack(const uint8_t *blk, int k, uint8_t out[32]) {
 /* True for the K-quant types (super-blocks of 256, the K activation format, the k8 form of x8). */
 static inline bool k_quant(uint32_t type) { return type == CB_TYPE_Q4_K || type == CB_TYPE_Q5_K || type == CB_TYPE_Q6_K; }
 
+/* ---------------------------------------------------------------- the x8 group layouts (cpu_quant.h) */
+
+/* b8 (Q4_0, Q4_1, Q5_0, Q8_0). */
+/* Group block offsets: f16 d[8] at 0; Q4_1's f16 m[8] at 16; the codes; Q5_0's fifth bits. */
+#define B8_Q4_0 144 /* d, qs[4 steps][8 rows][4] */
+#define B8_Q4_1 160 /* d, m, qs[4][8][4] */
+#define B8_Q5_0 176 /* d, qs[4][8][4], qh[8 rows][4] */
+#define B8_Q8_0 272 /* d, q[8 steps][8 rows][4] */
+/* 4-bit codes: step t (0..3) holds row s's stored nibble bytes 4t..4t+3: low nibbles elements 4t + j,
+ * high nibbles 16 + 4t + j (j = 0..3). Q5_0's fifth bits: byte 4s + j, bit t = element 4t + j's, bit 4 + t
+ * = element 16 + 4t + j's. Q8_0: step t (0..7) holds row s's elements 4t..4t+3. */
+static inline size_t b8_qs_at(uint32_t type) { return type == CB_TYPE_Q4_1 ? 32 : 16; }
+#define B8_QH 144
+
+static inline bool b8_type(uint32_t type) {
+    return type == CB_TYPE_Q4_0 || type == CB_TYPE_Q4_1 || type == CB_TYPE_Q5_0 || type == CB_TYPE_Q8_0;
+}
+
+static inline size_t b8_blk_bytes(uint32_t type) {
+    switch (type) {
+    case CB_TYPE_Q4_0: return B8_Q4_0;
+    case CB_TYPE_Q4_1: return B8_Q4_1;
+    case CB_TYPE_Q5_0: return B8_Q5_0;
+    default: return B8_Q8_0;
+    }
+}
+
+static inline const uint8_t *b8_group_blk(const cb_weight_t *w, int g, int b) {
+    return (const uint8_t *)w->x8 + ((size_t)g * (size_t)(w->cols / 32) + (size_t)b) * b8_blk_bytes(w->type);
+}
+
+/* The offset of the unsigned codes (taken off through the activation block's sum). */
+static inline int b8_code_offset(uint32_t type) { return type == CB_TYPE_Q4_0 ? 8 : type == CB_TYPE_Q5_0 ? 16 : 0; }
+
+/* k8 (Q4_K, Q5_K, Q6_K). */
+#define K8_Q4K 1184 /* bytes of one group super-block: 8 x 144 + 32 (the scales and mins unpacked) */
+#define K8_Q5K 1440 /* 8 x 176 + 32 */
+#define K8_Q6K 1680 /* 8 x 210 */
+/* Q4_K group super-block: f16 d[8], f16 dmin[8], u8 sc[8 sub-blocks][8 rows], u8 mn[4 pairs][8 rows][2],
+ * then qs[4 chunks][8 steps][8 rows][4]: row s's stored qs bytes 32c + 4t .. +3 (low nibbles: elements
+ * 64c + 4t.., sub-block 2c; high: 64c + 32 + 4t.., sub-block 2c + 1). */
+#define Q4K_D 0
+#define Q4K_DMIN 16
+#define Q4K_SC 32
+#define Q4K_MN 96
+#define Q4K_QS 160
+/* Q5_K group super-block: Q4_K's first 160 bytes, then qh[8 steps t][8 rows][4]: row s's stored qh bytes
+ * 4t..4t+3 (bit k of qh[l]: the fifth bit of element l of sub-block k), then qs as Q4_K's. */
+#define Q5K_QH 160
+#define Q5K_QS 416
+/* Q6_K group super-block: f16 d[8], i8 sc[8 pairs][8 rows][2], then per group of 16 elements g (0..15) 96
+ * bytes: ql0, ql1, qh of 32 bytes (4 per row): ql0's low nibbles are elements 16g + b (b = 0..3) of the
+ * row, its high nibbles 16g + 4 + b; ql1's 16g + 8 + b and 16g + 12 + b; qh's bit pairs 0-1, 2-3, 4-5, 6-7
+ * the top two bits of 16g + b, 16g + 4 + b, 16g + 8 + b, 16g + 12 + b. */
+#define Q6K_D 0
+#define Q6K_SC 16
+#define Q6K_Q 144
+
+static inline size_t k8_blk_bytes(uint32_t type) {
+    return type == CB_TYPE_Q4_K ? K8_Q4K : type == CB_TYPE_Q5_K ? K8_Q5K : K8_Q6K;
+}
+
+static inline const uint8_t *k8_group_sb(const cb_weight_t *w, int g, int i) {
+    return (const uint8_t *)w->x8 + ((size_t)g * (size_t)(w->cols / 256) + (size_t)i) * k8_blk_bytes(w->type);
+}
+
 /* The rows of the types with blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) interleaved by 8 (cpu_quant_b8.c; the
  * layout in cpu_quant.h) and their kernels (o0, o1 multiples of 8), as the K-quants' below. */
 size_t cb_cpu_b8_bytes(const cb_weight_t *w);
@@ -80,4 +147,12 @@ void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
  * CPUs without VNNI): the scalar kernels' bits too. */
 void cb_cpu_k8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+
+/* The x8 copies (any of the seven types) on the AMX tile unit (cpu_quant_amx.c): weight rows [o0, o1) with
+ * o1 - o0 a multiple of 16 (o0 of 8), R activation rows a multiple of 16 up to AMX_ROWS, the rows' quantized
+ * data one stride apart (as cb_cpu_qdot_rows lays them). cb_cpu_x8_amx needs a CPU with AMX-INT8 and the
+ * kernel's leave to use it; cb_cpu_x8_amx_emu runs the same code with the tile unit emulated in C (AVX2). Both
+ * give the scalar kernels' bits. */
+void cb_cpu_x8_amx(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_x8_amx_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 #endif

@@ -25,46 +25,14 @@
 #endif
 #define K8_PRAGMA(x) _Pragma(#x)
 #define K8_UNROLL(n) K8_PRAGMA(GCC unroll n)
-#define K8_Q4K 1184 /* bytes of one group super-block: 8 x 144 + 32 (the scales and mins unpacked) */
-#define K8_Q5K 1440 /* 8 x 176 + 32 */
-#define K8_Q6K 1680 /* 8 x 210 */
 #ifndef K8_ROWS
 #define K8_ROWS 4 /* activation rows per pass over a group */
 #endif
 
-/* Q4_K group super-block: f16 d[8], f16 dmin[8], u8 sc[8 sub-blocks][8 rows], u8 mn[4 pairs][8 rows][2],
- * then qs[4 chunks][8 steps][8 rows][4]: row s's stored qs bytes 32c + 4t .. +3 (low nibbles: elements
- * 64c + 4t.., sub-block 2c; high: 64c + 32 + 4t.., sub-block 2c + 1). */
-#define Q4K_D 0
-#define Q4K_DMIN 16
-#define Q4K_SC 32
-#define Q4K_MN 96
-#define Q4K_QS 160
-/* Q5_K group super-block: Q4_K's first 160 bytes, then qh[8 steps t][8 rows][4]: row s's stored qh bytes
- * 4t..4t+3 (bit k of qh[l]: the fifth bit of element l of sub-block k), then qs as Q4_K's. */
-#define Q5K_QH 160
-#define Q5K_QS 416
-/* Q6_K group super-block: f16 d[8], i8 sc[8 pairs][8 rows][2], then per group of 16 elements g (0..15) 96
- * bytes: ql0, ql1, qh of 32 bytes (4 per row): ql0's low nibbles are elements 16g + b (b = 0..3) of the
- * row, its high nibbles 16g + 4 + b; ql1's 16g + 8 + b and 16g + 12 + b; qh's bit pairs 0-1, 2-3, 4-5, 6-7
- * the top two bits of 16g + b, 16g + 4 + b, 16g + 8 + b, 16g + 12 + b. */
-#define Q6K_D 0
-#define Q6K_SC 16
-#define Q6K_Q 144
-
-static size_t blk_bytes(uint32_t type) {
-    return type == CB_TYPE_Q4_K ? K8_Q4K : type == CB_TYPE_Q5_K ? K8_Q5K : K8_Q6K;
-}
-
-
-static const uint8_t *group_sb(const cb_weight_t *w, int g, int i) {
-    return (const uint8_t *)w->x8 + ((size_t)g * (size_t)(w->cols / 256) + (size_t)i) * blk_bytes(w->type);
-}
-
 size_t cb_cpu_k8_bytes(const cb_weight_t *w) {
     if (!k_quant(w->type)) return 0;
     if (w->rows <= 0 || w->rows % 8 || w->cols <= 0 || w->cols % 256) return 0;
-    return (size_t)(w->rows / 8) * (size_t)(w->cols / 256) * blk_bytes(w->type);
+    return (size_t)(w->rows / 8) * (size_t)(w->cols / 256) * k8_blk_bytes(w->type);
 }
 
 /* Q4_K (q5 false) or Q5_K row slot s of the stored super-block src into dst. */
@@ -108,7 +76,7 @@ bool cb_cpu_k8_pack(const cb_weight_t *w, void *dst) {
     #pragma omp parallel for schedule(static)
     for (int g = 0; g < w->rows / 8; g++)
         for (int i = 0; i < nsb; i++) {
-            uint8_t *o = (uint8_t *)dst + ((size_t)g * (size_t)nsb + (size_t)i) * blk_bytes(w->type);
+            uint8_t *o = (uint8_t *)dst + ((size_t)g * (size_t)nsb + (size_t)i) * k8_blk_bytes(w->type);
             for (int s = 0; s < 8; s++) {
                 const uint8_t *src = (const uint8_t *)w->q + (size_t)(8 * g + s) * w->row_bytes + sb * (size_t)i;
                 if (w->type != CB_TYPE_Q6_K)
@@ -139,7 +107,7 @@ static inline int q6k_at(const uint8_t *blk, int s, int e) {
 void cb_cpu_k8_dequant_row(const cb_weight_t *w, int row, float *dst) {
     const int g = row / 8, s = row % 8;
     for (int i = 0; i < w->cols / 256; i++) {
-        const uint8_t *blk = group_sb(w, g, i);
+        const uint8_t *blk = k8_group_sb(w, g, i);
         float *y = dst + 256 * i;
         if (w->type != CB_TYPE_Q6_K) {
             const bool q5 = w->type == CB_TYPE_Q5_K;
@@ -193,9 +161,9 @@ void cb_cpu_k8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
             float acc = 0.0f;
             for (int i = 0; i < w->cols / 256; i++) {
                 if (w->type != CB_TYPE_Q6_K)
-                    s_q4k_sb(w->type == CB_TYPE_Q5_K, group_sb(w, o / 8, i), o % 8, &x[r], i, &acc);
+                    s_q4k_sb(w->type == CB_TYPE_Q5_K, k8_group_sb(w, o / 8, i), o % 8, &x[r], i, &acc);
                 else
-                    s_q6k_sb(group_sb(w, o / 8, i), o % 8, &x[r], i, &acc);
+                    s_q6k_sb(k8_group_sb(w, o / 8, i), o % 8, &x[r], i, &acc);
             }
             y[(size_t)r * ldy + o] = acc;
         }

@@ -155,7 +155,7 @@ static inline __attribute__((always_inline)) void X8_NAME(v_q6k_g)(const uint8_t
 #define K8_CASE(fn, RR)                                                                                  \
     for (int g = o0 / 8; g < o1 / 8; g++) {                                                              \
         __m256 out[K8_ROWS];                                                                             \
-        X8_NAME(fn)(group_sb(w, g, 0), nsb, x + r0, RR, out);                                                     \
+        X8_NAME(fn)(k8_group_sb(w, g, 0), nsb, x + r0, RR, out);                                                     \
         for (int r = 0; r < RR; r++) _mm256_storeu_ps(y + (size_t)(r0 + r) * ldy + 8 * g, out[r]);       \
     }                                                                                                    \
     break;

@@ -128,8 +128,8 @@ static void qmatvec(const cb_weight_t *w, const float *x, int n, float *y, uint8
     cb_cpu_qdot_rows(w, 0, w->rows, xq, n, y, w->rows);
 }
 
-static const char *const ISAS[] = {"scalar", "avx2", "avx512vnni", "avx512vnni-emulated"};
-enum { N_ISAS = 4 };
+static const char *const ISAS[] = {"scalar", "avx2", "avx512vnni", "avx512vnni-emulated", "amx", "amx-emulated"};
+enum { N_ISAS = 6 };
 
 TEST(test_quantize_row) {
     enum { C = 2048 };
@@ -664,6 +664,53 @@ TEST(test_qdot_real_kquant) {
     cb_model_destroy(&m);
 }
 
+/* The AMX kernel (cb_cpu_x8_amx; on this CPU, or its emulation) on the x8 copies of all seven types: calls of
+ * 83 activation rows (tiles of 64 and 16, 3 rows left to the x8 kernel) over 40 weight rows (two 16-row tiles,
+ * one group left): every set's bits are the scalar set's, within the f32 reference's bound; sub-ranges (two
+ * tiles; one tile and a group; one group alone) give the same bits as the whole. */
+TEST(test_qdot_amx) {
+    const uint32_t types[] = {CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q5_0, CB_TYPE_Q8_0, CB_TYPE_Q4_K, CB_TYPE_Q5_K, CB_TYPE_Q6_K};
+    enum { R = 40, C = 768, N = 83 };
+    float *x = malloc(sizeof(float) * N * C), *y = malloc(sizeof(float) * N * R), *y0 = malloc(sizeof(float) * N * R);
+    float *sub = malloc(sizeof(float) * N * R);
+    uint8_t *xq = aligned_alloc(64, cb_cpu_q8_row_bytes(C) * N);
+    random_x(x, N * C);
+    int n_amx = 0;
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        uint8_t *buf;
+        cb_weight_t w = random_weight(types[t], R, C, &buf);
+        uint8_t *x8 = aligned_alloc(64, (cb_cpu_x8_bytes(&w) + 63) / 64 * 64);
+        CHECK(cb_cpu_x8_pack(&w, x8));
+        w.x8 = x8;
+        for (size_t i = 0; i < N_ISAS; i++) {
+            if (cb_cpu_qdot_use(ISAS[i]) != 0) continue;
+            qmatvec(&w, x, N, y, xq);
+            if (i == 0) {
+                memcpy(y0, y, sizeof(float) * N * R);
+                CHECK(check_against_ref(&w, x, N, 0, R, y, R) <= 1.0);
+                continue;
+            }
+            CHECK_MSG(memcmp(y, y0, sizeof(float) * N * R) == 0, "%s %s: not the scalar bits", cb_type_name(w.type), ISAS[i]);
+            if (strncmp(ISAS[i], "amx", 3)) continue;
+            n_amx++;
+            const int ranges[3][2] = {{8, 40}, {0, 24}, {16, 24}};
+            for (int g = 0; g < 3; g++) {
+                for (int k = 0; k < N * R; k++) sub[k] = -7.0f;
+                const int a = ranges[g][0], e = ranges[g][1];
+                cb_cpu_qdot_rows(&w, a, e, xq, N, sub, R);
+                for (int r = 0; r < N; r++)
+                    for (int o = 0; o < R; o++) CHECK(sub[r * R + o] == (o < a || o >= e ? -7.0f : y0[r * R + o]));
+            }
+        }
+        free(x8);
+        free(buf);
+    }
+    fprintf(stderr, "  AMX kernel sets run: %d of 2 (amx needs AMX-INT8)\n", n_amx / 7);
+    CHECK(n_amx >= 7); /* the emulated set runs on every AVX2 CPU */
+    cb_cpu_qdot_use(NULL);
+    free(x); free(y); free(y0); free(sub); free(xq);
+}
+
 int main(void) {
     RUN(test_quantize_row);
     RUN(test_quantize_row_k);
@@ -672,6 +719,7 @@ int main(void) {
     RUN(test_qdot_x8);
     RUN(test_qdot_k8);
     RUN(test_qdot_v16);
+    RUN(test_qdot_amx);
     RUN(test_qdot_multi_formats);
     RUN(test_qdot_real_model);
     RUN(test_qdot_real_kquant);

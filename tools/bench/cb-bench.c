@@ -2,6 +2,7 @@
  *
  *   cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] [--batch B]
  *            [--batch-private] [--bandwidth] [--json]
+ *   cb-bench --qdot [--reps R] [--json]
  *
  * For each prompt length L (ascending): prefill L pseudo-random token ids (the same ids the llama.cpp
  * side of the benchmark uses: id_i = (i * 7919) % 30000 + 100) at position 0 of one sequence (cleared
@@ -19,12 +20,17 @@
  * bound it puts on decode: a step reads every block weight and the output matrix once (in the form the
  * kernels read: the interleaved copy where there is one) plus the sequence's KV (at the middle of the
  * decode), so bound = bandwidth / those bytes; decode is reported as a fraction of it.
+ * --qdot (no model): the integer weight kernels alone, on one thread, for each weight type (Q4_0, Q4_1, Q5_0,
+ * Q8_0, Q4_K, Q5_K, Q6_K) and each kernel set this CPU runs (avx2, avx512vnni, amx; cpu_quant.h): the product
+ * of a 2048 x 2048 weight (random values quantized, in the interleaved copy prefill reads) with 64
+ * activation rows, best of R (default 10), in G multiply-adds/s.
  * The KV pool is the engine's default, f16; CB_ENGINE_KV_DTYPE=f32 runs the f32 reference pool (the JSON
  * says which: "kv_dtype").
  * Exit: 0 ok, 1 runtime error, 2 bad arguments.
  */
 #include <errno.h>
 #include <jansson.h>
+#include <stdint.h>
 #include <omp.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -38,6 +44,8 @@
 #include "cpu/cpu_ops.h"
 #include "cpu/cpu_quant.h"
 #include "engine/engine.h"
+#include "format/gguf.h"
+#include "format/quant.h"
 #include "base/log.h"
 #include "model/model.h"
 #include "engine/sampler.h"
@@ -45,7 +53,8 @@
 static int usage(const char *why) {
     if (why) fprintf(stderr, "cb-bench: %s\n", why);
     fprintf(stderr, "usage: cb-bench [--model PATH] [--threads N] [--lens 512,2048,8000] [--decode N] [--reps R] "
-                    "[--batch B] [--batch-private] [--bandwidth] [--json]\n");
+                    "[--batch B] [--batch-private] [--bandwidth] [--json]\n"
+                    "       cb-bench --qdot [--reps R] [--json]\n");
     return 2;
 }
 
@@ -155,21 +164,90 @@ static double triad_gbs(int threads) {
     return best;
 }
 
+/* --qdot: each type's product of a 2048 x 2048 weight with 64 activation rows, by each kernel set this CPU
+ * runs; one line (or a JSON object) per type. 0, or 1 out of memory. */
+static int bench_qdot(long reps, bool json) {
+    enum { O = 2048, C = 2048, N = 64 };
+    static const uint32_t types[] = {CB_TYPE_Q4_0, CB_TYPE_Q4_1, CB_TYPE_Q5_0, CB_TYPE_Q8_0,
+                                     CB_TYPE_Q4_K, CB_TYPE_Q5_K, CB_TYPE_Q6_K};
+    static const char *const sets[] = {"avx2", "avx512vnni", "amx"};
+    enum { N_SETS = 3 };
+    const size_t rb = cb_cpu_q8_row_bytes(C), qbytes = cb_quant_row_bytes(CB_TYPE_Q8_0, (size_t)O * C);
+    float *wf = cb_malloc(sizeof(float) * O * C), *y = cb_malloc(sizeof(float) * N * O); /* [O][C], [N][O] */
+    uint8_t *xq = cb_aligned_alloc(64, rb * N), *q = cb_malloc(qbytes); /* [N][rb]; the stored rows (Q8_0: largest) */
+    uint8_t *x8 = cb_aligned_alloc(64, (qbytes + (size_t)O / 8 * (C / 256) * 32 + 63) / 64 * 64);
+    json_t *out = json_object();
+    int rc = 1;
+    if (!wf || !y || !xq || !q || !x8 || !out) goto done;
+    uint64_t st = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < (size_t)O * C; i++) { /* uniform in [-1, 1) */
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        wf[i] = (float)((double)(st >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+    }
+    for (int r = 0; r < N; r++) cb_cpu_q8_quantize(wf + (size_t)r * C, C, CB_CPU_Q8_B32 | CB_CPU_Q8_K, xq + (size_t)r * rb);
+    if (!json) printf("G multiply-adds/s, 1 thread, %d x %d weight x %d rows:%s%s%s\n", O, C, N, "  avx2", "  avx512vnni", "  amx");
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        cb_weight_t w = {.name = "qdot", .type = types[t], .q = q, .row_bytes = cb_quant_row_bytes(types[t], C),
+                         .rows = O, .cols = C};
+        if (!cb_quant(types[t], wf, q, (size_t)O * C) || !cb_cpu_x8_pack(&w, x8)) goto done;
+        w.x8 = x8;
+        json_t *row = json_object();
+        if (!json) printf("  %-5s", cb_type_name(types[t]));
+        for (int k = 0; k < N_SETS; k++) {
+            if (cb_cpu_qdot_use(sets[k]) != 0) {
+                if (!json) printf("  %*s", (int)strlen(sets[k]), "-");
+                continue;
+            }
+            double best = 1e30;
+            for (long i = 0; i < reps; i++) {
+                const double t0 = cb_now_ms();
+                cb_cpu_qdot_rows(&w, 0, O, xq, N, y, O);
+                const double ms = cb_now_ms() - t0;
+                best = ms < best ? ms : best;
+            }
+            const double g = (double)O * C * N / (best * 1e6);
+            json_object_set_new(row, sets[k], json_real(g));
+            if (!json) printf("  %*.1f", (int)strlen(sets[k]), g);
+        }
+        json_object_set_new(out, cb_type_name(types[t]), row);
+        if (!json) printf("\n");
+    }
+    if (json) {
+        json_t *doc = json_pack("{s:o}", "qdot", out);
+        out = NULL;
+        char *txt = doc ? json_dumps(doc, JSON_INDENT(2)) : NULL;
+        if (txt) printf("%s\n", txt);
+        free(txt);
+        json_decref(doc);
+    }
+    rc = 0;
+done:
+    if (rc) fprintf(stderr, "cb-bench: out of memory\n");
+    cb_cpu_qdot_use(NULL);
+    json_decref(out);
+    free(wf); free(y); free(xq); free(q); free(x8);
+    return rc;
+}
+
 int main(int argc, char **argv) {
     cb_log_set_component("cb-bench");
     const char *model_path = cb_svc_model_path(NULL);
     long threads = 0, n_decode = 128, reps = 1, lens[16], n_lens = 0, batch = 0;
-    bool json = false, batch_private = false, bandwidth = false;
+    bool json = false, batch_private = false, bandwidth = false, qdot = false, reps_set = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json")) { json = true; continue; }
         if (!strcmp(a, "--batch-private")) { batch_private = true; continue; }
         if (!strcmp(a, "--bandwidth")) { bandwidth = true; continue; }
+        if (!strcmp(a, "--qdot")) { qdot = true; continue; }
         if (!v) return usage("missing value");
         if (!strcmp(a, "--model")) model_path = v;
         else if (!strcmp(a, "--threads")) { if (!parse_int(v, 1, 256, &threads)) return usage("bad --threads"); }
         else if (!strcmp(a, "--decode")) { if (!parse_int(v, 0, 100000, &n_decode)) return usage("bad --decode"); }
-        else if (!strcmp(a, "--reps")) { if (!parse_int(v, 1, 100, &reps)) return usage("bad --reps"); }
+        else if (!strcmp(a, "--reps")) {
+            if (!parse_int(v, 1, 100, &reps)) return usage("bad --reps");
+            reps_set = true;
+        }
         else if (!strcmp(a, "--batch")) { if (!parse_int(v, 0, 64, &batch)) return usage("bad --batch"); }
         else if (!strcmp(a, "--lens")) {
             char buf[256];
@@ -184,6 +262,7 @@ int main(int argc, char **argv) {
         i++;
     }
     if (n_lens == 0) lens[0] = 512, lens[1] = 2048, lens[2] = 8000, n_lens = 3;
+    if (qdot) return bench_qdot(reps_set ? reps : 10, json);
 
     char err[512];
     double t0 = cb_now_ms();
