@@ -59,7 +59,9 @@ unsigned cb_cpu_qdot_format(const cb_weight_t *w);
 
 /* y[r * ldy + o] = w[o] · x[r] for o in [o0, o1) and r < n: xq holds n rows quantized by
  * cb_cpu_q8_quantize in (at least) cb_cpu_qdot_format(w), row_bytes = cb_cpu_q8_row_bytes(w->cols) apart.
- * w must be supported. Rows of x go four at a time over each weight block (unpacked once for the four). */
+ * w must be supported. Rows of x go four at a time over each weight block (unpacked once for the four); on the
+ * K-quants' x8 copies, a call of more than four rows unpacks each group super-block once for 16 rows; under
+ * the amx set, x8 copies take the tile unit for 16 rows or more. Every path gives a row the same bits. */
 void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int n, float *y, int ldy);
 
 /* Interleaved rows ("x8"), the layout the integer kernels read fastest: weights with rows % 8 == 0 of the

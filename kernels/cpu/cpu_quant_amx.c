@@ -13,7 +13,7 @@
  * the same exact integer sums, then the same f32 operations in the same order, so the same bits as the
  * scalar kernels.
  * Per call (weight rows [o0, o1), o1 - o0 a multiple of 16; R activation rows, a multiple of 16 up to
- * AMX_ROWS): for each tile of 16 weight rows, each block is unpacked once into B and multiplied by the R / 16
+ * XROWS): for each tile of 16 weight rows, each block is unpacked once into B and multiplied by the R / 16
  * activation tiles (C tiles 0..3). The per-row accumulators (f32 [R][16], and int32 [R][16] per K
  * super-block) live on the stack. */
 #include "cpu/cpu_quant_internal.h"

@@ -30,16 +30,16 @@ static inline void AMX_NAME(amx_tiles)(int nt, bool k16, const int8_t *a, size_t
 #undef AMX_ONE
 
 /* The R activation rows' x8 products with weight rows [o0, o1) (o1 - o0 a multiple of 16; R a multiple of 16,
- * at most AMX_ROWS; the rows' quantized data one stride apart). */
+ * at most XROWS; the rows' quantized data one stride apart). */
 void AMX_NAME(cb_cpu_x8_amx)(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
-    assert((o1 - o0) % 16 == 0 && o0 % 8 == 0 && R % 16 == 0 && R >= 16 && R <= AMX_ROWS);
+    assert((o1 - o0) % 16 == 0 && o0 % 8 == 0 && R % 16 == 0 && R >= 16 && R <= XROWS);
     const bool kq = k_quant(w->type);
     const size_t rb = (size_t)(x[1].q - x[0].q); /* the rows' stride (both formats) */
     for (int r = 0; r < R; r++) assert(x[r].q == x[0].q + (size_t)r * rb && x[r].kq == x[0].kq + (size_t)r * rb);
     const int nt = R / 16;
     _Alignas(64) int8_t B[8 * 64];            /* one block of 16 weight rows, unpacked */
-    _Alignas(64) int32_t C[AMX_ROWS * 16];    /* [R][16] the block dots */
-    __m256 acc[AMX_ROWS][2], accm[AMX_ROWS][2]; /* per row: weight rows 0..7 and 8..15 of the tile */
+    _Alignas(64) int32_t C[XROWS * 16];    /* [R][16] the block dots */
+    __m256 acc[XROWS][2], accm[XROWS][2]; /* per row: weight rows 0..7 and 8..15 of the tile */
     amx_cfg_t cfg;
     amx_config(&cfg);
     AMX_CONFIG(&cfg);
@@ -55,7 +55,7 @@ void AMX_NAME(cb_cpu_x8_amx)(const cb_weight_t *w, int o0, int o1, const xrow_t 
                 b8_fold(w->type, off, gb, x, R, b, C, acc, accm);
             }
         } else if (w->type != CB_TYPE_Q6_K) {
-            __m256i si[AMX_ROWS][2];
+            __m256i si[XROWS][2];
             for (int i = 0; i < w->cols / 256; i++) {
                 const uint8_t *gb[2] = {k8_group_sb(w, g, i), k8_group_sb(w, g + 1, i)};
                 for (int r = 0; r < R; r++) si[r][0] = si[r][1] = _mm256_setzero_si256();
@@ -68,7 +68,7 @@ void AMX_NAME(cb_cpu_x8_amx)(const cb_weight_t *w, int o0, int o1, const xrow_t 
                 q4k_finish(gb, x, R, i, si, acc);
             }
         } else {
-            __m256i si[AMX_ROWS][2];
+            __m256i si[XROWS][2];
             for (int i = 0; i < w->cols / 256; i++) {
                 const uint8_t *gb[2] = {k8_group_sb(w, g, i), k8_group_sb(w, g + 1, i)};
                 for (int r = 0; r < R; r++) si[r][0] = si[r][1] = _mm256_setzero_si256();

@@ -12,7 +12,7 @@
 #include "tensor/tensor.h"
 
 #define QROWS 4 /* activation rows per pass over a weight row (at most this many per kernel call) */
-#define AMX_ROWS 64 /* activation rows per call of the AMX kernels (a multiple of 16) */
+#define XROWS 64 /* activation rows per call, at most, of the kernels that take many (cb_cpu_x8_amx, cb_cpu_k8_rows_*) */
 
 /* One quantized activation row (views into the cb_cpu_q8_quantize layout). */
 typedef struct {
@@ -147,9 +147,14 @@ void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
  * CPUs without VNNI): the scalar kernels' bits too. */
 void cb_cpu_k8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+/* The same for calls of many rows (R up to XROWS): each group super-block unpacked once for all R rows; every
+ * row gets the bits the kernels above give it. */
+void cb_cpu_k8_rows_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_k8_rows_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_k8_rows_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 
 /* The x8 copies (any of the seven types) on the AMX tile unit (cpu_quant_amx.c): weight rows [o0, o1) with
- * o1 - o0 a multiple of 16 (o0 of 8), R activation rows a multiple of 16 up to AMX_ROWS, the rows' quantized
+ * o1 - o0 a multiple of 16 (o0 of 8), R activation rows a multiple of 16 up to XROWS, the rows' quantized
  * data one stride apart (as cb_cpu_qdot_rows lays them). cb_cpu_x8_amx needs a CPU with AMX-INT8 and the
  * kernel's leave to use it; cb_cpu_x8_amx_emu runs the same code with the tile unit emulated in C (AVX2). Both
  * give the scalar kernels' bits. */

@@ -20,6 +20,9 @@
 #ifndef K8_TUNROLL
 #define K8_TUNROLL 2
 #endif
+#ifndef K8_RUNROLL
+#define K8_RUNROLL 4 /* the many-row kernel's steps per sub-block unrolled (8: GCC's reassociation spills) */
+#endif
 #ifndef K8_GUNROLL
 #define K8_GUNROLL 2
 #endif
@@ -226,5 +229,14 @@ void cb_cpu_k8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
 }
 void cb_cpu_k8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
     cb_cpu_k8_scalar(w, o0, o1, x, R, y, ldy);
+}
+void cb_cpu_k8_rows_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    for (int r0 = 0; r0 < R; r0 += QROWS) cb_cpu_k8_scalar(w, o0, o1, x + r0, R - r0 < QROWS ? R - r0 : QROWS, y + (size_t)r0 * ldy, ldy);
+}
+void cb_cpu_k8_rows_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    cb_cpu_k8_rows_avx2(w, o0, o1, x, R, y, ldy);
+}
+void cb_cpu_k8_rows_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
+    cb_cpu_k8_rows_avx2(w, o0, o1, x, R, y, ldy);
 }
 #endif
