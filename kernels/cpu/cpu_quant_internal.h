@@ -153,6 +153,12 @@ void cb_cpu_k8_rows_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, 
 void cb_cpu_k8_rows_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_rows_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 
+/* The Q4_1 v16 copies (cpu_quant_v16.c; o0, o1 multiples of 16): the scalar kernel (the stored layout's bits)
+ * and the AVX-512 VNNI one (CB_V16_ROWS activation rows per pass; the scalar one where the target is not x86). */
+#define CB_V16_ROWS 4
+void cb_cpu_v16_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_v16_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+
 /* The x8 copies (any of the seven types) on the AMX tile unit (cpu_quant_amx.c): weight rows [o0, o1) with
  * o1 - o0 a multiple of 16 (o0 of 8), R activation rows a multiple of 16 up to XROWS, the rows' quantized
  * data one stride apart (as cb_cpu_qdot_rows lays them). cb_cpu_x8_amx needs a CPU with AMX-INT8 and the
