@@ -690,33 +690,34 @@ typedef struct {
     qdot_fn b8, k8; /* interleaved weights (w->x8): Q4_0 / Q4_1 / Q5_0 / Q8_0, K-quants; QROWS rows per call */
     qdot_fn q4_1v16; /* the 16-row layout (w->v16) */
     int v16_rows;
-    qdot_fn k8_rows; /* the k8 kernel for calls of more than QROWS rows (up to XROWS per call); NULL: none */
+    qdot_fn k8_rows, b8_rows; /* x8 kernels for calls of more than QROWS rows (b8: not Q8_0); NULL: none */
     qdot_fn x8_amx;  /* w->x8 in tiles of 16 weight rows by 16..XROWS activation rows; NULL: none */
 } qdot_set_t;
 
 static const qdot_set_t SCALAR = {"scalar", s_q4_0, s_q4_1, s_q5_0, s_q8_0, s_q4_k, s_q5_k, s_q6_k, cb_cpu_b8_scalar, cb_cpu_k8_scalar,
-                                   cb_cpu_v16_scalar, QROWS, NULL, NULL};
+                                   cb_cpu_v16_scalar, QROWS, NULL, NULL, NULL};
 #ifdef CB_HAVE_X86
 static const qdot_set_t AVX2 = {"avx2", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_avx2, cb_cpu_k8_avx2,
-                                 cb_cpu_v16_scalar, QROWS, cb_cpu_k8_rows_avx2, NULL};
+                                 cb_cpu_v16_scalar, QROWS, cb_cpu_k8_rows_avx2, cb_cpu_b8_rows_avx2, NULL};
 /* AVX-512 VNNI for the interleaved layouts (x8 on 256-bit vectors, v16 on 512-bit ones), AVX2 for the stored
  * rows */
 static const qdot_set_t VNNI = {"avx512vnni", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_vnni, cb_cpu_k8_vnni,
-                                cb_cpu_v16_vnni, CB_V16_ROWS, cb_cpu_k8_rows_vnni, NULL};
+                                cb_cpu_v16_vnni, CB_V16_ROWS, cb_cpu_k8_rows_vnni, cb_cpu_b8_rows_vnni, NULL};
 /* The x8 kernels of the VNNI set with their vpdpbusd emulated in AVX2 (and Q4_1 in x8, as v16 needs VNNI):
  * for testing that set's arithmetic on any AVX2 CPU. */
 static const qdot_set_t VNNI_EMU = {"avx512vnni-emulated", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k,
                                     cb_cpu_b8_vnni_emu, cb_cpu_k8_vnni_emu, cb_cpu_v16_scalar, QROWS,
-                                    cb_cpu_k8_rows_vnni_emu, NULL};
+                                    cb_cpu_k8_rows_vnni_emu, cb_cpu_b8_rows_vnni_emu, NULL};
 /* AMX-INT8 tiles for the x8 copies' products of 16 activation rows or more (prefill), the VNNI set's x8
  * kernels for fewer (decode) and for what the 16-row tiles leave. Q4_1 is copied as x8 (no v16) so that its
  * prefill takes the tiles too. */
 static const qdot_set_t AMX = {"amx", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_vnni, cb_cpu_k8_vnni,
-                               cb_cpu_v16_scalar, QROWS, cb_cpu_k8_rows_vnni, cb_cpu_x8_amx};
+                               cb_cpu_v16_scalar, QROWS, cb_cpu_k8_rows_vnni, cb_cpu_b8_rows_vnni, cb_cpu_x8_amx};
 /* The amx set's kernel with the tile unit emulated in C, the AVX2 x8 kernels beside it: for testing its logic
  * on any AVX2 CPU (slow: the emulation is plain loops). */
 static const qdot_set_t AMX_EMU = {"amx-emulated", v_q4_0, v_q4_1, v_q5_0, v_q8_0, v_q4_k, v_q5_k, v_q6_k, cb_cpu_b8_avx2,
-                                   cb_cpu_k8_avx2, cb_cpu_v16_scalar, QROWS, cb_cpu_k8_rows_avx2, cb_cpu_x8_amx_emu};
+                                   cb_cpu_k8_avx2, cb_cpu_v16_scalar, QROWS, cb_cpu_k8_rows_avx2, cb_cpu_b8_rows_avx2,
+                                   cb_cpu_x8_amx_emu};
 #endif
 
 static const qdot_set_t *g_set;
@@ -868,18 +869,20 @@ static void run_rows(qdot_fn fn, int step, const cb_weight_t *w, int o0, int o1,
     }
 }
 
-/* Activation rows per call of the many-row k8 kernel: each group super-block is unpacked once for this many
- * rows, whose int8 data (K8_MANY x cols bytes) stays in L2 while the slice's groups pass. 16 measured best on
- * the AVX2 EPYC (`cb_cpu_qdot_rows` of 512-2048 rows x 1536 or 8960 columns; 64 rows left the 8960-column
- * product streaming its activations from L3: Q4_K 88 against 97 G multiply-adds/s). */
-#define K8_MANY 16
+/* Activation rows per call of the many-row x8 kernels: each group super-block (or 8 blocks) is unpacked once
+ * for this many rows, whose int8 data (X8_MANY x cols bytes) stays in L2 while the slice's groups pass. 16
+ * measured best on the AVX2 EPYC (`cb_cpu_qdot_rows` of 512-2048 rows x 1536 or 8960 columns; 64 rows left
+ * the 8960-column product streaming its activations from L3: Q4_K 88 against 97 G multiply-adds/s). */
+#define X8_MANY 16
 
-/* Rows [r0, r1) of an x8 call over [o0, o1): the set's many-row k8 kernel for more than QROWS rows where it
- * has one, else its x8 kernel QROWS rows at a time. */
+/* Rows [r0, r1) of an x8 call over [o0, o1): the set's many-row x8 kernel for more than QROWS rows where it
+ * has one (every type but Q8_0), else its x8 kernel QROWS rows at a time. */
 static void x8_rows(const qdot_set_t *k, const cb_weight_t *w, int o0, int o1, const void *xq, int r0, int r1, float *y,
                     int ldy) {
-    if (k_quant(w->type) && k->k8_rows && r1 - r0 > QROWS) run_rows(k->k8_rows, K8_MANY, w, o0, o1, xq, r0, r1, y, ldy);
-    else run_rows(k_quant(w->type) ? k->k8 : k->b8, QROWS, w, o0, o1, xq, r0, r1, y, ldy);
+    const bool kq = k_quant(w->type);
+    const qdot_fn many = kq ? k->k8_rows : w->type != CB_TYPE_Q8_0 ? k->b8_rows : NULL;
+    if (many && r1 - r0 > QROWS) run_rows(many, X8_MANY, w, o0, o1, xq, r0, r1, y, ldy);
+    else run_rows(kq ? k->k8 : k->b8, QROWS, w, o0, o1, xq, r0, r1, y, ldy);
 }
 
 void cb_cpu_qdot_rows(const cb_weight_t *w, int o0, int o1, const void *xq, int n, float *y, int ldy) {

@@ -134,6 +134,11 @@ void cb_cpu_b8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
 void cb_cpu_b8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+/* The same for calls of many rows (R up to XROWS; Q4_0, Q4_1, Q5_0): a group's blocks unpacked once for all R
+ * rows; every row gets the bits the kernels above give it. */
+void cb_cpu_b8_rows_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_b8_rows_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
+void cb_cpu_b8_rows_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 
 /* The K-quant rows interleaved by 8 (cpu_quant_k8.c; the layout is in cpu_quant.h). */
 size_t cb_cpu_k8_bytes(const cb_weight_t *w);
