@@ -690,7 +690,7 @@ typedef struct {
     qdot_fn b8, k8; /* interleaved weights (w->x8): Q4_0 / Q4_1 / Q5_0 / Q8_0, K-quants; QROWS rows per call */
     qdot_fn q4_1v16; /* the 16-row layout (w->v16) */
     int v16_rows;
-    qdot_fn k8_rows, b8_rows; /* x8 kernels for calls of more than QROWS rows (b8: not Q8_0); NULL: none */
+    qdot_fn k8_rows, b8_rows; /* Q5_K's and Q5_0's x8 kernels for calls of more than QROWS rows; NULL: none */
     qdot_fn x8_amx;  /* w->x8 in tiles of 16 weight rows by 16..XROWS activation rows; NULL: none */
 } qdot_set_t;
 
@@ -869,18 +869,20 @@ static void run_rows(qdot_fn fn, int step, const cb_weight_t *w, int o0, int o1,
     }
 }
 
-/* Activation rows per call of the many-row x8 kernels: each group super-block (or 8 blocks) is unpacked once
- * for this many rows, whose int8 data (X8_MANY x cols bytes) stays in L2 while the slice's groups pass. 16
- * measured best on the AVX2 EPYC (`cb_cpu_qdot_rows` of 512-2048 rows x 1536 or 8960 columns; 64 rows left
- * the 8960-column product streaming its activations from L3: Q4_K 88 against 97 G multiply-adds/s). */
+/* Activation rows per call of the many-row x8 kernels (the 5-bit types, Q5_K and Q5_0): each group
+ * super-block (or 8 blocks) is unpacked once for this many rows, whose int8 data (X8_MANY x cols bytes) stays
+ * in L2 while the slice's groups pass (64 rows measured slower on 8960 columns, the activations then coming
+ * from L3). */
 #define X8_MANY 16
 
-/* Rows [r0, r1) of an x8 call over [o0, o1): the set's many-row x8 kernel for more than QROWS rows where it
- * has one (every type but Q8_0), else its x8 kernel QROWS rows at a time. */
+/* Rows [r0, r1) of an x8 call over [o0, o1): for more than QROWS rows of Q5_K or Q5_0, the set's many-row
+ * kernel (their fifth bits unpacked once per X8_MANY rows); else its x8 kernel QROWS rows at a time. (The
+ * same structure gave Q4_K, Q6_K, Q4_0 and Q4_1 nothing or less: their unpacking is a mask or shift per
+ * vector.) */
 static void x8_rows(const qdot_set_t *k, const cb_weight_t *w, int o0, int o1, const void *xq, int r0, int r1, float *y,
                     int ldy) {
     const bool kq = k_quant(w->type);
-    const qdot_fn many = kq ? k->k8_rows : w->type != CB_TYPE_Q8_0 ? k->b8_rows : NULL;
+    const qdot_fn many = w->type == CB_TYPE_Q5_K ? k->k8_rows : w->type == CB_TYPE_Q5_0 ? k->b8_rows : NULL;
     if (many && r1 - r0 > QROWS) run_rows(many, X8_MANY, w, o0, o1, xq, r0, r1, y, ldy);
     else run_rows(kq ? k->k8 : k->b8, QROWS, w, o0, o1, xq, r0, r1, y, ldy);
 }

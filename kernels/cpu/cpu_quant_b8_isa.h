@@ -92,38 +92,33 @@ static inline __attribute__((always_inline)) void X8_NAME(v_q8_g)(const uint8_t 
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
-/* ---- calls of many rows (prefill): a group's codes unpacked once per 8 blocks into bytes, then read by every
- * activation row-quad, so the unpacking is paid once per call instead of once per QROWS rows (Q4_0, Q4_1,
- * Q5_0; Q8_0's codes need no unpacking). */
+/* ---- calls of many rows (prefill), Q5_0: a group's codes unpacked once per 8 blocks into bytes, then read by
+ * every activation row-quad, so the fifth bits' unpacking is paid once per call instead of once per QROWS
+ * rows. (Q4_0 and Q4_1 keep v_nib_g for every call size: their unpacking is one mask or shift per vector, and
+ * the same structure measured 7-8 % slower for them; Q8_0 has none to save.) */
 
-/* The codes of nb (<= 8) consecutive group blocks from blk as bytes: buf [nb][8 vectors v][8 rows][4] = the
- * elements 4v..4v+3 of each row (v < 4: step v's low nibbles; v >= 4: step v - 4's high nibbles). */
-static inline __attribute__((always_inline)) void X8_NAME(b8_unpack)(const uint32_t type, const uint8_t *blk, int nb,
-                                                                      uint8_t *buf) {
+/* The codes of nb (<= 8) consecutive Q5_0 group blocks from blk as bytes: buf [nb][8 vectors v][8 rows][4] =
+ * the elements 4v..4v+3 of each row (v < 4: step v's low nibbles; v >= 4: step v - 4's high nibbles). */
+static inline void X8_NAME(q5_0_unpack)(const uint8_t *blk, int nb, uint8_t *buf) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), b4bit = _mm256_set1_epi8(0x10);
-    const size_t bb = b8_blk_bytes(type), qs = b8_qs_at(type);
-    for (int b = 0; b < nb; b++, blk += bb) {
-        const __m256i qh = type == CB_TYPE_Q5_0 ? _mm256_loadu_si256((const __m256i *)(blk + B8_QH)) : m4;
+    for (int b = 0; b < nb; b++, blk += B8_Q5_0) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + B8_QH));
         #pragma GCC unroll 4
-        for (int t = 0; t < 4; t++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + qs + 32 * t));
-            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            if (type == CB_TYPE_Q5_0) { /* bit t of each qh byte, and bit 4 + t, to bit 4 */
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4 - t), b4bit));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(t == 0 ? qh : _mm256_srli_epi16(qh, t), b4bit));
-            }
+        for (int t = 0; t < 4; t++) { /* bit t of each qh byte, and bit 4 + t, to bit 4 */
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * t));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4 - t), b4bit));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                                               _mm256_and_si256(t == 0 ? qh : _mm256_srli_epi16(qh, t), b4bit));
             _mm256_store_si256((__m256i *)(buf + 256 * b + 32 * t), lo);
             _mm256_store_si256((__m256i *)(buf + 256 * b + 32 * (4 + t)), hi);
         }
     }
 }
 
-/* Block b of one group (blk; its codes q [8][32]) against R activation rows, added to acc[r] and accm[r]: the
+/* Q5_0 block b of one group (blk; its codes q [8][32]) against R activation rows, added to acc[r]: the
  * integer sums and f32 steps of v_nib_g, so the same bits. */
-static inline __attribute__((always_inline)) void X8_NAME(v_nib_blk)(const uint32_t type, const uint8_t *blk, const uint8_t *q,
-                                                                      const xrow_t *x, int b, const int R, __m256 *acc,
-                                                                      __m256 *accm) {
-    const int off = b8_code_offset(type);
+static inline __attribute__((always_inline)) void X8_NAME(v_q5_0_blk)(const uint8_t *blk, const uint8_t *q, const xrow_t *x,
+                                                                       int b, const int R, __m256 *acc) {
     __m256i si[QROWS], s16[QROWS];
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++) si[r] = s16[r] = _mm256_setzero_si256();
@@ -136,7 +131,7 @@ static inline __attribute__((always_inline)) void X8_NAME(v_nib_blk)(const uint3
             const int8_t *xq = x[r].q + 32 * b;
             s16[r] = X8_ACC(X8_ACC(s16[r], lo, b4(xq + 4 * t)), hi, b4(xq + 16 + 4 * t));
         }
-        if (type == CB_TYPE_Q5_0 ? t % 2 == 1 : t == 3) {
+        if (t % 2 == 1) {
             #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 si[r] = X8_FOLD1(si[r], s16[r]);
@@ -145,61 +140,48 @@ static inline __attribute__((always_inline)) void X8_NAME(v_nib_blk)(const uint3
         }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-    const __m256 m = type == CB_TYPE_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : d;
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        if (off) si[r] = _mm256_sub_epi32(si[r], _mm256_set1_epi32(off * x[r].bs[b]));
+        si[r] = _mm256_sub_epi32(si[r], _mm256_set1_epi32(16 * x[r].bs[b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r].d[b])), acc[r]);
-        if (type == CB_TYPE_Q4_1) accm[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].ds[b]), accm[r]);
     }
 }
 
-#define B8_BLK_CASE(T, RR)                                                                               \
+#define B8_BLK_CASE(RR)                                                                                  \
     for (int k = 0; k < n; k++)                                                                          \
-        X8_NAME(v_nib_blk)(T, blk + k * B8_BB(T), buf + 256 * k, x + r0, b0 + k, RR, acc + r0, accm + r0); \
+        X8_NAME(v_q5_0_blk)(blk + k * B8_Q5_0, buf + 256 * k, x + r0, b0 + k, RR, acc + r0);             \
     break;
-#define B8_BB(T) (T == CB_TYPE_Q4_1 ? B8_Q4_1 : T == CB_TYPE_Q5_0 ? B8_Q5_0 : B8_Q4_0)
-#define B8_BLK_SWITCH(T)                                                                                 \
-    switch (m) {                                                                                         \
-    case 1: B8_BLK_CASE(T, 1)                                                                            \
-    case 2: B8_BLK_CASE(T, 2)                                                                            \
-    case 3: B8_BLK_CASE(T, 3)                                                                            \
-    default: B8_BLK_CASE(T, 4)                                                                           \
-    }
 
-/* The b8 product of Q4_0, Q4_1 or Q5_0 for up to XROWS activation rows (cb_cpu_qdot_rows takes it for calls
- * of more than QROWS): per group, 8 blocks at a time are unpacked once and read by every row-quad; the rows'
- * f32 accumulators live on the stack. Every row gets the bits cb_cpu_b8 gives it. */
+/* The b8 product of Q5_0 for up to XROWS activation rows (cb_cpu_qdot_rows takes it for calls of more than
+ * QROWS): per group, 8 blocks at a time are unpacked once and read by every row-quad; the rows' f32
+ * accumulators live on the stack. Every row gets the bits cb_cpu_b8 gives it (its accm chain is zero for
+ * Q5_0). */
 void X8_NAME(cb_cpu_b8_rows)(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
-    assert(o0 % 8 == 0 && o1 % 8 == 0 && R >= 1 && R <= XROWS && w->type != CB_TYPE_Q8_0);
+    assert(o0 % 8 == 0 && o1 % 8 == 0 && R >= 1 && R <= XROWS && w->type == CB_TYPE_Q5_0);
     const int nb = w->cols / 32;
     _Alignas(32) uint8_t buf[8 * 256]; /* 8 group blocks' codes [8][8][8][4] */
-    __m256 acc[XROWS], accm[XROWS];
+    __m256 acc[XROWS];
     for (int g = o0 / 8; g < o1 / 8; g++) {
-        for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int b0 = 0; b0 < nb; b0 += 8) {
             const int n = nb - b0 < 8 ? nb - b0 : 8;
             const uint8_t *blk = b8_group_blk(w, g, b0);
-            if (w->type == CB_TYPE_Q4_0) X8_NAME(b8_unpack)(CB_TYPE_Q4_0, blk, n, buf);
-            else if (w->type == CB_TYPE_Q4_1) X8_NAME(b8_unpack)(CB_TYPE_Q4_1, blk, n, buf);
-            else X8_NAME(b8_unpack)(CB_TYPE_Q5_0, blk, n, buf);
+            X8_NAME(q5_0_unpack)(blk, n, buf);
             for (int r0 = 0; r0 < R; r0 += QROWS) {
                 const int m = R - r0 < QROWS ? R - r0 : QROWS;
-                if (w->type == CB_TYPE_Q4_0) {
-                    B8_BLK_SWITCH(CB_TYPE_Q4_0)
-                } else if (w->type == CB_TYPE_Q4_1) {
-                    B8_BLK_SWITCH(CB_TYPE_Q4_1)
-                } else {
-                    B8_BLK_SWITCH(CB_TYPE_Q5_0)
+                switch (m) {
+                case 1: B8_BLK_CASE(1)
+                case 2: B8_BLK_CASE(2)
+                case 3: B8_BLK_CASE(3)
+                default: B8_BLK_CASE(4)
                 }
             }
         }
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (size_t)r * ldy + 8 * g, _mm256_add_ps(acc[r], accm[r]));
+        for (int r = 0; r < R; r++) /* + 0, as v_nib_g's acc + accm: -0 comes out +0 in both */
+            _mm256_storeu_ps(y + (size_t)r * ldy + 8 * g, _mm256_add_ps(acc[r], _mm256_setzero_ps()));
     }
 }
 #undef B8_BLK_CASE
-#undef B8_BB
-#undef B8_BLK_SWITCH
 
 #define B8_CASE(call, RR)                                                                                \
     for (int g = o0 / 8; g < o1 / 8; g++) {                                                              \

@@ -134,8 +134,8 @@ void cb_cpu_b8_scalar(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int
 void cb_cpu_b8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
-/* The same for calls of many rows (R up to XROWS; Q4_0, Q4_1, Q5_0): a group's blocks unpacked once for all R
- * rows; every row gets the bits the kernels above give it. */
+/* The same for calls of many rows (R up to XROWS; Q5_0 only): a group's blocks unpacked once for all R rows;
+ * every row gets the bits the kernels above give it. */
 void cb_cpu_b8_rows_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_rows_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_rows_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
@@ -152,8 +152,8 @@ void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
  * CPUs without VNNI): the scalar kernels' bits too. */
 void cb_cpu_k8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
-/* The same for calls of many rows (R up to XROWS): each group super-block unpacked once for all R rows; every
- * row gets the bits the kernels above give it. */
+/* The same for calls of many rows of Q5_K (R up to XROWS): each group super-block unpacked once for all R
+ * rows; every row gets the bits the kernels above give it. */
 void cb_cpu_k8_rows_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_rows_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_rows_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);

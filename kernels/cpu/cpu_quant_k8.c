@@ -20,9 +20,6 @@
 #ifndef K8_TUNROLL
 #define K8_TUNROLL 2
 #endif
-#ifndef K8_RUNROLL
-#define K8_RUNROLL 4 /* the many-row kernel's steps per sub-block unrolled (8: GCC's reassociation spills) */
-#endif
 #ifndef K8_GUNROLL
 #define K8_GUNROLL 2
 #endif
