@@ -186,13 +186,4 @@ void cb_cpu_b8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
 void cb_cpu_b8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
     cb_cpu_b8_scalar(w, o0, o1, x, R, y, ldy);
 }
-void cb_cpu_b8_rows_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
-    for (int r0 = 0; r0 < R; r0 += QROWS) cb_cpu_b8_scalar(w, o0, o1, x + r0, R - r0 < QROWS ? R - r0 : QROWS, y + (size_t)r0 * ldy, ldy);
-}
-void cb_cpu_b8_rows_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
-    cb_cpu_b8_rows_avx2(w, o0, o1, x, R, y, ldy);
-}
-void cb_cpu_b8_rows_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy) {
-    cb_cpu_b8_rows_avx2(w, o0, o1, x, R, y, ldy);
-}
 #endif

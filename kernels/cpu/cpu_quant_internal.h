@@ -135,7 +135,7 @@ void cb_cpu_b8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
 void cb_cpu_b8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 /* The same for calls of many rows (R up to XROWS; Q5_0 only): a group's blocks unpacked once for all R rows;
- * every row gets the bits the kernels above give it. */
+ * every row gets the bits the kernels above give it. x86 only (the sets that use them are). */
 void cb_cpu_b8_rows_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_rows_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_b8_rows_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
@@ -153,7 +153,7 @@ void cb_cpu_k8_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R
 void cb_cpu_k8_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 /* The same for calls of many rows of Q5_K (R up to XROWS): each group super-block unpacked once for all R
- * rows; every row gets the bits the kernels above give it. */
+ * rows; every row gets the bits the kernels above give it. x86 only (the sets that use them are). */
 void cb_cpu_k8_rows_avx2(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_rows_vnni(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);
 void cb_cpu_k8_rows_vnni_emu(const cb_weight_t *w, int o0, int o1, const xrow_t *x, int R, float *y, int ldy);

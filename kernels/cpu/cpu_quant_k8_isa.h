@@ -23,6 +23,27 @@ static inline __m256i X8_NAME(b4)(const void *p) {
 #define b4 X8_NAME(b4)
 #define v_prefetch X8_NAME(v_prefetch)
 
+/* The end of a Q4_K / Q5_K super-block i of one group (blk) for R activation rows, given their integer sums
+ * si[r] of sc_k dot_k: acc = fma(sumi, d_w d_x, acc), then acc = fma(-summ, dmin_w d_x, acc) with summ the
+ * mins times the activation's sums per 32. */
+static inline __attribute__((always_inline)) void X8_NAME(q4k_sb_end)(const uint8_t *blk, const xrow_t *x, int i, const int R,
+                                                                       const __m256i *si, __m256 *acc) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_D)));
+    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_DMIN)));
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        __m256i sm = _mm256_setzero_si256();
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; p++)
+            sm = _mm256_add_epi32(sm, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                                            (const __m128i *)(blk + Q4K_MN + 16 * p))),
+                                                        b4(x[r].kbs32 + 8 * i + 2 * p)));
+        const __m256 dx = _mm256_set1_ps(x[r].kd[i]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[r]), _mm256_mul_ps(d, dx), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sm), _mm256_mul_ps(dm, dx), acc[r]);
+    }
+}
+
 /* One Q4_K or Q5_K (q5) group (8 weight rows) against R activation rows, over nsb super-blocks; out[r] = the
  * 8 rows' dot products with activation row r. Q5_K's fifth bits come from its qh vectors (bit k of each
  * byte, k = the sub-block, moved to bit 4); its int16 sums are folded every 4 steps. */
@@ -72,20 +93,7 @@ static inline __attribute__((always_inline)) void X8_NAME(v_q4k_g)(const bool q5
                 for (int r = 0; r < R; r++) si[r] = X8_FOLD(si[r], s16[r], sc);
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_D)));
-        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_DMIN)));
-        #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            __m256i sm = _mm256_setzero_si256();
-            #pragma GCC unroll 4
-            for (int p = 0; p < 4; p++)
-                sm = _mm256_add_epi32(sm, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
-                                                                (const __m128i *)(blk + Q4K_MN + 16 * p))),
-                                                            b4(x[r].kbs32 + 8 * i + 2 * p)));
-            const __m256 dx = _mm256_set1_ps(x[r].kd[i]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[r]), _mm256_mul_ps(d, dx), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sm), _mm256_mul_ps(dm, dx), acc[r]);
-        }
+        X8_NAME(q4k_sb_end)(blk, x, i, R, si, acc);
     }
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++) out[r] = acc[r];
@@ -199,20 +207,7 @@ static inline __attribute__((always_inline)) void X8_NAME(v_q5k_sb)(const uint8_
             for (int r = 0; r < R; r++) si[r] = X8_FOLD(si[r], s16[r], sc);
         }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_D)));
-    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + Q4K_DMIN)));
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        __m256i sm = _mm256_setzero_si256();
-        #pragma GCC unroll 4
-        for (int p = 0; p < 4; p++)
-            sm = _mm256_add_epi32(sm, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
-                                                            (const __m128i *)(blk + Q4K_MN + 16 * p))),
-                                                        b4(x[r].kbs32 + 8 * i + 2 * p)));
-        const __m256 dx = _mm256_set1_ps(x[r].kd[i]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[r]), _mm256_mul_ps(d, dx), acc[r]);
-        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sm), _mm256_mul_ps(dm, dx), acc[r]);
-    }
+    X8_NAME(q4k_sb_end)(blk, x, i, R, si, acc);
 }
 
 #define K8_SB_CASE(RR) X8_NAME(v_q5k_sb)(blk, buf, x + r0, i, RR, acc + r0); break;
